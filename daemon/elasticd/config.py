@@ -1,0 +1,332 @@
+"""The daemon's one settings object.
+
+Every timeout, interval, TTL and limit lives here as a named field with a
+default. Values come, later ones winning, from: the defaults below, the TOML
+file (``/etc/elasticd/elasticd.toml`` or ``--config``), ``ELASTICD_<SECTION>_<FIELD>``
+environment variables, and command-line flags. ``load()`` validates the result
+and raises :class:`ConfigError` naming every bad field at once.
+"""
+from __future__ import annotations
+
+import dataclasses
+import grp
+import os
+import socket
+import tomllib
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+DEFAULT_CONFIG_PATH = "/etc/elasticd/elasticd.toml"
+ENV_PREFIX = "ELASTICD_"
+
+
+class ConfigError(ValueError):
+    """One or more settings are invalid; ``errors`` names each bad field."""
+
+    def __init__(self, errors: list[str]):
+        self.errors = errors
+        super().__init__("invalid configuration:\n  " + "\n  ".join(errors))
+
+
+def _setting(default: Any, help: str, *, min: float | None = None,
+             max: float | None = None, choices: tuple[str, ...] | None = None,
+             exclusive_min: bool = False) -> Any:
+    meta = {"help": help, "min": min, "max": max, "choices": choices,
+            "exclusive_min": exclusive_min}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class DaemonSettings:
+    node_id: str = _setting("", "this node's id, unique in the cluster (default: hostname)")
+    standalone: bool = _setting(False, "run one node with an in-memory store, no etcd")
+    socket: str = _setting("", "control socket path (default: /run/elasticd/control.sock as root, "
+                               "$XDG_RUNTIME_DIR/elasticd/control.sock otherwise)")
+    socket_group: str = _setting("elasticd", "group given access (0660) to the control socket; "
+                                             "a name or a number; ignored if it does not exist")
+    state_dir: str = _setting("", "where job records and logs live (default: /var/lib/elasticd "
+                                  "as root, ~/.local/state/elasticd otherwise)")
+    slots: int = _setting(0, "worker processes this node runs at once, over all jobs "
+                             "(0: one per CPU)", min=0, max=1_000_000)
+    log_level: str = _setting("info", "log level", choices=("debug", "info", "warning", "error"))
+    shutdown_timeout: float = _setting(30.0, "seconds a clean stop waits for workers to exit",
+                                       min=0, exclusive_min=True)
+    main_loop_interval: float = _setting(0.5, "seconds between main-loop ticks (watchdog pings)",
+                                         min=0.01, max=60)
+
+
+@dataclass(frozen=True)
+class EtcdSettings:
+    endpoints: list = _setting(["http://127.0.0.1:2379"], "etcd client URLs, tried in order")
+    prefix: str = _setting("/elasticd", "key prefix; keys live under <prefix>/v1/")
+    request_timeout: float = _setting(2.0, "seconds one etcd request may take",
+                                      min=0, exclusive_min=True)
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    monitor_interval: float = _setting(0.05, "seconds between checks of a job's worker processes",
+                                       min=0.005, max=60)
+    stop_grace_period: float = _setting(5.0, "seconds workers get after SIGTERM before SIGKILL",
+                                        min=0, max=3600)
+    default_max_restarts: int = _setting(3, "restarts a job gets when its submission names none",
+                                         min=0, max=1_000_000)
+    restart_backoff_initial: float = _setting(0.0, "seconds before the first restart of a job",
+                                              min=0, max=3600)
+    restart_backoff_step: float = _setting(0.5, "seconds added to the wait before each further "
+                                                "restart (doubling)", min=0, max=3600)
+    restart_backoff_max: float = _setting(30.0, "longest wait between two restarts",
+                                          min=0, max=86400)
+
+
+@dataclass(frozen=True)
+class ControlSettings:
+    token_ttl: float = _setting(300.0, "seconds a caller's credential token stays valid",
+                                min=1, max=86400)
+    rpc_threads: int = _setting(32, "threads serving control RPCs (streams hold one each)",
+                                min=2, max=1024)
+    max_message_bytes: int = _setting(4 * 1024 * 1024, "largest control request accepted",
+                                      min=1024, max=1 << 30)
+    max_field_bytes: int = _setting(64 * 1024, "longest single string field (argument, env "
+                                               "value, path)", min=64, max=1 << 30)
+    max_command_args: int = _setting(4096, "most arguments in a job's command", min=1, max=1 << 20)
+    max_env_entries: int = _setting(4096, "most environment variables in a submission",
+                                    min=0, max=1 << 20)
+    max_nproc_per_node: int = _setting(1024, "largest --nproc-per-node accepted", min=1,
+                                       max=1 << 20)
+    max_nodes: int = _setting(4096, "largest --nnodes accepted", min=1, max=1 << 20)
+    max_restarts_limit: int = _setting(100_000, "largest --max-restarts accepted", min=0,
+                                       max=1 << 30)
+    max_live_jobs: int = _setting(1000, "most unfinished jobs this daemon holds", min=1,
+                                  max=1_000_000)
+    log_follow_interval: float = _setting(0.1, "seconds between reads when following logs",
+                                          min=0.01, max=10)
+
+
+@dataclass(frozen=True)
+class MetricsSettings:
+    port: int = _setting(9400, "Prometheus /metrics port (0: off)", min=0, max=65535)
+    address: str = _setting("0.0.0.0", "address the metrics endpoint listens on")
+
+
+SECTIONS: dict[str, type] = {
+    "daemon": DaemonSettings,
+    "etcd": EtcdSettings,
+    "agent": AgentSettings,
+    "control": ControlSettings,
+    "metrics": MetricsSettings,
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    daemon: DaemonSettings = field(default_factory=DaemonSettings)
+    etcd: EtcdSettings = field(default_factory=EtcdSettings)
+    agent: AgentSettings = field(default_factory=AgentSettings)
+    control: ControlSettings = field(default_factory=ControlSettings)
+    metrics: MetricsSettings = field(default_factory=MetricsSettings)
+    source: str = ""  # which file, if any, was read
+
+    @property
+    def cred_socket(self) -> str:
+        return self.daemon.socket + ".cred"
+
+    @property
+    def logs_dir(self) -> str:
+        return os.path.join(self.daemon.state_dir, "logs")
+
+
+def _coerce(section: str, name: str, ftype: Any, raw: Any, errors: list[str]) -> Any:
+    """Turn a raw value (TOML value or env/flag string) into the field's type."""
+    where = f"{section}.{name}"
+    tname = ftype if isinstance(ftype, str) else ftype.__name__
+    try:
+        if tname == "bool":
+            if isinstance(raw, bool):
+                return raw
+            if isinstance(raw, str) and raw.lower() in ("1", "true", "yes", "on"):
+                return True
+            if isinstance(raw, str) and raw.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if tname == "int":
+            if isinstance(raw, bool):
+                raise ValueError
+            if isinstance(raw, float) and not raw.is_integer():
+                raise ValueError
+            return int(raw)
+        if tname == "float":
+            if isinstance(raw, bool):
+                raise ValueError
+            return float(raw)
+        if tname == "list":
+            if isinstance(raw, str):
+                return [p.strip() for p in raw.split(",") if p.strip()]
+            if isinstance(raw, list) and all(isinstance(x, str) for x in raw):
+                return list(raw)
+            raise ValueError
+        if tname == "str":
+            if not isinstance(raw, (str, int)) or isinstance(raw, bool):
+                raise ValueError
+            return str(raw)
+    except (TypeError, ValueError):
+        pass
+    errors.append(f"{where}: expected {tname}, got {raw!r}")
+    return None
+
+
+def _check_field(section: str, f: dataclasses.Field, value: Any, errors: list[str]) -> None:
+    meta = f.metadata
+    where = f"{section}.{f.name}"
+    if meta.get("choices") and value not in meta["choices"]:
+        errors.append(f"{where}: must be one of {', '.join(meta['choices'])}, got {value!r}")
+    lo, hi = meta.get("min"), meta.get("max")
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if value != value or value in (float("inf"), float("-inf")):
+            errors.append(f"{where}: must be a finite number, got {value!r}")
+        elif lo is not None and (value < lo or (meta.get("exclusive_min") and value == lo)):
+            op = ">" if meta.get("exclusive_min") else ">="
+            errors.append(f"{where}: must be {op} {lo}, got {value!r}")
+        elif hi is not None and value > hi:
+            errors.append(f"{where}: must be <= {hi}, got {value!r}")
+
+
+def _check_relations(cfg: Config, errors: list[str]) -> None:
+    a = cfg.agent
+    if a.restart_backoff_initial > a.restart_backoff_max:
+        errors.append("agent.restart_backoff_initial: must not exceed agent.restart_backoff_max "
+                      f"({a.restart_backoff_initial} > {a.restart_backoff_max})")
+    d = cfg.daemon
+    if d.node_id and (len(d.node_id) > 128 or not all(c.isalnum() or c in "-_." for c in d.node_id)):
+        errors.append(f"daemon.node_id: use letters, digits, '-', '_' or '.', at most 128 "
+                      f"characters, got {d.node_id!r}")
+    if not os.path.isabs(d.socket):
+        errors.append(f"daemon.socket: must be an absolute path, got {d.socket!r}")
+    elif len(d.socket.encode()) + len(".cred") > 107:
+        errors.append(f"daemon.socket: path too long for a unix socket ({len(d.socket)} bytes)")
+    if not os.path.isabs(d.state_dir):
+        errors.append(f"daemon.state_dir: must be an absolute path, got {d.state_dir!r}")
+    if not cfg.etcd.prefix.startswith("/") or cfg.etcd.prefix.endswith("/") and cfg.etcd.prefix != "/":
+        errors.append(f"etcd.prefix: must start with '/' and not end with one, got {cfg.etcd.prefix!r}")
+    if not d.standalone and not cfg.etcd.endpoints:
+        errors.append("etcd.endpoints: at least one URL is needed unless daemon.standalone is set")
+
+
+def _default_paths(uid: int) -> tuple[str, str]:
+    if uid == 0:
+        return "/run/elasticd/control.sock", "/var/lib/elasticd"
+    runtime = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/elasticd-{uid}"
+    state_home = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
+    return os.path.join(runtime, "elasticd", "control.sock"), os.path.join(state_home, "elasticd")
+
+
+def default_socket_path() -> str:
+    """Where a client looks for the control socket when told nothing."""
+    return os.environ.get("ELASTICD_DAEMON_SOCKET") or _default_paths(os.geteuid())[0]
+
+
+def load(path: str | None = None, env: Mapping[str, str] | None = None,
+         overrides: Mapping[str, Any] | None = None) -> Config:
+    """Build and validate the settings.
+
+    ``path``: TOML file; None reads ``/etc/elasticd/elasticd.toml`` if present.
+    ``env``: environment to read ``ELASTICD_*`` from (default ``os.environ``).
+    ``overrides``: ``{"section.field": value}`` from flags; wins over all.
+    """
+    env = os.environ if env is None else env
+    errors: list[str] = []
+    raw: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+    source = ""
+
+    file_path = path if path is not None else (
+        DEFAULT_CONFIG_PATH if os.path.exists(DEFAULT_CONFIG_PATH) else None)
+    if file_path:
+        try:
+            with open(file_path, "rb") as fh:
+                data = tomllib.load(fh)
+            source = file_path
+        except FileNotFoundError:
+            raise ConfigError([f"config file {file_path}: does not exist"]) from None
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError([f"config file {file_path}: {exc}"]) from None
+        for sname, body in data.items():
+            if sname not in SECTIONS:
+                errors.append(f"{sname}: unknown section (known: {', '.join(SECTIONS)})")
+                continue
+            if not isinstance(body, dict):
+                errors.append(f"{sname}: must be a table, got {body!r}")
+                continue
+            raw[sname].update(body)
+
+    for sname, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            key = f"{ENV_PREFIX}{sname}_{f.name}".upper()
+            if key in env:
+                raw[sname][f.name] = env[key]
+
+    for dotted, value in (overrides or {}).items():
+        sname, _, fname = dotted.partition(".")
+        if sname not in SECTIONS:
+            errors.append(f"{dotted}: unknown section (known: {', '.join(SECTIONS)})")
+            continue
+        raw[sname][fname] = value
+
+    sections: dict[str, Any] = {}
+    for sname, cls in SECTIONS.items():
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        values: dict[str, Any] = {}
+        for fname, value in raw[sname].items():
+            f = known.get(fname)
+            if f is None:
+                errors.append(f"{sname}.{fname}: unknown setting (known: {', '.join(known)})")
+                continue
+            coerced = _coerce(sname, fname, f.type, value, errors)
+            if coerced is not None:
+                _check_field(sname, f, coerced, errors)
+                values[fname] = coerced
+        sections[sname] = cls(**values)
+
+    cfg = Config(**sections, source=source)
+    cfg = _resolve_defaults(cfg)
+    _check_relations(cfg, errors)
+    if errors:
+        raise ConfigError(errors)
+    return cfg
+
+
+def _resolve_defaults(cfg: Config) -> Config:
+    d = cfg.daemon
+    sock, state = _default_paths(os.geteuid())
+    d = dataclasses.replace(
+        d,
+        node_id=d.node_id or socket.gethostname().split(".")[0],
+        socket=d.socket or sock,
+        state_dir=d.state_dir or state,
+        slots=d.slots or (os.cpu_count() or 1),
+    )
+    return dataclasses.replace(cfg, daemon=d)
+
+
+def socket_gid(cfg: Config) -> int | None:
+    """The gid of ``daemon.socket_group``, or None if there is no such group."""
+    g = cfg.daemon.socket_group
+    if not g:
+        return None
+    try:
+        return int(g) if g.isdigit() else grp.getgrnam(g).gr_gid
+    except KeyError:
+        return None
+
+
+def describe() -> str:
+    """Every setting with its default and meaning, for --help-config."""
+    lines = []
+    for sname, cls in SECTIONS.items():
+        lines.append(f"[{sname}]")
+        for f in dataclasses.fields(cls):
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            env = f"{ENV_PREFIX}{sname}_{f.name}".upper()
+            lines.append(f"  {f.name} = {default!r}  # {f.metadata['help']}  (env {env})")
+    return "\n".join(lines)
