@@ -1,0 +1,278 @@
+"""The per-job restart loop on this node.
+
+One ``Agent`` thread per active job: rendezvous -> start workers -> monitor
+-> on failure stop the group and restart it (up to max_restarts, with
+backoff) -> on success finish. What to do after each look at the workers is
+decided by the pure function ``decide()``; ``Agent._apply`` carries it out,
+and every move of the job goes through ``JobRegistry.transition``.
+"""
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import psutil
+
+from .config import Config
+from .jobs import JobRecord, JobRegistry
+from .logsetup import ctx
+from .rendezvous.local import RendezvousResult
+from .states import TERMINAL_STATES, JobState, WorkerState
+from .workers import GroupSpec, SpawnError, WorkerGroup, describe_exit
+
+log = logging.getLogger("elasticd.agent")
+
+
+class Action(enum.Enum):
+    CONTINUE = "continue"    # workers still running, nothing to do
+    SUCCEED = "succeed"      # every worker exited 0
+    RESTART = "restart"      # a worker failed and restarts are left
+    FAIL = "fail"            # a worker failed and no restarts are left
+    CANCEL = "cancel"        # the user cancelled the job
+    SUSPEND = "suspend"      # the daemon is stopping; resume at next start
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    reason: str
+
+
+def decide(returncodes: Sequence[int | None], restarts: int, max_restarts: int,
+           cancel_requested: bool, shutting_down: bool) -> Decision:
+    """What the agent does next, from one look at its workers (no I/O)."""
+    if cancel_requested:
+        return Decision(Action.CANCEL, "cancelled by user")
+    if shutting_down:
+        return Decision(Action.SUSPEND, "daemon stopping; the job resumes when it starts again")
+    failed = [rc for rc in returncodes if rc is not None and rc != 0]
+    if failed:
+        if restarts < max_restarts:
+            return Decision(Action.RESTART, f"restart {restarts + 1} of {max_restarts}")
+        return Decision(Action.FAIL, f"no restarts left ({restarts} of {max_restarts} used)")
+    if returncodes and all(rc == 0 for rc in returncodes):
+        return Decision(Action.SUCCEED, "every worker exited 0")
+    return Decision(Action.CONTINUE, "workers running")
+
+
+def restart_delay(restart_number: int, initial: float, step: float, maximum: float) -> float:
+    """Wait before restart ``restart_number`` (1-based): initial, then +step doubling."""
+    if restart_number <= 1:
+        return min(initial, maximum)
+    return min(maximum, initial + step * (2 ** (restart_number - 2)))
+
+
+def read_error_file(path: str, limit: int = 16 * 1024) -> tuple[str, str, float]:
+    """(message, traceback, mtime) from a torch ``@record`` error file, or blanks."""
+    try:
+        mtime = os.stat(path).st_mtime
+        with open(path, "rb") as fh:
+            data = json.loads(fh.read(1 << 20))
+        msg = data.get("message", {})
+        if isinstance(msg, str):
+            return msg[:limit], "", mtime
+        text = str(msg.get("message", ""))
+        tb = str(msg.get("extraInfo", {}).get("py_callstack", ""))
+        return text[:limit], tb[-limit:], mtime
+    except (OSError, ValueError, AttributeError):
+        return "", "", 0.0
+
+
+class Agent:
+    def __init__(self, job_id: str, cfg: Config, registry: JobRegistry, rendezvous,
+                 on_exit: Callable[[str], None], metrics=None):
+        self.job_id = job_id
+        self._cfg = cfg
+        self._registry = registry
+        self._rendezvous = rendezvous
+        self._on_exit = on_exit
+        self._metrics = metrics
+        self.wake = threading.Event()
+        self.shutting_down = False
+        self._thread = threading.Thread(target=self._run, name=f"agent-{job_id}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def join(self, timeout: float) -> bool:
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def poke(self) -> None:
+        self.wake.set()
+
+    # -- the loop ------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except Exception as exc:
+            log.exception("%s: agent crashed", ctx(job=self.job_id))
+            try:
+                job = self._registry.get(self.job_id)
+                if job.state not in TERMINAL_STATES:
+                    self._registry.transition(self.job_id, JobState.FAILED,
+                                              f"internal error in elasticd: {exc}", exit_code=1)
+            except Exception:
+                log.exception("%s: could not record agent crash", ctx(job=self.job_id))
+        finally:
+            self._on_exit(self.job_id)
+
+    def _loop(self) -> None:
+        while True:
+            job = self._registry.get(self.job_id)
+            if job.state in TERMINAL_STATES:
+                return
+            if job.cancel_requested:
+                self._registry.transition(self.job_id, JobState.CANCELLED, "cancelled by user")
+                return
+            if self.shutting_down:
+                return
+            rdzv = self._rendezvous.next_round(job)
+            job = self._registry.transition(
+                self.job_id, JobState.RENDEZVOUS,
+                f"round {rdzv.round}: {rdzv.group_world_size} node(s), world size "
+                f"{rdzv.world_size}", round=rdzv.round)
+            group = WorkerGroup(self._group_spec(job, rdzv))
+            try:
+                group.start()
+            except SpawnError as exc:
+                self._registry.transition(self.job_id, JobState.FAILED, str(exc), exit_code=127,
+                                          last_failure=self._failure(job, -1, 127, 0, str(exc)))
+                return
+            self._registry.transition(self.job_id, JobState.RUNNING,
+                                      f"{len(group.workers)} worker(s) started",
+                                      workers=self._worker_rows(group))
+            if self._metrics:
+                self._metrics.workers_started_n(len(group.workers))
+            decision = self._monitor(group)
+            if not self._apply(decision, group):
+                return
+
+    def _monitor(self, group: WorkerGroup) -> Decision:
+        interval = self._cfg.agent.monitor_interval
+        while True:
+            workers = group.poll()
+            job = self._registry.get(self.job_id)
+            decision = decide([w.returncode for w in workers], job.restarts, job.max_restarts,
+                              job.cancel_requested, self.shutting_down)
+            if decision.action is not Action.CONTINUE:
+                return decision
+            self.wake.wait(interval)
+            self.wake.clear()
+
+    def _apply(self, decision: Decision, group: WorkerGroup) -> bool:
+        """Carry out a decision; True when the loop should go round again."""
+        grace = self._cfg.agent.stop_grace_period
+        job = self._registry.get(self.job_id)
+        if decision.action is Action.SUCCEED:
+            group.stop(grace=0)
+            self._finish_workers(group)
+            self._registry.transition(self.job_id, JobState.SUCCEEDED, decision.reason,
+                                      exit_code=0, workers=self._worker_rows(group))
+            return False
+        if decision.action in (Action.CANCEL, Action.SUSPEND):
+            group.stop(grace)
+            self._finish_workers(group)
+            if decision.action is Action.CANCEL:
+                self._registry.transition(self.job_id, JobState.CANCELLED, decision.reason,
+                                          exit_code=0, workers=self._worker_rows(group))
+            else:
+                self._registry.transition(self.job_id, JobState.RESTARTING, decision.reason,
+                                          workers=self._worker_rows(group))
+            return False
+        failure = self._first_failure(job, group)
+        # Stop the rest of the group before recording: they would hang in collectives.
+        group.stop(grace)
+        self._finish_workers(group)
+        if self._metrics:
+            self._metrics.restart_or_failure(failure)
+        if decision.action is Action.FAIL:
+            code = failure["exit_code"] if failure["exit_code"] > 0 else 128 + failure["signal"]
+            self._registry.transition(self.job_id, JobState.FAILED,
+                                      f"{failure['cause']}; {decision.reason}",
+                                      exit_code=code, last_failure=failure,
+                                      workers=self._worker_rows(group))
+            return False
+        restart = job.restarts + 1
+        a = self._cfg.agent
+        delay = restart_delay(restart, a.restart_backoff_initial, a.restart_backoff_step,
+                              a.restart_backoff_max)
+        self._registry.transition(self.job_id, JobState.RESTARTING,
+                                  f"{failure['cause']}; {decision.reason}"
+                                  + (f" in {delay:.1f}s" if delay else ""),
+                                  restarts=restart, last_failure=failure,
+                                  workers=self._worker_rows(group))
+        if delay:
+            self.wake.wait(delay)
+            self.wake.clear()
+        return True
+
+    # -- helpers -------------------------------------------------------------
+    def _group_spec(self, job: JobRecord, rdzv: RendezvousResult) -> GroupSpec:
+        d = self._cfg.daemon
+        return GroupSpec(
+            job_id=job.id, command=tuple(job.command), cwd=job.cwd, env=job.env,
+            uid=job.uid, gid=job.gid, nproc=job.nproc_per_node,
+            restart_count=job.restarts, max_restarts=job.max_restarts, round=rdzv.round,
+            group_rank=rdzv.group_rank, group_world_size=rdzv.group_world_size,
+            world_size=rdzv.world_size, rank_offset=rdzv.rank_offset,
+            master_addr=rdzv.master_addr, master_port=rdzv.master_port,
+            log_dir=os.path.join(self._cfg.logs_dir, job.id),
+            run_dir=os.path.join(d.state_dir, "run", job.id), node_id=d.node_id)
+
+    def _first_failure(self, job: JobRecord, group: WorkerGroup) -> dict:
+        candidates = []
+        for w in group.workers:
+            if w.returncode not in (None, 0) and not w.stopped_by_us:
+                message, tb, mtime = read_error_file(w.error_file)
+                # Earliest error file first; workers without one after, by rank.
+                candidates.append((0 if mtime else 1, mtime, w.rank, w, message, tb))
+        if not candidates:
+            return self._failure(job, -1, 1, 0, "worker failed")
+        candidates.sort(key=lambda c: c[:3])
+        _, _, _, w, message, tb = candidates[0]
+        exit_code, sig, text = describe_exit(w.returncode)
+        cause = f"rank {w.rank} {'exited with ' if not sig else ''}{text}"
+        if message:
+            cause += f": {message.splitlines()[0] if message.strip() else message}"
+        log.warning("%s: worker pid %d failed: %s",
+                    ctx(job=job.id, node=self._cfg.daemon.node_id, round=job.round, rank=w.rank),
+                    w.pid, cause)
+        self._registry.event(job.id, "worker_exit", cause, rank=w.rank)
+        return self._failure(job, w.rank, exit_code, sig, cause, tb)
+
+    def _failure(self, job: JobRecord, rank: int, exit_code: int, sig: int, cause: str,
+                 traceback: str = "") -> dict:
+        return {"rank": rank, "exit_code": exit_code, "signal": sig, "cause": cause,
+                "traceback": traceback, "time": time.time(), "restart": job.restarts,
+                "node_id": self._cfg.daemon.node_id}
+
+    def _finish_workers(self, group: WorkerGroup) -> None:
+        group.poll()
+
+    def _worker_rows(self, group: WorkerGroup) -> list[dict]:
+        rows = []
+        for w in group.workers:
+            rc = w.returncode
+            if rc is None:
+                state = WorkerState.RUNNING
+            elif w.stopped_by_us:
+                state = WorkerState.STOPPED
+            elif rc == 0:
+                state = WorkerState.SUCCEEDED
+            else:
+                state = WorkerState.FAILED
+            try:
+                started = psutil.Process(w.pid).create_time() if rc is None else 0.0
+            except psutil.Error:
+                started = 0.0
+            rows.append({"rank": w.rank, "local_rank": w.local_rank, "pid": w.pid,
+                         "state": state.value, "exit_code": rc if rc is not None else 0,
+                         "node_id": self._cfg.daemon.node_id, "create_time": started})
+        return rows

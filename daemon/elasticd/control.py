@@ -1,0 +1,284 @@
+"""The control service: elasticctl's gRPC API on the local unix socket.
+
+Every call first turns its credential token into a ``Caller`` (see auth.py),
+checks its request (validation.py), then asks the job manager. Errors leave
+as gRPC status codes with a message a person can act on; an unexpected
+exception becomes INTERNAL and is logged, and the daemon carries on.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import os
+import threading
+import time
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from . import __version__, errors, validation
+from .auth import TOKEN_METADATA_KEY, AuthError, Caller, TokenIssuer, set_socket_access
+from .config import Config
+from .jobs import JobRecord, JobRegistry
+from .logfiles import LogReader
+from .manager import JobManager
+from .states import TERMINAL_STATES, JobState
+from .v1 import control_pb2 as pb
+from .v1 import control_pb2_grpc as pb_grpc
+
+log = logging.getLogger("elasticd.control")
+
+SERVICE_NAME = "elasticd.v1.Control"
+
+
+def _status(exc: errors.ElasticdError) -> grpc.StatusCode:
+    return getattr(grpc.StatusCode, exc.code, grpc.StatusCode.INTERNAL)
+
+
+def _handle(method):
+    """Map our errors to status codes; never let an exception kill a call badly."""
+    name = method.__name__
+
+    def fail(self, context, exc: BaseException) -> None:
+        if isinstance(exc, errors.ElasticdError):
+            code, msg = _status(exc), str(exc)
+        else:
+            log.exception("control %s failed", name)
+            code, msg = grpc.StatusCode.INTERNAL, f"internal error in elasticd: {exc!r} " \
+                                                  "(see the daemon's log)"
+        self._observe(name, code, context)
+        context.abort(code, msg)
+
+    if inspect.isgeneratorfunction(method):
+        @functools.wraps(method)
+        def stream(self, request, context):
+            context.started = time.perf_counter()
+            try:
+                yield from method(self, request, context, self._caller(context))
+                self._observe(name, grpc.StatusCode.OK, context)
+            except Exception as exc:  # noqa: BLE001 - mapped to a status code
+                if _is_abort(exc):
+                    raise
+                fail(self, context, exc)
+        return stream
+
+    @functools.wraps(method)
+    def unary(self, request, context):
+        context.started = time.perf_counter()
+        try:
+            result = method(self, request, context, self._caller(context))
+            self._observe(name, grpc.StatusCode.OK, context)
+            return result
+        except Exception as exc:  # noqa: BLE001 - mapped to a status code
+            if _is_abort(exc):
+                raise
+            fail(self, context, exc)
+    return unary
+
+
+def _is_abort(exc: BaseException) -> bool:
+    # grpc raises a bare Exception from context.abort(); it carries no type of its own.
+    return type(exc) is Exception and not exc.args
+
+
+def job_to_proto(job: JobRecord) -> pb.Job:
+    msg = pb.Job(
+        id=job.id, name=job.name, state=pb.JobState.Value(job.state.value), reason=job.reason,
+        command=job.command, cwd=job.cwd, uid=job.uid, gid=job.gid, user=job.user,
+        min_nodes=job.min_nodes, max_nodes=job.max_nodes, nproc_per_node=job.nproc_per_node,
+        max_restarts=job.max_restarts, restarts=job.restarts, round=job.round,
+        created_at=job.created_at, started_at=job.started_at, finished_at=job.finished_at,
+        exit_code=job.exit_code, node_id=job.node_id)
+    seconds = dict(job.seconds_in_state)
+    if job.state not in TERMINAL_STATES:
+        seconds[job.state.value] = seconds.get(job.state.value, 0.0) + max(
+            0.0, time.time() - job.state_since)
+    msg.seconds_in_state.update(seconds)
+    if job.last_failure:
+        f = job.last_failure
+        msg.last_failure.CopyFrom(pb.Failure(
+            rank=f.get("rank", -1), exit_code=f.get("exit_code", 0), signal=f.get("signal", 0),
+            cause=f.get("cause", ""), traceback=f.get("traceback", ""), time=f.get("time", 0.0),
+            restart=f.get("restart", 0), node_id=f.get("node_id", "")))
+    for w in job.workers:
+        msg.workers.add(rank=w["rank"], local_rank=w["local_rank"], pid=w["pid"],
+                        state=w["state"], exit_code=w["exit_code"], node_id=w["node_id"])
+    return msg
+
+
+def _event_to_proto(ev: dict) -> pb.Event:
+    def state(value: str) -> int:
+        return pb.JobState.Value(value) if value else pb.JOB_STATE_UNSPECIFIED
+    return pb.Event(seq=ev["seq"], job_id=ev["job_id"], time=ev["time"], kind=ev["kind"],
+                    from_state=state(ev["from_state"]), to_state=state(ev["to_state"]),
+                    reason=ev["reason"], node_id=ev["node_id"], round=ev["round"],
+                    rank=ev["rank"], restart=ev["restart"])
+
+
+class ControlServicer(pb_grpc.ControlServicer):
+    def __init__(self, cfg: Config, manager: JobManager, registry: JobRegistry,
+                 issuer: TokenIssuer, metrics=None, store_info=None):
+        self._cfg = cfg
+        self._manager = manager
+        self._registry = registry
+        self._issuer = issuer
+        self._metrics = metrics
+        self._store_info = store_info or (lambda: ("memory", "ok"))
+
+    def _caller(self, context) -> Caller:
+        token = dict(context.invocation_metadata()).get(TOKEN_METADATA_KEY)
+        try:
+            return self._issuer.verify(token)
+        except AuthError as exc:
+            raise errors.Unauthenticated(str(exc)) from None
+
+    def _observe(self, method: str, code: grpc.StatusCode, context) -> None:
+        if self._metrics is not None:
+            self._metrics.observe_rpc(method, code.name,
+                                      time.perf_counter() - getattr(context, "started", 0))
+
+    @staticmethod
+    def _gone(context) -> threading.Event:
+        gone = threading.Event()
+        context.add_callback(gone.set)
+        return gone
+
+    @_handle
+    def Submit(self, request, context, caller):
+        req = validation.submit_request(request, self._cfg.control)
+        return pb.SubmitResponse(job=job_to_proto(self._manager.submit(req, caller)))
+
+    @_handle
+    def ListJobs(self, request, context, caller):
+        # root sees every job; anyone else only their own.
+        jobs = [j for j in self._registry.list() if caller.may_act_on(j.uid)]
+        return pb.ListJobsResponse(jobs=[job_to_proto(j) for j in jobs])
+
+    @_handle
+    def GetJob(self, request, context, caller):
+        return job_to_proto(self._manager.get_for(validation.job_key(request.id), caller))
+
+    @_handle
+    def CancelJob(self, request, context, caller):
+        return job_to_proto(self._manager.cancel(validation.job_key(request.id), caller))
+
+    @_handle
+    def WaitJob(self, request, context, caller):
+        job = self._manager.get_for(validation.job_key(request.id), caller)
+        timeout = request.timeout_seconds
+        if timeout < 0 or timeout != timeout:
+            raise errors.InvalidArgument(f"timeout_seconds: must be >= 0, got {timeout}")
+        deadline = time.monotonic() + timeout if timeout else None
+        gone = self._gone(context)
+        finished = lambda: self._registry.get(job.id).state in TERMINAL_STATES  # noqa: E731
+        while not gone.is_set():
+            left = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
+            if left <= 0 or self._registry.wait_for_change(finished, left):
+                break
+        return job_to_proto(self._registry.get(job.id))
+
+    @_handle
+    def Logs(self, request, context, caller):
+        job = self._manager.get_for(validation.job_key(request.id), caller)
+        ranks = None
+        if request.HasField("rank"):
+            world = job.nproc_per_node * max(job.max_nodes, 1)
+            if not 0 <= request.rank < world:
+                raise errors.InvalidArgument(f"rank: job {job.id} has ranks 0..{world - 1}, "
+                                             f"got {request.rank}")
+            ranks = [request.rank]
+        if request.tail_lines < 0:
+            raise errors.InvalidArgument(f"tail_lines: must be >= 0, got {request.tail_lines}")
+        reader = LogReader(os.path.join(self._cfg.logs_dir, job.id), ranks, request.tail_lines)
+        if not request.follow:
+            for rank, text in reader.read(final=True):
+                yield pb.LogChunk(rank=rank, text=text)
+            return
+        gone = self._gone(context)
+        done = lambda: self._registry.get(job.id).state in TERMINAL_STATES  # noqa: E731
+        for rank, text in reader.follow(done, gone.wait, self._cfg.control.log_follow_interval):
+            yield pb.LogChunk(rank=rank, text=text)
+
+    @_handle
+    def Events(self, request, context, caller):
+        job_id = ""
+        if request.id:
+            job_id = self._manager.get_for(validation.job_key(request.id), caller).id
+        owners: dict[str, int] = {}
+
+        def visible(ev: dict) -> bool:
+            if caller.is_root:
+                return True
+            if ev["job_id"] not in owners:
+                owners[ev["job_id"]] = self._registry.get(ev["job_id"]).uid
+            return owners[ev["job_id"]] == caller.uid
+
+        last = max(0, request.after_seq)
+        gone = self._gone(context)
+        while not gone.is_set():
+            batch = self._registry.events(last, job_id or None)
+            for ev in batch:
+                last = ev["seq"]
+                if visible(ev):
+                    yield _event_to_proto(ev)
+            if len(batch) == 1000:
+                continue
+            if not request.follow:
+                return
+            self._registry.wait_for_change(lambda: self._registry.last_seq > last, 1.0)
+
+    @_handle
+    def ListNodes(self, request, context, caller):
+        used = self._manager.slots_used()
+        kind, health_text = self._store_info()
+        node = pb.Node(node_id=self._cfg.daemon.node_id, state="ready",
+                       host=os.uname().nodename, address="127.0.0.1",
+                       slots=self._manager.slots_total, slots_free=self._manager.slots_total - used,
+                       version=__version__, started_at=_STARTED, heartbeat_age_seconds=0.0,
+                       jobs=self._manager.active_jobs())
+        return pb.ListNodesResponse(nodes=[node], store=kind, store_health=health_text)
+
+
+_STARTED = time.time()
+
+
+class ControlServer:
+    """Owns the gRPC server on the control socket and its health service."""
+
+    def __init__(self, cfg: Config, servicer: ControlServicer, gid: int | None):
+        self._cfg = cfg
+        self._gid = gid
+        c = cfg.control
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=c.rpc_threads, thread_name_prefix="rpc"),
+            options=[("grpc.max_receive_message_length", c.max_message_bytes),
+                     ("grpc.max_send_message_length", 64 * 1024 * 1024)],
+            maximum_concurrent_rpcs=c.rpc_threads * 4)
+        pb_grpc.add_ControlServicer_to_server(servicer, self._server)
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+
+    def start(self) -> None:
+        path = self._cfg.daemon.socket
+        if os.path.exists(path):
+            os.unlink(path)  # auth.CredentialServer already refused a live daemon
+        old = os.umask(0o177)
+        try:
+            if not self._server.add_insecure_port(f"unix:{path}"):
+                raise RuntimeError(f"cannot listen on {path}")
+        finally:
+            os.umask(old)
+        self._server.start()
+        set_socket_access(path, self._gid)
+        for service in ("", SERVICE_NAME):
+            self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+
+    def stop(self, grace: float) -> None:
+        self.health.enter_graceful_shutdown()
+        self._server.stop(grace).wait(grace + 1)
+        try:
+            os.unlink(self._cfg.daemon.socket)
+        except FileNotFoundError:
+            pass

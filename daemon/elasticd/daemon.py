@@ -1,0 +1,107 @@
+"""The daemon: wires the parts together and owns the main loop.
+
+Threads and their owners: the main thread runs this loop (watchdog pings,
+signals); the credential socket and the gRPC server own their accept
+threads; the job manager owns one agent thread per active job. Each stops
+on its own stop event with a bounded wait, in reverse order of starting.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+
+from . import __version__
+from .auth import CredentialServer, TokenIssuer
+from .config import Config, socket_gid
+from .control import ControlServer, ControlServicer
+from .jobs import JobRegistry
+from .logsetup import ctx
+from .manager import JobManager
+from .metrics import Metrics
+from .rendezvous.local import LocalRendezvous
+from .sdnotify import Notifier
+
+log = logging.getLogger("elasticd")
+
+
+class Daemon:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.stop_event = threading.Event()
+        self._notifier = Notifier()
+
+    def request_stop(self, signum=None, frame=None) -> None:
+        self.stop_event.set()
+
+    def run(self) -> int:
+        cfg, d = self.cfg, self.cfg.daemon
+        t0 = time.monotonic()
+        if not d.standalone:
+            log.error("cluster mode needs the etcd store, which this build does not have yet; "
+                      "start with --standalone")
+            return 2
+        os.makedirs(os.path.dirname(d.socket), mode=0o755, exist_ok=True)
+        os.makedirs(cfg.logs_dir, mode=0o755, exist_ok=True)
+        registry = JobRegistry(d.state_dir, d.node_id)
+        metrics = Metrics(d.node_id)
+        manager = JobManager(cfg, registry, LocalRendezvous(d.node_id), metrics)
+        metrics.attach(registry, manager)
+        issuer = TokenIssuer(cfg.control.token_ttl)
+        gid = socket_gid(cfg)
+        if gid is None and os.geteuid() == 0:
+            log.warning("group %r does not exist: only root can use the control socket",
+                        d.socket_group)
+        cred = CredentialServer(cfg.cred_socket, issuer, gid)
+        server = ControlServer(cfg, ControlServicer(cfg, manager, registry, issuer, metrics), gid)
+        try:
+            cred.start()
+        except RuntimeError as exc:
+            log.error("%s", exc)
+            registry.close()
+            return 1
+        server.start()
+        try:
+            metrics.serve(cfg.metrics.address, cfg.metrics.port)
+        except OSError as exc:
+            log.error("metrics endpoint %s:%d: %s (set metrics.port, or 0 to turn it off)",
+                      cfg.metrics.address, cfg.metrics.port, exc)
+            server.stop(0)
+            cred.stop()
+            registry.close()
+            return 1
+        manager.resume()
+        log.info("%s: elasticd %s ready in %.0f ms on %s (standalone, %d slots, state in %s)",
+                 ctx(node=d.node_id), __version__, (time.monotonic() - t0) * 1000, d.socket,
+                 d.slots, d.state_dir)
+        self._notifier.ready(f"serving on {d.socket}")
+        try:
+            self._main_loop()
+        finally:
+            log.info("%s: stopping", ctx(node=d.node_id))
+            self._notifier.stopping()
+            manager.shutdown(d.shutdown_timeout)
+            server.stop(1.0)
+            cred.stop()
+            metrics.stop()
+            registry.close()
+            log.info("%s: stopped", ctx(node=d.node_id))
+        return 0
+
+    def _main_loop(self) -> None:
+        interval = self.cfg.daemon.main_loop_interval
+        wd = self._notifier.watchdog_interval()
+        if wd:
+            interval = min(interval, wd)
+        while not self.stop_event.wait(interval):
+            self._notifier.watchdog()
+
+
+def install_signal_handlers(daemon: Daemon) -> None:
+    signal.signal(signal.SIGTERM, daemon.request_stop)
+    signal.signal(signal.SIGINT, daemon.request_stop)
+    # SIGHUP: nothing is reloadable yet; say so rather than die.
+    signal.signal(signal.SIGHUP, lambda *_: log.info("SIGHUP: no settings are reloadable; "
+                                                     "restart elasticd to apply changes"))

@@ -1,0 +1,128 @@
+"""A small torchrun-style training script, bundled as elasticd's sample job.
+
+It runs unchanged under ``torchrun`` and under ``elasticctl submit``: it reads
+RANK/WORLD_SIZE/MASTER_ADDR/... from the environment, trains a tiny model
+with gloo (CPU) for ``--steps`` steps, checkpoints every
+``--checkpoint-every`` steps, resumes from the last checkpoint after a
+restart, and checks at the end that every rank holds the same weights and
+that an all_reduce of the ranks sums right.
+
+``--crash-at-step K`` makes ``--crash-rank`` fail once, on the first attempt
+only (TORCHELASTIC_RESTART_COUNT == 0), to show recovery.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--checkpoint-every", type=int, default=50)
+    p.add_argument("--checkpoint-dir", default="",
+                   help="default: ./checkpoints/<TORCHELASTIC_RUN_ID>")
+    p.add_argument("--crash-at-step", type=int, default=-1)
+    p.add_argument("--crash-rank", type=int, default=1)
+    p.add_argument("--crash-mode", choices=("raise", "exit", "kill"), default="raise")
+    p.add_argument("--crash-every-attempt", action="store_true",
+                   help="fail on every attempt, not just the first")
+    p.add_argument("--step-time", type=float, default=0.0, help="sleep per step (seconds)")
+    p.add_argument("--log-every", type=int, default=50)
+    return p.parse_args(argv)
+
+
+def checkpoint_path(args) -> str:
+    base = args.checkpoint_dir or os.path.join(
+        os.getcwd(), "checkpoints", os.environ.get("TORCHELASTIC_RUN_ID", "local"))
+    return os.path.join(base, "last.pt")
+
+
+def save(path: str, model, opt, step: int) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = path + ".tmp"
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step}, tmp)
+    os.replace(tmp, path)  # a crash mid-write never leaves a torn checkpoint
+
+
+def crash(mode: str, rank: int, step: int) -> None:
+    print(f"rank {rank}: crashing on purpose at step {step} ({mode})", flush=True)
+    if mode == "exit":
+        os._exit(3)
+    if mode == "kill":
+        os.kill(os.getpid(), 9)
+    raise RuntimeError(f"injected failure on rank {rank} at step {step}")
+
+
+@record
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    path = checkpoint_path(args)
+    start = 0
+    if os.path.exists(path):
+        state = torch.load(path)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        start = state["step"]
+    if rank == 0:
+        print(f"attempt {attempt}: world size {world}, starting at step {start}", flush=True)
+    gen = torch.Generator().manual_seed(1000 + rank)
+    first = True
+    for step in range(start, args.steps):
+        x = torch.randn(32, 16, generator=gen)
+        y = x.sum(dim=1, keepdim=True)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        for p in model.parameters():  # plain data parallel: average the gradients
+            dist.all_reduce(p.grad)
+            p.grad /= world
+        opt.step()
+        if first and rank == 0:
+            print(f"FIRST_STEP {time.time():.6f} attempt={attempt} step={step}", flush=True)
+        first = False
+        if args.step_time:
+            time.sleep(args.step_time)
+        if (step == args.crash_at_step and rank == args.crash_rank
+                and (attempt == 0 or args.crash_every_attempt)):
+            crash(args.crash_mode, rank, step)
+        if rank == 0 and (step + 1) % args.log_every == 0:
+            print(f"step {step + 1}/{args.steps} loss {loss.item():.4f}", flush=True)
+        if (step + 1) % args.checkpoint_every == 0:
+            dist.barrier()
+            if rank == 0:
+                save(path, model, opt, step + 1)
+    check = torch.tensor([float(rank)])
+    dist.all_reduce(check)
+    expected = world * (world - 1) / 2
+    weights = torch.cat([p.detach().flatten() for p in model.parameters()])
+    spread = weights.clone()
+    dist.all_reduce(spread, op=dist.ReduceOp.MAX)
+    same = torch.equal(spread, weights)
+    # Everyone is done with collectives before rank 0 (which hosts the
+    # rendezvous store) may leave.
+    dist.barrier()
+    dist.destroy_process_group()
+    if check.item() != expected or not same:
+        print(f"rank {rank}: CHECK FAILED (sum {check.item()} != {expected} or weights differ)",
+              flush=True)
+        return 1
+    if rank == 0:
+        print(f"done: {args.steps} steps, world size {world}, all_reduce check ok", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

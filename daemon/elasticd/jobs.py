@@ -1,0 +1,262 @@
+"""Job records, their persistence, and the one writer of job state.
+
+Records and events live in SQLite under the state dir (WAL, synchronous
+writes), so a daemon killed at any moment restarts with every job and its
+history. ``JobRegistry.transition`` is the only way a job changes state: it
+checks the move against ``states.JOB_TRANSITIONS``, keeps time-in-state,
+persists the record and appends an event, all under one lock; watchers
+(WaitJob, Events -f) wake on the registry's condition.
+"""
+from __future__ import annotations
+
+import base64
+import copy
+import dataclasses
+import json
+import logging
+import os
+import secrets
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from .logsetup import ctx
+from .states import LIVE_STATES, TERMINAL_STATES, JobState, check_transition
+
+log = logging.getLogger("elasticd.jobs")
+
+
+class JobNotFound(KeyError):
+    pass
+
+
+class NameInUse(ValueError):
+    pass
+
+
+def new_job_id() -> str:
+    """8 characters of base32 (40 random bits): short enough to type."""
+    return base64.b32encode(secrets.token_bytes(5)).decode().lower()
+
+
+@dataclass
+class JobRecord:
+    id: str
+    command: list
+    cwd: str
+    uid: int
+    gid: int
+    user: str = ""
+    name: str = ""
+    env: dict = field(default_factory=dict)
+    state: JobState = JobState.PENDING
+    reason: str = ""
+    min_nodes: int = 1
+    max_nodes: int = 1
+    nproc_per_node: int = 1
+    max_restarts: int = 3
+    restarts: int = 0
+    round: int = 0
+    created_at: float = 0.0
+    started_at: float = 0.0
+    finished_at: float = 0.0
+    exit_code: int = 0
+    last_failure: dict | None = None
+    workers: list = field(default_factory=list)
+    node_id: str = ""
+    cancel_requested: bool = False
+    state_since: float = 0.0
+    seconds_in_state: dict = field(default_factory=dict)
+
+    @property
+    def live(self) -> bool:
+        return self.state in LIVE_STATES
+
+    def to_json(self) -> str:
+        data = dataclasses.asdict(self)
+        data["state"] = self.state.value
+        return json.dumps(data)
+
+    @classmethod
+    def from_json(cls, text: str) -> "JobRecord":
+        data = json.loads(text)
+        data["state"] = JobState(data["state"])
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (id TEXT PRIMARY KEY, data TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS events (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    job_id TEXT NOT NULL,
+    data TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS events_job ON events (job_id, seq);
+"""
+
+
+class JobRegistry:
+    def __init__(self, state_dir: str, node_id: str, clock=time.time):
+        os.makedirs(state_dir, mode=0o755, exist_ok=True)
+        self._db = sqlite3.connect(os.path.join(state_dir, "jobs.sqlite3"),
+                                   check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.executescript(_SCHEMA)
+        self._lock = threading.RLock()
+        self.changed = threading.Condition(self._lock)
+        self._node_id = node_id
+        self._clock = clock
+        self._jobs: dict[str, JobRecord] = {}
+        self.last_seq = 0
+        self.listeners: list = []  # callables(event dict), e.g. metrics
+        for (data,) in self._db.execute("SELECT data FROM jobs"):
+            try:
+                rec = JobRecord.from_json(data)
+            except (ValueError, TypeError, KeyError) as exc:
+                log.error("skipping unreadable job record: %s", exc)
+                continue
+            self._jobs[rec.id] = rec
+        row = self._db.execute("SELECT MAX(seq) FROM events").fetchone()
+        self.last_seq = row[0] or 0
+
+    # -- reading -----------------------------------------------------------
+    def get(self, key: str) -> JobRecord:
+        """A copy of the job with this id, or of the live job with this name."""
+        with self._lock:
+            rec = self._jobs.get(key)
+            if rec is None:
+                named = [j for j in self._jobs.values() if j.name == key]
+                live = [j for j in named if j.live]
+                rec = live[0] if live else (max(named, key=lambda j: j.created_at)
+                                            if named else None)
+            if rec is None:
+                raise JobNotFound(key)
+            return copy.deepcopy(rec)
+
+    def list(self) -> list[JobRecord]:
+        with self._lock:
+            return [copy.deepcopy(j) for j in
+                    sorted(self._jobs.values(), key=lambda j: j.created_at)]
+
+    def count_live(self) -> int:
+        with self._lock:
+            return sum(1 for j in self._jobs.values() if j.live)
+
+    def events(self, after_seq: int = 0, job_id: str | None = None,
+               limit: int = 1000) -> list[dict]:
+        with self._lock:
+            if job_id:
+                rows = self._db.execute(
+                    "SELECT seq, data FROM events WHERE job_id=? AND seq>? ORDER BY seq LIMIT ?",
+                    (job_id, after_seq, limit))
+            else:
+                rows = self._db.execute(
+                    "SELECT seq, data FROM events WHERE seq>? ORDER BY seq LIMIT ?",
+                    (after_seq, limit))
+            out = []
+            for seq, data in rows.fetchall():
+                ev = json.loads(data)
+                ev["seq"] = seq
+                out.append(ev)
+            return out
+
+    # -- writing -----------------------------------------------------------
+    def create(self, rec: JobRecord) -> JobRecord:
+        with self._lock:
+            if rec.name and any(j.name == rec.name and j.live for j in self._jobs.values()):
+                raise NameInUse(rec.name)
+            now = self._clock()
+            rec.created_at = rec.created_at or now
+            rec.state_since = now
+            rec.node_id = rec.node_id or self._node_id
+            self._jobs[rec.id] = rec
+            self._persist(rec)
+            self._append_event(rec, "state", f"submitted by {rec.user or rec.uid}",
+                               from_state=None, to_state=rec.state)
+            return copy.deepcopy(rec)
+
+    def transition(self, job_id: str, new: JobState, reason: str, **changes: Any) -> JobRecord:
+        with self._lock:
+            rec = self._require(job_id)
+            check_transition(rec.state, new)
+            now = self._clock()
+            old = rec.state
+            rec.seconds_in_state[old.value] = (rec.seconds_in_state.get(old.value, 0.0)
+                                               + max(0.0, now - rec.state_since))
+            rec.state, rec.reason, rec.state_since = new, reason, now
+            if new == JobState.RUNNING and not rec.started_at:
+                rec.started_at = now
+            if new in TERMINAL_STATES:
+                rec.finished_at = now
+            self._apply(rec, changes)
+            self._persist(rec)
+            self._append_event(rec, "state", reason, from_state=old, to_state=new)
+            log.info("%s: %s -> %s: %s", ctx(job=rec.id, node=self._node_id, round=rec.round),
+                     old.value, new.value, reason)
+            return copy.deepcopy(rec)
+
+    def update(self, job_id: str, **changes: Any) -> JobRecord:
+        with self._lock:
+            rec = self._require(job_id)
+            self._apply(rec, changes)
+            self._persist(rec)
+            self.changed.notify_all()
+            return copy.deepcopy(rec)
+
+    def event(self, job_id: str, kind: str, reason: str, rank: int = -1) -> None:
+        with self._lock:
+            rec = self._require(job_id)
+            self._append_event(rec, kind, reason, rank=rank)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    # -- internals ---------------------------------------------------------
+    def _require(self, job_id: str) -> JobRecord:
+        rec = self._jobs.get(job_id)
+        if rec is None:
+            raise JobNotFound(job_id)
+        return rec
+
+    @staticmethod
+    def _apply(rec: JobRecord, changes: dict) -> None:
+        for key, value in changes.items():
+            if not hasattr(rec, key):
+                raise AttributeError(f"JobRecord has no field {key}")
+            setattr(rec, key, value)
+
+    def _persist(self, rec: JobRecord) -> None:
+        self._db.execute("INSERT OR REPLACE INTO jobs (id, data) VALUES (?, ?)",
+                         (rec.id, rec.to_json()))
+
+    def _append_event(self, rec: JobRecord, kind: str, reason: str, *,
+                      from_state: JobState | None = None, to_state: JobState | None = None,
+                      rank: int = -1) -> None:
+        ev = {"job_id": rec.id, "time": self._clock(), "kind": kind,
+              "from_state": from_state.value if from_state else "",
+              "to_state": to_state.value if to_state else "",
+              "reason": reason, "node_id": self._node_id, "round": rec.round,
+              "rank": rank, "restart": rec.restarts}
+        cur = self._db.execute("INSERT INTO events (job_id, data) VALUES (?, ?)",
+                               (rec.id, json.dumps(ev)))
+        ev["seq"] = self.last_seq = cur.lastrowid
+        for listener in self.listeners:
+            try:
+                listener(ev)
+            except Exception:  # a listener must never break a transition
+                log.exception("event listener failed")
+        self.changed.notify_all()
+
+    def wait_for_change(self, predicate, timeout: float) -> bool:
+        """Block until ``predicate()`` holds (checked under the lock) or timeout."""
+        with self._lock:
+            return self.changed.wait_for(predicate, timeout=timeout)
+
+
+def visible_to(jobs: Iterable[JobRecord], uid: int) -> list[JobRecord]:
+    return [j for j in jobs if uid == 0 or j.uid == uid]

@@ -1,0 +1,218 @@
+"""Jobs on this node: accepting, scheduling onto slots, cancelling, resuming.
+
+The manager owns the agents (one thread per active job) and the slot count.
+A job whose workers do not fit in the free slots waits PENDING; each time an
+agent exits, pending jobs are looked at again in submission order. At start,
+jobs left unfinished by a previous daemon are resumed as a restart of the
+same job (counted), after any of their old workers still alive are killed.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from dataclasses import dataclass
+
+import psutil
+
+from . import errors
+from .agent import Agent
+from .auth import Caller
+from .config import Config
+from .jobs import JobNotFound, JobRecord, JobRegistry, NameInUse, new_job_id
+from .logsetup import ctx
+from .states import ACTIVE_STATES, TERMINAL_STATES, JobState
+
+log = logging.getLogger("elasticd.manager")
+
+
+@dataclass(frozen=True)
+class JobRequest:
+    """A validated submission (see validation.py)."""
+    command: tuple
+    cwd: str
+    env: dict
+    name: str = ""
+    min_nodes: int = 1
+    max_nodes: int = 1
+    nproc_per_node: int = 1
+    max_restarts: int = -1
+
+
+class JobManager:
+    def __init__(self, cfg: Config, registry: JobRegistry, rendezvous, metrics=None):
+        self._cfg = cfg
+        self._registry = registry
+        self._rendezvous = rendezvous
+        self._metrics = metrics
+        self._lock = threading.RLock()
+        self._agents: dict[str, Agent] = {}
+        self._stopping = False
+
+    @property
+    def slots_total(self) -> int:
+        return self._cfg.daemon.slots
+
+    def slots_used(self) -> int:
+        with self._lock:
+            return sum(self._registry.get(j).nproc_per_node for j in self._agents)
+
+    # -- requests ------------------------------------------------------------
+    def submit(self, req: JobRequest, caller: Caller) -> JobRecord:
+        if self._stopping:
+            raise errors.Unavailable("elasticd is shutting down; submit again once it is back")
+        if req.min_nodes > 1 and self._cfg.daemon.standalone:
+            raise errors.FailedPrecondition(
+                f"this daemon runs standalone (one node) but the job needs {req.min_nodes} "
+                "nodes; start elasticd with --etcd to form a cluster")
+        if req.nproc_per_node > self.slots_total:
+            raise errors.FailedPrecondition(
+                f"the job needs {req.nproc_per_node} worker slots but this node has "
+                f"{self.slots_total} (elasticd --slots); lower --nproc-per-node")
+        if self._registry.count_live() >= self._cfg.control.max_live_jobs:
+            raise errors.ResourceExhausted(
+                f"this node already holds {self._cfg.control.max_live_jobs} unfinished jobs "
+                "(control.max_live_jobs); wait for some to finish or cancel some")
+        max_restarts = (self._cfg.agent.default_max_restarts if req.max_restarts < 0
+                        else req.max_restarts)
+        rec = JobRecord(
+            id=new_job_id(), name=req.name, command=list(req.command), cwd=req.cwd,
+            env=dict(req.env), uid=caller.uid, gid=caller.gid, user=caller.user,
+            min_nodes=req.min_nodes, max_nodes=req.max_nodes,
+            nproc_per_node=req.nproc_per_node, max_restarts=max_restarts,
+            reason="waiting for free slots")
+        try:
+            rec = self._registry.create(rec)
+        except NameInUse:
+            raise errors.AlreadyExists(
+                f"a live job is already named {req.name!r}; pick another --name or cancel "
+                "that job") from None
+        log.info("%s: submitted by %s: %s", ctx(job=rec.id, node=self._cfg.daemon.node_id),
+                 rec.user, " ".join(rec.command)[:200])
+        self.schedule()
+        return self._registry.get(rec.id)
+
+    def get_for(self, key: str, caller: Caller) -> JobRecord:
+        try:
+            job = self._registry.get(key)
+        except JobNotFound:
+            raise errors.NotFound(f"no job {key!r} on this node; `elasticctl list` shows "
+                                  "the jobs you can see") from None
+        if not caller.may_act_on(job.uid):
+            raise errors.PermissionDenied(
+                f"job {job.id} belongs to {job.user or job.uid}; only that user or root may "
+                "see or change it")
+        return job
+
+    def cancel(self, key: str, caller: Caller) -> JobRecord:
+        job = self.get_for(key, caller)
+        if job.state in TERMINAL_STATES:
+            return job
+        with self._lock:
+            job = self._registry.get(job.id)
+            if job.state == JobState.PENDING and job.id not in self._agents:
+                return self._registry.transition(job.id, JobState.CANCELLED,
+                                                 f"cancelled by {caller.user} before it started")
+            self._registry.update(job.id, cancel_requested=True)
+            self._registry.event(job.id, "info", f"cancel requested by {caller.user}")
+            agent = self._agents.get(job.id)
+        if agent is not None:
+            agent.poke()
+        return self._registry.get(job.id)
+
+    # -- scheduling ----------------------------------------------------------
+    def schedule(self) -> None:
+        """Start agents for pending jobs that fit, oldest first."""
+        with self._lock:
+            if self._stopping:
+                return
+            free = self.slots_total - self.slots_used()
+            waiting = [j for j in self._registry.list()
+                       if j.state in (JobState.PENDING, JobState.RESTARTING)
+                       and j.id not in self._agents]
+            # Resumed jobs (RESTARTING) go before new ones.
+            waiting.sort(key=lambda j: (j.state != JobState.RESTARTING, j.created_at))
+            for job in waiting:
+                if job.nproc_per_node > free:
+                    continue
+                free -= job.nproc_per_node
+                agent = Agent(job.id, self._cfg, self._registry, self._rendezvous,
+                              on_exit=self._agent_exited, metrics=self._metrics)
+                self._agents[job.id] = agent
+                agent.start()
+
+    def _agent_exited(self, job_id: str) -> None:
+        with self._lock:
+            self._agents.pop(job_id, None)
+        self.schedule()
+
+    def active_jobs(self) -> list[str]:
+        with self._lock:
+            return list(self._agents)
+
+    # -- life cycle ----------------------------------------------------------
+    def resume(self) -> None:
+        """Pick up jobs a previous daemon left unfinished."""
+        for job in self._registry.list():
+            if job.state not in ACTIVE_STATES:
+                continue
+            killed = kill_leftover_workers(job.workers)
+            where = ctx(job=job.id, node=self._cfg.daemon.node_id, round=job.round)
+            if killed:
+                log.warning("%s: killed %d worker(s) left by the previous daemon", where, killed)
+            if job.cancel_requested:
+                self._move(job, JobState.CANCELLED, "cancelled by user (daemon restarted)")
+            elif job.restarts >= job.max_restarts:
+                self._move(job, JobState.FAILED,
+                           f"daemon restarted and no restarts are left ({job.restarts} of "
+                           f"{job.max_restarts} used)", exit_code=1)
+            else:
+                self._move(job, JobState.RESTARTING,
+                           f"daemon restarted; resuming as restart {job.restarts + 1} of "
+                           f"{job.max_restarts}", restarts=job.restarts + 1)
+        self.schedule()
+
+    def _move(self, job: JobRecord, state: JobState, reason: str, **changes) -> None:
+        if job.state == state:
+            self._registry.update(job.id, reason=reason, **changes)
+            self._registry.event(job.id, "info", reason)
+        else:
+            self._registry.transition(job.id, state, reason, **changes)
+
+    def shutdown(self, timeout: float) -> None:
+        """Stop every job's workers; their records stay live for the next start."""
+        with self._lock:
+            self._stopping = True
+            agents = list(self._agents.values())
+        for agent in agents:
+            agent.shutting_down = True
+            agent.poke()
+        for agent in agents:
+            if not agent.join(timeout):
+                log.error("%s: agent did not stop within %.0fs", ctx(job=agent.job_id), timeout)
+
+
+def kill_leftover_workers(rows: list[dict]) -> int:
+    """SIGKILL the process groups of recorded workers that are still alive.
+
+    A pid is only trusted when its start time matches the record, so a
+    recycled pid is never hit.
+    """
+    killed = 0
+    for row in rows:
+        pid, created = row.get("pid"), row.get("create_time")
+        if not pid or not created:
+            continue
+        try:
+            proc = psutil.Process(pid)
+            if abs(proc.create_time() - created) > 0.01:
+                continue
+        except psutil.Error:
+            continue
+        try:
+            os.killpg(pid, signal.SIGKILL)
+            killed += 1
+        except (ProcessLookupError, PermissionError):
+            pass
+    return killed

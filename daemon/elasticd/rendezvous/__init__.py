@@ -1,0 +1,1 @@
+"""Forming the node group of one job round (see local.py for one node)."""

@@ -1,0 +1,251 @@
+"""Spawning, watching and stopping one job's local worker processes.
+
+Each worker is started as the submitting user, in its own process group,
+with PR_SET_PDEATHSIG=SIGKILL (so it dies with the thread that started it
+even if the daemon is SIGKILLed), with the torchrun environment, and with
+stdout/stderr appended to its per-rank log file. Stopping is SIGTERM to each
+process group, a grace period, then SIGKILL to whatever is left.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import datetime
+import grp
+import logging
+import os
+import pwd
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+
+from .logsetup import ctx
+
+log = logging.getLogger("elasticd.workers")
+
+_PR_SET_PDEATHSIG = 1
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_prctl = _libc.prctl
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+class SpawnError(Exception):
+    """A worker could not be started (bad command, cwd, user...)."""
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """Everything needed to start one job's workers on this node for one attempt."""
+    job_id: str
+    command: tuple
+    cwd: str
+    env: dict
+    uid: int
+    gid: int
+    nproc: int
+    restart_count: int
+    max_restarts: int
+    round: int
+    group_rank: int
+    group_world_size: int
+    world_size: int
+    rank_offset: int
+    master_addr: str
+    master_port: int
+    log_dir: str
+    run_dir: str
+    node_id: str = ""
+    extra_env: dict = field(default_factory=dict)
+
+
+def worker_env(spec: GroupSpec, local_rank: int) -> dict[str, str]:
+    """The worker's environment: the submitter's, plus what torchrun sets."""
+    rank = spec.rank_offset + local_rank
+    env = dict(spec.env)
+    env.update({
+        "RANK": str(rank),
+        "LOCAL_RANK": str(local_rank),
+        "WORLD_SIZE": str(spec.world_size),
+        "LOCAL_WORLD_SIZE": str(spec.nproc),
+        "GROUP_RANK": str(spec.group_rank),
+        "GROUP_WORLD_SIZE": str(spec.group_world_size),
+        "ROLE_RANK": str(rank),
+        "ROLE_WORLD_SIZE": str(spec.world_size),
+        "ROLE_NAME": "default",
+        "MASTER_ADDR": spec.master_addr,
+        "MASTER_PORT": str(spec.master_port),
+        "TORCHELASTIC_RESTART_COUNT": str(spec.restart_count),
+        "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
+        "TORCHELASTIC_RUN_ID": spec.job_id,
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "TORCHELASTIC_ERROR_FILE": error_file_path(spec, rank),
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": spec.env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+        "ELASTICD_JOB_ID": spec.job_id,
+        "ELASTICD_ROUND": str(spec.round),
+        "ELASTICD_NODE_ID": spec.node_id,
+    })
+    # torchrun pins one OpenMP thread per worker when several share a node.
+    if spec.nproc > 1 and "OMP_NUM_THREADS" not in spec.env:
+        env["OMP_NUM_THREADS"] = "1"
+    # Logs are followed live; a block-buffered stdout would hide them.
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.update(spec.extra_env)
+    return env
+
+
+def error_file_path(spec: GroupSpec, rank: int) -> str:
+    return os.path.join(spec.run_dir, f"error-rank{rank}-restart{spec.restart_count}.json")
+
+
+def log_file_path(log_dir: str, rank: int) -> str:
+    return os.path.join(log_dir, f"rank-{rank}.log")
+
+
+@dataclass
+class Worker:
+    rank: int
+    local_rank: int
+    proc: subprocess.Popen
+    error_file: str
+    returncode: int | None = None
+    stopped_by_us: bool = False
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+
+class WorkerGroup:
+    """One attempt's local workers. Owned by the job's agent thread."""
+
+    def __init__(self, spec: GroupSpec):
+        self.spec = spec
+        self.workers: list[Worker] = []
+
+    def start(self) -> None:
+        spec = self.spec
+        if not os.path.isdir(spec.cwd):
+            raise SpawnError(f"working directory {spec.cwd} does not exist")
+        user_kwargs = _user_kwargs(spec.uid, spec.gid)
+        os.makedirs(spec.log_dir, mode=0o755, exist_ok=True)
+        _ensure_run_dir(spec.run_dir, spec.uid, spec.gid)
+        try:
+            for local_rank in range(spec.nproc):
+                self.workers.append(self._spawn(local_rank, user_kwargs))
+        except BaseException:
+            self.stop(grace=0)
+            raise
+
+    def _spawn(self, local_rank: int, user_kwargs: dict) -> Worker:
+        spec = self.spec
+        rank = spec.rank_offset + local_rank
+        env = worker_env(spec, local_rank)
+        err = env["TORCHELASTIC_ERROR_FILE"]
+        try:
+            os.unlink(err)
+        except FileNotFoundError:
+            pass
+        with open(log_file_path(spec.log_dir, rank), "ab", buffering=0) as logf:
+            stamp = datetime.datetime.now().astimezone().isoformat(timespec="milliseconds")
+            logf.write((f"==== elasticd: job {spec.job_id} rank {rank} starting "
+                        f"(restart {spec.restart_count}, round {spec.round}) at {stamp} ====\n"
+                        ).encode())
+            try:
+                proc = subprocess.Popen(
+                    list(spec.command), cwd=spec.cwd, env=env, stdin=subprocess.DEVNULL,
+                    stdout=logf, stderr=subprocess.STDOUT, close_fds=True,
+                    process_group=0, preexec_fn=_die_with_parent, **user_kwargs)
+            except FileNotFoundError:
+                raise SpawnError(f"command not found: {spec.command[0]}") from None
+            except PermissionError as exc:
+                raise SpawnError(f"cannot run {spec.command[0]}: {exc.strerror}") from None
+            except OSError as exc:
+                raise SpawnError(f"cannot start {spec.command[0]}: {exc}") from None
+        log.info("%s: worker started pid %d", ctx(job=spec.job_id, node=spec.node_id,
+                                                   round=spec.round, rank=rank), proc.pid)
+        return Worker(rank=rank, local_rank=local_rank, proc=proc, error_file=err)
+
+    def poll(self) -> list[Worker]:
+        """Refresh each worker's return code; returns the workers."""
+        for w in self.workers:
+            if w.returncode is None:
+                w.returncode = w.proc.poll()
+        return self.workers
+
+    def pids(self) -> list[int]:
+        return [w.pid for w in self.workers]
+
+    def stop(self, grace: float) -> None:
+        """SIGTERM every worker's process group, wait ``grace``, then SIGKILL."""
+        live = [w for w in self.workers if w.proc.poll() is None]
+        for w in live:
+            w.stopped_by_us = True
+            _killpg(w.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while live and time.monotonic() < deadline:
+            live = [w for w in live if w.proc.poll() is None]
+            if live:
+                time.sleep(0.02)
+        # SIGKILL the groups even of exited leaders: children they left behind.
+        for w in self.workers:
+            _killpg(w.pid, signal.SIGKILL)
+        for w in self.workers:
+            try:
+                w.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                log.error("%s: worker pid %d did not die after SIGKILL",
+                          ctx(job=self.spec.job_id, rank=w.rank), w.pid)
+            if w.returncode is None:
+                w.returncode = w.proc.returncode
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _user_kwargs(uid: int, gid: int) -> dict:
+    """Popen arguments that run the worker as uid/gid (only root can switch)."""
+    if uid == os.geteuid() and gid == os.getegid():
+        return {}
+    if os.geteuid() != 0:
+        raise SpawnError(f"this daemon runs as uid {os.geteuid()} and cannot start workers "
+                         f"as uid {uid}")
+    try:
+        name = pwd.getpwuid(uid).pw_name
+        groups = os.getgrouplist(name, gid)
+    except KeyError:
+        groups = [gid]
+    return {"user": uid, "group": gid, "extra_groups": groups}
+
+
+def _ensure_run_dir(path: str, uid: int, gid: int) -> None:
+    """A directory the worker's user can write its error files into."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    if os.geteuid() == 0:
+        os.chown(path, uid, gid)
+
+
+def describe_exit(returncode: int) -> tuple[int, int, str]:
+    """(exit_code, signal, text) for a Popen return code."""
+    if returncode < 0:
+        sig = -returncode
+        try:
+            name = signal.Signals(sig).name
+        except ValueError:
+            name = f"signal {sig}"
+        return -1, sig, f"killed by {name}"
+    return returncode, 0, f"exit code {returncode}"
+
+
+def group_name(gid: int) -> str:
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return str(gid)
