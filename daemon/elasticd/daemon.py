@@ -7,6 +7,7 @@ on its own stop event with a bounded wait, in reverse order of starting.
 """
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import signal
@@ -45,6 +46,11 @@ class Daemon:
             return 2
         os.makedirs(os.path.dirname(d.socket), mode=0o755, exist_ok=True)
         os.makedirs(cfg.logs_dir, mode=0o755, exist_ok=True)
+        lock = _lock_state_dir(d.state_dir)
+        if lock is None:
+            log.error("another elasticd already uses the state dir %s; give this one its own "
+                      "(--state-dir)", d.state_dir)
+            return 1
         registry = JobRegistry(d.state_dir, d.node_id)
         metrics = Metrics(d.node_id)
         manager = JobManager(cfg, registry, LocalRendezvous(d.node_id), metrics)
@@ -97,6 +103,17 @@ class Daemon:
             interval = min(interval, wd)
         while not self.stop_event.wait(interval):
             self._notifier.watchdog()
+
+
+def _lock_state_dir(path: str):
+    """An exclusive lock on the state dir, held for the daemon's life, or None."""
+    fh = open(os.path.join(path, "lock"), "a")
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        fh.close()
+        return None
+    return fh
 
 
 def install_signal_handlers(daemon: Daemon) -> None:

@@ -194,24 +194,28 @@ class JobManager:
 
 
 def kill_leftover_workers(rows: list[dict]) -> int:
-    """SIGKILL the process groups of recorded workers that are still alive.
+    """SIGKILL what is left of recorded workers' process groups.
 
-    A pid is only trusted when its start time matches the record, so a
-    recycled pid is never hit.
+    Each worker led its own process group (pgid == its pid). The leader may
+    be gone while children it forked live on in the group, so every process
+    in that group started no earlier than the recorded worker is killed; a
+    recycled pid or pgid (an older start time can't be ours) is never hit.
     """
+    wanted = {row["pid"]: row["create_time"] for row in rows
+              if row.get("pid") and row.get("create_time")}
+    if not wanted:
+        return 0
     killed = 0
-    for row in rows:
-        pid, created = row.get("pid"), row.get("create_time")
-        if not pid or not created:
+    for proc in psutil.process_iter(["pid", "create_time"]):
+        try:
+            pgid = os.getpgid(proc.pid)
+        except OSError:
+            continue
+        created = wanted.get(pgid)
+        if created is None or proc.info["create_time"] < created - 0.01:
             continue
         try:
-            proc = psutil.Process(pid)
-            if abs(proc.create_time() - created) > 0.01:
-                continue
-        except psutil.Error:
-            continue
-        try:
-            os.killpg(pid, signal.SIGKILL)
+            os.kill(proc.pid, signal.SIGKILL)
             killed += 1
         except (ProcessLookupError, PermissionError):
             pass
