@@ -24,7 +24,7 @@ from .jobs import JobRecord, JobRegistry
 from .logsetup import ctx
 from .rendezvous.local import RendezvousResult
 from .states import TERMINAL_STATES, JobState, WorkerState
-from .workers import GroupSpec, SpawnError, WorkerGroup, describe_exit
+from .workers import GroupSpec, SpawnError, SparePool, WorkerGroup, describe_exit
 
 log = logging.getLogger("elasticd.agent")
 
@@ -95,6 +95,7 @@ class Agent:
         self._metrics = metrics
         self.wake = threading.Event()
         self.shutting_down = False
+        self._spares = SparePool()
         self._thread = threading.Thread(target=self._run, name=f"agent-{job_id}", daemon=True)
 
     def start(self) -> None:
@@ -121,6 +122,7 @@ class Agent:
             except Exception:
                 log.exception("%s: could not record agent crash", ctx(job=self.job_id))
         finally:
+            self._spares.clear()
             self._on_exit(self.job_id)
 
     def _loop(self) -> None:
@@ -140,7 +142,7 @@ class Agent:
                 f"{rdzv.world_size}", round=rdzv.round)
             group = WorkerGroup(self._group_spec(job, rdzv))
             try:
-                group.start()
+                group.start(self._spares)
             except SpawnError as exc:
                 self._registry.transition(self.job_id, JobState.FAILED, str(exc), exit_code=127,
                                           last_failure=self._failure(job, -1, 127, 0, str(exc)))
@@ -155,14 +157,21 @@ class Agent:
                 return
 
     def _monitor(self, group: WorkerGroup) -> Decision:
-        interval = self._cfg.agent.monitor_interval
+        a = self._cfg.agent
+        interval = a.monitor_interval
+        spares_at = time.monotonic() + a.warm_spare_delay if a.warm_spares else None
         while True:
             workers = group.poll()
             job = self._registry.get(self.job_id)
-            decision = decide([w.returncode for w in workers], job.restarts, job.max_restarts,
+            decision = decide([w.outcome for w in workers], job.restarts, job.max_restarts,
                               job.cancel_requested, self.shutting_down)
             if decision.action is not Action.CONTINUE:
                 return decision
+            if spares_at is not None and time.monotonic() >= spares_at:
+                spares_at = None
+                if job.restarts < job.max_restarts and self._spares.fill(group.spec, a.warm_preload):
+                    log.info("%s: warm spares started for the next restart",
+                             ctx(job=job.id, node=self._cfg.daemon.node_id, round=job.round))
             self.wake.wait(interval)
             self.wake.clear()
 
@@ -229,7 +238,7 @@ class Agent:
     def _first_failure(self, job: JobRecord, group: WorkerGroup) -> dict:
         candidates = []
         for w in group.workers:
-            if w.returncode not in (None, 0) and not w.stopped_by_us:
+            if w.outcome not in (None, 0) and (w.reported_error or not w.stopped_by_us):
                 message, tb, mtime = read_error_file(w.error_file)
                 # Earliest error file first; workers without one after, by rank.
                 candidates.append((0 if mtime else 1, mtime, w.rank, w, message, tb))
@@ -237,7 +246,7 @@ class Agent:
             return self._failure(job, -1, 1, 0, "worker failed")
         candidates.sort(key=lambda c: c[:3])
         _, _, _, w, message, tb = candidates[0]
-        exit_code, sig, text = describe_exit(w.returncode)
+        exit_code, sig, text = describe_exit(w.outcome)
         cause = f"rank {w.rank} {'exited with ' if not sig else ''}{text}"
         if message:
             cause += f": {message.splitlines()[0] if message.strip() else message}"
@@ -259,10 +268,10 @@ class Agent:
     def _worker_rows(self, group: WorkerGroup) -> list[dict]:
         rows = []
         for w in group.workers:
-            rc = w.returncode
+            rc = w.outcome
             if rc is None:
                 state = WorkerState.RUNNING
-            elif w.stopped_by_us:
+            elif w.stopped_by_us and not w.reported_error:
                 state = WorkerState.STOPPED
             elif rc == 0:
                 state = WorkerState.SUCCEEDED

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import grp
+import json
 import os
 import socket
+import textwrap
 import tomllib
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -79,6 +81,15 @@ class AgentSettings:
                                                 "restart (doubling)", min=0, max=3600)
     restart_backoff_max: float = _setting(30.0, "longest wait between two restarts",
                                           min=0, max=86400)
+    warm_spares: bool = _setting(True, "keep one pre-started Python interpreter per local rank, "
+                                       "torch imported, to take over at the next restart "
+                                       "(only for `python SCRIPT` / `python -m MODULE` jobs)")
+    warm_preload: list = _setting(["torch", "torch.distributed", "torch._dynamo"],
+                                  "modules a warm spare imports ahead of need (torch._dynamo is "
+                                  "what the first optimizer construction imports)")
+    warm_spare_delay: float = _setting(3.0, "seconds after workers start before their spares "
+                                            "are started (keeps the import off the start-up path)",
+                                       min=0, max=3600)
 
 
 @dataclass(frozen=True)
@@ -318,6 +329,43 @@ def socket_gid(cfg: Config) -> int | None:
         return int(g) if g.isdigit() else grp.getgrnam(g).gr_gid
     except KeyError:
         return None
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, str)):
+        return json.dumps(value)
+    return repr(value)
+
+
+def _num(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else str(value)
+
+
+def sample_toml(header: str) -> str:
+    """The sample config file: every setting commented out, with its default."""
+    out = [header.rstrip("\n"), ""]
+    for sname, cls in SECTIONS.items():
+        out.append(f"[{sname}]")
+        for f in dataclasses.fields(cls):
+            meta = f.metadata
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING \
+                else f.default
+            out.extend("# " + line for line in textwrap.wrap(meta["help"], 78))
+            rules = []
+            if meta.get("choices"):
+                rules.append("one of: " + ", ".join(meta["choices"]))
+            if meta.get("min") is not None:
+                rules.append(f"{'>' if meta.get('exclusive_min') else '>='} {_num(meta['min'])}")
+            if meta.get("max") is not None:
+                rules.append(f"<= {_num(meta['max'])}")
+            rules.append(f"env {ENV_PREFIX}{sname}_{f.name}".upper().replace("ENV ", "env "))
+            out.append("# " + "; ".join(rules))
+            out.append(f"# {f.name} = {_toml_value(default)}")
+            out.append("")
+        out[-1:] = [""] if sname != list(SECTIONS)[-1] else []
+    return "\n".join(out) + "\n"
 
 
 def describe() -> str:

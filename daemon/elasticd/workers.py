@@ -12,9 +12,11 @@ import ctypes
 import ctypes.util
 import datetime
 import grp
+import json
 import logging
 import os
 import pwd
+import re
 import signal
 import subprocess
 import time
@@ -62,10 +64,21 @@ class GroupSpec:
     extra_env: dict = field(default_factory=dict)
 
 
+def base_env(spec: GroupSpec) -> dict[str, str]:
+    """What every worker of the job shares: the submitter's env and our defaults."""
+    env = dict(spec.env)
+    # torchrun pins one OpenMP thread per worker when several share a node.
+    if spec.nproc > 1 and "OMP_NUM_THREADS" not in spec.env:
+        env["OMP_NUM_THREADS"] = "1"
+    # Logs are followed live; a block-buffered stdout would hide them.
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
 def worker_env(spec: GroupSpec, local_rank: int) -> dict[str, str]:
     """The worker's environment: the submitter's, plus what torchrun sets."""
     rank = spec.rank_offset + local_rank
-    env = dict(spec.env)
+    env = base_env(spec)
     env.update({
         "RANK": str(rank),
         "LOCAL_RANK": str(local_rank),
@@ -88,11 +101,6 @@ def worker_env(spec: GroupSpec, local_rank: int) -> dict[str, str]:
         "ELASTICD_ROUND": str(spec.round),
         "ELASTICD_NODE_ID": spec.node_id,
     })
-    # torchrun pins one OpenMP thread per worker when several share a node.
-    if spec.nproc > 1 and "OMP_NUM_THREADS" not in spec.env:
-        env["OMP_NUM_THREADS"] = "1"
-    # Logs are followed live; a block-buffered stdout would hide them.
-    env.setdefault("PYTHONUNBUFFERED", "1")
     env.update(spec.extra_env)
     return env
 
@@ -113,6 +121,16 @@ class Worker:
     error_file: str
     returncode: int | None = None
     stopped_by_us: bool = False
+    # The worker wrote its error file (torch's @record does so just before the
+    # exception unwinds the process): it has failed, even while still exiting.
+    reported_error: bool = False
+
+    @property
+    def outcome(self) -> int | None:
+        """The return code to decide on: a reported error counts as exit 1 at once."""
+        if self.reported_error and (self.returncode is None or self.stopped_by_us):
+            return 1
+        return self.returncode
 
     @property
     def pid(self) -> int:
@@ -126,7 +144,7 @@ class WorkerGroup:
         self.spec = spec
         self.workers: list[Worker] = []
 
-    def start(self) -> None:
+    def start(self, spares: "SparePool | None" = None) -> None:
         spec = self.spec
         if not os.path.isdir(spec.cwd):
             raise SpawnError(f"working directory {spec.cwd} does not exist")
@@ -135,12 +153,12 @@ class WorkerGroup:
         _ensure_run_dir(spec.run_dir, spec.uid, spec.gid)
         try:
             for local_rank in range(spec.nproc):
-                self.workers.append(self._spawn(local_rank, user_kwargs))
+                self.workers.append(self._spawn(local_rank, user_kwargs, spares))
         except BaseException:
             self.stop(grace=0)
             raise
 
-    def _spawn(self, local_rank: int, user_kwargs: dict) -> Worker:
+    def _spawn(self, local_rank: int, user_kwargs: dict, spares: "SparePool | None") -> Worker:
         spec = self.spec
         rank = spec.rank_offset + local_rank
         env = worker_env(spec, local_rank)
@@ -149,31 +167,29 @@ class WorkerGroup:
             os.unlink(err)
         except FileNotFoundError:
             pass
-        with open(log_file_path(spec.log_dir, rank), "ab", buffering=0) as logf:
-            stamp = datetime.datetime.now().astimezone().isoformat(timespec="milliseconds")
-            logf.write((f"==== elasticd: job {spec.job_id} rank {rank} starting "
-                        f"(restart {spec.restart_count}, round {spec.round}) at {stamp} ====\n"
-                        ).encode())
-            try:
-                proc = subprocess.Popen(
-                    list(spec.command), cwd=spec.cwd, env=env, stdin=subprocess.DEVNULL,
-                    stdout=logf, stderr=subprocess.STDOUT, close_fds=True,
-                    process_group=0, preexec_fn=_die_with_parent, **user_kwargs)
-            except FileNotFoundError:
-                raise SpawnError(f"command not found: {spec.command[0]}") from None
-            except PermissionError as exc:
-                raise SpawnError(f"cannot run {spec.command[0]}: {exc.strerror}") from None
-            except OSError as exc:
-                raise SpawnError(f"cannot start {spec.command[0]}: {exc}") from None
-        log.info("%s: worker started pid %d", ctx(job=spec.job_id, node=spec.node_id,
-                                                   round=spec.round, rank=rank), proc.pid)
+        spare = spares.take(local_rank) if spares is not None else None
+        how = "from a warm spare" if spare is not None else ""
+        _mark_log(spec, rank, f"starting {how}".strip())
+        proc = None
+        if spare is not None:
+            proc = _hand_over(spare, env, spec.cwd, warm_args(spec.command))
+        if proc is None:
+            proc = _popen(spec, list(spec.command), rank, env, user_kwargs, stdin=None)
+        log.info("%s: worker started pid %d%s", ctx(job=spec.job_id, node=spec.node_id,
+                                                     round=spec.round, rank=rank), proc.pid,
+                 f" ({how})" if spare is not None and proc is spare else "")
         return Worker(rank=rank, local_rank=local_rank, proc=proc, error_file=err)
 
     def poll(self) -> list[Worker]:
-        """Refresh each worker's return code; returns the workers."""
+        """Refresh each worker's return code and error report; returns the workers."""
         for w in self.workers:
             if w.returncode is None:
                 w.returncode = w.proc.poll()
+            if w.returncode is None and not w.reported_error:
+                try:
+                    w.reported_error = os.stat(w.error_file).st_size > 0
+                except OSError:
+                    pass
         return self.workers
 
     def pids(self) -> list[int]:
@@ -201,6 +217,125 @@ class WorkerGroup:
                           ctx(job=self.spec.job_id, rank=w.rank), w.pid)
             if w.returncode is None:
                 w.returncode = w.proc.returncode
+
+
+def _mark_log(spec: GroupSpec, rank: int, what: str) -> None:
+    stamp = datetime.datetime.now().astimezone().isoformat(timespec="milliseconds")
+    with open(log_file_path(spec.log_dir, rank), "ab", buffering=0) as logf:
+        logf.write((f"==== elasticd: job {spec.job_id} rank {rank} {what} "
+                    f"(restart {spec.restart_count}, round {spec.round}) at {stamp} ====\n"
+                    ).encode())
+
+
+def _popen(spec: GroupSpec, argv: list, rank: int, env: dict, user_kwargs: dict,
+           stdin) -> subprocess.Popen:
+    """Start one process of the job: its user, its own process group, dies with us."""
+    with open(log_file_path(spec.log_dir, rank), "ab", buffering=0) as logf:
+        try:
+            return subprocess.Popen(
+                argv, cwd=spec.cwd, env=env,
+                stdin=subprocess.DEVNULL if stdin is None else stdin,
+                stdout=logf, stderr=subprocess.STDOUT, close_fds=True,
+                process_group=0, preexec_fn=_die_with_parent, **user_kwargs)
+        except FileNotFoundError:
+            raise SpawnError(f"command not found: {argv[0]}") from None
+        except PermissionError as exc:
+            raise SpawnError(f"cannot run {argv[0]}: {exc.strerror}") from None
+        except OSError as exc:
+            raise SpawnError(f"cannot start {argv[0]}: {exc}") from None
+
+
+WARMSTART = os.path.join(os.path.dirname(os.path.abspath(__file__)), "warmstart.py")
+_PYTHON = re.compile(r"python(\d+(\.\d+)?)?\Z")
+
+
+def warm_args(command) -> list | None:
+    """The arguments after the interpreter, if a warm spare can run this command.
+
+    Only ``python [-u|-B]... SCRIPT ARGS`` and ``python [-u|-B]... -m MODULE
+    ARGS``: anything else (other interpreter flags, -c, non-Python programs)
+    is always started cold.
+    """
+    if not command or not _PYTHON.match(os.path.basename(command[0])):
+        return None
+    args = list(command[1:])
+    i = 0
+    while i < len(args) and args[i] in ("-u", "-B"):
+        i += 1
+    if i >= len(args):
+        return None
+    if args[i] == "-m":
+        return args if i + 1 < len(args) else None
+    return None if args[i].startswith("-") else args
+
+
+def _hand_over(spare: subprocess.Popen, env: dict, cwd: str, args: list) -> \
+        subprocess.Popen | None:
+    """Give a waiting spare its worker's identity; None if it is not there."""
+    line = json.dumps({"env": env, "cwd": cwd, "args": args}) + "\n"
+    try:
+        spare.stdin.write(line.encode())
+        spare.stdin.close()
+        return spare
+    except (BrokenPipeError, ValueError, OSError):
+        _killpg(spare.pid, signal.SIGKILL)
+        spare.wait()
+        return None
+
+
+class SparePool:
+    """Pre-started interpreters, one per local rank, with torch already imported.
+
+    Owned by the job's agent thread (their PDEATHSIG is tied to it). A
+    restart hands each new worker's identity to a spare instead of starting
+    a fresh interpreter, which saves the interpreter start and torch import.
+    """
+
+    def __init__(self) -> None:
+        self._spares: dict[int, subprocess.Popen] = {}
+
+    def fill(self, spec: GroupSpec, preload: list) -> int:
+        """Start a spare for each local rank that has none; returns how many started."""
+        args = warm_args(spec.command)
+        if args is None:
+            return 0
+        user_kwargs = _user_kwargs(spec.uid, spec.gid)
+        env = dict(base_env(spec), ELASTICD_WARM_PRELOAD=",".join(preload))
+        started = 0
+        for local_rank in range(spec.nproc):
+            spare = self._spares.get(local_rank)
+            if spare is not None and spare.poll() is None:
+                continue
+            try:
+                self._spares[local_rank] = _popen(
+                    spec, [spec.command[0], WARMSTART], spec.rank_offset + local_rank,
+                    env, user_kwargs, stdin=subprocess.PIPE)
+                started += 1
+            except SpawnError as exc:
+                log.warning("%s: no warm spare: %s", ctx(job=spec.job_id), exc)
+                return started
+        return started
+
+    def take(self, local_rank: int) -> subprocess.Popen | None:
+        spare = self._spares.pop(local_rank, None)
+        if spare is not None and spare.poll() is not None:
+            return None
+        return spare
+
+    def clear(self) -> None:
+        for spare in self._spares.values():
+            _killpg(spare.pid, signal.SIGKILL)
+        for spare in self._spares.values():
+            try:
+                spare.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+            if spare.stdin:
+                spare.stdin.close()
+        self._spares.clear()
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._spares.values()]
 
 
 def _killpg(pgid: int, sig: int) -> None:

@@ -52,6 +52,7 @@ def save(path: str, model, opt, step: int) -> None:
 
 
 def crash(mode: str, rank: int, step: int) -> None:
+    print(f"CRASH {time.time():.6f} rank={rank} step={step}", flush=True)
     print(f"rank {rank}: crashing on purpose at step {step} ({mode})", flush=True)
     if mode == "exit":
         os._exit(3)
