@@ -1,0 +1,361 @@
+"""elasticctl: the command line of elasticd. One function per command.
+
+Exit codes (scripts rely on them): 0 ok; 1 the job failed or the daemon
+refused the request; 2 usage; 3 the daemon cannot be reached; 130
+interrupted. ``wait`` (and ``submit --wait``) exits with the job's own exit
+code instead, clamped to 1..255 when the job did not succeed.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Callable, TextIO
+
+import grpc
+
+from elasticctl import client as clientlib
+from elasticctl import output
+from elasticd.v1 import control_pb2 as pb
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+EXIT_BROKEN_PIPE = 141
+WAIT_STEP = 5.0          # seconds each WaitJob call may block
+STREAM_TIMEOUT = 120.0   # seconds a non-following Logs/Events stream may take
+TERMINAL = output.TERMINAL
+
+
+class Context:
+    """What a command works with: the daemon, the printer, stderr."""
+
+    def __init__(self, args: argparse.Namespace, client: clientlib.Client,
+                 printer: output.Printer, err: TextIO):
+        self.args, self.client, self.printer, self.err = args, client, printer, err
+
+    def note(self, text: str) -> None:
+        self.err.write(f"elasticctl: {text}\n")
+        self.err.flush()
+
+
+# ---------------------------------------------------------------- argument types
+
+def parse_nnodes(text: str) -> tuple[int, int]:
+    """``MIN`` or ``MIN:MAX`` -> (min, max); 1 <= min <= max."""
+    lo_s, sep, hi_s = text.partition(":")
+    try:
+        lo = int(lo_s)
+        hi = int(hi_s) if sep else lo
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected MIN or MIN:MAX (e.g. 2 or 2:4), got {text!r}") from None
+    if lo < 1 or hi < lo:
+        raise argparse.ArgumentTypeError(f"need 1 <= MIN <= MAX, got {text!r}")
+    return lo, hi
+
+
+def parse_env(text: str) -> tuple[str, str]:
+    """``KEY=VALUE`` (VALUE may be empty) -> (key, value)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key or "\0" in text or not key.isascii() or key[0].isdigit() \
+            or not all(c.isalnum() or c == "_" for c in key):
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE with KEY a variable name, got {text!r}")
+    return key, value
+
+
+def _int_at_least(lo: int, what: str) -> Callable[[str], int]:
+    def conv(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{what}: expected an integer, got {text!r}") from None
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"{what}: must be >= {lo}, got {value}")
+        return value
+    return conv
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
+
+
+# ---------------------------------------------------------------- waiting
+
+def wait_exit_code(job: pb.Job) -> int:
+    """0 if the job succeeded, else its exit code clamped to 1..255 (128+N if killed by N)."""
+    if job.state == pb.SUCCEEDED:
+        return EXIT_OK
+    code = job.exit_code
+    if code <= 0:
+        sig = job.last_failure.signal if job.HasField("last_failure") else 0
+        code = 128 + sig if sig > 0 else EXIT_FAILED
+    return min(code, 255)
+
+
+def wait_for(ctx: Context, job_id: str, timeout: float | None) -> pb.Job | None:
+    """Poll WaitJob until the job ends; None if ``timeout`` seconds pass first."""
+    show = ctx.err.isatty()
+    deadline = None if timeout is None else time.monotonic() + timeout
+    last = None
+    while True:
+        step = WAIT_STEP
+        if deadline is not None:
+            step = min(step, deadline - time.monotonic())
+            if step <= 0:
+                return None
+        job = ctx.client.call("WaitJob", pb.WaitJobRequest(id=job_id, timeout_seconds=step),
+                              wait=step)
+        job_id = job.id or job_id  # a name may be reused once this job ends
+        seen = (job.state, job.restarts)
+        if show and seen != last:
+            ctx.err.write(f"job {job.id}: {output.state_name(job.state)} "
+                          f"(restarts {output.restarts_text(job)})\n")
+            ctx.err.flush()
+            last = seen
+        if job.state in TERMINAL:
+            return job
+
+
+def _finish_wait(ctx: Context, job_id: str, timeout: float | None) -> int:
+    job = wait_for(ctx, job_id, timeout)
+    if job is None:
+        ctx.note(f"job {job_id} still running after {timeout:g} s (stopped waiting)")
+        return EXIT_FAILED
+    ctx.printer.finished(job)
+    return wait_exit_code(job)
+
+
+# ---------------------------------------------------------------- commands
+
+def cmd_submit(ctx: Context) -> int:
+    a = ctx.args
+    lo, hi = a.nnodes
+    env = dict(os.environ)
+    env.update(dict(a.env))
+    req = pb.SubmitRequest(name=a.name or "", command=a.cmd, cwd=os.getcwd(), env=env,
+                           min_nodes=lo, max_nodes=hi, nproc_per_node=a.nproc_per_node,
+                           max_restarts=a.max_restarts)
+    job = ctx.client.call("Submit", req).job
+    if not a.wait:
+        ctx.printer.submitted(job)
+        return EXIT_OK
+    if not ctx.printer.json:
+        ctx.printer.submitted(job)
+    return _finish_wait(ctx, job.id, a.timeout)
+
+
+def cmd_list(ctx: Context) -> int:
+    resp = ctx.client.call("ListJobs", pb.ListJobsRequest(all_users=ctx.args.all))
+    ctx.printer.jobs(list(resp.jobs))
+    return EXIT_OK
+
+
+def cmd_status(ctx: Context) -> int:
+    ctx.printer.job(ctx.client.call("GetJob", pb.GetJobRequest(id=ctx.args.job)))
+    return EXIT_OK
+
+
+def cmd_logs(ctx: Context) -> int:
+    a = ctx.args
+    job = ctx.client.call("GetJob", pb.GetJobRequest(id=a.job))
+    prefix = a.rank is None and (job.nproc_per_node > 1 or len({w.rank for w in job.workers}) > 1)
+    req = pb.LogsRequest(id=job.id, follow=a.follow, tail_lines=a.tail or 0)
+    if a.rank is not None:
+        req.rank = a.rank
+    for chunk in ctx.client.stream("Logs", req, timeout=None if a.follow else STREAM_TIMEOUT):
+        ctx.printer.log(chunk.rank, chunk.text, prefix)
+    return EXIT_OK
+
+
+def cmd_events(ctx: Context) -> int:
+    a = ctx.args
+    job_id = ctx.client.call("GetJob", pb.GetJobRequest(id=a.job)).id if a.job else ""
+    req = pb.EventsRequest(id=job_id, follow=a.follow)
+    for ev in ctx.client.stream("Events", req, timeout=None if a.follow else STREAM_TIMEOUT):
+        ctx.printer.event(ev)
+    return EXIT_OK
+
+
+def cmd_cancel(ctx: Context) -> int:
+    ctx.printer.cancelled(ctx.client.call("CancelJob", pb.CancelJobRequest(id=ctx.args.job)))
+    return EXIT_OK
+
+
+def cmd_wait(ctx: Context) -> int:
+    return _finish_wait(ctx, ctx.args.job, ctx.args.timeout)
+
+
+def cmd_nodes(ctx: Context) -> int:
+    ctx.printer.nodes(ctx.client.call("ListNodes", pb.ListNodesRequest()))
+    return EXIT_OK
+
+
+def cmd_not_yet(ctx: Context) -> int:
+    ctx.note(f"{ctx.args.command} is not supported by this daemon yet")
+    return EXIT_FAILED
+
+
+# ---------------------------------------------------------------- the parser
+
+# name: (function, one-line help, example, needs the daemon)
+COMMANDS: dict[str, tuple[Callable[[Context], int], str, str, bool]] = {
+    "submit": (cmd_submit, "queue a job; prints its id",
+               "elasticctl submit --name bert --nnodes 2:4 --nproc-per-node 8 -- "
+               "python train.py --lr 3e-4", True),
+    "list": (cmd_list, "list jobs", "elasticctl list -o json", True),
+    "status": (cmd_status, "show one job: state, restarts, last failure, workers",
+               "elasticctl status bert", True),
+    "logs": (cmd_logs, "print a job's worker output on this node",
+             "elasticctl logs bert --rank 3 --tail 100 -f", True),
+    "events": (cmd_events, "print job events (state changes, worker exits, restarts)",
+               "elasticctl events bert -f", True),
+    "cancel": (cmd_cancel, "stop a job's workers and mark it CANCELLED",
+               "elasticctl cancel bert", True),
+    "wait": (cmd_wait, "wait for a job to end; exits with the job's exit code",
+             "elasticctl wait bert --timeout 3600 && echo done", True),
+    "nodes": (cmd_nodes, "list the cluster's nodes and their free slots", "elasticctl nodes", True),
+    "drain": (cmd_not_yet, "stop placing new jobs on a node (not supported by the daemon yet)",
+              "elasticctl drain node7", False),
+    "uncordon": (cmd_not_yet, "let a drained node take jobs again (not supported by the daemon "
+                              "yet)", "elasticctl uncordon node7", False),
+}
+
+
+def _add_arguments(name: str, sp: argparse.ArgumentParser) -> None:
+    if name == "submit":
+        sp.add_argument("--name", help="job name, unique among live jobs")
+        sp.add_argument("--nnodes", type=parse_nnodes, default=(1, 1), metavar="MIN[:MAX]",
+                        help="nodes the job runs on: a fixed count or an elastic range "
+                             "(default 1)")
+        sp.add_argument("--nproc-per-node", type=_int_at_least(1, "--nproc-per-node"),
+                        default=1, metavar="K", help="worker processes per node (default 1)")
+        sp.add_argument("--max-restarts", type=_int_at_least(-1, "--max-restarts"), default=-1,
+                        metavar="R", help="restarts allowed before the job fails "
+                                          "(default -1: the daemon's default)")
+        sp.add_argument("--env", type=parse_env, action="append", default=[], metavar="K=V",
+                        help="set an environment variable for the workers (repeatable); the "
+                             "rest of your environment is passed as it is")
+        sp.add_argument("--wait", action="store_true",
+                        help="then wait for the job to end and exit with its exit code")
+        sp.add_argument("--timeout", type=_seconds, metavar="S",
+                        help="with --wait: stop waiting after S seconds (exit 1)")
+        sp.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ARGS...",
+                        help="the command each worker runs, after --, kept verbatim")
+    elif name in ("status", "cancel", "wait"):
+        sp.add_argument("job", metavar="JOB", help="job id or live job name")
+    elif name == "logs":
+        sp.add_argument("job", metavar="JOB", help="job id or live job name")
+        sp.add_argument("--rank", type=_int_at_least(0, "--rank"), metavar="R",
+                        help="only this rank (default: every rank on this node, "
+                             "each line prefixed [rank R])")
+        sp.add_argument("-f", "--follow", action="store_true",
+                        help="keep printing new output until the job ends")
+        sp.add_argument("--tail", type=_int_at_least(1, "--tail"), metavar="N",
+                        help="start with the last N lines of each log")
+    elif name == "events":
+        sp.add_argument("job", metavar="JOB", nargs="?",
+                        help="job id or live job name (default: every job you may see)")
+        sp.add_argument("-f", "--follow", action="store_true", help="keep printing new events")
+    elif name == "list":
+        sp.add_argument("--all", action="store_true",
+                        help="every user's jobs (root only; others always see their own)")
+    elif name in ("drain", "uncordon"):
+        sp.add_argument("node", metavar="NODE", help="node id")
+    if name == "wait":
+        sp.add_argument("--timeout", type=_seconds, metavar="S",
+                        help="stop waiting after S seconds (exit 1)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-o", "--output", choices=output.FORMATS, default=argparse.SUPPRESS,
+                        help="table (default) or json")
+    common.add_argument("--socket", metavar="PATH", default=argparse.SUPPRESS,
+                        help="elasticd's control socket")
+    parser = argparse.ArgumentParser(
+        prog="elasticctl", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Control elasticd, the node daemon for elastic PyTorch training.",
+        epilog="exit codes: 0 ok, 1 job failed or request refused, 2 usage, "
+               "3 daemon unreachable\n(wait: the job's exit code)\n\n"
+               "example: elasticctl submit --nnodes 2 --nproc-per-node 8 -- python train.py")
+    parser.add_argument("--socket", metavar="PATH", default=None,
+                        help="elasticd's control socket (default: $ELASTICD_SOCKET, else "
+                             f"{clientlib.resolve_socket()})")
+    parser.add_argument("-o", "--output", choices=output.FORMATS, default="table",
+                        help="table (default) or json")
+    subs = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (func, help_text, example, _) in COMMANDS.items():
+        usage = "elasticctl submit [options] -- CMD ARGS..." if name == "submit" else None
+        sp = subs.add_parser(name, parents=[common], help=help_text, description=help_text,
+                             usage=usage,
+                             epilog=f"example:\n  {example}",
+                             formatter_class=argparse.RawDescriptionHelpFormatter)
+        _add_arguments(name, sp)
+        sp.set_defaults(func=func, parser=sp)
+    return parser
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """Parse and check; argparse's SystemExit(2) on a usage error."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        parser.exit(EXIT_USAGE)
+    if args.command == "submit":
+        cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+        if not cmd:
+            args.parser.error("give the command to run after --, e.g. -- python train.py")
+        if args.timeout is not None and not args.wait:
+            args.parser.error("--timeout needs --wait")
+        args.cmd = cmd
+    return args
+
+
+# ---------------------------------------------------------------- main
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        args = parse_args(argv)
+    except SystemExit as exc:  # --help, or a usage error already printed
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    err = sys.stderr
+    printer = output.Printer(args.output, sys.stdout)
+    client = clientlib.Client(clientlib.resolve_socket(args.socket))
+    ctx = Context(args, client, printer, err)
+    try:
+        if COMMANDS[args.command][3]:
+            client.upcheck()
+        return args.func(ctx)
+    except clientlib.CtlError as exc:
+        ctx.note(str(exc))
+        return exc.exit_code
+    except grpc.RpcError as exc:
+        code = exc.code() if isinstance(exc, grpc.Call) else None
+        details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED and not details:
+            details = "the daemon did not answer in time"
+        ctx.note(f"{code.name if code else 'ERROR'}: {details}")
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader went away (`| head`); say nothing, and keep Python's
+        # exit-time flush from complaining about the closed pipe.
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):
+            pass
+        return EXIT_BROKEN_PIPE
+    except OSError as exc:  # e.g. the working directory was deleted
+        ctx.note(str(exc))
+        return EXIT_FAILED
+    finally:
+        client.close()

@@ -1,0 +1,266 @@
+"""The one printer: every command's result as a table or as JSON.
+
+JSON shapes (the scripting contract, see DESIGN.md "Command line"):
+``submit``/``status``/``cancel``/``wait`` print the job object; ``list`` prints
+``{"jobs": [...]}``; ``nodes`` prints ``{"nodes": [...], "store": ...,
+"store_health": ...}``; ``events`` and ``logs`` print one JSON object per line.
+Field names are the proto's; enums are their names as plain strings; a job
+that never failed has ``"last_failure": null``.
+"""
+from __future__ import annotations
+
+import json
+import shlex
+import signal
+import sys
+import time
+from typing import Any, Iterable, TextIO
+
+from google.protobuf.json_format import MessageToDict
+
+from elasticd.v1 import control_pb2
+
+FORMATS = ("table", "json")
+TRACEBACK_LINES = 10
+_UNSPECIFIED = control_pb2.JobState.Name(control_pb2.JOB_STATE_UNSPECIFIED)
+TERMINAL = frozenset({control_pb2.SUCCEEDED, control_pb2.FAILED, control_pb2.CANCELLED})
+
+
+# ---------------------------------------------------------------- plain data
+
+def to_dict(msg: Any) -> dict[str, Any]:
+    """A message as JSON-ready data, every field present, proto field names."""
+    return MessageToDict(msg, preserving_proto_field_name=True,
+                         always_print_fields_with_no_presence=True,
+                         unquote_int64_if_possible=True)
+
+
+def job_dict(job: control_pb2.Job) -> dict[str, Any]:
+    d = to_dict(job)
+    d["last_failure"] = d.get("last_failure") if job.HasField("last_failure") else None
+    return d
+
+
+def event_dict(ev: control_pb2.Event) -> dict[str, Any]:
+    d = to_dict(ev)
+    for key in ("from_state", "to_state"):
+        if d.get(key) == _UNSPECIFIED:
+            d[key] = None
+    return d
+
+
+def state_name(state: int) -> str:
+    return control_pb2.JobState.Name(state) if state in control_pb2.JobState.values() else str(state)
+
+
+# ---------------------------------------------------------------- text pieces
+
+def fmt_time(ts: float, now: float | None = None) -> str:
+    """``2024-05-01 12:00:01 (3m ago)``; ``-`` for 0 (never)."""
+    if not ts:
+        return "-"
+    now = time.time() if now is None else now
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+    return f"{stamp} ({fmt_age(now - ts)} ago)" if now >= ts else stamp
+
+
+def fmt_age(seconds: float) -> str:
+    """``45s``, ``3m12s``, ``2h05m``, ``3d04h``."""
+    s = int(max(seconds, 0))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def signal_name(sig: int) -> str:
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return f"signal {sig}"
+
+
+def describe_failure(f: control_pb2.Failure) -> str:
+    """``rank 2 exit code 3 (cause)`` or ``rank 2 killed by signal SIGKILL (cause)``."""
+    parts = [f"rank {f.rank}"] if f.rank >= 0 else []
+    parts.append(f"killed by signal {signal_name(f.signal)}" if f.signal > 0
+                 else f"exit code {f.exit_code}")
+    text = " ".join(parts)
+    return f"{text} ({f.cause})" if f.cause else text
+
+
+def restarts_text(job: control_pb2.Job) -> str:
+    allowed = "default" if job.max_restarts < 0 else str(job.max_restarts)
+    return f"{job.restarts}/{allowed}"
+
+
+def nodes_text(job: control_pb2.Job) -> str:
+    lo = job.min_nodes or 1
+    hi = job.max_nodes or lo
+    return str(lo) if lo == hi else f"{lo}:{hi}"
+
+
+def table(rows: list[list[str]], header: list[str]) -> str:
+    """Left-aligned columns, two spaces apart."""
+    cells = [header] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
+
+
+def job_summary(job: control_pb2.Job) -> str:
+    """One line for `wait`: ``abc123 FAILED: rank 0 exit code 3 (...)``."""
+    line = f"{job.id} {state_name(job.state)}"
+    if job.state == control_pb2.SUCCEEDED:
+        return line
+    if job.HasField("last_failure"):
+        return f"{line}: last failure: {describe_failure(job.last_failure)}"
+    return f"{line}: {job.reason}" if job.reason else line
+
+
+def job_detail(job: control_pb2.Job, now: float | None = None) -> str:
+    """The table form of `status`."""
+    now = time.time() if now is None else now
+    state = state_name(job.state)
+    lines = [f"job:          {job.id}" + (f" ({job.name})" if job.name else ""),
+             f"state:        {state}" + (f" — {job.reason}" if job.reason else "")]
+    if job.state in TERMINAL:
+        lines.append(f"exit code:    {job.exit_code}")
+    lines += [
+        f"restarts:     {restarts_text(job)} used/allowed",
+        f"nodes:        {nodes_text(job)} x {job.nproc_per_node or 1} ranks/node, round {job.round}"
+        + (f", submitted on {job.node_id}" if job.node_id else ""),
+        f"user:         {job.user or '?'} (uid {job.uid})",
+        f"command:      {shlex.join(job.command)}",
+        f"cwd:          {job.cwd}",
+        f"created:      {fmt_time(job.created_at, now)}",
+        f"started:      {fmt_time(job.started_at, now)}",
+        f"finished:     {fmt_time(job.finished_at, now)}",
+    ]
+    if job.seconds_in_state:
+        spent = ", ".join(f"{k} {fmt_age(v)}" for k, v in job.seconds_in_state.items())
+        lines.append(f"time spent:   {spent}")
+    if job.HasField("last_failure"):
+        f = job.last_failure
+        where = [f"restart {f.restart}"] + ([f"node {f.node_id}"] if f.node_id else [])
+        if f.time:
+            where.append(fmt_time(f.time, now))
+        lines.append(f"last failure: {describe_failure(f)}; {', '.join(where)}")
+        tb = f.traceback.rstrip("\n").splitlines()
+        if tb:
+            lines.append("traceback:" + (f" (last {TRACEBACK_LINES} of {len(tb)} lines)"
+                                         if len(tb) > TRACEBACK_LINES else ""))
+            lines += ["    " + t for t in tb[-TRACEBACK_LINES:]]
+    else:
+        lines.append("last failure: none")
+    if job.workers:
+        rows = [[w.rank, w.local_rank, w.node_id or "-", w.pid or "-", w.state,
+                 w.exit_code if w.state in ("failed", "succeeded") else "-"]
+                for w in sorted(job.workers, key=lambda w: w.rank)]
+        lines += ["workers:"] + ["  " + r for r in table(
+            rows, ["RANK", "LOCAL", "NODE", "PID", "STATE", "EXIT"]).splitlines()]
+    return "\n".join(lines)
+
+
+def jobs_table(jobs: Iterable[control_pb2.Job], now: float | None = None) -> str:
+    now = time.time() if now is None else now
+    rows = [[j.id, j.name or "-", state_name(j.state), nodes_text(j), j.nproc_per_node or 1,
+             restarts_text(j), fmt_age(now - j.created_at) if j.created_at else "-",
+             j.user or str(j.uid), _short(shlex.join(j.command), 40)] for j in jobs]
+    return table(rows, ["ID", "NAME", "STATE", "NODES", "NPROC", "RESTARTS", "AGE", "USER",
+                        "COMMAND"])
+
+
+def nodes_table(resp: control_pb2.ListNodesResponse) -> str:
+    rows = [[n.node_id, n.state, n.host or "-", n.address or "-", f"{n.slots_free}/{n.slots}",
+             n.version or "-", f"{n.heartbeat_age_seconds:.1f}s", ",".join(n.jobs) or "-"]
+            for n in resp.nodes]
+    text = table(rows, ["NODE", "STATE", "HOST", "ADDRESS", "FREE/SLOTS", "VERSION",
+                        "HEARTBEAT", "JOBS"])
+    store = resp.store or "?"
+    return text + f"\nstore: {store} ({resp.store_health or 'unknown'})"
+
+
+def event_line(ev: control_pb2.Event) -> str:
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ev.time)) if ev.time else "-"
+    if ev.kind == "state":
+        what = f"{state_name(ev.from_state)} -> {state_name(ev.to_state)}"
+    else:
+        what = ev.kind + (f" rank {ev.rank}" if ev.rank >= 0 and ev.kind == "worker_exit" else "")
+    ctx = [f"node {ev.node_id}"] if ev.node_id else []
+    ctx += [f"round {ev.round}", f"restart {ev.restart}"]
+    reason = f": {ev.reason}" if ev.reason else ""
+    return f"{stamp}  {ev.job_id}  {what}{reason}  [{', '.join(ctx)}]"
+
+
+def _short(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+# ---------------------------------------------------------------- the printer
+
+class Printer:
+    """Writes each command's result to ``out`` in the chosen format."""
+
+    def __init__(self, fmt: str = "table", out: TextIO | None = None):
+        if fmt not in FORMATS:
+            raise ValueError(f"unknown output format {fmt!r}")
+        self.fmt = fmt
+        self.out = out if out is not None else sys.stdout
+        self._midline: set[int] = set()  # ranks whose last log text ended mid-line
+
+    @property
+    def json(self) -> bool:
+        return self.fmt == "json"
+
+    def _emit(self, text: str) -> None:
+        self.out.write(text + "\n")
+        self.out.flush()
+
+    def _json(self, data: Any, lines: bool = False) -> None:
+        self._emit(json.dumps(data, sort_keys=False) if lines else json.dumps(data, indent=2))
+
+    def submitted(self, job: control_pb2.Job) -> None:
+        self._json(job_dict(job)) if self.json else self._emit(job.id)
+
+    def job(self, job: control_pb2.Job) -> None:
+        self._json(job_dict(job)) if self.json else self._emit(job_detail(job))
+
+    def finished(self, job: control_pb2.Job) -> None:
+        """The result of `wait`."""
+        self._json(job_dict(job)) if self.json else self._emit(job_summary(job))
+
+    def cancelled(self, job: control_pb2.Job) -> None:
+        if self.json:
+            self._json(job_dict(job))
+        elif job.state in TERMINAL:
+            self._emit(f"{job.id} {state_name(job.state)}" + (f": {job.reason}" if job.reason else ""))
+        else:
+            self._emit(f"{job.id} cancelling (now {state_name(job.state)})")
+
+    def jobs(self, jobs: list[control_pb2.Job]) -> None:
+        if self.json:
+            self._json({"jobs": [job_dict(j) for j in jobs]})
+        else:
+            self._emit(jobs_table(jobs) if jobs else "no jobs")
+
+    def nodes(self, resp: control_pb2.ListNodesResponse) -> None:
+        self._json(to_dict(resp)) if self.json else self._emit(nodes_table(resp))
+
+    def event(self, ev: control_pb2.Event) -> None:
+        self._json(event_dict(ev), lines=True) if self.json else self._emit(event_line(ev))
+
+    def log(self, rank: int, text: str, prefix: bool) -> None:
+        """Log text as it came; ``[rank R] `` before each line when ``prefix``."""
+        if self.json:
+            self._json({"rank": rank, "text": text}, lines=True)
+            return
+        if prefix and text:
+            lines = text.splitlines(keepends=True)
+            head = "" if rank in self._midline else f"[rank {rank}] "
+            text = head + lines[0] + "".join(f"[rank {rank}] {line}" for line in lines[1:])
+            (self._midline.discard if text.endswith("\n") else self._midline.add)(rank)
+        self.out.write(text)
+        self.out.flush()
