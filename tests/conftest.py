@@ -1,179 +1,15 @@
-"""Shared fixtures: real elasticd daemons as subprocesses on real unix sockets.
+"""Shared fixtures: real elasticd daemons (see daemons.py), cleaned up after.
 
-``daemon`` starts ``python -m elasticd --standalone`` with its own socket and
-state dir under a short /tmp path (unix socket paths are limited to 107
-bytes), waits until the control socket answers, and on teardown stops it and
-kills any worker process group it left behind.
+On teardown every daemon a test made is stopped and any worker process it
+left behind is killed.
 """
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import signal
-import subprocess
-import sys
-import tempfile
-import time
 
-import psutil
 import pytest
 
-from elasticd.v1 import control_pb2 as pb
-from elasticctl.client import Client
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}
-
-
-class DaemonProc:
-    def __init__(self, root: str, node_id: str = "node-a", slots: int = 4,
-                 extra_args: tuple = (), env: dict | None = None):
-        self.root = root
-        self.node_id = node_id
-        self.socket = os.path.join(root, "run", "control.sock")
-        self.state_dir = os.path.join(root, "state")
-        self.log_path = os.path.join(root, f"daemon-{node_id}.log")
-        self.args = ["--standalone", "--node-id", node_id, "--socket", self.socket,
-                     "--state-dir", self.state_dir, "--metrics-port", "0",
-                     "--slots", str(slots), *extra_args]
-        self.env = dict(os.environ, **(env or {}))
-        self.proc: subprocess.Popen | None = None
-
-    # -- life cycle ----------------------------------------------------------
-    def start(self, timeout: float = 15.0) -> "DaemonProc":
-        logf = open(self.log_path, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "elasticd", *self.args],
-                                     stdout=logf, stderr=subprocess.STDOUT, env=self.env,
-                                     cwd=self.root)
-        logf.close()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"elasticd exited {self.proc.returncode}:\n{self.log()}")
-            if os.path.exists(self.socket) and os.path.exists(self.socket + ".cred"):
-                try:
-                    with self.client() as c:
-                        c.call("ListNodes", pb.ListNodesRequest())
-                    return self
-                except Exception:  # not serving yet
-                    pass
-            time.sleep(0.05)
-        raise RuntimeError(f"elasticd not ready after {timeout}s:\n{self.log()}")
-
-    def stop(self, timeout: float = 30.0) -> int | None:
-        if self.proc is None or self.proc.poll() is not None:
-            return self.proc.returncode if self.proc else None
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
-
-    def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.kill()
-        self.proc.wait()
-
-    def log(self) -> str:
-        try:
-            with open(self.log_path, errors="replace") as fh:
-                return fh.read()
-        except FileNotFoundError:
-            return ""
-
-    # -- talking to it -------------------------------------------------------
-    def client(self) -> Client:
-        return Client(self.socket)
-
-    def ctl(self, *args: str, cwd: str | None = None,
-            timeout: float = 60.0, env: dict | None = None,
-            user: tuple | None = None) -> subprocess.CompletedProcess:
-        """Run the real elasticctl against this daemon."""
-        cmd = [sys.executable, "-m", "elasticctl", "--socket", self.socket, *args]
-        if user is not None:  # (uid, gid, [groups])
-            uid, gid, groups = user
-            cmd = [sys.executable, os.path.join(REPO, "tests", "run_as.py"), str(uid), str(gid),
-                   ",".join(map(str, groups)), "--", "--socket", self.socket, *args]
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                              cwd=cwd or self.root, env=dict(os.environ, **(env or {})))
-
-    def submit(self, *command: str, nproc: int = 1, max_restarts: int = -1,
-               name: str = "", cwd: str | None = None, env: dict | None = None) -> str:
-        req = pb.SubmitRequest(command=list(command), cwd=cwd or self.root,
-                               env=dict(os.environ, **(env or {})), nproc_per_node=nproc,
-                               max_restarts=max_restarts, name=name)
-        with self.client() as c:
-            return c.call("Submit", req).job.id
-
-    def job(self, job_id: str) -> pb.Job:
-        with self.client() as c:
-            return c.call("GetJob", pb.GetJobRequest(id=job_id))
-
-    def wait_job(self, job_id: str, timeout: float = 90.0) -> pb.Job:
-        deadline = time.monotonic() + timeout
-        with self.client() as c:
-            while True:
-                left = deadline - time.monotonic()
-                job = c.call("WaitJob", pb.WaitJobRequest(id=job_id, timeout_seconds=max(
-                    0.1, min(left, 5.0))), wait=5.0)
-                if pb.JobState.Name(job.state) in TERMINAL:
-                    return job
-                if left <= 0:
-                    raise AssertionError(f"job {job_id} still {pb.JobState.Name(job.state)} "
-                                         f"after {timeout}s:\n{self.log()[-4000:]}")
-
-    def wait_state(self, job_id: str, state: str, timeout: float = 60.0,
-                   pred=lambda job: True) -> pb.Job:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            job = self.job(job_id)
-            if pb.JobState.Name(job.state) == state and pred(job):
-                return job
-            time.sleep(0.05)
-        raise AssertionError(f"job {job_id} never reached {state}; it is "
-                             f"{pb.JobState.Name(job.state)}:\n{self.log()[-4000:]}")
-
-    def rank_log(self, job_id: str, rank: int) -> str:
-        path = os.path.join(self.state_dir, "logs", job_id, f"rank-{rank}.log")
-        with open(path, errors="replace") as fh:
-            return fh.read()
-
-    def events(self, job_id: str) -> list[pb.Event]:
-        with self.client() as c:
-            return list(c.stream("Events", pb.EventsRequest(id=job_id)))
-
-
-def short_tmpdir(prefix: str = "ed-") -> str:
-    path = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
-    os.chmod(path, 0o755)  # other users (the cross-user tests) must traverse it
-    return path
-
-
-def kill_process_tree_of(pids: list[int]) -> None:
-    for pid in pids:
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
-def worker_pids_under(state_dir: str) -> list[int]:
-    """PIDs of live processes that are workers of jobs in this state dir."""
-    try:
-        job_ids = set(os.listdir(os.path.join(state_dir, "logs")))
-    except FileNotFoundError:
-        return []
-    found = []
-    for proc in psutil.process_iter(["pid"]):
-        try:
-            env = proc.environ()
-        except (psutil.Error, OSError):
-            continue
-        if env.get("ELASTICD_JOB_ID") in job_ids:
-            found.append(proc.pid)
-    return found
+from daemons import DaemonProc, kill_process_tree_of, short_tmpdir, worker_pids_under
 
 
 @pytest.fixture
@@ -203,7 +39,3 @@ def daemon_factory():
 @pytest.fixture
 def daemon(daemon_factory) -> DaemonProc:
     return daemon_factory().start()
-
-
-def parse_json(text: str) -> dict:
-    return json.loads(text)

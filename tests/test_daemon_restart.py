@@ -1,10 +1,8 @@
 """A daemon killed hard leaves no worker behind, and resumes its jobs."""
 import os
-import signal
 import time
 
 import psutil
-import pytest
 
 SLEEPER = ["python", "-c", "import time, os, subprocess;"
            "subprocess.Popen(['sleep', '300']);"  # a grandchild in the same process group

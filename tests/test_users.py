@@ -6,9 +6,7 @@ daemon learns that uid from SO_PEERCRED, not from anything the client says.
 """
 import json
 import os
-import time
 
-import psutil
 import pytest
 
 NOBODY = (65534, 65534, [65534])

@@ -183,7 +183,10 @@ def cmd_events(ctx: Context) -> int:
 
 
 def cmd_cancel(ctx: Context) -> int:
-    ctx.printer.cancelled(ctx.client.call("CancelJob", pb.CancelJobRequest(id=ctx.args.job)))
+    # The daemon answers once the workers are stopped (its stop grace period
+    # plus a margin); allow for a long configured grace period.
+    ctx.printer.cancelled(ctx.client.call("CancelJob", pb.CancelJobRequest(id=ctx.args.job),
+                                          wait=120.0))
     return EXIT_OK
 
 

@@ -87,7 +87,7 @@ def _os_reason(exc: OSError, what: str) -> str:
     if isinstance(exc, socket.timeout):
         return f"the daemon did not answer on the {what} within {CRED_TIMEOUT:g} s (is it hung?)"
     if exc.errno == errno.ENOTSOCK:
-        return f"not a socket — point --socket at elasticd's control socket"
+        return "not a socket — point --socket at elasticd's control socket"
     return f"{exc.strerror or exc} — {_RUNNING_HINT}"
 
 

@@ -24,7 +24,7 @@ from .config import Config
 from .jobs import JobRecord, JobRegistry
 from .logfiles import LogReader
 from .manager import JobManager
-from .states import TERMINAL_STATES, JobState
+from .states import TERMINAL_STATES
 from .v1 import control_pb2 as pb
 from .v1 import control_pb2_grpc as pb_grpc
 
@@ -162,7 +162,12 @@ class ControlServicer(pb_grpc.ControlServicer):
 
     @_handle
     def CancelJob(self, request, context, caller):
-        return job_to_proto(self._manager.cancel(validation.job_key(request.id), caller))
+        job = self._manager.cancel(validation.job_key(request.id), caller)
+        # Answer once the workers are stopped (graceful stop plus a margin), so
+        # the caller sees CANCELLED rather than a job still shutting down.
+        finished = lambda: self._registry.get(job.id).state in TERMINAL_STATES  # noqa: E731
+        self._registry.wait_for_change(finished, self._cfg.agent.stop_grace_period + 2.0)
+        return job_to_proto(self._registry.get(job.id))
 
     @_handle
     def WaitJob(self, request, context, caller):

@@ -6,7 +6,7 @@ scrape time.
 """
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client import CollectorRegistry, Counter, Histogram, Info
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import start_http_server
 
