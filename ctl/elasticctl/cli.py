@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 from typing import Callable, TextIO
@@ -133,12 +134,52 @@ def _finish_wait(ctx: Context, job_id: str, timeout: float | None) -> int:
 
 # ---------------------------------------------------------------- commands
 
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeError:
+        return False
+
+
+def inheritable_env(environ: dict) -> tuple[dict, list]:
+    """The caller's environment minus what the daemon cannot take.
+
+    Shells export functions as variables like ``BASH_FUNC_module%%`` (Lmod,
+    Environment Modules), and a variable may hold bytes that are not UTF-8;
+    neither can travel, and neither should stop a submission.
+    """
+    env, skipped = {}, []
+    for key, value in environ.items():
+        if _ENV_NAME.match(key) and _utf8(value):
+            env[key] = value
+        else:
+            skipped.append(key.encode("utf-8", "backslashreplace").decode())
+    return env, sorted(skipped)
+
+
 def cmd_submit(ctx: Context) -> int:
     a = ctx.args
     lo, hi = a.nnodes
-    env = dict(os.environ)
+    env, skipped = inheritable_env(dict(os.environ))
+    if skipped:
+        ctx.note(f"not passing {len(skipped)} environment variable(s) that cannot be sent "
+                 f"(function exports or non-UTF-8 values): {', '.join(skipped)[:200]}")
     env.update(dict(a.env))
-    req = pb.SubmitRequest(name=a.name or "", command=a.cmd, cwd=os.getcwd(), env=env,
+    try:
+        cwd = os.getcwd()
+        for text in (cwd, *a.cmd, *env.values()):
+            text.encode("utf-8")
+    except UnicodeError:
+        raise clientlib.CtlError("the working directory or the command is not valid UTF-8; "
+                       "run from a directory and with arguments that are") from None
+    except FileNotFoundError:
+        raise clientlib.CtlError("the current directory no longer exists; cd somewhere that does") \
+            from None
+    req = pb.SubmitRequest(name=a.name or "", command=a.cmd, cwd=cwd, env=env,
                            min_nodes=lo, max_nodes=hi, nproc_per_node=a.nproc_per_node,
                            max_restarts=a.max_restarts)
     job = ctx.client.call("Submit", req).job

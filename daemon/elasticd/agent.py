@@ -12,6 +12,7 @@ import enum
 import json
 import logging
 import os
+import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -65,7 +66,25 @@ def restart_delay(restart_number: int, initial: float, step: float, maximum: flo
     """Wait before restart ``restart_number`` (1-based): initial, then +step doubling."""
     if restart_number <= 1:
         return min(initial, maximum)
-    return min(maximum, initial + step * (2 ** (restart_number - 2)))
+    # The exponent is capped: past 2**60 the maximum has long been reached.
+    return min(maximum, initial + step * 2.0 ** min(restart_number - 2, 60))
+
+
+# Signals that mean "we or a peer's teardown stopped it", not a fault of its own.
+_STOP_SIGNALS = {-signal.SIGTERM, -signal.SIGINT, -signal.SIGPIPE}
+
+
+def _blame_order(outcome: int, error_file_mtime: float) -> int:
+    """Which of several failed workers seen together caused it: lower first.
+
+    A worker killed by a signal of its own (SIGKILL from the OOM killer,
+    SIGSEGV, SIGABRT) comes before those that wrote an error file, since its
+    peers then fail with "connection reset" errors of their own; then error
+    files (by time), then the rest (by rank).
+    """
+    if outcome < 0 and outcome not in _STOP_SIGNALS:
+        return 0
+    return 1 if error_file_mtime else 2
 
 
 def read_error_file(path: str, limit: int = 16 * 1024) -> tuple[str, str, float]:
@@ -80,7 +99,8 @@ def read_error_file(path: str, limit: int = 16 * 1024) -> tuple[str, str, float]
         text = str(msg.get("message", ""))
         tb = str(msg.get("extraInfo", {}).get("py_callstack", ""))
         return text[:limit], tb[-limit:], mtime
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, TypeError, RecursionError):
+        # Whatever a worker left there, a bad file must not stop the restart loop.
         return "", "", 0.0
 
 
@@ -240,8 +260,7 @@ class Agent:
         for w in group.workers:
             if w.outcome not in (None, 0) and (w.reported_error or not w.stopped_by_us):
                 message, tb, mtime = read_error_file(w.error_file)
-                # Earliest error file first; workers without one after, by rank.
-                candidates.append((0 if mtime else 1, mtime, w.rank, w, message, tb))
+                candidates.append((_blame_order(w.outcome, mtime), mtime, w.rank, w, message, tb))
         if not candidates:
             return self._failure(job, -1, 1, 0, "worker failed")
         candidates.sort(key=lambda c: c[:3])

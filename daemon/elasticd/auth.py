@@ -70,7 +70,7 @@ class TokenIssuer:
         if not token:
             raise AuthError("no credential token: connect through elasticctl, which fetches one "
                             "from the .cred socket beside the control socket")
-        if len(token) > 512:
+        if len(token) > 512 or not token.isascii():
             raise AuthError("credential token is malformed")
         body, _, mac = token.rpartition(":")
         if not body or not hmac.compare_digest(self._sign(body), mac):
