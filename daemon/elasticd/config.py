@@ -50,6 +50,8 @@ class DaemonSettings:
                                              "a name or a number; ignored if it does not exist")
     state_dir: str = _setting("", "where job records and logs live (default: /var/lib/elasticd "
                                   "as root, ~/.local/state/elasticd otherwise)")
+    address: str = _setting("", "address peers use to reach this node's workers (MASTER_ADDR); "
+                                "default: the local address that routes to etcd")
     slots: int = _setting(0, "worker processes this node runs at once, over all jobs "
                              "(0: one per CPU)", min=0, max=1_000_000)
     log_level: str = _setting("info", "log level", choices=("debug", "info", "warning", "error"))
@@ -63,8 +65,29 @@ class DaemonSettings:
 class EtcdSettings:
     endpoints: list = _setting(["http://127.0.0.1:2379"], "etcd client URLs, tried in order")
     prefix: str = _setting("/elasticd", "key prefix; keys live under <prefix>/v1/")
-    request_timeout: float = _setting(2.0, "seconds one etcd request may take",
+    api: str = _setting("auto", "etcd API: v3, v2 (needs etcd --enable-v2), or auto (v3 when "
+                                "the server has it)", choices=("auto", "v3", "v2"))
+    request_timeout: float = _setting(1.5, "seconds one etcd request may take",
                                       min=0, exclusive_min=True)
+    ca_cert: str = _setting("", "CA bundle to verify etcd's TLS certificate (https endpoints)")
+    cert: str = _setting("", "client certificate for etcd TLS client auth")
+    key: str = _setting("", "client key for etcd TLS client auth")
+    username: str = _setting("", "etcd user (auth enabled)")
+    password_file: str = _setting("", "file holding the etcd user's password")
+
+
+@dataclass(frozen=True)
+class MembershipSettings:
+    lease_ttl: int = _setting(3, "seconds after a daemon's last refresh that its node counts "
+                                 "as lost", min=1, max=3600)
+    refresh_interval: float = _setting(1.0, "seconds between lease refreshes", min=0.05,
+                                       max=3600)
+    lost_node_retention: float = _setting(3600.0, "seconds a lost node stays listed by "
+                                                  "`elasticctl nodes`", min=0, max=30 * 86400)
+    watch_retry: float = _setting(1.0, "seconds before a broken etcd watch is tried again",
+                                  min=0.05, max=600)
+    startup_timeout: float = _setting(10.0, "seconds the daemon tries to reach etcd at start "
+                                            "before it gives up", min=0, max=3600)
 
 
 @dataclass(frozen=True)
@@ -125,6 +148,7 @@ class MetricsSettings:
 SECTIONS: dict[str, type] = {
     "daemon": DaemonSettings,
     "etcd": EtcdSettings,
+    "membership": MembershipSettings,
     "agent": AgentSettings,
     "control": ControlSettings,
     "metrics": MetricsSettings,
@@ -135,6 +159,7 @@ SECTIONS: dict[str, type] = {
 class Config:
     daemon: DaemonSettings = field(default_factory=DaemonSettings)
     etcd: EtcdSettings = field(default_factory=EtcdSettings)
+    membership: MembershipSettings = field(default_factory=MembershipSettings)
     agent: AgentSettings = field(default_factory=AgentSettings)
     control: ControlSettings = field(default_factory=ControlSettings)
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
@@ -221,6 +246,18 @@ def _check_relations(cfg: Config, errors: list[str]) -> None:
         errors.append(f"daemon.state_dir: must be an absolute path, got {d.state_dir!r}")
     if not cfg.etcd.prefix.startswith("/") or cfg.etcd.prefix.endswith("/") and cfg.etcd.prefix != "/":
         errors.append(f"etcd.prefix: must start with '/' and not end with one, got {cfg.etcd.prefix!r}")
+    m = cfg.membership
+    if not d.standalone and m.refresh_interval + cfg.etcd.request_timeout > m.lease_ttl:
+        errors.append(f"membership.refresh_interval: plus etcd.request_timeout must fit in "
+                      f"membership.lease_ttl ({m.refresh_interval} + "
+                      f"{cfg.etcd.request_timeout} > {m.lease_ttl}), or a slow refresh "
+                      "loses the lease")
+    for name in ("ca_cert", "cert", "key", "password_file"):
+        path = getattr(cfg.etcd, name)
+        if path and not os.path.isfile(path):
+            errors.append(f"etcd.{name}: file {path} does not exist")
+    if bool(cfg.etcd.cert) != bool(cfg.etcd.key):
+        errors.append("etcd.cert: etcd.cert and etcd.key go together")
     if not d.standalone and not cfg.etcd.endpoints:
         errors.append("etcd.endpoints: at least one URL is needed unless daemon.standalone is set")
 

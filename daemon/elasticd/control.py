@@ -18,12 +18,13 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from . import __version__, errors, validation
+from . import errors, validation
 from .auth import TOKEN_METADATA_KEY, AuthError, Caller, TokenIssuer, set_socket_access
 from .config import Config
 from .jobs import JobRecord, JobRegistry
 from .logfiles import LogReader
 from .manager import JobManager
+from .store import StoreError
 from .states import TERMINAL_STATES
 from .v1 import control_pb2 as pb
 from .v1 import control_pb2_grpc as pb_grpc
@@ -119,13 +120,13 @@ def _event_to_proto(ev: dict) -> pb.Event:
 
 class ControlServicer(pb_grpc.ControlServicer):
     def __init__(self, cfg: Config, manager: JobManager, registry: JobRegistry,
-                 issuer: TokenIssuer, metrics=None, store_info=None):
+                 issuer: TokenIssuer, metrics=None, cluster=None):
         self._cfg = cfg
         self._manager = manager
         self._registry = registry
         self._issuer = issuer
         self._metrics = metrics
-        self._store_info = store_info or (lambda: ("memory", "ok"))
+        self._cluster = cluster
 
     def _caller(self, context) -> Caller:
         token = dict(context.invocation_metadata()).get(TOKEN_METADATA_KEY)
@@ -236,17 +237,55 @@ class ControlServicer(pb_grpc.ControlServicer):
 
     @_handle
     def ListNodes(self, request, context, caller):
-        used = self._manager.slots_used()
-        kind, health_text = self._store_info()
-        node = pb.Node(node_id=self._cfg.daemon.node_id, state="ready",
-                       host=os.uname().nodename, address="127.0.0.1",
-                       slots=self._manager.slots_total, slots_free=self._manager.slots_total - used,
-                       version=__version__, started_at=_STARTED, heartbeat_age_seconds=0.0,
-                       jobs=self._manager.active_jobs())
-        return pb.ListNodesResponse(nodes=[node], store=kind, store_health=health_text)
+        cluster = self._cluster
+        view = cluster.watcher.snapshot()
+        try:
+            drains = cluster.drain_states()
+        except StoreError:
+            drains = {}
+        me = self._cfg.daemon.node_id
+        live = dict(view.live)
+        if me not in live:  # not (yet) registered: still say who we are
+            live[me] = cluster.record()
+        nodes = []
+        for node_id, rec in sorted(live.items()):
+            nodes.append(_node_proto(rec, "draining" if node_id in drains else "ready",
+                                     time.time() - cluster.keeper.last_refresh
+                                     if node_id == me and cluster.keeper.last_refresh else 0.0))
+        for node_id, (lost_at, rec) in sorted(view.lost.items()):
+            if node_id not in live:
+                msg = _node_proto(rec, "lost", time.time() - lost_at)
+                msg.lost_at = lost_at
+                nodes.append(msg)
+        return pb.ListNodesResponse(nodes=nodes, store=cluster.kind,
+                                    store_health=cluster.health())
+
+    @_handle
+    def SetNodeState(self, request, context, caller):
+        if not caller.is_root:
+            raise errors.PermissionDenied("only root may drain or uncordon a node")
+        if request.state not in ("draining", "ready"):
+            raise errors.InvalidArgument(f"state: must be draining or ready, got "
+                                         f"{request.state[:40]!r}")
+        node_id = validation.job_key(request.node_id)
+        view = self._cluster.watcher.snapshot()
+        if node_id not in view.live and node_id != self._cfg.daemon.node_id:
+            raise errors.NotFound(f"no live node {node_id!r}; `elasticctl nodes` lists them")
+        try:
+            self._cluster.set_drain(node_id, request.state == "draining", caller.user)
+        except StoreError as exc:
+            raise errors.FailedPrecondition(f"etcd unavailable, node state unchanged: {exc}") \
+                from None
+        rec = view.live.get(node_id) or self._cluster.record()
+        return _node_proto(rec, request.state, 0.0)
 
 
-_STARTED = time.time()
+def _node_proto(rec: dict, state: str, age: float) -> pb.Node:
+    return pb.Node(node_id=rec.get("node_id", ""), state=state, host=str(rec.get("host", "")),
+                   address=str(rec.get("address", "")), slots=int(rec.get("slots", 0)),
+                   slots_free=int(rec.get("slots_free", 0)), version=str(rec.get("version", "")),
+                   started_at=float(rec.get("started_at", 0.0)), heartbeat_age_seconds=age,
+                   jobs=[str(j) for j in rec.get("jobs", [])][:1000])
 
 
 class ControlServer:

@@ -16,6 +16,7 @@ import time
 
 from . import __version__
 from .auth import CredentialServer, TokenIssuer
+from .cluster import Cluster, ClusterStartError, open_cluster_store
 from .config import Config, socket_gid
 from .control import ControlServer, ControlServicer
 from .jobs import JobRegistry
@@ -24,6 +25,7 @@ from .manager import JobManager
 from .metrics import Metrics
 from .rendezvous.local import LocalRendezvous
 from .sdnotify import Notifier
+from .store import StoreError
 
 log = logging.getLogger("elasticd")
 
@@ -40,10 +42,6 @@ class Daemon:
     def run(self) -> int:
         cfg, d = self.cfg, self.cfg.daemon
         t0 = time.monotonic()
-        if not d.standalone:
-            log.error("cluster mode needs the etcd store, which this build does not have yet; "
-                      "start with --standalone")
-            return 2
         os.makedirs(os.path.dirname(d.socket), mode=0o755, exist_ok=True)
         os.makedirs(cfg.logs_dir, mode=0o755, exist_ok=True)
         lock = _lock_state_dir(d.state_dir)
@@ -51,22 +49,35 @@ class Daemon:
             log.error("another elasticd already uses the state dir %s; give this one its own "
                       "(--state-dir)", d.state_dir)
             return 1
+        try:
+            store = open_cluster_store(cfg)
+        except ClusterStartError as exc:
+            log.error("%s", exc)
+            return 1
         registry = JobRegistry(d.state_dir, d.node_id)
         metrics = Metrics(d.node_id)
+        store = metrics.timed_store(store)  # metrics: store request latency and errors
         manager = JobManager(cfg, registry, LocalRendezvous(d.node_id), metrics)
+        cluster = Cluster(cfg, store, lambda: (manager.slots_total - manager.slots_used(),
+                                               manager.active_jobs()))
         metrics.attach(registry, manager)
+        metrics.attach_cluster(cluster)  # metrics: the node lease
         issuer = TokenIssuer(cfg.control.token_ttl)
         gid = socket_gid(cfg)
         if gid is None and os.geteuid() == 0:
             log.warning("group %r does not exist: only root can use the control socket",
                         d.socket_group)
         cred = CredentialServer(cfg.cred_socket, issuer, gid)
-        server = ControlServer(cfg, ControlServicer(cfg, manager, registry, issuer, metrics), gid)
+        server = ControlServer(cfg, ControlServicer(cfg, manager, registry, issuer, metrics,
+                                                    cluster), gid)
         try:
             cred.start()
-        except RuntimeError as exc:
+            cluster.start()
+        except (RuntimeError, StoreError) as exc:
             log.error("%s", exc)
+            cred.stop()
             registry.close()
+            store.close()
             return 1
         server.start()
         try:
@@ -76,12 +87,13 @@ class Daemon:
                       cfg.metrics.address, cfg.metrics.port, exc)
             server.stop(0)
             cred.stop()
+            cluster.stop()
             registry.close()
             return 1
         manager.resume()
-        log.info("%s: elasticd %s ready in %.0f ms on %s (standalone, %d slots, state in %s)",
+        log.info("%s: elasticd %s ready in %.0f ms on %s (store %s, %d slots, state in %s)",
                  ctx(node=d.node_id), __version__, (time.monotonic() - t0) * 1000, d.socket,
-                 d.slots, d.state_dir)
+                 cluster.kind, d.slots, d.state_dir)
         self._notifier.ready(f"serving on {d.socket}")
         try:
             self._main_loop()
@@ -89,6 +101,7 @@ class Daemon:
             log.info("%s: stopping", ctx(node=d.node_id))
             self._notifier.stopping()
             manager.shutdown(d.shutdown_timeout)
+            cluster.stop()
             server.stop(1.0)
             cred.stop()
             metrics.stop()

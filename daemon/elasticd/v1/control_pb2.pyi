@@ -245,7 +245,7 @@ class ListNodesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Node(_message.Message):
-    __slots__ = ("node_id", "state", "host", "address", "slots", "slots_free", "version", "started_at", "heartbeat_age_seconds", "jobs")
+    __slots__ = ("node_id", "state", "host", "address", "slots", "slots_free", "version", "started_at", "heartbeat_age_seconds", "jobs", "lost_at")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
@@ -256,6 +256,7 @@ class Node(_message.Message):
     STARTED_AT_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     JOBS_FIELD_NUMBER: _ClassVar[int]
+    LOST_AT_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     state: str
     host: str
@@ -266,7 +267,16 @@ class Node(_message.Message):
     started_at: float
     heartbeat_age_seconds: float
     jobs: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, node_id: _Optional[str] = ..., state: _Optional[str] = ..., host: _Optional[str] = ..., address: _Optional[str] = ..., slots: _Optional[int] = ..., slots_free: _Optional[int] = ..., version: _Optional[str] = ..., started_at: _Optional[float] = ..., heartbeat_age_seconds: _Optional[float] = ..., jobs: _Optional[_Iterable[str]] = ...) -> None: ...
+    lost_at: float
+    def __init__(self, node_id: _Optional[str] = ..., state: _Optional[str] = ..., host: _Optional[str] = ..., address: _Optional[str] = ..., slots: _Optional[int] = ..., slots_free: _Optional[int] = ..., version: _Optional[str] = ..., started_at: _Optional[float] = ..., heartbeat_age_seconds: _Optional[float] = ..., jobs: _Optional[_Iterable[str]] = ..., lost_at: _Optional[float] = ...) -> None: ...
+
+class SetNodeStateRequest(_message.Message):
+    __slots__ = ("node_id", "state")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    state: str
+    def __init__(self, node_id: _Optional[str] = ..., state: _Optional[str] = ...) -> None: ...
 
 class ListNodesResponse(_message.Message):
     __slots__ = ("nodes", "store", "store_health")

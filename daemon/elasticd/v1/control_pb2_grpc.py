@@ -74,6 +74,11 @@ class ControlStub:
                 request_serializer=elasticd_dot_v1_dot_control__pb2.ListNodesRequest.SerializeToString,
                 response_deserializer=elasticd_dot_v1_dot_control__pb2.ListNodesResponse.FromString,
                 _registered_method=True)
+        self.SetNodeState = channel.unary_unary(
+                '/elasticd.v1.Control/SetNodeState',
+                request_serializer=elasticd_dot_v1_dot_control__pb2.SetNodeStateRequest.SerializeToString,
+                response_deserializer=elasticd_dot_v1_dot_control__pb2.Node.FromString,
+                _registered_method=True)
 
 
 class ControlServicer:
@@ -135,6 +140,13 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetNodeState(self, request, context):
+        """Mark a node draining (it takes no new jobs) or ready again. root only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -177,6 +189,11 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.ListNodes,
                     request_deserializer=elasticd_dot_v1_dot_control__pb2.ListNodesRequest.FromString,
                     response_serializer=elasticd_dot_v1_dot_control__pb2.ListNodesResponse.SerializeToString,
+            ),
+            'SetNodeState': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetNodeState,
+                    request_deserializer=elasticd_dot_v1_dot_control__pb2.SetNodeStateRequest.FromString,
+                    response_serializer=elasticd_dot_v1_dot_control__pb2.Node.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -395,6 +412,33 @@ class Control:
             '/elasticd.v1.Control/ListNodes',
             elasticd_dot_v1_dot_control__pb2.ListNodesRequest.SerializeToString,
             elasticd_dot_v1_dot_control__pb2.ListNodesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetNodeState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/elasticd.v1.Control/SetNodeState',
+            elasticd_dot_v1_dot_control__pb2.SetNodeStateRequest.SerializeToString,
+            elasticd_dot_v1_dot_control__pb2.Node.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,131 @@
+"""The daemon's place in the cluster: store, lease keeper, node watcher.
+
+Standalone mode runs the very same parts on the in-memory store, so a
+single node and a cluster differ only in where the keys live.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+from urllib.parse import urlparse
+
+from . import __version__
+from .config import Config
+from .membership import DRAIN, LeaseKeeper, NodeWatcher
+from .store import (MemoryStore, Store, StoreAuthError, StoreError, StoreUnavailable,
+                    open_store)
+
+log = logging.getLogger("elasticd.cluster")
+
+
+class ClusterStartError(RuntimeError):
+    pass
+
+
+def open_cluster_store(cfg: Config) -> Store:
+    """The store the config names; waits up to membership.startup_timeout for etcd."""
+    if cfg.daemon.standalone:
+        return open_store("memory", prefix=cfg.etcd.prefix)
+    e = cfg.etcd
+    password = None
+    if e.password_file:
+        with open(e.password_file) as fh:
+            password = fh.read().strip()
+    kind = {"auto": "auto", "v3": "etcd3", "v2": "etcd2"}[e.api]
+    deadline = time.monotonic() + cfg.membership.startup_timeout
+    while True:
+        try:
+            return open_store(kind, e.endpoints, prefix=e.prefix, timeout=e.request_timeout,
+                              ca_cert=e.ca_cert or None, cert=e.cert or None,
+                              key=e.key or None, username=e.username or None,
+                              password=password)
+        except StoreAuthError as exc:
+            raise ClusterStartError(f"etcd at {', '.join(e.endpoints)} refused us: {exc} "
+                                    "(check etcd.ca_cert, etcd.cert/key, etcd.username)") from None
+        except StoreError as exc:
+            if time.monotonic() >= deadline:
+                raise ClusterStartError(
+                    f"cannot reach etcd at {', '.join(e.endpoints)} within "
+                    f"{cfg.membership.startup_timeout:g}s: {exc}") from None
+            time.sleep(0.5)
+
+
+def advertised_address(cfg: Config) -> str:
+    """The address peers should use for this node (MASTER_ADDR when rank 0 is here)."""
+    if cfg.daemon.address:
+        return cfg.daemon.address
+    if cfg.daemon.standalone:
+        return "127.0.0.1"
+    host = urlparse(cfg.etcd.endpoints[0]).hostname or "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 2379))  # no packet is sent; this only picks the route
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+class Cluster:
+    def __init__(self, cfg: Config, store: Store, slots_info):
+        self.cfg = cfg
+        self.store = store
+        self.address = advertised_address(cfg)
+        self._slots_info = slots_info          # () -> (slots_free, [job ids])
+        self._started_at = time.time()
+        m = cfg.membership
+        self.keeper = LeaseKeeper(store, cfg.daemon.node_id, m.lease_ttl, m.refresh_interval,
+                                  self.record)
+        self.watcher = NodeWatcher(store, cfg.daemon.node_id, m.lost_node_retention,
+                                   m.watch_retry)
+
+    @property
+    def kind(self) -> str:
+        return "memory" if isinstance(getattr(self.store, "inner", self.store), MemoryStore) \
+            else self.store.name
+
+    def record(self) -> dict:
+        free, jobs = self._slots_info()
+        return {"node_id": self.cfg.daemon.node_id, "host": socket.gethostname(),
+                "address": self.address, "slots": self.cfg.daemon.slots, "slots_free": free,
+                "version": __version__, "started_at": self._started_at, "pid": os.getpid(),
+                "jobs": sorted(jobs)}
+
+    def start(self) -> None:
+        """Register (NodeIdInUse if the id is taken) and start the loops."""
+        try:
+            self.keeper.register()
+        except StoreUnavailable as exc:
+            log.warning("etcd unavailable at start (%s); registering when it returns", exc)
+            self.keeper.health = f"unavailable: {exc}"
+        self.keeper.start()
+        self.watcher.start()
+
+    def stop(self) -> None:
+        self.watcher.stop()
+        self.keeper.stop()
+        self.store.close()
+
+    def health(self) -> str:
+        return self.keeper.health
+
+    def drain_states(self) -> dict[str, dict]:
+        kvs, _ = self.store.list(DRAIN)
+        out = {}
+        for kv in kvs:
+            try:
+                out[kv.key.rsplit("/", 1)[-1]] = json.loads(kv.value)
+            except ValueError:
+                log.warning("ignoring unreadable drain record at %s", kv.key)
+        return out
+
+    def set_drain(self, node_id: str, draining: bool, by: str) -> None:
+        key = f"{DRAIN}/{node_id}"
+        if draining:
+            self.store.put(key, json.dumps({"state": "draining", "by": by, "at": time.time()}))
+        else:
+            self.store.delete(key)
+        if node_id == self.cfg.daemon.node_id:
+            self.keeper.poke()
