@@ -181,6 +181,7 @@ def cmd_submit(ctx: Context) -> int:
             from None
     req = pb.SubmitRequest(name=a.name or "", command=a.cmd, cwd=cwd, env=env,
                            min_nodes=lo, max_nodes=hi, nproc_per_node=a.nproc_per_node,
+                           nodes=[n for n in a.nodes.split(",") if n],
                            max_restarts=a.max_restarts)
     job = ctx.client.call("Submit", req).job
     if not a.wait:
@@ -277,6 +278,8 @@ def _add_arguments(name: str, sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--nnodes", type=parse_nnodes, default=(1, 1), metavar="MIN[:MAX]",
                         help="nodes the job runs on: a fixed count or an elastic range "
                              "(default 1)")
+        sp.add_argument("--nodes", default="", metavar="NODE[,NODE...]",
+                        help="run only on these nodes (default: any node with free slots)")
         sp.add_argument("--nproc-per-node", type=_int_at_least(1, "--nproc-per-node"),
                         default=1, metavar="K", help="worker processes per node (default 1)")
         sp.add_argument("--max-restarts", type=_int_at_least(-1, "--max-restarts"), default=-1,

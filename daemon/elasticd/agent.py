@@ -1,10 +1,16 @@
 """The per-job restart loop on this node.
 
-One ``Agent`` thread per active job: rendezvous -> start workers -> monitor
--> on failure stop the group and restart it (up to max_restarts, with
-backoff) -> on success finish. What to do after each look at the workers is
-decided by the pure function ``decide()``; ``Agent._apply`` carries it out,
-and every move of the job goes through ``JobRegistry.transition``.
+One ``Agent`` thread per active job on this node: rendezvous (join the
+job's next round, see rendezvous/cluster.py) -> start workers -> monitor ->
+on a fault stop the group and open a new round (counted against the job's
+cluster-wide max_restarts, with backoff) -> re-rendezvous; when a peer opens
+a new round (its fault, a lost node, a node waiting to join) stop and
+rejoin; when every node's workers succeeded, finish. A standalone daemon
+runs the same loop on the in-memory store, one node per round.
+
+What to do after each look at the workers and the round is decided by the
+pure function ``decide()``; ``Agent._apply`` carries it out, and every move
+of the job goes through ``JobRegistry.transition``.
 """
 from __future__ import annotations
 
@@ -23,20 +29,27 @@ import psutil
 from .config import Config
 from .jobs import JobRecord, JobRegistry
 from .logsetup import ctx
-from .rendezvous.local import RendezvousResult
+from .progress import ProgressTracker
+from .rendezvous.cluster import ClusterRendezvous, RendezvousStopped, RoundFinal
+from .rendezvous.protocol import CANCELLED, FAILED, SUCCEEDED, Result, RoundState
 from .states import TERMINAL_STATES, JobState, WorkerState
+from .store import StoreError
 from .workers import GroupSpec, SpawnError, SparePool, WorkerGroup, describe_exit
 
 log = logging.getLogger("elasticd.agent")
 
 
 class Action(enum.Enum):
-    CONTINUE = "continue"    # workers still running, nothing to do
-    SUCCEED = "succeed"      # every worker exited 0
-    RESTART = "restart"      # a worker failed and restarts are left
-    FAIL = "fail"            # a worker failed and no restarts are left
+    CONTINUE = "continue"    # workers running (or done, waiting for the other nodes)
+    SUCCEED = "succeed"      # every worker on every node exited 0
+    RESTART = "restart"      # a local worker failed and restarts are left
+    FAIL = "fail"            # a local worker failed and no restarts are left
     CANCEL = "cancel"        # the user cancelled the job
     SUSPEND = "suspend"      # the daemon is stopping; resume at next start
+    REJOIN = "rejoin"        # another node opened a new round: stop and rejoin
+    NODE_LOST = "node_lost"  # a member node's lease expired: stop and open a new round
+    SCALE_UP = "scale_up"    # nodes wait to join: the round leader opens a new round
+    FINAL = "final"          # the job ended cluster-wide (on another node's word)
 
 
 @dataclass(frozen=True)
@@ -46,19 +59,35 @@ class Decision:
 
 
 def decide(returncodes: Sequence[int | None], restarts: int, max_restarts: int,
-           cancel_requested: bool, shutting_down: bool) -> Decision:
-    """What the agent does next, from one look at its workers (no I/O)."""
+           cancel_requested: bool, shutting_down: bool, *, round_status: str = "current",
+           round_reason: str = "", peers_done: bool = True) -> Decision:
+    """What the agent does next, from one look at its workers and its round (no I/O).
+
+    ``round_status`` is ClusterRendezvous.status(): current, superseded,
+    final, lost:<nodes> or waiting. ``peers_done``: every member node has
+    finished this round well (only asked once the local workers all did).
+    """
     if cancel_requested:
         return Decision(Action.CANCEL, "cancelled by user")
     if shutting_down:
         return Decision(Action.SUSPEND, "daemon stopping; the job resumes when it starts again")
+    if round_status == "final":
+        return Decision(Action.FINAL, round_reason)
+    if round_status.startswith("lost"):
+        return Decision(Action.NODE_LOST, round_reason)
+    if round_status == "superseded":
+        return Decision(Action.REJOIN, round_reason)
     failed = [rc for rc in returncodes if rc is not None and rc != 0]
     if failed:
         if restarts < max_restarts:
             return Decision(Action.RESTART, f"restart {restarts + 1} of {max_restarts}")
         return Decision(Action.FAIL, f"no restarts left ({restarts} of {max_restarts} used)")
     if returncodes and all(rc == 0 for rc in returncodes):
-        return Decision(Action.SUCCEED, "every worker exited 0")
+        if peers_done:
+            return Decision(Action.SUCCEED, "every worker exited 0")
+        return Decision(Action.CONTINUE, "workers done; waiting for the other nodes")
+    if round_status == "waiting":
+        return Decision(Action.SCALE_UP, round_reason)
     return Decision(Action.CONTINUE, "workers running")
 
 
@@ -105,17 +134,18 @@ def read_error_file(path: str, limit: int = 16 * 1024) -> tuple[str, str, float]
 
 
 class Agent:
-    def __init__(self, job_id: str, cfg: Config, registry: JobRegistry, rendezvous,
-                 on_exit: Callable[[str], None], metrics=None):
+    def __init__(self, job_id: str, cfg: Config, registry: JobRegistry,
+                 rendezvous: ClusterRendezvous, on_exit: Callable[[str], None], metrics=None):
         self.job_id = job_id
         self._cfg = cfg
         self._registry = registry
-        self._rendezvous = rendezvous
+        self._rdzv = rendezvous
         self._on_exit = on_exit
         self._metrics = metrics
         self.wake = threading.Event()
         self.shutting_down = False
         self._spares = SparePool()
+        self._progress = ProgressTracker(job_id, cfg.agent, registry, cfg.daemon.node_id)
         self._thread = threading.Thread(target=self._run, name=f"agent-{job_id}", daemon=True)
 
     def start(self) -> None:
@@ -128,19 +158,22 @@ class Agent:
     def poke(self) -> None:
         self.wake.set()
 
+    def _where(self, rnd: int | None = None) -> str:
+        return ctx(job=self.job_id, node=self._cfg.daemon.node_id, round=rnd)
+
     # -- the loop ------------------------------------------------------------
     def _run(self) -> None:
         try:
             self._loop()
         except Exception as exc:
-            log.exception("%s: agent crashed", ctx(job=self.job_id))
+            log.exception("%s: agent crashed", self._where())
             try:
                 job = self._registry.get(self.job_id)
                 if job.state not in TERMINAL_STATES:
                     self._registry.transition(self.job_id, JobState.FAILED,
                                               f"internal error in elasticd: {exc}", exit_code=1)
             except Exception:
-                log.exception("%s: could not record agent crash", ctx(job=self.job_id))
+                log.exception("%s: could not record agent crash", self._where())
         finally:
             self._spares.clear()
             self._on_exit(self.job_id)
@@ -151,84 +184,156 @@ class Agent:
             if job.state in TERMINAL_STATES:
                 return
             if job.cancel_requested:
+                self._finish_cluster(CANCELLED, "cancelled by user")
                 self._registry.transition(self.job_id, JobState.CANCELLED, "cancelled by user")
                 return
             if self.shutting_down:
                 return
-            rdzv = self._rendezvous.next_round(job)
-            job = self._registry.transition(
-                self.job_id, JobState.RENDEZVOUS,
-                f"round {rdzv.round}: {rdzv.group_world_size} node(s), world size "
-                f"{rdzv.world_size}", round=rdzv.round)
-            group = WorkerGroup(self._group_spec(job, rdzv))
+            if job.state != JobState.RENDEZVOUS:
+                self._registry.transition(self.job_id, JobState.RENDEZVOUS,
+                                          f"joining round {self._next_round_number(job)}")
+            self.wake.clear()
+            try:
+                result = self._rdzv.next_round(self.wake)
+            except RoundFinal as final:
+                self._end_as(final.state, None)
+                return
+            except RendezvousStopped:
+                continue
+            except StoreError as exc:
+                log.warning("%s: rendezvous interrupted: %s; trying again", self._where(), exc)
+                self.wake.wait(self._cfg.membership.watch_retry)
+                continue
+            state = self._rdzv.last_state
+            job = self._registry.update(self.job_id, round=result.round,
+                                        restarts=state.restarts if state else job.restarts)
+            group = WorkerGroup(self._group_spec(job, result))
             try:
                 group.start(self._spares)
             except SpawnError as exc:
+                self._finish_cluster(FAILED, f"node {self._cfg.daemon.node_id}: {exc}")
                 self._registry.transition(self.job_id, JobState.FAILED, str(exc), exit_code=127,
                                           last_failure=self._failure(job, -1, 127, 0, str(exc)))
                 return
-            self._registry.transition(self.job_id, JobState.RUNNING,
-                                      f"{len(group.workers)} worker(s) started",
-                                      workers=self._worker_rows(group))
+            last = result.rank_offset + len(group.workers) - 1
+            self._registry.transition(
+                self.job_id, JobState.RUNNING,
+                f"round {result.round}: ranks {result.rank_offset}..{last} of "
+                f"{result.world_size} on {result.group_world_size} node(s)",
+                workers=self._worker_rows(group))
+            self._publish(group)
             if self._metrics:
                 self._metrics.workers_started_n(len(group.workers))
-            decision = self._monitor(group)
-            if not self._apply(decision, group):
+            decision = self._monitor(group, result)
+            if not self._apply(decision, group, result):
                 return
 
-    def _monitor(self, group: WorkerGroup) -> Decision:
+    def _next_round_number(self, job: JobRecord) -> int:
+        state = self._rdzv.last_state
+        return (state.round + 1) if state and state.status != "open" else job.round + 1
+
+    def _monitor(self, group: WorkerGroup, result: Result) -> Decision:
         a = self._cfg.agent
         interval = a.monitor_interval
         spares_at = time.monotonic() + a.warm_spare_delay if a.warm_spares else None
+        marked_done = scale_requested = False
         while True:
             workers = group.poll()
+            self._progress.check(group)  # hang detection: dump stacks, kill hung ranks
             job = self._registry.get(self.job_id)
-            decision = decide([w.outcome for w in workers], job.restarts, job.max_restarts,
-                              job.cancel_requested, self.shutting_down)
-            if decision.action is not Action.CONTINUE:
+            outcomes = [w.outcome for w in workers]
+            try:
+                round_status, why = self._rdzv.status(result)
+                peers_done = True
+                if outcomes and all(rc == 0 for rc in outcomes):
+                    if not marked_done:
+                        self._rdzv.mark_done(result.round)
+                        marked_done = True
+                    peers_done = self._rdzv.all_done(result)
+            except StoreError as exc:
+                # etcd is away: training goes on; decide on the workers alone.
+                log.debug("%s: round status unknown: %s", self._where(result.round), exc)
+                round_status, why, peers_done = "current", "", False
+            state = self._rdzv.last_state
+            restarts = state.restarts if state else job.restarts
+            decision = decide(outcomes, restarts, job.max_restarts, job.cancel_requested,
+                              self.shutting_down, round_status=round_status, round_reason=why,
+                              peers_done=peers_done)
+            if decision.action is Action.SCALE_UP:
+                if result.group_rank == 0 and not scale_requested:
+                    scale_requested = True
+                    self._try(lambda: self._rdzv.reopen(result, decision.reason, False))
+            elif decision.action is not Action.CONTINUE:
                 return decision
             if spares_at is not None and time.monotonic() >= spares_at:
                 spares_at = None
-                if job.restarts < job.max_restarts and self._spares.fill(group.spec, a.warm_preload):
+                if restarts < job.max_restarts and self._spares.fill(group.spec, a.warm_preload):
                     log.info("%s: warm spares started for the next restart",
-                             ctx(job=job.id, node=self._cfg.daemon.node_id, round=job.round))
+                             self._where(result.round))
             self.wake.wait(interval)
             self.wake.clear()
 
-    def _apply(self, decision: Decision, group: WorkerGroup) -> bool:
+    def _apply(self, decision: Decision, group: WorkerGroup, result: Result) -> bool:
         """Carry out a decision; True when the loop should go round again."""
         grace = self._cfg.agent.stop_grace_period
+        act = decision.action
         job = self._registry.get(self.job_id)
-        if decision.action is Action.SUCCEED:
+        if act is Action.SUCCEED:
             group.stop(grace=0)
-            self._finish_workers(group)
+            group.poll()
+            self._finish_cluster(SUCCEEDED, "every node's workers exited 0")
             self._registry.transition(self.job_id, JobState.SUCCEEDED, decision.reason,
                                       exit_code=0, workers=self._worker_rows(group))
+            self._publish(group)
             return False
-        if decision.action in (Action.CANCEL, Action.SUSPEND):
+        if act in (Action.CANCEL, Action.SUSPEND, Action.FINAL):
             group.stop(grace)
-            self._finish_workers(group)
-            if decision.action is Action.CANCEL:
+            group.poll()
+            rows = self._worker_rows(group)
+            if act is Action.CANCEL:
+                self._finish_cluster(CANCELLED, decision.reason)
                 self._registry.transition(self.job_id, JobState.CANCELLED, decision.reason,
-                                          exit_code=0, workers=self._worker_rows(group))
-            else:
+                                          exit_code=0, workers=rows)
+            elif act is Action.SUSPEND:
                 self._registry.transition(self.job_id, JobState.RESTARTING, decision.reason,
-                                          workers=self._worker_rows(group))
+                                          workers=rows)
+            else:
+                self._end_as(self._rdzv.last_state, rows)
             return False
-        failure = self._first_failure(job, group)
+        if act in (Action.REJOIN, Action.NODE_LOST):
+            group.stop(grace)
+            group.poll()
+            state = self._rdzv.last_state
+            if act is Action.NODE_LOST:
+                state = self._try(lambda: self._rdzv.reopen(result, decision.reason, True)) \
+                    or state
+                if self._metrics:
+                    self._metrics.restart_or_failure({"signal": 0, "cause": "node_lost"})
+            if state is not None and state.final:
+                self._end_as(state, self._worker_rows(group))
+                return False
+            self._registry.transition(
+                self.job_id, JobState.RESTARTING, decision.reason or "a new round opened",
+                restarts=state.restarts if state else job.restarts,
+                workers=self._worker_rows(group))
+            return True
+        # RESTART or FAIL: a local worker failed.
+        failure = self._progress.explain(self._first_failure(job, group))  # cause: hang?
         # Stop the rest of the group before recording: they would hang in collectives.
         group.stop(grace)
-        self._finish_workers(group)
+        group.poll()
         if self._metrics:
             self._metrics.restart_or_failure(failure)
-        if decision.action is Action.FAIL:
+        state = self._try(lambda: self._rdzv.reopen(result, failure["cause"], True))
+        if act is Action.FAIL or (state is not None and state.final):
             code = failure["exit_code"] if failure["exit_code"] > 0 else 128 + failure["signal"]
+            self._finish_cluster(FAILED, f"{failure['cause']}; {decision.reason}")
             self._registry.transition(self.job_id, JobState.FAILED,
                                       f"{failure['cause']}; {decision.reason}",
                                       exit_code=code, last_failure=failure,
                                       workers=self._worker_rows(group))
             return False
-        restart = job.restarts + 1
+        restart = state.restarts if state is not None else job.restarts + 1
         a = self._cfg.agent
         delay = restart_delay(restart, a.restart_backoff_initial, a.restart_backoff_step,
                               a.restart_backoff_max)
@@ -242,8 +347,36 @@ class Agent:
             self.wake.clear()
         return True
 
+    # -- the cluster's word ----------------------------------------------------
+    def _end_as(self, state: RoundState | None, rows: list | None) -> None:
+        """Record the job's cluster-wide end on this node."""
+        status = state.status if state else FAILED
+        reason = (state.reason if state else "") or status
+        changes = {"workers": rows} if rows is not None else {}
+        if state is not None:
+            changes["restarts"] = state.restarts
+        target = {SUCCEEDED: JobState.SUCCEEDED, CANCELLED: JobState.CANCELLED}.get(
+            status, JobState.FAILED)
+        job = self._registry.get(self.job_id)
+        code = 0 if target is not JobState.FAILED else (job.exit_code or 1)
+        self._registry.transition(self.job_id, target, reason, exit_code=code, **changes)
+
+    def _finish_cluster(self, status: str, reason: str) -> None:
+        self._try(lambda: self._rdzv.finish(status, reason))
+
+    def _publish(self, group: WorkerGroup) -> None:
+        self._try(lambda: self._rdzv.publish_workers(self._worker_rows(group)))
+
+    def _try(self, call):
+        """A store call that must not stop the loop: etcd may be away for a while."""
+        try:
+            return call()
+        except StoreError as exc:
+            log.warning("%s: etcd call failed: %s", self._where(), exc)
+            return None
+
     # -- helpers -------------------------------------------------------------
-    def _group_spec(self, job: JobRecord, rdzv: RendezvousResult) -> GroupSpec:
+    def _group_spec(self, job: JobRecord, rdzv: Result) -> GroupSpec:
         d = self._cfg.daemon
         return GroupSpec(
             job_id=job.id, command=tuple(job.command), cwd=job.cwd, env=job.env,
@@ -280,9 +413,6 @@ class Agent:
         return {"rank": rank, "exit_code": exit_code, "signal": sig, "cause": cause,
                 "traceback": traceback, "time": time.time(), "restart": job.restarts,
                 "node_id": self._cfg.daemon.node_id}
-
-    def _finish_workers(self, group: WorkerGroup) -> None:
-        group.poll()
 
     def _worker_rows(self, group: WorkerGroup) -> list[dict]:
         rows = []

@@ -91,6 +91,22 @@ class MembershipSettings:
 
 
 @dataclass(frozen=True)
+class RendezvousSettings:
+    last_call: float = _setting(2.0, "seconds a round waits for more nodes once the job's min "
+                                     "joined (a round closes at once when max joined, or every "
+                                     "node of the last round)", min=0, max=3600)
+    join_timeout: float = _setting(300.0, "seconds a round may stay below the job's min nodes "
+                                          "before the job fails", min=0, exclusive_min=True,
+                                   max=30 * 86400)
+    scale_up: str = _setting("immediate", "when a node waiting to join a running job gets "
+                                          "ranks: immediate (re-rendezvous now) or on_restart "
+                                          "(at the next fault)",
+                             choices=("immediate", "on_restart"))
+    poll: float = _setting(0.5, "longest wait between two looks at a round (changes wake it "
+                                "sooner)", min=0.01, max=60)
+
+
+@dataclass(frozen=True)
 class AgentSettings:
     monitor_interval: float = _setting(0.05, "seconds between checks of a job's worker processes",
                                        min=0.005, max=60)
@@ -113,6 +129,19 @@ class AgentSettings:
     warm_spare_delay: float = _setting(3.0, "seconds after workers start before their spares "
                                             "are started (keeps the import off the start-up path)",
                                        min=0, max=3600)
+    # -- hang detection (progress.py) --
+    hang_detection: bool = _setting(True, "watch each rank's progress beats (every optimizer "
+                                          "step, or elasticd_heartbeat.heartbeat()); dump the "
+                                          "stacks of, then kill, a rank that stops beating")
+    hang_soft_timeout: float = _setting(60.0, "seconds without a beat before a rank's Python "
+                                              "stacks are dumped into its log",
+                                        min=0, exclusive_min=True, max=86400)
+    hang_hard_timeout: float = _setting(180.0, "seconds without a beat before a rank is killed "
+                                               "as hung and the job recovers",
+                                        min=0, exclusive_min=True, max=86400)
+    first_step_timeout: float = _setting(600.0, "seconds a rank of a job that beats may take "
+                                                "from its start to its first beat",
+                                         min=0, exclusive_min=True, max=7 * 86400)
 
 
 @dataclass(frozen=True)
@@ -149,6 +178,7 @@ SECTIONS: dict[str, type] = {
     "daemon": DaemonSettings,
     "etcd": EtcdSettings,
     "membership": MembershipSettings,
+    "rendezvous": RendezvousSettings,
     "agent": AgentSettings,
     "control": ControlSettings,
     "metrics": MetricsSettings,
@@ -160,6 +190,7 @@ class Config:
     daemon: DaemonSettings = field(default_factory=DaemonSettings)
     etcd: EtcdSettings = field(default_factory=EtcdSettings)
     membership: MembershipSettings = field(default_factory=MembershipSettings)
+    rendezvous: RendezvousSettings = field(default_factory=RendezvousSettings)
     agent: AgentSettings = field(default_factory=AgentSettings)
     control: ControlSettings = field(default_factory=ControlSettings)
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
@@ -234,6 +265,12 @@ def _check_relations(cfg: Config, errors: list[str]) -> None:
     if a.restart_backoff_initial > a.restart_backoff_max:
         errors.append("agent.restart_backoff_initial: must not exceed agent.restart_backoff_max "
                       f"({a.restart_backoff_initial} > {a.restart_backoff_max})")
+    if a.hang_soft_timeout >= a.hang_hard_timeout:
+        errors.append("agent.hang_soft_timeout: must be below agent.hang_hard_timeout "
+                      f"({a.hang_soft_timeout} >= {a.hang_hard_timeout})")
+    if a.first_step_timeout < a.hang_hard_timeout:
+        errors.append("agent.first_step_timeout: must be at least agent.hang_hard_timeout "
+                      f"({a.first_step_timeout} < {a.hang_hard_timeout})")
     d = cfg.daemon
     if d.node_id and (len(d.node_id) > 128 or not all(c.isalnum() or c in "-_." for c in d.node_id)):
         errors.append(f"daemon.node_id: use letters, digits, '-', '_' or '.', at most 128 "

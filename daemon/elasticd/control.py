@@ -120,13 +120,14 @@ def _event_to_proto(ev: dict) -> pb.Event:
 
 class ControlServicer(pb_grpc.ControlServicer):
     def __init__(self, cfg: Config, manager: JobManager, registry: JobRegistry,
-                 issuer: TokenIssuer, metrics=None, cluster=None):
+                 issuer: TokenIssuer, metrics=None, cluster=None, view=None):
         self._cfg = cfg
         self._manager = manager
         self._registry = registry
         self._issuer = issuer
         self._metrics = metrics
         self._cluster = cluster
+        self._view = view
 
     def _caller(self, context) -> Caller:
         token = dict(context.invocation_metadata()).get(TOKEN_METADATA_KEY)
@@ -157,9 +158,27 @@ class ControlServicer(pb_grpc.ControlServicer):
         jobs = [j for j in self._registry.list() if caller.may_act_on(j.uid)]
         return pb.ListJobsResponse(jobs=[job_to_proto(j) for j in jobs])
 
+    def _with_cluster(self, job: JobRecord) -> pb.Job:
+        """The job as this node knows it, with the other nodes' workers added."""
+        msg = job_to_proto(job)
+        keys = self._view.job(job.id) if self._view is not None else None
+        if keys is not None:
+            me = self._cfg.daemon.node_id
+            for node, rows in sorted(keys.workers.items()):
+                if node == me:
+                    continue
+                for w in rows:
+                    try:
+                        msg.workers.add(rank=int(w["rank"]), local_rank=int(w["local_rank"]),
+                                        pid=int(w["pid"]), state=str(w["state"]),
+                                        exit_code=int(w["exit_code"]), node_id=node)
+                    except (KeyError, TypeError, ValueError):
+                        continue
+        return msg
+
     @_handle
     def GetJob(self, request, context, caller):
-        return job_to_proto(self._manager.get_for(validation.job_key(request.id), caller))
+        return self._with_cluster(self._manager.get_for(validation.job_key(request.id), caller))
 
     @_handle
     def CancelJob(self, request, context, caller):
@@ -195,6 +214,11 @@ class ControlServicer(pb_grpc.ControlServicer):
                 raise errors.InvalidArgument(f"rank: job {job.id} has ranks 0..{world - 1}, "
                                              f"got {request.rank}")
             ranks = [request.rank]
+            elsewhere = self._rank_elsewhere(job.id, request.rank)
+            if elsewhere:
+                raise errors.FailedPrecondition(
+                    f"rank {request.rank} of job {job.id} runs on node {elsewhere}; run "
+                    f"`elasticctl logs {job.id} --rank {request.rank}` there")
         if request.tail_lines < 0:
             raise errors.InvalidArgument(f"tail_lines: must be >= 0, got {request.tail_lines}")
         reader = LogReader(os.path.join(self._cfg.logs_dir, job.id), ranks, request.tail_lines)
@@ -206,6 +230,19 @@ class ControlServicer(pb_grpc.ControlServicer):
         done = lambda: self._registry.get(job.id).state in TERMINAL_STATES  # noqa: E731
         for rank, text in reader.follow(done, gone.wait, self._cfg.control.log_follow_interval):
             yield pb.LogChunk(rank=rank, text=text)
+
+    def _rank_elsewhere(self, job_id: str, rank: int) -> str:
+        """The node (and address) where a rank last ran, if not this one."""
+        keys = self._view.job(job_id) if self._view is not None else None
+        if keys is None:
+            return ""
+        me = self._cfg.daemon.node_id
+        for node, rows in keys.workers.items():
+            if node != me and any(isinstance(w, dict) and w.get("rank") == rank for w in rows):
+                address = next((m.address for m in (keys.state.members if keys.state else ())
+                                if m.node_id == node), "")
+                return f"{node} ({address})" if address else node
+        return ""
 
     @_handle
     def Events(self, request, context, caller):

@@ -2,11 +2,14 @@
 
 Threads and their owners: the main thread runs this loop (watchdog pings,
 signals); the credential socket and the gRPC server own their accept
-threads; the job manager owns one agent thread per active job. Each stops
-on its own stop event with a bounded wait, in reverse order of starting.
+threads; the cluster owns the lease keeper and the node watch; the jobs
+view owns the watch over every job's keys; the dispatcher adopts cluster
+jobs; the job manager owns one agent thread per active job. Each stops on
+its own stop event with a bounded wait, in reverse order of starting.
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
@@ -21,9 +24,10 @@ from .config import Config, socket_gid
 from .control import ControlServer, ControlServicer
 from .jobs import JobRegistry
 from .logsetup import ctx
+from .dispatch import Dispatcher
 from .manager import JobManager
 from .metrics import Metrics
-from .rendezvous.local import LocalRendezvous
+from .rendezvous.view import JobsView
 from .sdnotify import Notifier
 from .store import StoreError
 
@@ -54,12 +58,36 @@ class Daemon:
         except ClusterStartError as exc:
             log.error("%s", exc)
             return 1
+        with contextlib.ExitStack() as stops:
+            try:
+                self._start_parts(store, stops)
+            except (RuntimeError, OSError, StoreError) as exc:
+                log.error("%s", exc)
+                return 1
+            log.info("%s: elasticd %s ready in %.0f ms on %s (store %s, %d slots, state in %s)",
+                     ctx(node=d.node_id), __version__, (time.monotonic() - t0) * 1000, d.socket,
+                     self.cluster.kind, d.slots, d.state_dir)
+            self._notifier.ready(f"serving on {d.socket}")
+            self._main_loop()
+            log.info("%s: stopping", ctx(node=d.node_id))
+            self._notifier.stopping()
+        log.info("%s: stopped", ctx(node=d.node_id))
+        return 0
+
+    def _start_parts(self, store, stops: contextlib.ExitStack) -> None:
+        """Start every part in order; ``stops`` stops them in reverse."""
+        cfg, d = self.cfg, self.cfg.daemon
+        stops.callback(store.close)
         registry = JobRegistry(d.state_dir, d.node_id)
+        stops.callback(registry.close)
         metrics = Metrics(d.node_id)
         store = metrics.timed_store(store)  # metrics: store request latency and errors
-        manager = JobManager(cfg, registry, LocalRendezvous(d.node_id), metrics)
-        cluster = Cluster(cfg, store, lambda: (manager.slots_total - manager.slots_used(),
-                                               manager.active_jobs()))
+        view = JobsView(store, retry=cfg.membership.watch_retry)
+        holder: dict = {}
+        cluster = Cluster(cfg, store, lambda: (holder["m"].slots_total - holder["m"].slots_used(),
+                                               holder["m"].active_jobs()))
+        manager = holder["m"] = JobManager(cfg, registry, cluster, view, metrics)
+        self.cluster = cluster
         metrics.attach(registry, manager)
         metrics.attach_cluster(cluster)  # metrics: the node lease
         issuer = TokenIssuer(cfg.control.token_ttl)
@@ -68,46 +96,27 @@ class Daemon:
             log.warning("group %r does not exist: only root can use the control socket",
                         d.socket_group)
         cred = CredentialServer(cfg.cred_socket, issuer, gid)
+        cred.start()
+        stops.callback(cred.stop)
+        cluster.start()
+        stops.callback(cluster.stop)
+        view.start()
+        stops.callback(view.stop)
         server = ControlServer(cfg, ControlServicer(cfg, manager, registry, issuer, metrics,
-                                                    cluster), gid)
-        try:
-            cred.start()
-            cluster.start()
-        except (RuntimeError, StoreError) as exc:
-            log.error("%s", exc)
-            cred.stop()
-            registry.close()
-            store.close()
-            return 1
+                                                    cluster, view), gid)
         server.start()
+        stops.callback(server.stop, 1.0)
         try:
             metrics.serve(cfg.metrics.address, cfg.metrics.port)
         except OSError as exc:
-            log.error("metrics endpoint %s:%d: %s (set metrics.port, or 0 to turn it off)",
-                      cfg.metrics.address, cfg.metrics.port, exc)
-            server.stop(0)
-            cred.stop()
-            cluster.stop()
-            registry.close()
-            return 1
+            raise OSError(f"metrics endpoint {cfg.metrics.address}:{cfg.metrics.port}: {exc} "
+                          "(set metrics.port, or 0 to turn it off)") from None
+        stops.callback(metrics.stop)
+        stops.callback(manager.shutdown, d.shutdown_timeout)
         manager.resume()
-        log.info("%s: elasticd %s ready in %.0f ms on %s (store %s, %d slots, state in %s)",
-                 ctx(node=d.node_id), __version__, (time.monotonic() - t0) * 1000, d.socket,
-                 cluster.kind, d.slots, d.state_dir)
-        self._notifier.ready(f"serving on {d.socket}")
-        try:
-            self._main_loop()
-        finally:
-            log.info("%s: stopping", ctx(node=d.node_id))
-            self._notifier.stopping()
-            manager.shutdown(d.shutdown_timeout)
-            cluster.stop()
-            server.stop(1.0)
-            cred.stop()
-            metrics.stop()
-            registry.close()
-            log.info("%s: stopped", ctx(node=d.node_id))
-        return 0
+        dispatcher = Dispatcher(cfg, view, registry, manager, cluster)
+        dispatcher.start()
+        stops.callback(dispatcher.stop)
 
     def _main_loop(self) -> None:
         interval = self.cfg.daemon.main_loop_interval

@@ -1,17 +1,22 @@
 """Jobs on this node: accepting, scheduling onto slots, cancelling, resuming.
 
 The manager owns the agents (one thread per active job) and the slot count.
+A submitted job is written to the store (its spec and first round) and kept
+as a local record; daemons on other nodes adopt it through the dispatcher.
 A job whose workers do not fit in the free slots waits PENDING; each time an
 agent exits, pending jobs are looked at again in submission order. At start,
-jobs left unfinished by a previous daemon are resumed as a restart of the
-same job (counted), after any of their old workers still alive are killed.
+jobs left unfinished by a previous daemon are resumed: rejoined where the
+cluster still runs them, or started again as a counted restart where the
+store forgot them (the in-memory store of a standalone daemon).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
 import threading
+import time
 from dataclasses import dataclass
 
 import psutil
@@ -22,7 +27,10 @@ from .auth import Caller
 from .config import Config
 from .jobs import JobNotFound, JobRecord, JobRegistry, NameInUse, new_job_id
 from .logsetup import ctx
-from .states import ACTIVE_STATES, TERMINAL_STATES, JobState
+from .rendezvous.cluster import ClusterRendezvous, create_job
+from .rendezvous.protocol import CANCELLED, SUCCEEDED, JobLimits
+from .states import LIVE_STATES, TERMINAL_STATES, JobState
+from .store import StoreError
 
 log = logging.getLogger("elasticd.manager")
 
@@ -38,13 +46,37 @@ class JobRequest:
     max_nodes: int = 1
     nproc_per_node: int = 1
     max_restarts: int = -1
+    nodes: tuple = ()
+
+
+def job_spec(rec: JobRecord, nodes: tuple = ()) -> dict:
+    """What other nodes need to run the job: the store's copy of the record."""
+    return {"id": rec.id, "name": rec.name, "command": rec.command, "cwd": rec.cwd,
+            "env": rec.env, "uid": rec.uid, "gid": rec.gid, "user": rec.user,
+            "min_nodes": rec.min_nodes, "max_nodes": rec.max_nodes,
+            "nproc_per_node": rec.nproc_per_node, "max_restarts": rec.max_restarts,
+            "nodes": list(nodes), "created_at": rec.created_at, "submitted_on": rec.node_id}
+
+
+def record_from_spec(spec: dict) -> JobRecord:
+    """A local record for a job adopted from the store (raises on a bad spec)."""
+    return JobRecord(
+        id=str(spec["id"]), name=str(spec.get("name", "")), command=[str(a) for a in
+                                                                     spec["command"]],
+        cwd=str(spec["cwd"]), env={str(k): str(v) for k, v in spec.get("env", {}).items()},
+        uid=int(spec["uid"]), gid=int(spec["gid"]), user=str(spec.get("user", "")),
+        min_nodes=int(spec["min_nodes"]), max_nodes=int(spec["max_nodes"]),
+        nproc_per_node=int(spec["nproc_per_node"]), max_restarts=int(spec["max_restarts"]),
+        created_at=float(spec.get("created_at", 0.0)), node_id=str(spec.get("submitted_on", "")),
+        reason="adopted from the cluster")
 
 
 class JobManager:
-    def __init__(self, cfg: Config, registry: JobRegistry, rendezvous, metrics=None):
+    def __init__(self, cfg: Config, registry: JobRegistry, cluster, view, metrics=None):
         self._cfg = cfg
         self._registry = registry
-        self._rendezvous = rendezvous
+        self._cluster = cluster
+        self._view = view
         self._metrics = metrics
         self._lock = threading.RLock()
         self._agents: dict[str, Agent] = {}
@@ -66,6 +98,8 @@ class JobManager:
             raise errors.FailedPrecondition(
                 f"this daemon runs standalone (one node) but the job needs {req.min_nodes} "
                 "nodes; start elasticd with --etcd to form a cluster")
+        if self._cfg.daemon.standalone:
+            req = dataclasses.replace(req, max_nodes=1)
         if req.nproc_per_node > self.slots_total:
             raise errors.FailedPrecondition(
                 f"the job needs {req.nproc_per_node} worker slots but this node has "
@@ -81,7 +115,17 @@ class JobManager:
             env=dict(req.env), uid=caller.uid, gid=caller.gid, user=caller.user,
             min_nodes=req.min_nodes, max_nodes=req.max_nodes,
             nproc_per_node=req.nproc_per_node, max_restarts=max_restarts,
-            reason="waiting for free slots")
+            reason="waiting for free slots", node_id=self._cfg.daemon.node_id,
+            created_at=time.time())
+        if rec.name and any(j.name == rec.name and j.live for j in self._registry.list()):
+            raise errors.AlreadyExists(
+                f"a live job is already named {req.name!r}; pick another --name or cancel "
+                "that job")
+        try:
+            create_job(self._cluster.store, rec.id, job_spec(rec, req.nodes), time.time())
+        except StoreError as exc:
+            raise errors.Unavailable(f"etcd unavailable, the job was not submitted: {exc}") \
+                from None
         try:
             rec = self._registry.create(rec)
         except NameInUse:
@@ -111,9 +155,14 @@ class JobManager:
             return job
         with self._lock:
             job = self._registry.get(job.id)
-            if job.state == JobState.PENDING and job.id not in self._agents:
-                return self._registry.transition(job.id, JobState.CANCELLED,
-                                                 f"cancelled by {caller.user} before it started")
+            if job.id not in self._agents:
+                reason = f"cancelled by {caller.user}"
+                try:
+                    self._rendezvous_for(job).finish(CANCELLED, reason)
+                except StoreError as exc:
+                    raise errors.FailedPrecondition(f"etcd unavailable, job not cancelled: "
+                                                    f"{exc}") from None
+                return self._registry.transition(job.id, JobState.CANCELLED, reason)
             self._registry.update(job.id, cancel_requested=True)
             self._registry.event(job.id, "info", f"cancel requested by {caller.user}")
             agent = self._agents.get(job.id)
@@ -137,10 +186,52 @@ class JobManager:
                 if job.nproc_per_node > free:
                     continue
                 free -= job.nproc_per_node
-                agent = Agent(job.id, self._cfg, self._registry, self._rendezvous,
+                agent = Agent(job.id, self._cfg, self._registry, self._rendezvous_for(job),
                               on_exit=self._agent_exited, metrics=self._metrics)
                 self._agents[job.id] = agent
                 agent.start()
+
+    def _rendezvous_for(self, job: JobRecord) -> ClusterRendezvous:
+        r = self._cfg.rendezvous
+        limits = JobLimits(min_nodes=job.min_nodes, max_nodes=job.max_nodes,
+                           max_restarts=job.max_restarts, last_call=r.last_call,
+                           join_timeout=r.join_timeout)
+        keeper = self._cluster.keeper
+        return ClusterRendezvous(self._cluster.store, self._view, job.id,
+                                 self._cfg.daemon.node_id, self._cluster.address,
+                                 job.nproc_per_node, lambda: keeper.lease, limits,
+                                 scale_up=r.scale_up, poll=r.poll)
+
+    def adopt(self, spec: dict) -> JobRecord | None:
+        """Take on a job submitted on another node; None if its spec is unusable."""
+        try:
+            rec = record_from_spec(spec)
+        except (KeyError, TypeError, ValueError) as exc:
+            log.warning("ignoring cluster job with a bad spec: %s", exc)
+            return None
+        try:
+            rec = self._registry.create(rec)
+        except NameInUse:
+            rec.name = ""
+            rec = self._registry.create(rec)
+        log.info("%s: adopted from the cluster (submitted on %s)",
+                 ctx(job=rec.id, node=self._cfg.daemon.node_id), rec.node_id)
+        self.schedule()
+        return rec
+
+    def end_from_cluster(self, job_id: str, state) -> None:
+        """A job waiting here ended elsewhere: record how."""
+        with self._lock:
+            if job_id in self._agents:
+                return  # its agent sees it itself
+            job = self._registry.get(job_id)
+            if job.state in TERMINAL_STATES:
+                return
+            target = {SUCCEEDED: JobState.SUCCEEDED, CANCELLED: JobState.CANCELLED}.get(
+                state.status, JobState.FAILED)
+            self._registry.transition(job_id, target, state.reason or state.status,
+                                      restarts=state.restarts,
+                                      exit_code=0 if target is not JobState.FAILED else 1)
 
     def _agent_exited(self, job_id: str) -> None:
         with self._lock:
@@ -154,24 +245,43 @@ class JobManager:
     # -- life cycle ----------------------------------------------------------
     def resume(self) -> None:
         """Pick up jobs a previous daemon left unfinished."""
+        self._view.synced.wait(self._cfg.membership.startup_timeout)
         for job in self._registry.list():
-            if job.state not in ACTIVE_STATES:
+            if job.state not in LIVE_STATES:
                 continue
             killed = kill_leftover_workers(job.workers)
             where = ctx(job=job.id, node=self._cfg.daemon.node_id, round=job.round)
             if killed:
                 log.warning("%s: killed %d worker(s) left by the previous daemon", where, killed)
-            if job.cancel_requested:
+            keys = self._view.job(job.id)
+            state = keys.state if keys else None
+            if state is not None and state.final:
+                self.end_from_cluster(job.id, state)
+            elif job.cancel_requested:
                 self._move(job, JobState.CANCELLED, "cancelled by user (daemon restarted)")
-            elif job.restarts >= job.max_restarts:
-                self._move(job, JobState.FAILED,
-                           f"daemon restarted and no restarts are left ({job.restarts} of "
-                           f"{job.max_restarts} used)", exit_code=1)
-            else:
-                self._move(job, JobState.RESTARTING,
-                           f"daemon restarted; resuming as restart {job.restarts + 1} of "
-                           f"{job.max_restarts}", restarts=job.restarts + 1)
+            elif state is None:
+                self._restart_forgotten(job)
+            elif job.state != JobState.PENDING:
+                self._move(job, JobState.RESTARTING, "daemon restarted; rejoining the job")
         self.schedule()
+
+    def _restart_forgotten(self, job: JobRecord) -> None:
+        """The store lost the job (standalone daemon restarted): start it again."""
+        counted = job.state != JobState.PENDING
+        restarts = job.restarts + (1 if counted else 0)
+        if counted and restarts > job.max_restarts:
+            self._move(job, JobState.FAILED, f"daemon restarted and no restarts are left "
+                       f"({job.restarts} of {job.max_restarts} used)", exit_code=1)
+            return
+        try:
+            create_job(self._cluster.store, job.id, job_spec(job), time.time(),
+                       round=job.round + 1, restarts=restarts)
+        except (StoreError, ValueError) as exc:
+            log.error("%s: cannot resume: %s", ctx(job=job.id), exc)
+            return
+        if counted:
+            self._move(job, JobState.RESTARTING, f"daemon restarted; resuming as restart "
+                       f"{restarts} of {job.max_restarts}", restarts=restarts)
 
     def _move(self, job: JobRecord, state: JobState, reason: str, **changes) -> None:
         if job.state == state:

@@ -110,6 +110,11 @@ class LeaseKeeper:
         log.info("%s: registered in the cluster (lease %d s)", ctx(node=self._node_id),
                  self._ttl)
 
+    @property
+    def lease(self) -> Lease | None:
+        """The node's current lease: keys that must vanish with this node use it."""
+        return self._lease
+
     # -- the loop ----------------------------------------------------------------
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="lease-keeper", daemon=True)

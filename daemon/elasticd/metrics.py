@@ -1,88 +1,400 @@
 """Prometheus metrics of this daemon (``elasticd_`` prefix, units in names).
 
-Counters move from the events the job registry emits, so every state
-change is counted in one place; gauges are read from the live objects at
-scrape time.
+Where each number comes from:
+
+- Counters and histograms of job life move from the events the job
+  registry emits (``_on_event``), so every state change is seen in one
+  place: transitions, rendezvous duration (time in RENDEZVOUS: forming the
+  round and starting the workers), fault -> RUNNING again.
+- The agent reports each fault it handles (``restart_or_failure``: a
+  failed worker, a hung rank killed, a lost node) just before it records
+  the job's move to RESTARTING or FAILED on the same thread; that move
+  decides whether the fault counts as a restart, and of which layer.
+- Store requests are timed by ``TimedStore``, a proxy with the ``Store``
+  interface that the daemon puts around its store.
+- Gauges (jobs by state, workers, slots, the node lease) are read from
+  the live objects at scrape time, so they are never stale.
+
+Labels stay bounded: no label takes a job id, job name, rank or round.
+``elasticd_job_progress_beat_max_age_seconds`` has a sample only once
+something calls ``progress_beat`` (the hang detector, when it sees a beat);
+until then it is declared with no sample.
 """
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, Info
-from prometheus_client.core import GaugeMetricFamily
+import threading
+import time
+from typing import Callable, Iterator
+
+from prometheus_client import (CollectorRegistry, Counter, Histogram, Info, ProcessCollector,
+                               disable_created_metrics)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import start_http_server
 
 from . import __version__
-from .states import JobState
+from .states import LIVE_STATES, TERMINAL_STATES, JobState
+from .store import (KV, CompareFailed, KeyExists, Lease, LeaseNotFound, Store,
+                    StoreAuthError, StoreCorrupt, StoreError, StoreUnavailable,
+                    WatchCompacted, WatchEvent)
+
+# Restart layers, fastest first (DESIGN.md), and what caused a restart.
+LAYERS = ("inprocess", "process", "rendezvous")
+CAUSES = ("exit", "signal", "hang", "node_lost")
+
+STORE_OPERATIONS = ("get", "list", "put", "create", "compare_and_swap", "delete",
+                    "delete_prefix", "grant_lease", "refresh_lease", "revoke_lease",
+                    "watch", "health")
+# The error label of a failed store request: one value per StoreError kind.
+_STORE_ERRORS = ((StoreUnavailable, "unavailable"), (StoreAuthError, "auth"),
+                 (KeyExists, "key_exists"), (CompareFailed, "compare_failed"),
+                 (LeaseNotFound, "lease_not_found"), (WatchCompacted, "compacted"),
+                 (StoreCorrupt, "corrupt"))
+
+_FAST_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+_SLOW_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 
 class Metrics:
     def __init__(self, node_id: str):
+        # No *_created series: they double every counter's series and nothing reads them.
+        # (A process-wide switch of prometheus_client; this process is the daemon.)
+        disable_created_metrics()
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        Info("elasticd_build", "elasticd build information", registry=r).info(
-            {"version": __version__, "node_id": node_id})
+        self._node_id = node_id
+        self._build = Info("elasticd_build", "elasticd build information", registry=r)
+        self._build.info({"version": __version__, "node_id": node_id, "store": ""})
+        ProcessCollector(namespace="elasticd", registry=r)
         self.transitions = Counter(
             "elasticd_job_transitions_total", "Job state transitions, by the state entered",
             ["to_state"], registry=r)
         self.restarts = Counter(
-            "elasticd_restarts_total", "Worker-group restarts, by layer and cause",
+            "elasticd_restarts_total", "Restarts of a job's workers, by layer and cause",
             ["layer", "cause"], registry=r)
+        self.faults = Counter(
+            "elasticd_faults_total", "Worker-group faults handled, restarted or not, by cause",
+            ["cause"], registry=r)
+        self.recovery_seconds = Histogram(
+            "elasticd_recovery_duration_seconds",
+            "From a fault seen to the job running again, by the layer that recovered it",
+            ["layer"], registry=r, buckets=_SLOW_BUCKETS)
+        self.rendezvous_seconds = Histogram(
+            "elasticd_rendezvous_duration_seconds",
+            "Time a job spent in RENDEZVOUS (forming its round and starting workers) "
+            "before RUNNING", registry=r, buckets=_SLOW_BUCKETS)
         self.workers_started = Counter(
             "elasticd_workers_started_total", "Worker processes started", registry=r)
         self.rpc_seconds = Histogram(
             "elasticd_control_rpc_duration_seconds", "Control RPC latency, by method and code",
-            ["method", "code"], registry=r,
-            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1, 5))
+            ["method", "code"], registry=r, buckets=_FAST_BUCKETS)
+        self.store_seconds = Histogram(
+            "elasticd_store_request_duration_seconds",
+            "Requests to the cluster store (etcd; in memory under --standalone), by operation",
+            ["operation"], registry=r, buckets=_FAST_BUCKETS)
+        self.store_errors = Counter(
+            "elasticd_store_request_errors_total",
+            "Failed store requests, by operation and error (unavailable: etcd did not answer)",
+            ["operation", "error"], registry=r)
+        self.lease_refresh_seconds = Histogram(
+            "elasticd_node_lease_refresh_duration_seconds",
+            "Latency of refreshing this node's lease in the store", registry=r,
+            buckets=_FAST_BUCKETS)
+        # Series that alerts use exist from the start, so increase() sees the first one.
+        for layer in LAYERS:
+            for cause in CAUSES:
+                self.restarts.labels(layer, cause)
+        for cause in CAUSES:
+            self.faults.labels(cause)
+        for state in JobState:
+            self.transitions.labels(state.value)
+        for op in STORE_OPERATIONS:
+            self.store_errors.labels(op, "unavailable")
+        self._lock = threading.Lock()
+        self._entered_rendezvous: dict[str, float] = {}   # job id -> time
+        self._faulted: dict[str, tuple[float, str]] = {}  # job id -> (fault time, layer)
+        self._beats: dict[str, float] = {}                # job id -> last progress beat
+        self._handling = threading.local()                # the fault an agent thread handles
         self._server = None
 
     def attach(self, registry, manager) -> None:
         """Count registry events; export job and worker gauges at scrape time."""
         registry.listeners.append(self._on_event)
-        self.registry.register(_JobCollector(registry, manager))
+        self.registry.register(_JobCollector(registry, manager, self))
 
+    def attach_cluster(self, cluster) -> None:
+        """Export the node lease kept by ``cluster.keeper`` at scrape time."""
+        self.registry.register(_LeaseCollector(cluster.keeper))
+
+    def timed_store(self, store: Store) -> "TimedStore":
+        """``store``, with every request timed and every error counted."""
+        self._build.info({"version": __version__, "node_id": self._node_id,
+                          "store": store.name})
+        return TimedStore(store, self)
+
+    # -- registry events (called under the registry's lock) --------------------
     def _on_event(self, ev: dict) -> None:
-        if ev["kind"] == "state" and ev["to_state"]:
-            self.transitions.labels(ev["to_state"]).inc()
+        if ev["kind"] != "state" or not ev["to_state"]:
+            return
+        job, to, at = ev["job_id"], ev["to_state"], ev["time"]
+        self.transitions.labels(to).inc()
+        with self._lock:
+            since = self._entered_rendezvous.pop(job, None)
+            if to == JobState.RENDEZVOUS.value:
+                self._entered_rendezvous[job] = at
+            elif to == JobState.RUNNING.value:
+                if since is not None:
+                    self.rendezvous_seconds.observe(max(0.0, at - since))
+                faulted = self._faulted.pop(job, None)
+                if faulted is not None:
+                    self.observe_recovery(faulted[1], max(0.0, at - faulted[0]))
+            elif to == JobState.RESTARTING.value:
+                self._beats.pop(job, None)
+            elif to in _TERMINAL:
+                self._faulted.pop(job, None)
+                self._beats.pop(job, None)
+        failure = getattr(self._handling, "failure", None)
+        if failure is not None and to in (JobState.RESTARTING.value, JobState.FAILED.value):
+            self._handling.failure = None
+            cause = failure_cause(failure)
+            self.faults.labels(cause).inc()
+            if to == JobState.RESTARTING.value:
+                layer = failure_layer(failure)
+                self.count_restart(layer, cause)
+                with self._lock:
+                    self._faulted[job] = (failure.get("time") or at, layer)
 
-    # -- called by the agent and control service ------------------------------
+    # -- hooks for the agent, the control service and the restart layers ------
     def workers_started_n(self, n: int) -> None:
         self.workers_started.inc(n)
 
     def restart_or_failure(self, failure: dict) -> None:
-        cause = "signal" if failure.get("signal") else "exit"
-        self.restarts.labels("process", cause).inc()
+        """The agent handles this worker-group fault; its next move (RESTARTING
+        or FAILED, on this thread) decides whether it is counted a restart."""
+        self._handling.failure = failure
+
+    def count_restart(self, layer: str, cause: str) -> None:
+        self.restarts.labels(layer, cause).inc()
+
+    def observe_recovery(self, layer: str, seconds: float) -> None:
+        self.recovery_seconds.labels(layer).observe(seconds)
+
+    def progress_beat(self, job_id: str, at: float | None = None) -> None:
+        """A progress beat of one of the job's ranks was seen (``at``: on
+        the monotonic clock)."""
+        with self._lock:
+            self._beats[job_id] = time.monotonic() if at is None else at
+
+    def progress_beat_ages(self) -> list[float]:
+        now = time.monotonic()
+        with self._lock:
+            return [max(0.0, now - t) for t in self._beats.values()]
 
     def observe_rpc(self, method: str, code: str, seconds: float) -> None:
         self.rpc_seconds.labels(method, code).observe(seconds)
 
+    def observe_store(self, operation: str, seconds: float, error: BaseException | None) -> None:
+        self.store_seconds.labels(operation).observe(seconds)
+        if operation == "refresh_lease":
+            self.lease_refresh_seconds.observe(seconds)
+        if error is not None:
+            self.store_errors.labels(operation, store_error_kind(error)).inc()
+
+    # -- the endpoint ------------------------------------------------------------
     def serve(self, address: str, port: int) -> None:
         if port:
             self._server, _ = start_http_server(port, addr=address, registry=self.registry)
 
+    @property
+    def port(self) -> int:
+        """The port the endpoint listens on (0 when off)."""
+        return self._server.server_port if self._server is not None else 0
+
     def stop(self) -> None:
         if self._server is not None:
             self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+_TERMINAL = frozenset(s.value for s in TERMINAL_STATES)
+
+
+def failure_cause(failure: dict) -> str:
+    """The cause label of a failure the agent handles: its ``kind``, or its
+    ``cause`` where that is just one of CAUSES (``node_lost``), else signal
+    or exit from how the worker ended."""
+    for field in ("kind", "cause"):
+        if failure.get(field) in CAUSES:
+            return failure[field]
+    return "signal" if failure.get("signal") else "exit"
+
+
+def failure_layer(failure: dict) -> str:
+    """The layer that restarts after it: a lost node means a new rendezvous."""
+    if failure.get("layer") in LAYERS:
+        return failure["layer"]
+    return "rendezvous" if failure_cause(failure) == "node_lost" else "process"
+
+
+def store_error_kind(exc: BaseException) -> str:
+    for cls, kind in _STORE_ERRORS:
+        if isinstance(exc, cls):
+            return kind
+    return "other"
+
+
+class TimedStore(Store):
+    """The same store, each request timed into ``Metrics.observe_store``.
+
+    A watch is counted once per call, and only if it fails (it runs for as
+    long as the caller wants); its duration is not observed.
+    """
+
+    def __init__(self, inner: Store, metrics: Metrics):
+        self.inner = inner
+        self.name = inner.name
+        self.timeout = inner.timeout
+        self._metrics = metrics
+
+    def __getattr__(self, attr):  # anything beyond the Store interface
+        return getattr(self.inner, attr)
+
+    def _timed(self, operation: str, fn: Callable, *args):
+        t0 = time.perf_counter()
+        try:
+            result = fn(*args)
+        except StoreError as exc:
+            self._metrics.observe_store(operation, time.perf_counter() - t0, exc)
+            raise
+        self._metrics.observe_store(operation, time.perf_counter() - t0, None)
+        return result
+
+    def get(self, key: str) -> KV | None:
+        return self._timed("get", self.inner.get, key)
+
+    def list(self, prefix: str) -> tuple[list[KV], int]:
+        return self._timed("list", self.inner.list, prefix)
+
+    def put(self, key: str, value: str, lease: Lease | None = None) -> int:
+        return self._timed("put", self.inner.put, key, value, lease)
+
+    def create(self, key: str, value: str, lease: Lease | None = None) -> int:
+        return self._timed("create", self.inner.create, key, value, lease)
+
+    def compare_and_swap(self, key: str, value: str, prev_revision: int,
+                         lease: Lease | None = None) -> int:
+        return self._timed("compare_and_swap", self.inner.compare_and_swap, key, value,
+                           prev_revision, lease)
+
+    def delete(self, key: str, prev_revision: int | None = None) -> bool:
+        return self._timed("delete", self.inner.delete, key, prev_revision)
+
+    def delete_prefix(self, prefix: str) -> int:
+        return self._timed("delete_prefix", self.inner.delete_prefix, prefix)
+
+    def grant_lease(self, ttl: int) -> Lease:
+        return self._timed("grant_lease", self.inner.grant_lease, ttl)
+
+    def refresh_lease(self, lease: Lease) -> None:
+        self._timed("refresh_lease", self.inner.refresh_lease, lease)
+
+    def revoke_lease(self, lease: Lease) -> None:
+        self._timed("revoke_lease", self.inner.revoke_lease, lease)
+
+    def watch(self, prefix: str, start_revision: int,
+              stop_event: threading.Event | None = None,
+              timeout: float | None = None) -> Iterator[WatchEvent]:
+        try:
+            yield from self.inner.watch(prefix, start_revision, stop_event, timeout)
+        except StoreError as exc:
+            self._metrics.store_errors.labels("watch", store_error_kind(exc)).inc()
+            raise
+
+    def health(self) -> str:
+        return self._timed("health", self.inner.health)
+
+    def close(self) -> None:
+        self.inner.close()
 
 
 class _JobCollector:
-    def __init__(self, registry, manager):
+    """Jobs, workers and slots of this node, read at scrape time."""
+
+    def __init__(self, registry, manager, metrics: Metrics):
         self._jobs = registry
         self._manager = manager
+        self._metrics = metrics
 
     def describe(self):
         return []
 
     def collect(self):
+        now = time.time()
         by_state = {s.value: 0 for s in JobState}
+        oldest = {s.value: 0.0 for s in JobState if s in LIVE_STATES}
         workers = 0
+        budget_used = 0.0
         for job in self._jobs.list():
-            by_state[job.state.value] += 1
+            state = job.state.value
+            by_state[state] += 1
+            if job.state in LIVE_STATES:
+                oldest[state] = max(oldest[state], now - job.state_since)
+                if job.max_restarts > 0:
+                    budget_used = max(budget_used, job.restarts / job.max_restarts)
             workers += sum(1 for w in job.workers if w["state"] == "running")
         g = GaugeMetricFamily("elasticd_jobs", "Jobs known to this node, by state",
                               labels=["state"])
         for state, n in by_state.items():
             g.add_metric([state], n)
         yield g
+        g = GaugeMetricFamily(
+            "elasticd_job_state_max_age_seconds",
+            "How long the job longest in each live state has been in it (0: none there)",
+            labels=["state"])
+        for state, age in oldest.items():
+            g.add_metric([state], max(0.0, age))
+        yield g
+        yield GaugeMetricFamily(
+            "elasticd_job_restart_budget_used_ratio",
+            "Restarts used over restarts allowed, for the live job that used the most",
+            value=min(budget_used, 1.0))
+        ages = self._metrics.progress_beat_ages()
+        g = GaugeMetricFamily(
+            "elasticd_job_progress_beat_max_age_seconds",
+            "Age of the oldest last progress beat among running jobs that send beats "
+            "(no sample until beats are sent)")
+        if ages:
+            g.add_metric([], max(ages))
+        yield g
         yield GaugeMetricFamily("elasticd_workers_running", "Worker processes running",
                                 value=workers)
+        yield GaugeMetricFamily("elasticd_slots", "Worker slots of this node",
+                                value=self._manager.slots_total)
         yield GaugeMetricFamily("elasticd_slots_used", "Worker slots in use on this node",
                                 value=self._manager.slots_used())
+
+
+class _LeaseCollector:
+    """This node's lease in the store, as the lease keeper last saw it."""
+
+    def __init__(self, keeper):
+        self._keeper = keeper
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        k = self._keeper
+        yield GaugeMetricFamily("elasticd_node_lease_ok",
+                                "1 while this node holds its lease and its last refresh "
+                                "succeeded, else 0", value=1 if k.health == "ok" else 0)
+        yield GaugeMetricFamily("elasticd_node_lease_last_refresh_timestamp_seconds",
+                                "When the lease was last registered or refreshed (0: never)",
+                                value=k.last_refresh)
+        yield CounterMetricFamily("elasticd_node_lease_refreshes",
+                                  "Successful lease refreshes", value=k.refreshes)
+        yield CounterMetricFamily("elasticd_node_lease_errors",
+                                  "Lease refreshes or registrations that failed", value=k.errors)
+        yield CounterMetricFamily("elasticd_node_lease_reregistrations",
+                                  "Registrations again after the lease was lost",
+                                  value=k.reregistrations)

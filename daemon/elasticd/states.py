@@ -32,13 +32,15 @@ LIVE_STATES = frozenset(JobState) - TERMINAL_STATES
 ACTIVE_STATES = frozenset({JobState.RENDEZVOUS, JobState.RUNNING, JobState.RESTARTING})
 
 JOB_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
-    JobState.PENDING: frozenset({JobState.RENDEZVOUS, JobState.FAILED, JobState.CANCELLED}),
+    # A job can end in any live state on another node's word (cluster jobs).
+    JobState.PENDING: frozenset({JobState.RENDEZVOUS, JobState.SUCCEEDED, JobState.FAILED,
+                                 JobState.CANCELLED}),
     JobState.RENDEZVOUS: frozenset({JobState.RUNNING, JobState.RESTARTING, JobState.PENDING,
-                                    JobState.FAILED, JobState.CANCELLED}),
+                                    JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED}),
     JobState.RUNNING: frozenset({JobState.RESTARTING, JobState.SUCCEEDED, JobState.FAILED,
                                  JobState.CANCELLED}),
-    JobState.RESTARTING: frozenset({JobState.RENDEZVOUS, JobState.RUNNING, JobState.FAILED,
-                                    JobState.CANCELLED}),
+    JobState.RESTARTING: frozenset({JobState.RENDEZVOUS, JobState.RUNNING, JobState.SUCCEEDED,
+                                    JobState.FAILED, JobState.CANCELLED}),
     JobState.SUCCEEDED: frozenset(),
     JobState.FAILED: frozenset(),
     JobState.CANCELLED: frozenset(),

@@ -84,6 +84,15 @@ def submit_request(req, limits: ControlSettings) -> JobRequest:
                    "control.max_nproc_per_node")
     max_restarts = _count("max_restarts", req.max_restarts, -1, limits.max_restarts_limit,
                           "control.max_restarts_limit; -1 means the daemon's default")
+    nodes = tuple(req.nodes)
+    if len(nodes) > limits.max_nodes:
+        raise InvalidArgument(f"nodes: {len(nodes)} named, at most {limits.max_nodes}")
+    for node in nodes:
+        if not _JOB_KEY.match(node):
+            raise InvalidArgument(f"nodes: {node[:80]!r} is not a node id")
+    if nodes and len(set(nodes)) < min_nodes:
+        raise InvalidArgument(f"nodes: {len(set(nodes))} node(s) named but the job needs at "
+                              f"least {min_nodes}")
     return JobRequest(command=tuple(command), cwd=cwd, env=env, name=name,
                       min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc,
-                      max_restarts=max_restarts)
+                      max_restarts=max_restarts, nodes=tuple(sorted(set(nodes))))

@@ -22,6 +22,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 
+from . import progress
 from .logsetup import ctx
 
 log = logging.getLogger("elasticd.workers")
@@ -72,6 +73,7 @@ def base_env(spec: GroupSpec) -> dict[str, str]:
         env["OMP_NUM_THREADS"] = "1"
     # Logs are followed live; a block-buffered stdout would hide them.
     env.setdefault("PYTHONUNBUFFERED", "1")
+    env.update(progress.site_env(env))  # hang detection: sitecustomize on the path
     return env
 
 
@@ -101,6 +103,7 @@ def worker_env(spec: GroupSpec, local_rank: int) -> dict[str, str]:
         "ELASTICD_ROUND": str(spec.round),
         "ELASTICD_NODE_ID": spec.node_id,
     })
+    env.update(progress.rank_env(spec.run_dir, rank))  # hang detection: where it beats
     env.update(spec.extra_env)
     return env
 
@@ -206,6 +209,11 @@ class WorkerGroup:
             live = [w for w in live if w.proc.poll() is None]
             if live:
                 time.sleep(0.02)
+        for w in self.workers:
+            # Killed by SIGKILL before we sent one: someone else (the OOM killer, a
+            # peer) did it, and that is a failure of its own, not our stop.
+            if w.stopped_by_us and w.proc.returncode == -signal.SIGKILL:
+                w.stopped_by_us = False
         # SIGKILL the groups even of exited leaders: children they left behind.
         for w in self.workers:
             _killpg(w.pid, signal.SIGKILL)

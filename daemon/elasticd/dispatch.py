@@ -1,0 +1,112 @@
+"""Which cluster jobs this node takes on.
+
+Every daemon watches the job list (rendezvous.view.JobsView). The
+dispatcher adopts a job submitted on another node when this node may and
+can run it: not draining, named by the job (or the job names no nodes),
+enough free slots, and the job's round not already at its max nodes. It
+also ends the local record of a job that ended elsewhere while it waited
+here. ``eligible()`` decides without I/O.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+from .logsetup import ctx
+from .rendezvous.protocol import CLOSED, OPEN
+from .store import StoreError
+
+log = logging.getLogger("elasticd.dispatch")
+
+
+def eligible(spec: dict, state, joined: int, node_id: str, free_slots: int, draining: bool,
+             daemon_uid: int) -> tuple[bool, str]:
+    """(whether this node should join the job, why not)."""
+    if draining:
+        return False, "this node is draining"
+    nodes = spec.get("nodes") or []
+    if nodes and node_id not in nodes:
+        return False, "the job names other nodes"
+    try:
+        nproc, max_nodes, uid = int(spec["nproc_per_node"]), int(spec["max_nodes"]), \
+            int(spec["uid"])
+    except (KeyError, TypeError, ValueError):
+        return False, "unreadable spec"
+    if nproc > free_slots:
+        return False, f"needs {nproc} slots, {free_slots} free"
+    if state.status == OPEN and joined >= max_nodes:
+        return False, "its round already has its max nodes"
+    if state.status == CLOSED and len(state.members) >= max_nodes:
+        return False, "it already runs on its max nodes"
+    if state.status not in (OPEN, CLOSED):
+        return False, f"it is {state.status}"
+    if daemon_uid != 0 and uid != daemon_uid:
+        return False, f"this daemon cannot run jobs as uid {uid}"
+    return True, ""
+
+
+class Dispatcher:
+    def __init__(self, cfg, view, registry, manager, cluster, interval: float = 1.0):
+        self._cfg = cfg
+        self._view = view
+        self._registry = registry
+        self._manager = manager
+        self._cluster = cluster
+        self._interval = interval
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="dispatch", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self._view.changed:
+            self._view.changed.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=self._interval + 2)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.tick()
+            except StoreError as exc:
+                log.debug("dispatch: etcd unavailable: %s", exc)
+            except Exception:
+                log.exception("dispatch failed")
+            self._view.wait(self._interval)
+
+    def tick(self) -> list[str]:
+        """One look at the job list; returns what it did, a sentence per job."""
+        done = []
+        known = {j.id: j for j in self._registry.list()}
+        me = self._cfg.daemon.node_id
+        draining = None
+        for job_id in self._view.job_ids():
+            keys = self._view.job(job_id)
+            if keys is None or keys.spec is None or keys.state is None:
+                continue
+            local = known.get(job_id)
+            if local is not None:
+                if keys.state.final and local.live:
+                    self._manager.end_from_cluster(job_id, keys.state)
+                    done.append(f"job {job_id} ended elsewhere: {keys.state.status}")
+                continue
+            if keys.state.final:
+                continue
+            if draining is None:
+                draining = me in self._cluster.drain_states()
+            pending = sum(j.nproc_per_node for j in known.values()
+                          if j.live and j.id not in self._manager.active_jobs())
+            free = self._manager.slots_total - self._manager.slots_used() - pending
+            joined = len(keys.joins.get(keys.state.round, {}))
+            ok, why = eligible(keys.spec, keys.state, joined, me, free, draining, os.geteuid())
+            if not ok:
+                log.debug("%s: not joining: %s", ctx(job=job_id, node=me), why)
+                continue
+            if self._manager.adopt(keys.spec) is not None:
+                known = {j.id: j for j in self._registry.list()}
+                done.append(f"adopted job {job_id}")
+        return done

@@ -1,0 +1,206 @@
+"""One node's part in the rounds of one job (see protocol.py for the keys).
+
+``ClusterRendezvous`` is used by the job's agent thread: ``next_round``
+blocks until a round that includes this node is closed (joining, and
+closing it when this node is the decider); ``reopen`` asks for a new round
+after a fault; ``status`` tells the agent, each monitor tick, whether its
+round still stands. Every write is this node's own key, or a
+compare-and-swap of the state.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from typing import Callable
+
+from ..logsetup import ctx
+from ..store import CompareFailed, KeyExists, Lease, Store
+from .local import free_port
+from .protocol import (CLOSED, FINAL, OPEN, Join, JobLimits, Result, RoundClock, RoundState,
+                       decide_open_round, decider, job_prefix, reopen, result_for)
+from .view import JobsView
+
+log = logging.getLogger("elasticd.rendezvous")
+
+
+class RoundFinal(Exception):
+    """The job is over cluster-wide (succeeded, failed or cancelled)."""
+
+    def __init__(self, state: RoundState):
+        super().__init__(state.reason or state.status)
+        self.state = state
+
+
+class RendezvousStopped(Exception):
+    """The caller asked to stop waiting (cancel, daemon shutdown)."""
+
+
+class ClusterRendezvous:
+    def __init__(self, store: Store, view: JobsView, job_id: str, node_id: str, address: str,
+                 nproc: int, lease: Callable[[], Lease | None], limits: JobLimits,
+                 scale_up: str = "immediate", poll: float = 0.5, clock=time.time):
+        self._store = store
+        self._view = view
+        self.job_id = job_id
+        self.node_id = node_id
+        self._address = address
+        self._nproc = nproc
+        self._lease = lease
+        self.limits = limits
+        self._scale_up = scale_up
+        self._poll = poll
+        self._clock = clock
+        self._prefix = job_prefix(job_id)
+        self._round_clock = RoundClock()
+        self._joined: set[int] = set()
+        self.prev_rank = -1
+        self.last_state: RoundState | None = None
+
+    # -- keys --------------------------------------------------------------------
+    def _key(self, *parts) -> str:
+        return "/".join((self._prefix, *map(str, parts)))
+
+    def _where(self, rnd: int | None = None) -> str:
+        return ctx(job=self.job_id, node=self.node_id, round=rnd)
+
+    def _cas_state(self, new: RoundState, revision: int) -> bool:
+        try:
+            self._store.compare_and_swap(self._key("state"), new.to_json(), revision)
+            return True
+        except CompareFailed:
+            return False
+
+    # -- joining -----------------------------------------------------------------
+    def next_round(self, stop: threading.Event) -> Result:
+        """Join rounds until one that includes this node closes; its result."""
+        while True:
+            if stop.is_set():
+                raise RendezvousStopped()
+            keys = self._view.job(self.job_id)
+            state = keys.state if keys else None
+            if state is None:
+                self._view.wait(self._poll)
+                continue
+            self.last_state = state
+            if state.final:
+                raise RoundFinal(state)
+            if state.status == OPEN:
+                self._join(state.round)
+                joins = list(keys.joins.get(state.round, {}).values())
+                if decider(joins) == self.node_id:
+                    new, why = decide_open_round(state, joins, self.limits, self._round_clock,
+                                                 self._clock())
+                    if new is not None and self._cas_state(new, keys.state_revision):
+                        log.info("%s: %s", self._where(state.round), why)
+            elif state.status == CLOSED:
+                result = result_for(state, self.node_id)
+                if result is not None:
+                    self.prev_rank = result.group_rank
+                    self._forget_old_joins(state.round)
+                    return result
+                if len(state.members) < self.limits.max_nodes:
+                    self._join(state.round + 1)     # waiting: the members see us
+            self._view.wait(self._poll)
+
+    def _join(self, rnd: int) -> None:
+        if rnd in self._joined:
+            keys = self._view.job(self.job_id)
+            if keys and self.node_id in keys.joins.get(rnd, {}):
+                return
+        lease = self._lease()
+        join = Join(node_id=self.node_id, address=self._address, nproc=self._nproc,
+                    port=free_port(), prev_rank=self.prev_rank, time=self._clock())
+        self._store.put(self._key("join", rnd, self.node_id), join.to_json(), lease=lease)
+        self._joined.add(rnd)
+
+    def _forget_old_joins(self, current: int) -> None:
+        for rnd in sorted(r for r in self._joined if r < current):
+            try:
+                self._store.delete(self._key("join", rnd, self.node_id))
+            except Exception as exc:  # best effort: the lease removes them anyway
+                log.debug("could not delete old join key: %s", exc)
+            self._joined.discard(rnd)
+
+    # -- while running -------------------------------------------------------------
+    def status(self, result: Result) -> tuple[str, str]:
+        """("current" | "superseded" | "final" | "lost:<nodes>" | "waiting", why)."""
+        keys = self._view.job(self.job_id)
+        state = keys.state if keys else None
+        if state is None:
+            return "superseded", "the job's round state is gone"
+        self.last_state = state
+        if state.final:
+            return "final", state.reason or state.status
+        if state.round != result.round or state.status != CLOSED:
+            return "superseded", state.reason or f"round {state.round} opened"
+        joined = keys.joins.get(state.round, {})
+        # Never ourselves: if our own lease lapsed (a stalled daemon), the peers
+        # see us lost and open a new round; alone, there is nobody to tell.
+        lost = [n for n in state.member_ids() if n not in joined and n != self.node_id]
+        if lost:
+            return "lost:" + ",".join(lost), f"node(s) {', '.join(lost)} lost"
+        waiting = [n for n in keys.joins.get(state.round + 1, {}) if n not in state.member_ids()]
+        if waiting and self._scale_up == "immediate":
+            return "waiting", f"node(s) {', '.join(sorted(waiting))} waiting to join"
+        return "current", ""
+
+    def reopen(self, result: Result, reason: str, count_restart: bool) -> RoundState:
+        """Open the next round (once, cluster-wide); returns the state that then holds."""
+        while True:
+            keys = self._view.job(self.job_id)
+            state = keys.state if keys else None
+            if state is None or state.final or state.round != result.round \
+                    or state.status != CLOSED:
+                return state
+            alive = [n for n in state.member_ids() if n in keys.joins.get(state.round, {})]
+            waiting = list(keys.joins.get(state.round + 1, {}))
+            new, why = reopen(state, reason, count_restart, self.limits, self._clock(),
+                              expected=tuple(set(alive) | set(waiting)))
+            if self._cas_state(new, keys.state_revision):
+                log.info("%s: %s", self._where(state.round), why)
+                return new
+            self._view.wait(0.05)  # someone else moved it; look again
+
+    def finish(self, status: str, reason: str) -> None:
+        """Move the job to a final state (first writer wins)."""
+        assert status in FINAL
+        while True:
+            keys = self._view.job(self.job_id)
+            state = keys.state if keys else None
+            if state is None or state.final:
+                return
+            new = RoundState(round=state.round, status=status, members=state.members,
+                             restarts=state.restarts, reason=reason, opened_at=state.opened_at,
+                             closed_at=self._clock())
+            if self._cas_state(new, keys.state_revision):
+                log.info("%s: job %s: %s", self._where(state.round), status, reason)
+                return
+            self._view.wait(0.05)
+
+    # -- exit barrier ----------------------------------------------------------------
+    def mark_done(self, rnd: int) -> None:
+        self._store.put(self._key("done", rnd, self.node_id), "{}", lease=self._lease())
+
+    def all_done(self, result: Result) -> bool:
+        keys = self._view.job(self.job_id)
+        done = keys.done.get(result.round, set()) if keys else set()
+        return set(result.members) <= done
+
+    def publish_workers(self, rows: list[dict]) -> None:
+        self._store.put(self._key("workers", self.node_id), json.dumps(rows), lease=self._lease())
+
+
+def create_job(store: Store, job_id: str, spec: dict, now: float, round: int = 1,
+               restarts: int = 0) -> None:
+    """Write a new job's spec and its first, open round."""
+    prefix = job_prefix(job_id)
+    try:
+        store.create(f"{prefix}/spec", json.dumps(spec, sort_keys=True))
+    except KeyExists:
+        raise ValueError(f"job id {job_id} already exists in the cluster") from None
+    first = RoundState(round=round, status=OPEN, opened_at=now, restarts=restarts,
+                       expected=tuple(sorted(spec.get("nodes") or ())),
+                       reason="submitted")
+    store.create(f"{prefix}/state", first.to_json())

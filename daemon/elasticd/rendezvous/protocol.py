@@ -1,0 +1,198 @@
+"""The cluster rendezvous protocol: its records and its decisions, no I/O.
+
+Keys of one job (under the store prefix; ``R`` is a round number)::
+
+    /v1/jobs/<job>/spec              what to run (written once, at submit)
+    /v1/jobs/<job>/state             the round state: one JSON record, changed only
+                                     by compare-and-swap
+    /v1/jobs/<job>/join/<R>/<node>   a node's wish to be in round R (its node lease)
+    /v1/jobs/<job>/done/<R>/<node>   a node's workers finished round R well (lease)
+    /v1/jobs/<job>/workers/<node>    a node's worker rows, for status (lease)
+
+Each node writes only its own join/done/workers keys, so the writes of a
+round grow linearly with the number of nodes. The state moves
+
+    open(R) --decider closes--> closed(R) --fault, node loss, scale-up--> open(R+1)
+    any --> succeeded | failed | cancelled
+
+The decider of an open round is the joined node with the smallest id (its
+join key lives only while its lease does, so a dead decider hands over by
+itself). It closes the round once max nodes joined, or min nodes joined and
+``last_call`` seconds passed since; members keep their group ranks across
+rounds and newcomers come after them.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, replace
+
+OPEN, CLOSED = "open", "closed"
+SUCCEEDED, FAILED, CANCELLED = "succeeded", "failed", "cancelled"
+FINAL = frozenset({SUCCEEDED, FAILED, CANCELLED})
+
+
+def job_prefix(job_id: str) -> str:
+    return f"/v1/jobs/{job_id}"
+
+
+@dataclass(frozen=True)
+class Member:
+    node_id: str
+    address: str
+    nproc: int
+    port: int                      # a free port on that node, for MASTER_PORT if rank 0
+
+
+@dataclass(frozen=True)
+class RoundState:
+    round: int = 1
+    status: str = OPEN
+    members: tuple = ()            # Member, in group-rank order (closed rounds)
+    restarts: int = 0              # faults counted against max_restarts, cluster-wide
+    expected: tuple = ()           # node ids an open round waits for before closing at once
+    reason: str = ""
+    opened_at: float = 0.0
+    closed_at: float = 0.0
+
+    def to_json(self) -> str:
+        data = asdict(self)
+        data["members"] = [asdict(m) for m in self.members]
+        return json.dumps(data, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "RoundState":
+        data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError("round state is not an object")
+        members = tuple(Member(**m) for m in data.get("members", ()))
+        state = cls(round=int(data["round"]), status=str(data["status"]), members=members,
+                    restarts=int(data.get("restarts", 0)),
+                    expected=tuple(str(n) for n in data.get("expected", ())),
+                    reason=str(data.get("reason", "")),
+                    opened_at=float(data.get("opened_at", 0.0)),
+                    closed_at=float(data.get("closed_at", 0.0)))
+        if state.status not in (OPEN, CLOSED) and state.status not in FINAL:
+            raise ValueError(f"unknown round status {state.status!r}")
+        return state
+
+    @property
+    def final(self) -> bool:
+        return self.status in FINAL
+
+    def member_ids(self) -> list[str]:
+        return [m.node_id for m in self.members]
+
+
+@dataclass(frozen=True)
+class Join:
+    node_id: str
+    address: str
+    nproc: int
+    port: int
+    prev_rank: int = -1            # group rank in the last round this node was in
+    time: float = 0.0
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Join":
+        data = json.loads(text)
+        return cls(node_id=str(data["node_id"]), address=str(data["address"]),
+                   nproc=int(data["nproc"]), port=int(data["port"]),
+                   prev_rank=int(data.get("prev_rank", -1)), time=float(data.get("time", 0.0)))
+
+
+@dataclass(frozen=True)
+class JobLimits:
+    min_nodes: int
+    max_nodes: int
+    max_restarts: int
+    last_call: float               # seconds to wait for more nodes once min joined
+    join_timeout: float            # seconds an open round may stay below min
+
+
+@dataclass
+class RoundClock:
+    """What the decider saw of an open round, on its own clock."""
+    round: int = 0
+    opened_seen: float = 0.0
+    min_reached: float = 0.0
+
+
+@dataclass(frozen=True)
+class Result:
+    """This node's place in a closed round: plain data for the worker env."""
+    round: int
+    group_rank: int
+    group_world_size: int
+    world_size: int
+    rank_offset: int
+    master_addr: str
+    master_port: int
+    members: tuple = field(default=())
+
+
+def order_members(joins: list[Join]) -> tuple[Member, ...]:
+    """Old members keep their order (group ranks stay stable); newcomers follow by id."""
+    old = sorted((j for j in joins if j.prev_rank >= 0), key=lambda j: (j.prev_rank, j.node_id))
+    new = sorted((j for j in joins if j.prev_rank < 0), key=lambda j: j.node_id)
+    return tuple(Member(j.node_id, j.address, j.nproc, j.port) for j in old + new)
+
+
+def decider(joins: list[Join]) -> str | None:
+    return min((j.node_id for j in joins), default=None)
+
+
+def decide_open_round(state: RoundState, joins: list[Join], limits: JobLimits,
+                      clock: RoundClock, now: float) -> tuple[RoundState | None, str]:
+    """What the decider does with an open round: (new state or None, why)."""
+    if clock.round != state.round:
+        clock.round, clock.opened_seen, clock.min_reached = state.round, now, 0.0
+    n = len(joins)
+    if n >= limits.min_nodes and not clock.min_reached:
+        clock.min_reached = now
+    everyone = bool(state.expected) and set(state.expected) <= {j.node_id for j in joins}
+    if n >= limits.max_nodes or (n >= limits.min_nodes and (
+            everyone or now - clock.min_reached >= limits.last_call)):
+        members = order_members(joins)[:limits.max_nodes]
+        why = (f"round {state.round} closed with {len(members)} node(s)"
+               + (" (max reached)" if n >= limits.max_nodes else
+                  " (every expected node joined)" if everyone else
+                  f" after a last call of {limits.last_call:g}s"))
+        return replace(state, status=CLOSED, members=members, closed_at=now, reason=why), why
+    if n < limits.min_nodes and now - clock.opened_seen >= limits.join_timeout:
+        why = (f"only {n} of the {limits.min_nodes} nodes the job needs joined round "
+               f"{state.round} within {limits.join_timeout:g}s")
+        return replace(state, status=FAILED, reason=why), why
+    return None, f"round {state.round}: {n} node(s) joined, waiting"
+
+
+def reopen(state: RoundState, reason: str, count_restart: bool, limits: JobLimits,
+           now: float, expected: tuple = ()) -> tuple[RoundState, str]:
+    """The state after a fault or a membership change in ``state``'s round.
+
+    ``expected``: the nodes the new round can close as soon as they joined
+    (the old members still alive, plus any waiting to join)."""
+    restarts = state.restarts + (1 if count_restart else 0)
+    if count_restart and restarts > limits.max_restarts:
+        why = f"{reason}; no restarts left ({state.restarts} of {limits.max_restarts} used)"
+        return replace(state, status=FAILED, reason=why), why
+    why = (f"{reason}; round {state.round + 1} opened"
+           + (f" (restart {restarts} of {limits.max_restarts})" if count_restart else ""))
+    return RoundState(round=state.round + 1, status=OPEN, restarts=restarts, reason=why,
+                      expected=tuple(sorted(expected)), opened_at=now), why
+
+
+def result_for(state: RoundState, node_id: str) -> Result | None:
+    """This node's ranks in a closed round, or None if it is not a member."""
+    ids = state.member_ids()
+    if state.status != CLOSED or node_id not in ids:
+        return None
+    index = ids.index(node_id)
+    master = state.members[0]
+    return Result(round=state.round, group_rank=index, group_world_size=len(ids),
+                  world_size=sum(m.nproc for m in state.members),
+                  rank_offset=sum(m.nproc for m in state.members[:index]),
+                  master_addr=master.address, master_port=master.port,
+                  members=tuple(ids))

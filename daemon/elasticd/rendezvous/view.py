@@ -1,0 +1,157 @@
+"""One watch over every job's keys, kept as an in-memory view.
+
+The daemon runs one ``JobsView`` (one watch stream, however many jobs);
+rendezvous participants and the job dispatcher read it and wait on its
+condition instead of polling etcd. Records that do not parse are logged
+once and skipped: garbage under the prefix never stops a round.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from dataclasses import dataclass, field
+
+from ..store import EVENT_PUT, Store, StoreError, WatchCompacted
+from .protocol import Join, RoundState
+
+log = logging.getLogger("elasticd.rendezvous")
+
+JOBS = "/v1/jobs"
+
+
+@dataclass
+class JobKeys:
+    spec: dict | None = None
+    state: RoundState | None = None
+    state_revision: int = 0
+    joins: dict = field(default_factory=dict)     # round -> {node: Join}
+    done: dict = field(default_factory=dict)      # round -> set(node)
+    workers: dict = field(default_factory=dict)   # node -> list of worker rows
+
+
+class JobsView:
+    def __init__(self, store: Store, retry: float = 1.0, prefix: str = JOBS):
+        self._store = store
+        self._retry = retry
+        self._prefix = prefix
+        self._jobs: dict[str, JobKeys] = {}
+        self.changed = threading.Condition()
+        self.revision = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.synced = threading.Event()
+        self._bad: set[str] = set()
+
+    # -- reading -------------------------------------------------------------
+    def job(self, job_id: str) -> JobKeys | None:
+        with self.changed:
+            keys = self._jobs.get(job_id)
+            if keys is None:
+                return None
+            return JobKeys(spec=keys.spec, state=keys.state, state_revision=keys.state_revision,
+                           joins={r: dict(v) for r, v in keys.joins.items()},
+                           done={r: set(v) for r, v in keys.done.items()},
+                           workers=dict(keys.workers))
+
+    def job_ids(self) -> list[str]:
+        with self.changed:
+            return list(self._jobs)
+
+    def wait(self, timeout: float) -> None:
+        with self.changed:
+            self.changed.wait(timeout)
+
+    # -- the loop --------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="jobs-watch", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self._retry + 2)
+
+    def _run(self) -> None:
+        revision = None
+        while not self._stop.is_set():
+            try:
+                if revision is None:
+                    revision = self._relist()
+                for ev in self._store.watch(self._prefix, revision, self._stop):
+                    revision = ev.revision
+                    with self.changed:
+                        self._apply(ev.key, ev.value if ev.type == EVENT_PUT else None,
+                                    ev.revision)
+                        self.revision = ev.revision
+                        self.changed.notify_all()
+            except WatchCompacted:
+                revision = None
+            except StoreError as exc:
+                log.debug("jobs watch interrupted: %s", exc)
+                self._stop.wait(self._retry)
+            except Exception:
+                log.exception("jobs watch failed; listing again")
+                revision = None
+                self._stop.wait(self._retry)
+
+    def _relist(self) -> int:
+        kvs, revision = self._store.list(self._prefix)
+        with self.changed:
+            self._jobs = {}
+            for kv in kvs:
+                self._apply(kv.key, kv.value, kv.revision)
+            self.revision = revision
+            self.changed.notify_all()
+        self.synced.set()
+        return revision
+
+    def _apply(self, key: str, value: str | None, revision: int) -> None:
+        """Fold one key into the view; the caller holds the condition."""
+        parts = key[len(self._prefix) + 1:].split("/")
+        if len(parts) < 2:
+            return self._garbage(key, "unexpected key")
+        job_id, kind = parts[0], parts[1]
+        keys = self._jobs.setdefault(job_id, JobKeys())
+        try:
+            if kind == "spec" and len(parts) == 2:
+                keys.spec = json.loads(value) if value is not None else None
+                if keys.spec is not None and not isinstance(keys.spec, dict):
+                    keys.spec = None
+                    raise ValueError("spec is not an object")
+            elif kind == "state" and len(parts) == 2:
+                keys.state = RoundState.from_json(value) if value is not None else None
+                keys.state_revision = revision if value is not None else 0
+            elif kind in ("join", "done") and len(parts) == 4:
+                rnd, node = int(parts[2]), parts[3]
+                table = keys.joins if kind == "join" else keys.done
+                if value is None and kind == "join":
+                    table.get(rnd, {}).pop(node, None)
+                elif value is None:
+                    table.get(rnd, set()).discard(node)
+                elif kind == "join":
+                    join = Join.from_json(value)
+                    if join.node_id != node:
+                        raise ValueError("join record names another node")
+                    table.setdefault(rnd, {})[node] = join
+                else:
+                    table.setdefault(rnd, set()).add(node)
+            elif kind == "workers" and len(parts) == 3:
+                if value is None:
+                    keys.workers.pop(parts[2], None)
+                else:
+                    rows = json.loads(value)
+                    if not isinstance(rows, list):
+                        raise ValueError("worker rows are not a list")
+                    keys.workers[parts[2]] = rows
+            else:
+                self._garbage(key, "unknown key")
+        except (ValueError, KeyError, TypeError) as exc:
+            self._garbage(key, str(exc))
+        if keys.spec is None and keys.state is None and not keys.joins and not keys.workers:
+            self._jobs.pop(job_id, None)
+
+    def _garbage(self, key: str, why: str) -> None:
+        if key not in self._bad:
+            self._bad.add(key)
+            log.warning("ignoring %s in etcd: %s", key, why)
