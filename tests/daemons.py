@@ -25,13 +25,14 @@ TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}
 
 class DaemonProc:
     def __init__(self, root: str, node_id: str = "node-a", slots: int = 4,
-                 extra_args: tuple = (), env: dict | None = None):
+                 extra_args: tuple = (), env: dict | None = None, etcd: str | None = None):
         self.root = root
         self.node_id = node_id
         self.socket = os.path.join(root, "run", "control.sock")
         self.state_dir = os.path.join(root, "state")
         self.log_path = os.path.join(root, f"daemon-{node_id}.log")
-        self.args = ["--standalone", "--node-id", node_id, "--socket", self.socket,
+        where = ["--etcd", etcd] if etcd else ["--standalone"]
+        self.args = [*where, "--node-id", node_id, "--socket", self.socket,
                      "--state-dir", self.state_dir, "--metrics-port", "0",
                      "--slots", str(slots), *extra_args]
         self.env = dict(os.environ, **(env or {}))
