@@ -43,3 +43,15 @@ class Watcher:
         self.thread.join(5)
         assert not self.thread.is_alive(), "watch ignored stop_event"
         return time.monotonic() - t
+
+
+def replay(store, prefix, after, count=None, until=None, timeout=10.0) -> list[WatchEvent]:
+    """The events under ``prefix`` after revision ``after``: stops at
+    ``count`` events, or after the first event ``until(event)`` accepts,
+    or at ``timeout`` (generous: a loaded box is slow to set up a watch)."""
+    out: list[WatchEvent] = []
+    for ev in store.watch(prefix, after, timeout=timeout):
+        out.append(ev)
+        if len(out) == count or (until is not None and until(ev)):
+            break
+    return out

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from store_watching import Watcher
+from store_watching import Watcher, replay
 from elasticd.store import (
     EVENT_DELETE,
     EVENT_EXPIRE,
@@ -219,10 +219,10 @@ def test_watch_from_past_revision_replays(store, prefix):
     first = store.put(f"{prefix}/h/a", "1")
     store.put(f"{prefix}/h/b", "2")
     store.delete(f"{prefix}/h/a")
-    got = list(store.watch(f"{prefix}/h", first - 1, timeout=0.3))
+    got = replay(store, f"{prefix}/h", first - 1, count=3)
     assert [(e.type, e.value) for e in got] == [
         (EVENT_PUT, "1"), (EVENT_PUT, "2"), (EVENT_DELETE, None)]
-    resumed = list(store.watch(f"{prefix}/h", got[1].revision, timeout=0.3))
+    resumed = replay(store, f"{prefix}/h", got[1].revision, count=1)
     assert resumed == got[2:]
 
 
@@ -230,7 +230,7 @@ def test_watch_ends_soon_after_stop_event(store, prefix):
     _, rev = store.list(f"{prefix}/s")
     w = Watcher(store, f"{prefix}/s", rev)
     time.sleep(0.3)
-    assert w.close() < 1.2
+    assert w.close() < 1.5
     assert w.error is None
 
 
@@ -238,7 +238,7 @@ def test_watch_timeout_returns_normally(store, prefix):
     _, rev = store.list(f"{prefix}/t")
     t0 = time.monotonic()
     assert list(store.watch(f"{prefix}/t", rev, timeout=0.6)) == []
-    assert 0.5 <= time.monotonic() - t0 < 1.6
+    assert 0.5 <= time.monotonic() - t0 < 2.5
 
 
 def test_health_says_something(store):
@@ -274,5 +274,5 @@ def test_watch_from_compacted_revision_asks_for_relist(kind, request, prefix):
     kvs, rev = store.list(f"{prefix}/c")  # the documented recovery: re-list, watch on
     assert [kv.value for kv in kvs] == ["1"]
     store.put(f"{prefix}/c/b", "2")
-    assert [e.value for e in store.watch(f"{prefix}/c", rev, timeout=0.3)] == ["2"]
+    assert [e.value for e in replay(store, f"{prefix}/c", rev, count=1)] == ["2"]
     store.close()

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from etcd_server import EtcdCluster, EtcdServer, free_port
-from store_watching import Watcher
+from store_watching import Watcher, replay
 from elasticd.store import (
     StoreUnavailable,
     detect_api,
@@ -21,7 +21,7 @@ from elasticd.store.etcd2 import Etcd2Store
 from elasticd.store.etcd3 import Etcd3Store
 
 TIMEOUT = 1.0
-SLACK = 0.6  # allowed beyond the timeout: process scheduling on a busy CI box
+SLACK = 1.0  # allowed beyond the timeout: process scheduling on a busy CI box
 FROZEN_CALLS = {"get", "put", "refresh_lease", "health"}
 
 
@@ -91,7 +91,8 @@ def test_outage_fails_fast_then_recovers(etcd, kind, how):
         store.refresh_lease(lease)
         assert store.get("/o/leased").value == "x"
         store.put("/o/a", "after")
-        got = [(e.key, e.value) for e in store.watch("/o", rev, timeout=0.5)]
+        got = [(e.key, e.value)
+               for e in replay(store, "/o", rev, until=lambda e: e.value == "after")]
         if how == "freeze":
             # A request sent to the frozen etcd may be applied when it wakes
             # (etcd2 does; the v3 gateway mostly sees the client gone first):
@@ -180,7 +181,7 @@ def test_non_utf8_bytes_from_a_foreign_writer(etcd, kind):
     kvs, _ = store.list("/foreign")
     assert [kv.key for kv in kvs] == ["/foreign/bin"]
     assert "\ufffd" in kvs[0].value  # decoded with replacement, never an exception
-    events = list(store.watch("/foreign", kvs[0].revision - 1, timeout=0.3))
+    events = replay(store, "/foreign", kvs[0].revision - 1, count=1)
     assert events[0].key == "/foreign/bin" and "\ufffd" in events[0].value
     store.close()
 

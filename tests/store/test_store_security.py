@@ -10,6 +10,7 @@ import urllib.request
 import pytest
 
 from etcd_server import EtcdServer, make_certs
+from store_watching import replay
 from elasticd.store import StoreAuthError, detect_api, open_store
 
 TIMEOUT = 1.0
@@ -38,7 +39,7 @@ def test_tls_with_client_certificate(tls_etcd, certs, kind):
     store.put("/tls/l", "x", lease=lease)
     store.refresh_lease(lease)
     store.revoke_lease(lease)
-    events = list(store.watch("/tls", rev, timeout=0.5))
+    events = replay(store, "/tls", rev, count=2)
     assert [(e.type, e.key) for e in events][:2] == [("put", "/tls/a"), ("put", "/tls/l")]
     store.delete_prefix("/tls")
     store.close()
@@ -96,7 +97,7 @@ def test_user_password_auth(auth_etcd, kind):
     assert store.get("/auth/a").value == "1"
     if kind == "etcd3":
         time.sleep(1.2)  # the token expired: the store logs in again by itself
-    events = list(store.watch("/auth", 0, timeout=0.3))
+    events = replay(store, "/auth", 0, count=1)
     assert [(e.key, e.value) for e in events] == [("/auth/a", "1")]
     if kind == "etcd3":
         store._token = "expired.1"  # the same for plain calls, without the wait

@@ -83,9 +83,10 @@ def tls_error(url: str, exc: BaseException) -> StoreError:
     (StoreAuthError); anything else, e.g. a handshake cut short by a
     restarting server, is transient (StoreUnavailable)."""
     text = str(exc)
-    if any(w in text.upper() for w in ("CERTIFICATE", "ALERT", "UNKNOWN_CA", "HOSTNAME")):
-        return StoreAuthError(f"TLS with etcd at {url} failed (check the CA, the client "
-                              f"certificate and key): {text}")
+    if any(w in text.upper() for w in ("CERTIFICATE", "ALERT", "UNKNOWN_CA", "HOSTNAME",
+                                       "WRONG_VERSION_NUMBER")):
+        return StoreAuthError(f"TLS with etcd at {url} failed (check the URL scheme, the CA, "
+                              f"the client certificate and key): {text}")
     return StoreUnavailable(f"TLS with etcd at {url} broke: {text}")
 
 

@@ -5,7 +5,8 @@ How v2 differs from the Store contract, and what this module does:
 * Leases do not exist in v2.  A lease here is client-side: keys put with
   it carry its TTL, ``refresh_lease`` refreshes each key's TTL
   (``refresh=true``, which notifies no watcher) and ``revoke_lease``
-  deletes them.  The lease lives in this store object only; its id means
+  deletes them, each only while the key still holds the value this object
+  wrote.  The lease lives in this store object only; its id means
   nothing to other clients, and ``KV.lease_id`` is set only for keys this
   object leased.  The lease counts as ended once its TTL has passed since
   the last successful refresh (timed from before the request, so never

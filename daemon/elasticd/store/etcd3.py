@@ -305,15 +305,17 @@ class Etcd3Store(Store):
             return (stop_event is not None and stop_event.is_set()) or (
                 deadline is not None and time.monotonic() >= deadline)
 
-        after, quick_ends, relogged, first = start_revision, 0, False, True
+        # Streams that break (or end within a second) in a row; past one per
+        # endpoint, no member answers and the watch raises.
+        after, broken, relogged, first = start_revision, 0, False, True
         while not done():
             try:
                 stream = _WatchStream(self, prefix, after)
             except StoreUnavailable:
-                if first or quick_ends:
-                    raise  # a new watch, or a second try: no member answers
-                quick_ends = 1  # the stream broke: one more try, maybe on another member
-                continue
+                broken += 1
+                if first or broken > len(self.endpoints):
+                    raise
+                continue  # _open moved on: the next try goes to another member
             first, opened = False, time.monotonic()
             heard = opened
             kind, payload = "", None
@@ -342,13 +344,13 @@ class Etcd3Store(Store):
                 if relogged or not self._auth:
                     raise StoreAuthError(f"etcd refused the watch on {prefix}: {payload}")
                 self._token, relogged = None, True
-            # A stream broken or ended at once, twice running: etcd is going away
-            # (making the next stream fails on its own if no member answers).
-            quick = kind in ("end", "error") and heard - opened < 1
-            quick_ends = quick_ends + 1 if quick else 0
-            if quick_ends >= 2:
-                raise payload if kind == "error" else StoreUnavailable(
-                    f"etcd watch streams on {prefix} keep ending at once")
+            if kind in ("end", "error"):
+                broken = broken + 1 if time.monotonic() - opened < 1 else 1
+                if broken > len(self.endpoints):
+                    raise payload if kind == "error" else StoreUnavailable(
+                        f"etcd watch streams on {prefix} keep ending at once")
+            else:
+                broken = 0
 
 
 class _WatchStream:
@@ -364,7 +366,9 @@ class _WatchStream:
                                   "start_revision": str(after + 1)}}
         self._url, self._resp = store._request("/watch", req, stream=True)
         # Headers came within the call timeout; the body may idle longer.
-        self._resp.connection.sock.settimeout(store.watch_idle)
+        sock = getattr(self._resp.connection, "sock", None)
+        if sock is not None:
+            sock.settimeout(store.watch_idle)
         self._store = store
         self._thread = threading.Thread(target=self._read, name="etcd3-watch", daemon=True)
         self._thread.start()
