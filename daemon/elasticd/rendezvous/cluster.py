@@ -40,7 +40,8 @@ class RendezvousStopped(Exception):
 class ClusterRendezvous:
     def __init__(self, store: Store, view: JobsView, job_id: str, node_id: str, address: str,
                  nproc: int, lease: Callable[[], Lease | None], limits: JobLimits,
-                 scale_up: str = "immediate", poll: float = 0.5, clock=time.time):
+                 scale_up: str = "immediate", poll: float = 0.5, clock=time.time,
+                 port: Callable[[], int] = free_port):
         self._store = store
         self._view = view
         self.job_id = job_id
@@ -52,6 +53,7 @@ class ClusterRendezvous:
         self._scale_up = scale_up
         self._poll = poll
         self._clock = clock
+        self._port = port
         self._prefix = job_prefix(job_id)
         self._round_clock = RoundClock()
         self._joined: set[int] = set()
@@ -111,7 +113,7 @@ class ClusterRendezvous:
                 return
         lease = self._lease()
         join = Join(node_id=self.node_id, address=self._address, nproc=self._nproc,
-                    port=free_port(), prev_rank=self.prev_rank, time=self._clock())
+                    port=self._port(), prev_rank=self.prev_rank, time=self._clock())
         self._store.put(self._key("join", rnd, self.node_id), join.to_json(), lease=lease)
         self._joined.add(rnd)
 

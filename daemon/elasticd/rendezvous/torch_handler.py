@@ -1,0 +1,200 @@
+"""elasticd's rendezvous as a torch ``RendezvousHandler``, for plain torchrun.
+
+    torchrun --rdzv-backend=elasticd --rdzv-endpoint=ETCD_HOST:2379 \\
+             --rdzv-id=JOB --nnodes=2:4 --nproc-per-node=8 train.py
+
+runs the same round protocol as the daemons (rendezvous/protocol.py) on
+etcd's v3 API (``--rdzv-conf api=v2`` for a v2 server), with no daemon at
+all. Each torchrun agent is one node: it holds a lease refreshed in the
+background, so a dead agent drops out of the round by itself. The group
+rank 0 agent hosts the TCPStore the agents and workers bootstrap from
+(``use_agent_store``), as torch's c10d handler does.
+
+This is the only daemon-side module that imports torch; it is registered
+under the ``torchrun.handlers`` entry point and never imported by elasticd.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+
+from torch.distributed import PrefixStore, Store, TCPStore
+from torch.distributed.elastic.rendezvous import (RendezvousClosedError, RendezvousHandler,
+                                                  RendezvousInfo, RendezvousParameters,
+                                                  RendezvousStoreInfo)
+from torch.distributed.elastic.rendezvous.api import (RendezvousConnectionError,
+                                                      RendezvousTimeoutError)
+
+from ..store import LeaseNotFound, StoreError, open_store
+from .cluster import ClusterRendezvous, RendezvousStopped, RoundFinal, create_job
+from .protocol import CANCELLED, FINAL, JobLimits, Result
+from .view import JobsView
+
+log = logging.getLogger("elasticd.torchrun")
+
+DEFAULT_PREFIX = "/elasticd-torchrun"
+
+
+def endpoints_from(endpoint: str) -> list[str]:
+    """``host:port[,host:port]`` or URLs -> URLs (http unless a scheme is given)."""
+    out = []
+    for part in filter(None, (p.strip() for p in endpoint.split(","))):
+        out.append(part if "://" in part else f"http://{part}")
+    if not out:
+        raise ValueError("--rdzv-endpoint must name etcd, e.g. 10.0.0.5:2379")
+    return out
+
+
+class _LeaseKeeper(threading.Thread):
+    """Refreshes this agent's lease; a new one if it lapsed."""
+
+    def __init__(self, store, ttl: int):
+        super().__init__(name="elasticd-rdzv-lease", daemon=True)
+        self._store = store
+        self._ttl = ttl
+        self.lease = store.grant_lease(ttl)
+        self._stop = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop.wait(self._ttl / 3):
+            try:
+                self._store.refresh_lease(self.lease)
+            except LeaseNotFound:
+                log.warning("rendezvous lease lapsed; taking a new one")
+                try:
+                    self.lease = self._store.grant_lease(self._ttl)
+                except StoreError as exc:
+                    log.warning("cannot renew the rendezvous lease: %s", exc)
+            except StoreError as exc:
+                log.warning("cannot refresh the rendezvous lease: %s", exc)
+
+    def stop(self) -> None:
+        self._stop.set()
+        try:
+            self._store.revoke_lease(self.lease)
+        except StoreError:
+            pass
+
+
+class ElasticdRendezvousHandler(RendezvousHandler):
+    def __init__(self, params: RendezvousParameters):
+        api = params.get("api", "v3")
+        self._run_id = params.run_id
+        self._store = open_store({"v3": "etcd3", "v2": "etcd2", "auto": "auto"}[api],
+                                 endpoints_from(params.endpoint),
+                                 prefix=params.get("prefix", DEFAULT_PREFIX),
+                                 timeout=float(params.get("request_timeout", 5)))
+        self._addr = params.local_addr or socket.getfqdn()
+        self._node_id = f"{socket.gethostname()}-{os.getpid()}-{id(self) & 0xffff:x}"
+        self._lease = _LeaseKeeper(self._store, int(params.get("lease_ttl", 10)))
+        self._lease.start()
+        self._view = JobsView(self._store, retry=1.0)
+        self._view.start()
+        self._tcp_server: TCPStore | None = None   # the store this agent hosts as rank 0
+        self._timeout = float(params.get("join_timeout", 600))
+        limits = JobLimits(min_nodes=params.min_nodes, max_nodes=params.max_nodes,
+                           max_restarts=10 ** 9,  # torchrun keeps its own budget
+                           last_call=float(params.get("last_call_timeout", 2)),
+                           join_timeout=self._timeout)
+        self._rdzv = ClusterRendezvous(
+            self._store, self._view, self._run_id, self._node_id, self._addr, nproc=1,
+            lease=lambda: self._lease.lease, limits=limits, poll=0.2)
+        self._result: Result | None = None
+        try:
+            create_job(self._store, self._run_id, {"id": self._run_id, "torchrun": True},
+                       time.time())
+        except ValueError:
+            pass  # another agent created it first
+        except StoreError as exc:
+            raise RendezvousConnectionError(f"cannot reach etcd: {exc}") from exc
+        self._view.synced.wait(10)
+
+    # -- RendezvousHandler ----------------------------------------------------
+    def get_backend(self) -> str:
+        return "elasticd"
+
+    @property
+    def use_agent_store(self) -> bool:
+        return True
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        try:
+            if self._result is not None:  # torchrun restarts us: ask for a new round
+                self._rdzv.reopen(self._result, f"{self._node_id} restarts its workers", False)
+            stop = threading.Event()
+            timer = threading.Timer(self._timeout, stop.set)
+            timer.start()
+            try:
+                result = self._rdzv.next_round(stop)
+            finally:
+                timer.cancel()
+        except RoundFinal as final:
+            raise RendezvousClosedError(final.state.reason or final.state.status) from None
+        except RendezvousStopped:
+            raise RendezvousTimeoutError(f"no round closed within {self._timeout:g}s") from None
+        except StoreError as exc:
+            raise RendezvousConnectionError(f"etcd: {exc}") from exc
+        self._result = result
+        master = result.master_addr
+        # A fresh store every round: workers use it unprefixed (torch's env://
+        # with TORCHELASTIC_USE_AGENT_STORE), so keys of the last attempt must
+        # not be there. Rank 0 hosts it on the port it announced when joining.
+        self._tcp_server = None
+        if result.group_rank == 0:
+            self._tcp_server = TCPStore(master, result.master_port, is_master=True,
+                                        multi_tenant=True, wait_for_workers=False)
+            store: Store = self._tcp_server
+        else:
+            store = TCPStore(master, result.master_port, is_master=False,
+                             timeout=_timedelta(self._timeout))
+        prefixed = PrefixStore(f"elasticd/{self._run_id}/{result.round}", store)
+        log.info("joined round %d of %s as rank %d of %d", result.round, self._run_id,
+                 result.group_rank, result.group_world_size)
+        return RendezvousInfo(prefixed, result.group_rank, result.group_world_size,
+                              RendezvousStoreInfo(master, result.master_port))
+
+    def is_closed(self) -> bool:
+        keys = self._view.job(self._run_id)
+        return bool(keys and keys.state and keys.state.status in FINAL)
+
+    def set_closed(self) -> None:
+        self._rdzv.finish(CANCELLED, f"closed by torchrun on {self._node_id}")
+
+    def num_nodes_waiting(self) -> int:
+        if self._result is None:
+            return 0
+        status, _ = self._rdzv.status(self._result)
+        if status == "current":
+            return 0
+        if status == "waiting":
+            keys = self._view.job(self._run_id)
+            members = set(self._result.members)
+            return len([n for n in keys.joins.get(self._result.round + 1, {})
+                        if n not in members]) if keys else 1
+        return 1  # a new round opened (a peer restarts, or a member was lost)
+
+    def get_run_id(self) -> str:
+        return self._run_id
+
+    def shutdown(self) -> bool:
+        self._lease.stop()
+        self._view.stop()
+        self._store.close()
+        return True
+
+
+def _timedelta(seconds: float):
+    import datetime
+    return datetime.timedelta(seconds=seconds)
+
+
+def create_handler(params: RendezvousParameters) -> RendezvousHandler:
+    return ElasticdRendezvousHandler(params)
+
+
+def handler_creator_factory():
+    """The ``torchrun.handlers`` entry point: torch calls it for the creator."""
+    return create_handler
