@@ -97,11 +97,6 @@ def test_every_command_has_help_with_example(capsys):
         assert "example:" in capsys.readouterr().out
 
 
-def test_drain_not_supported_yet(capsys):
-    assert cli.main(["drain", "n1"]) == 1
-    assert "not supported by this daemon yet" in capsys.readouterr().err
-
-
 # ---------------------------------------------------------------- output
 
 def test_status_table_names_exit_code_and_traceback():

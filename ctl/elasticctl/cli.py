@@ -241,9 +241,21 @@ def cmd_nodes(ctx: Context) -> int:
     return EXIT_OK
 
 
-def cmd_not_yet(ctx: Context) -> int:
-    ctx.note(f"{ctx.args.command} is not supported by this daemon yet")
-    return EXIT_FAILED
+def _set_node_state(ctx: Context, state: str) -> int:
+    # root only; the daemon answers PERMISSION_DENIED, NOT_FOUND (no such live
+    # node) or FAILED_PRECONDITION (etcd unavailable), each exit 1 with its message.
+    node = ctx.client.call("SetNodeState", pb.SetNodeStateRequest(node_id=ctx.args.node,
+                                                                  state=state))
+    ctx.printer.node_state(node)
+    return EXIT_OK
+
+
+def cmd_drain(ctx: Context) -> int:
+    return _set_node_state(ctx, "draining")
+
+
+def cmd_uncordon(ctx: Context) -> int:
+    return _set_node_state(ctx, "ready")
 
 
 # ---------------------------------------------------------------- the parser
@@ -265,10 +277,10 @@ COMMANDS: dict[str, tuple[Callable[[Context], int], str, str, bool]] = {
     "wait": (cmd_wait, "wait for a job to end; exits with the job's exit code",
              "elasticctl wait bert --timeout 3600 && echo done", True),
     "nodes": (cmd_nodes, "list the cluster's nodes and their free slots", "elasticctl nodes", True),
-    "drain": (cmd_not_yet, "stop placing new jobs on a node (not supported by the daemon yet)",
-              "elasticctl drain node7", False),
-    "uncordon": (cmd_not_yet, "let a drained node take jobs again (not supported by the daemon "
-                              "yet)", "elasticctl uncordon node7", False),
+    "drain": (cmd_drain, "stop placing new jobs on a node (root only); its running jobs go on",
+              "sudo elasticctl drain node7", True),
+    "uncordon": (cmd_uncordon, "let a drained node take jobs again (root only)",
+                 "sudo elasticctl uncordon node7", True),
 }
 
 

@@ -3,7 +3,8 @@
 JSON shapes (the scripting contract, see DESIGN.md "Command line"):
 ``submit``/``status``/``cancel``/``wait`` print the job object; ``list`` prints
 ``{"jobs": [...]}``; ``nodes`` prints ``{"nodes": [...], "store": ...,
-"store_health": ...}``; ``events`` and ``logs`` print one JSON object per line.
+"store_health": ...}``; ``drain``/``uncordon`` print the node object;
+``events`` and ``logs`` print one JSON object per line.
 Field names are the proto's; enums are their names as plain strings; a job
 that never failed has ``"last_failure": null``.
 """
@@ -248,6 +249,10 @@ class Printer:
 
     def nodes(self, resp: control_pb2.ListNodesResponse) -> None:
         self._json(to_dict(resp)) if self.json else self._emit(nodes_table(resp))
+
+    def node_state(self, node: control_pb2.Node) -> None:
+        """The result of `drain` / `uncordon`: the node as it now is."""
+        self._json(to_dict(node)) if self.json else self._emit(f"{node.node_id} {node.state}")
 
     def event(self, ev: control_pb2.Event) -> None:
         self._json(event_dict(ev), lines=True) if self.json else self._emit(event_line(ev))

@@ -42,6 +42,12 @@ def node_key(node_id: str) -> str:
     return f"{NODES}/{node_id}"
 
 
+# Fields of a node record and the types every reader may rely on.
+_INT32_MAX = 2**31 - 1
+_RECORD_FIELDS = {"slots": int, "slots_free": int, "pid": int, "started_at": (int, float),
+                  "host": str, "address": str, "version": str}
+
+
 def parse_node(key: str, value: str | None) -> dict | None:
     """A node record from the store, or None if it is not one we understand."""
     try:
@@ -52,9 +58,18 @@ def parse_node(key: str, value: str | None) -> dict | None:
         return None
     if data["node_id"] != key.rsplit("/", 1)[-1]:
         return None
-    for name, kind in (("slots", int), ("slots_free", int)):
-        if not isinstance(data.get(name, 0), kind):
+    # Every field a reader uses must have the type it expects (a record with
+    # "jobs": 7 or slots beyond int32 once made `elasticctl nodes` fail).
+    for name, kinds in _RECORD_FIELDS.items():
+        got = data.get(name)
+        if got is not None and (isinstance(got, bool) or not isinstance(got, kinds)):
             return None
+    for name in ("slots", "slots_free"):
+        if not 0 <= data.get(name, 0) <= _INT32_MAX:
+            return None
+    jobs = data.get("jobs", [])
+    if not isinstance(jobs, list) or not all(isinstance(j, str) for j in jobs):
+        return None
     return data
 
 
@@ -88,12 +103,15 @@ class LeaseKeeper:
         except KeyExists:
             current = self._store.get(key)
             theirs = parse_node(key, current.value) if current else None
-            if current is not None and not _is_our_stale_key(theirs):
+            if theirs is not None and not _is_our_stale_key(theirs):
                 self._store.revoke_lease(lease)
-                who = (f"host {theirs.get('host')}, pid {theirs.get('pid')}" if theirs
-                       else "an unreadable record")
-                raise NodeIdInUse(f"node id {self._node_id!r} is held by a live daemon ({who}); "
+                raise NodeIdInUse(f"node id {self._node_id!r} is held by a live daemon (host "
+                                  f"{theirs.get('host')}, pid {theirs.get('pid')}); "
                                   "give this one another --node-id") from None
+            if current is not None and theirs is None:
+                # No daemon writes a record we cannot read: garbage, take the key over.
+                log.warning("%s: replacing an unreadable record at %s", ctx(node=self._node_id),
+                            key)
             try:  # our own key from before a crash, or it expired meanwhile
                 if current is not None:
                     self._store.compare_and_swap(key, json.dumps(info), current.revision,
