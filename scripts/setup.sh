@@ -77,6 +77,40 @@ install_etcd() {
     command -v etcd >/dev/null 2>&1 || { say "etcd still not on PATH after install"; return 1; }
 }
 
+# promtool (Debian's `prometheus` package ships it): the metrics tests check
+# the scrape with `promtool check metrics` and monitoring/elasticd.rules.yml
+# with `promtool check rules`. Installed only if missing; the package's own
+# prometheus service is kept from running, as with etcd above.
+install_promtool() {
+    if command -v promtool >/dev/null 2>&1; then
+        return 0
+    fi
+    say "installing promtool (prometheus) with apt-get"
+    local policy=/usr/sbin/policy-rc.d ours=0
+    if [ ! -e "$policy" ]; then
+        as_root sh -c "printf '#!/bin/sh\nexit 101\n' > $policy && chmod 755 $policy"
+        ours=1
+    fi
+    local rc=0
+    {
+        quietly as_root apt-get update &&
+        quietly as_root env DEBIAN_FRONTEND=noninteractive \
+            apt-get install -y --no-install-recommends prometheus
+    } || rc=$?
+    if [ "$ours" -eq 1 ]; then
+        as_root rm -f "$policy"
+    fi
+    [ "$rc" -eq 0 ] || return "$rc"
+    if command -v systemctl >/dev/null 2>&1; then
+        if [ -d /run/systemd/system ]; then
+            as_root systemctl disable --now prometheus.service >/dev/null 2>&1 || true
+        else
+            as_root systemctl disable prometheus.service >/dev/null 2>&1 || true
+        fi
+    fi
+    command -v promtool >/dev/null 2>&1 || { say "promtool still not on PATH after install"; return 1; }
+}
+
 install_python_packages() {
     if ! command -v "$PYTHON" >/dev/null 2>&1; then
         say "$PYTHON not found; install Python 3.11+ (or set PYTHON=/path/to/python)"
@@ -87,4 +121,5 @@ install_python_packages() {
 }
 
 install_etcd
+install_promtool
 install_python_packages

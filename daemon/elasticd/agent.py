@@ -224,6 +224,7 @@ class Agent:
             self._publish(group)
             if self._metrics:
                 self._metrics.workers_started_n(len(group.workers))
+                self._metrics.round_nodes(result.group_world_size)  # metrics: participants
             decision = self._monitor(group, result)
             if not self._apply(decision, group, result):
                 return

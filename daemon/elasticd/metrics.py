@@ -32,6 +32,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import start_http_server
 
 from . import __version__
+from .jobs import JobNotFound
 from .states import LIVE_STATES, TERMINAL_STATES, JobState
 from .store import (KV, CompareFailed, KeyExists, Lease, LeaseNotFound, Store,
                     StoreAuthError, StoreCorrupt, StoreError, StoreUnavailable,
@@ -40,6 +41,7 @@ from .store import (KV, CompareFailed, KeyExists, Lease, LeaseNotFound, Store,
 # Restart layers, fastest first (DESIGN.md), and what caused a restart.
 LAYERS = ("inprocess", "process", "rendezvous")
 CAUSES = ("exit", "signal", "hang", "node_lost")
+_TERMINAL = frozenset(s.value for s in TERMINAL_STATES)
 
 STORE_OPERATIONS = ("get", "list", "put", "create", "compare_and_swap", "delete",
                     "delete_prefix", "grant_lease", "refresh_lease", "revoke_lease",
@@ -82,6 +84,9 @@ class Metrics:
             "elasticd_rendezvous_duration_seconds",
             "Time a job spent in RENDEZVOUS (forming its round and starting workers) "
             "before RUNNING", registry=r, buckets=_SLOW_BUCKETS)
+        self.round_nodes_seen = Histogram(
+            "elasticd_rendezvous_round_nodes", "Nodes in each rendezvous round this node ran",
+            registry=r, buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512))
         self.workers_started = Counter(
             "elasticd_workers_started_total", "Worker processes started", registry=r)
         self.rpc_seconds = Histogram(
@@ -113,12 +118,22 @@ class Metrics:
         self._entered_rendezvous: dict[str, float] = {}   # job id -> time
         self._faulted: dict[str, tuple[float, str]] = {}  # job id -> (fault time, layer)
         self._beats: dict[str, float] = {}                # job id -> last progress beat
+        # Which jobs are live, and how many ended in each way, kept from events so
+        # a scrape reads only the live jobs however long this node's history is.
+        self._live: set[str] = set()
+        self._ended: dict[str, int] = {s: 0 for s in _TERMINAL}
         self._handling = threading.local()                # the fault an agent thread handles
         self._server = None
 
     def attach(self, registry, manager) -> None:
         """Count registry events; export job and worker gauges at scrape time."""
-        registry.listeners.append(self._on_event)
+        with registry.changed:  # the registry's lock: no event between the list and us
+            for job in registry.list():
+                if job.state in TERMINAL_STATES:
+                    self._ended[job.state.value] += 1
+                else:
+                    self._live.add(job.id)
+            registry.listeners.append(self._on_event)
         self.registry.register(_JobCollector(registry, manager, self))
 
     def attach_cluster(self, cluster) -> None:
@@ -138,6 +153,11 @@ class Metrics:
         job, to, at = ev["job_id"], ev["to_state"], ev["time"]
         self.transitions.labels(to).inc()
         with self._lock:
+            if to in _TERMINAL:
+                self._live.discard(job)
+                self._ended[to] += 1
+            else:
+                self._live.add(job)
             since = self._entered_rendezvous.pop(job, None)
             if to == JobState.RENDEZVOUS.value:
                 self._entered_rendezvous[job] = at
@@ -167,6 +187,9 @@ class Metrics:
     def workers_started_n(self, n: int) -> None:
         self.workers_started.inc(n)
 
+    def round_nodes(self, n: int) -> None:
+        self.round_nodes_seen.observe(n)
+
     def restart_or_failure(self, failure: dict) -> None:
         """The agent handles this worker-group fault; its next move (RESTARTING
         or FAILED, on this thread) decides whether it is counted a restart."""
@@ -183,6 +206,11 @@ class Metrics:
         the monotonic clock)."""
         with self._lock:
             self._beats[job_id] = time.monotonic() if at is None else at
+
+    def job_counts(self) -> tuple[set[str], dict[str, int]]:
+        """(ids of live jobs, {terminal state: jobs that ended so})."""
+        with self._lock:
+            return set(self._live), dict(self._ended)
 
     def progress_beat_ages(self) -> list[float]:
         now = time.monotonic()
@@ -214,9 +242,6 @@ class Metrics:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
-
-
-_TERMINAL = frozenset(s.value for s in TERMINAL_STATES)
 
 
 def failure_cause(failure: dict) -> str:
@@ -330,11 +355,17 @@ class _JobCollector:
 
     def collect(self):
         now = time.time()
+        live, ended = self._metrics.job_counts()
         by_state = {s.value: 0 for s in JobState}
+        by_state.update(ended)
         oldest = {s.value: 0.0 for s in JobState if s in LIVE_STATES}
         workers = 0
         budget_used = 0.0
-        for job in self._jobs.list():
+        for job_id in live:
+            try:
+                job = self._jobs.get(job_id)
+            except JobNotFound:
+                continue
             state = job.state.value
             by_state[state] += 1
             if job.state in LIVE_STATES:
