@@ -185,11 +185,6 @@ def test_partitioned_daemon_loses_its_lease_then_registers_again(daemon_factory)
             proxy.close()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "ListNodes reads the drain marks from etcd inside the RPC (control.ListNodes -> "
-    "Cluster.drain_states -> store.list), so against a hung etcd every `elasticctl nodes` "
-    "takes etcd.request_timeout (1.5 s); the drain marks should come from a watch like "
-    "the node records do"))
 def test_nodes_answers_at_once_while_etcd_hangs(daemon_factory):
     with EtcdServer() as etcd:
         a = cluster_daemon(daemon_factory, etcd.url, "n-a", fresh_prefix()).start()

@@ -9,14 +9,16 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
 from urllib.parse import urlparse
 
 from . import __version__
 from .config import Config
 from .membership import DRAIN, LeaseKeeper, NodeWatcher
-from .store import (MemoryStore, Store, StoreAuthError, StoreError, StoreUnavailable,
-                    open_store)
+from .store import (EVENT_PUT, MemoryStore, Store, StoreAuthError, StoreError,
+                    StoreUnavailable, open_store)
+from .store.follow import Follower
 
 log = logging.getLogger("elasticd.cluster")
 
@@ -80,6 +82,10 @@ class Cluster:
                                   self.record)
         self.watcher = NodeWatcher(store, cfg.daemon.node_id, m.lost_node_retention,
                                    m.watch_retry)
+        self._drains: dict[str, dict] = {}
+        self._drain_lock = threading.Lock()
+        self._drain_follower = Follower(store, DRAIN, "drain-watch", m.watch_retry,
+                                        self._drain_reset, self._drain_event)
 
     @property
     def kind(self) -> str:
@@ -102,8 +108,10 @@ class Cluster:
             self.keeper.health = f"unavailable: {exc}"
         self.keeper.start()
         self.watcher.start()
+        self._drain_follower.start()
 
     def stop(self) -> None:
+        self._drain_follower.stop()
         self.watcher.stop()
         self.keeper.stop()
         self.store.close()
@@ -112,20 +120,50 @@ class Cluster:
         return self.keeper.health
 
     def drain_states(self) -> dict[str, dict]:
-        kvs, _ = self.store.list(DRAIN)
-        out = {}
+        """Drain marks by node id, as last seen by the drain watch (no etcd call)."""
+        with self._drain_lock:
+            return dict(self._drains)
+
+    @staticmethod
+    def _drain_record(key: str, value: str | None) -> dict | None:
+        try:
+            data = json.loads(value or "")
+        except ValueError:
+            data = None
+        if not isinstance(data, dict):
+            log.warning("ignoring unreadable drain record at %s", key)
+            return None
+        return data
+
+    def _drain_reset(self, kvs: list, revision: int) -> None:
+        marks = {}
         for kv in kvs:
-            try:
-                out[kv.key.rsplit("/", 1)[-1]] = json.loads(kv.value)
-            except ValueError:
-                log.warning("ignoring unreadable drain record at %s", kv.key)
-        return out
+            record = self._drain_record(kv.key, kv.value)
+            if record is not None:
+                marks[kv.key.rsplit("/", 1)[-1]] = record
+        with self._drain_lock:
+            self._drains = marks
+
+    def _drain_event(self, ev) -> None:
+        node = ev.key.rsplit("/", 1)[-1]
+        record = self._drain_record(ev.key, ev.value) if ev.type == EVENT_PUT else None
+        with self._drain_lock:
+            if record is None:
+                self._drains.pop(node, None)
+            else:
+                self._drains[node] = record
 
     def set_drain(self, node_id: str, draining: bool, by: str) -> None:
         key = f"{DRAIN}/{node_id}"
+        record = {"state": "draining", "by": by, "at": time.time()}
         if draining:
-            self.store.put(key, json.dumps({"state": "draining", "by": by, "at": time.time()}))
+            self.store.put(key, json.dumps(record))
         else:
             self.store.delete(key)
+        with self._drain_lock:  # the watch confirms it a moment later
+            if draining:
+                self._drains[node_id] = record
+            else:
+                self._drains.pop(node_id, None)
         if node_id == self.cfg.daemon.node_id:
             self.keeper.poke()

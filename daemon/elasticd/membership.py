@@ -26,7 +26,8 @@ import psutil
 
 from .logsetup import ctx
 from .store import (EVENT_PUT, CompareFailed, KeyExists, Lease, LeaseNotFound, Store,
-                    StoreError, WatchCompacted)
+                    StoreError)
+from .store.follow import Follower
 
 log = logging.getLogger("elasticd.membership")
 
@@ -220,26 +221,22 @@ class NodeView:
 class NodeWatcher:
     def __init__(self, store: Store, node_id: str, retention: float, retry: float,
                  clock=time.time):
-        self._store = store
         self._node_id = node_id
         self._retention = retention
-        self._retry = retry
         self._clock = clock
         self._lock = threading.Lock()
         self._view = NodeView()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._follower = Follower(store, NODES, "node-watch", retry, self._reset,
+                                  lambda ev: self._apply(ev.key, ev.value
+                                                         if ev.type == EVENT_PUT else None))
         self.listeners: list[Callable[[str, dict | None], None]] = []
-        self.synced = threading.Event()
+        self.synced = self._follower.synced
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="node-watch", daemon=True)
-        self._thread.start()
+        self._follower.start()
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=self._retry + 2)
+        self._follower.stop()
 
     def snapshot(self) -> NodeView:
         with self._lock:
@@ -248,27 +245,7 @@ class NodeWatcher:
                                if now - v[0] < self._retention}
             return NodeView(dict(self._view.live), dict(self._view.lost))
 
-    def _run(self) -> None:
-        revision = None
-        while not self._stop.is_set():
-            try:
-                if revision is None:
-                    revision = self._relist()
-                for ev in self._store.watch(NODES, revision, self._stop):
-                    revision = ev.revision
-                    self._apply(ev.key, ev.value if ev.type == EVENT_PUT else None)
-            except WatchCompacted:
-                revision = None
-            except StoreError as exc:
-                log.debug("node watch interrupted: %s", exc)
-                self._stop.wait(self._retry)
-            except Exception:
-                log.exception("node watch failed; listing again")
-                revision = None
-                self._stop.wait(self._retry)
-
-    def _relist(self) -> int:
-        kvs, revision = self._store.list(NODES)
+    def _reset(self, kvs: list, revision: int) -> None:
         seen = {}
         for kv in kvs:
             record = parse_node(kv.key, kv.value)
@@ -281,8 +258,6 @@ class NodeWatcher:
             self._view.live = seen
         for node in gone:
             self._lost(node)
-        self.synced.set()
-        return revision
 
     def _apply(self, key: str, value: str | None) -> None:
         node = key.rsplit("/", 1)[-1]

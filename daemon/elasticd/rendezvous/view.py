@@ -12,7 +12,8 @@ import logging
 import threading
 from dataclasses import dataclass, field
 
-from ..store import EVENT_PUT, Store, StoreError, WatchCompacted
+from ..store import EVENT_PUT, Store
+from ..store.follow import Follower
 from .protocol import Join, RoundState
 
 log = logging.getLogger("elasticd.rendezvous")
@@ -32,15 +33,12 @@ class JobKeys:
 
 class JobsView:
     def __init__(self, store: Store, retry: float = 1.0, prefix: str = JOBS):
-        self._store = store
-        self._retry = retry
         self._prefix = prefix
         self._jobs: dict[str, JobKeys] = {}
         self.changed = threading.Condition()
         self.revision = 0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self.synced = threading.Event()
+        self._follower = Follower(store, prefix, "jobs-watch", retry, self._reset, self._event)
+        self.synced = self._follower.synced
         self._bad: set[str] = set()
 
     # -- reading -------------------------------------------------------------
@@ -64,47 +62,24 @@ class JobsView:
 
     # -- the loop --------------------------------------------------------------
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="jobs-watch", daemon=True)
-        self._thread.start()
+        self._follower.start()
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=self._retry + 2)
+        self._follower.stop()
 
-    def _run(self) -> None:
-        revision = None
-        while not self._stop.is_set():
-            try:
-                if revision is None:
-                    revision = self._relist()
-                for ev in self._store.watch(self._prefix, revision, self._stop):
-                    revision = ev.revision
-                    with self.changed:
-                        self._apply(ev.key, ev.value if ev.type == EVENT_PUT else None,
-                                    ev.revision)
-                        self.revision = ev.revision
-                        self.changed.notify_all()
-            except WatchCompacted:
-                revision = None
-            except StoreError as exc:
-                log.debug("jobs watch interrupted: %s", exc)
-                self._stop.wait(self._retry)
-            except Exception:
-                log.exception("jobs watch failed; listing again")
-                revision = None
-                self._stop.wait(self._retry)
-
-    def _relist(self) -> int:
-        kvs, revision = self._store.list(self._prefix)
+    def _reset(self, kvs: list, revision: int) -> None:
         with self.changed:
             self._jobs = {}
             for kv in kvs:
                 self._apply(kv.key, kv.value, kv.revision)
             self.revision = revision
             self.changed.notify_all()
-        self.synced.set()
-        return revision
+
+    def _event(self, ev) -> None:
+        with self.changed:
+            self._apply(ev.key, ev.value if ev.type == EVENT_PUT else None, ev.revision)
+            self.revision = ev.revision
+            self.changed.notify_all()
 
     def _apply(self, key: str, value: str | None, revision: int) -> None:
         """Fold one key into the view; the caller holds the condition."""

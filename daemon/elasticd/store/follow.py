@@ -1,0 +1,62 @@
+"""Following a prefix: list it, then watch it from the list's revision.
+
+Every in-memory view of the store (nodes, drain marks, jobs) is kept the
+same way, by one ``Follower`` thread each: ``on_reset`` gets the whole
+prefix after each (re)list, ``on_event`` every change after it, in order.
+A compacted history means a fresh list; an unreachable store a bounded wait
+and a new watch from the last revision seen; nothing is lost either way.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable
+
+from .base import KV, Store, StoreError, WatchCompacted, WatchEvent
+
+log = logging.getLogger("elasticd.store")
+
+
+class Follower:
+    def __init__(self, store: Store, prefix: str, name: str, retry: float,
+                 on_reset: Callable[[list[KV], int], None],
+                 on_event: Callable[[WatchEvent], None]):
+        self._store = store
+        self._prefix = prefix
+        self._name = name
+        self._retry = retry
+        self._on_reset = on_reset
+        self._on_event = on_event
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.synced = threading.Event()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self._retry + 2)
+
+    def _run(self) -> None:
+        revision = None
+        while not self._stop.is_set():
+            try:
+                if revision is None:
+                    kvs, revision = self._store.list(self._prefix)
+                    self._on_reset(kvs, revision)
+                    self.synced.set()
+                for ev in self._store.watch(self._prefix, revision, self._stop):
+                    revision = ev.revision
+                    self._on_event(ev)
+            except WatchCompacted:
+                revision = None
+            except StoreError as exc:
+                log.debug("%s interrupted: %s", self._name, exc)
+                self._stop.wait(self._retry)
+            except Exception:
+                log.exception("%s failed; listing again", self._name)
+                revision = None
+                self._stop.wait(self._retry)
