@@ -241,7 +241,7 @@ class Agent:
         while True:
             workers = group.poll()
             self._progress.check(group)  # hang detection: dump stacks, kill hung ranks
-            job = self._registry.get(self.job_id)
+            job_restarts, max_restarts, cancel = self._registry.control_flags(self.job_id)
             outcomes = [w.outcome for w in workers]
             try:
                 round_status, why = self._rdzv.status(result)
@@ -256,8 +256,8 @@ class Agent:
                 log.debug("%s: round status unknown: %s", self._where(result.round), exc)
                 round_status, why, peers_done = "current", "", False
             state = self._rdzv.last_state
-            restarts = state.restarts if state else job.restarts
-            decision = decide(outcomes, restarts, job.max_restarts, job.cancel_requested,
+            restarts = state.restarts if state else job_restarts
+            decision = decide(outcomes, restarts, max_restarts, cancel,
                               self.shutting_down, round_status=round_status, round_reason=why,
                               peers_done=peers_done)
             if decision.action is Action.SCALE_UP:
@@ -268,7 +268,7 @@ class Agent:
                 return decision
             if spares_at is not None and time.monotonic() >= spares_at:
                 spares_at = None
-                if restarts < job.max_restarts and self._spares.fill(group.spec, a.warm_preload):
+                if restarts < max_restarts and self._spares.fill(group.spec, a.warm_preload):
                     log.info("%s: warm spares started for the next restart",
                              self._where(result.round))
             self.wake.wait(interval)

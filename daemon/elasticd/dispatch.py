@@ -70,13 +70,14 @@ class Dispatcher:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            seen = self._view.revision
             try:
                 self.tick()
             except StoreError as exc:
                 log.debug("dispatch: etcd unavailable: %s", exc)
             except Exception:
                 log.exception("dispatch failed")
-            self._view.wait(self._interval)
+            self._view.wait(self._interval, seen)
 
     def tick(self) -> list[str]:
         """One look at the job list; returns what it did, a sentence per job."""

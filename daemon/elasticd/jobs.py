@@ -137,6 +137,13 @@ class JobRegistry:
                 raise JobNotFound(key)
             return copy.deepcopy(rec)
 
+    def control_flags(self, job_id: str) -> tuple[int, int, bool]:
+        """(restarts, max_restarts, cancel_requested): what a monitor tick needs,
+        without copying the whole record (its environment can be large)."""
+        with self._lock:
+            rec = self._require(job_id)
+            return rec.restarts, rec.max_restarts, rec.cancel_requested
+
     def list(self) -> list[JobRecord]:
         with self._lock:
             return [copy.deepcopy(j) for j in

@@ -80,10 +80,11 @@ class ClusterRendezvous:
         while True:
             if stop.is_set():
                 raise RendezvousStopped()
+            seen = self._view.revision
             keys = self._view.job(self.job_id)
             state = keys.state if keys else None
             if state is None:
-                self._view.wait(self._poll)
+                self._view.wait(self._poll, seen)
                 continue
             self.last_state = state
             if state.final:
@@ -104,7 +105,7 @@ class ClusterRendezvous:
                     return result
                 if len(state.members) < self.limits.max_nodes:
                     self._join(state.round + 1)     # waiting: the members see us
-            self._view.wait(self._poll)
+            self._view.wait(self._poll, seen)
 
     def _join(self, rnd: int) -> None:
         if rnd in self._joined:
@@ -151,6 +152,7 @@ class ClusterRendezvous:
     def reopen(self, result: Result, reason: str, count_restart: bool) -> RoundState:
         """Open the next round (once, cluster-wide); returns the state that then holds."""
         while True:
+            seen = self._view.revision
             keys = self._view.job(self.job_id)
             state = keys.state if keys else None
             if state is None or state.final or state.round != result.round \
@@ -163,12 +165,13 @@ class ClusterRendezvous:
             if self._cas_state(new, keys.state_revision):
                 log.info("%s: %s", self._where(state.round), why)
                 return new
-            self._view.wait(0.05)  # someone else moved it; look again
+            self._view.wait(self._poll, seen)  # someone else moved it; look again
 
     def finish(self, status: str, reason: str) -> None:
         """Move the job to a final state (first writer wins)."""
         assert status in FINAL
         while True:
+            seen = self._view.revision
             keys = self._view.job(self.job_id)
             state = keys.state if keys else None
             if state is None or state.final:
@@ -179,7 +182,7 @@ class ClusterRendezvous:
             if self._cas_state(new, keys.state_revision):
                 log.info("%s: job %s: %s", self._where(state.round), status, reason)
                 return
-            self._view.wait(0.05)
+            self._view.wait(self._poll, seen)
 
     # -- exit barrier ----------------------------------------------------------------
     def mark_done(self, rnd: int) -> None:

@@ -56,9 +56,16 @@ class JobsView:
         with self.changed:
             return list(self._jobs)
 
-    def wait(self, timeout: float) -> None:
+    def wait(self, timeout: float, seen: int | None = None) -> None:
+        """Wait for a change after revision ``seen`` (now, if None), or timeout.
+
+        Pass the revision read before looking at the view: a change applied
+        between that look and this call then returns at once instead of
+        being slept through.
+        """
         with self.changed:
-            self.changed.wait(timeout)
+            after = self.revision if seen is None else seen
+            self.changed.wait_for(lambda: self.revision > after, timeout)
 
     # -- the loop --------------------------------------------------------------
     def start(self) -> None:
