@@ -31,7 +31,8 @@ import time
 ENV_VAR = "ELASTICD_HEARTBEAT_FILE"
 MIN_INTERVAL = 0.1  # seconds; at most ~10 file touches a second
 
-_last = 0.0
+_last = 0.0        # the latest beat written (monotonic)
+_last_call = 0.0   # the latest call, written or not (monotonic): see last_beat()
 _owner_pid = 0    # the process whose id the file holds (written by this process)
 _path = None      # resolved lazily: a warm spare learns its identity after start
 _exit_hooked = False
@@ -39,8 +40,8 @@ _exit_hooked = False
 
 def heartbeat():
     """Tell the daemon this rank made progress. Cheap; safe to call anywhere."""
-    global _last, _owner_pid, _path, _exit_hooked
-    now = time.monotonic()
+    global _last, _last_call, _owner_pid, _path, _exit_hooked
+    now = _last_call = time.monotonic()
     if now - _last < MIN_INTERVAL:
         return
     _last = now
@@ -62,6 +63,11 @@ def heartbeat():
     except OSError:
         # The file vanished or cannot be written: write it afresh next time.
         _owner_pid = -1
+
+
+def last_beat():
+    """``time.monotonic()`` of the latest ``heartbeat()`` call in this process (0: none)."""
+    return _last_call
 
 
 def _write(text):

@@ -1,0 +1,116 @@
+"""The sample training job, restarted in-process after a fault (elasticd.inprocess).
+
+    elasticctl submit --inprocess --nproc-per-node 2 -- \\
+        python -m elasticd.examples.train_inprocess --steps 300 --crash-at-step 100
+
+Same model, data and checks as ``elasticd.examples.train``, but the training
+function is wrapped in ``elasticd.inprocess.Wrapper``: when a rank fails,
+every rank re-enters ``train`` in the same process with the next
+``iteration``, and resumes from an in-memory snapshot taken every
+``--checkpoint-every`` steps (the ranks agree on the newest snapshot they
+all hold). ``--crash-at-step K`` makes ``--crash-rank`` raise once, in
+iteration 0 of the first process attempt. It prints ``CRASH <unix time>``
+before failing and ``FIRST_STEP <unix time> attempt=A iteration=I`` after
+the first step of each iteration, for bench/inprocess_vs_process.py.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from elasticd.inprocess import Wrapper
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--checkpoint-every", type=int, default=20)
+    p.add_argument("--crash-at-step", type=int, default=-1)
+    p.add_argument("--crash-rank", type=int, default=1)
+    p.add_argument("--step-time", type=float, default=0.0, help="sleep per step (seconds)")
+    p.add_argument("--log-every", type=int, default=50)
+    return p.parse_args(argv)
+
+
+SNAPSHOTS: dict[int, dict] = {}  # step -> state; survives in-process restarts
+
+
+def snapshot(model, opt, step: int) -> None:
+    SNAPSHOTS[step] = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
+    for old in sorted(SNAPSHOTS)[:-2]:  # the last two: ranks may be one snapshot apart
+        del SNAPSHOTS[old]
+
+
+def agreed_start(model, opt) -> int:
+    """The newest snapshot every rank holds; load it (0: start afresh)."""
+    mine = torch.tensor([max(SNAPSHOTS, default=0)])
+    dist.all_reduce(mine, op=dist.ReduceOp.MIN)
+    step = int(mine.item())
+    if step:
+        model.load_state_dict(SNAPSHOTS[step]["model"])
+        opt.load_state_dict(SNAPSHOTS[step]["opt"])
+    return step
+
+
+def train(args, iteration: int = 0) -> int:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    start = agreed_start(model, opt)
+    if rank == 0:
+        print(f"attempt {attempt} iteration {iteration}: world size {world}, starting at step "
+              f"{start}, pid {os.getpid()}", flush=True)
+    first = True
+    for step in range(start, args.steps):
+        gen = torch.Generator().manual_seed(1000 + rank + 7919 * step)  # same data on replay
+        x = torch.randn(32, 16, generator=gen)
+        loss = torch.nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True))
+        opt.zero_grad()
+        loss.backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= world
+        opt.step()
+        if first and rank == 0:
+            print(f"FIRST_STEP {time.time():.6f} attempt={attempt} iteration={iteration} "
+                  f"step={step}", flush=True)
+        first = False
+        if args.step_time:
+            time.sleep(args.step_time)
+        if (step == args.crash_at_step and rank == args.crash_rank and attempt == 0
+                and iteration == 0):
+            print(f"CRASH {time.time():.6f} rank={rank} step={step}", flush=True)
+            raise RuntimeError(f"injected failure on rank {rank} at step {step}")
+        if rank == 0 and (step + 1) % args.log_every == 0:
+            print(f"step {step + 1}/{args.steps} loss {loss.item():.4f}", flush=True)
+        if (step + 1) % args.checkpoint_every == 0:
+            snapshot(model, opt, step + 1)
+    check = torch.tensor([float(rank)])
+    dist.all_reduce(check)
+    weights = torch.cat([p.detach().flatten() for p in model.parameters()])
+    spread = weights.clone()
+    dist.all_reduce(spread, op=dist.ReduceOp.MAX)
+    if check.item() != world * (world - 1) / 2 or not torch.equal(spread, weights):
+        print(f"rank {rank}: CHECK FAILED (sum {check.item()}, weights equal "
+              f"{torch.equal(spread, weights)})", flush=True)
+        return 1
+    print(f"rank {rank}: done: {args.steps} steps, iteration {iteration}, pid {os.getpid()}, "
+          f"all_reduce sum {check.item():g} ok", flush=True)
+    return 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    return Wrapper(backend="gloo")(train)(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,347 @@
+"""``Wrapper``: re-run a distributed training function in the same processes after a fault.
+
+One restart iteration, on every rank:
+
+1. meet every rank at the iteration's start barrier in the job's store (a
+   ``torch.distributed.TCPStore`` the daemon hosts outside the ranks; see
+   jobstore.py), then build the default process group on a store prefix of
+   its own (``it<N>/pg/``), with the hard timeout as its collective timeout;
+2. call the function (with ``iteration=N`` if it takes that argument) while
+   a monitor thread watches the store for a fault reported by any rank, and
+   this rank's own progress beats (optimizer steps, ``heartbeat()``);
+3. it returned on every rank: tear down the group, return its value. A
+   fault anywhere: tear down the group and go round again, N + 1.
+
+A fault is: the function raised on some rank; or, after this rank's first
+beat of the iteration, no beat for the soft timeout. The rank that hits it
+reports it to the store, then aborts its process group, which closes its
+connections, so peers blocked in a collective with it fail at once (a gloo
+collective is not interrupted by a local abort: the peer's closing is what
+ends it; NCCL's abort ends it locally too). The monitor of every other rank
+sees the report, aborts its own group the same way and raises
+``RestartRequested`` in the main thread, which stops the function at its
+next Python instruction. A collective stuck on a peer that neither returns
+nor closes ends at the hard timeout.
+
+Fallbacks to the next layer (the process exits non-zero; the daemon
+restarts the node's worker group, ``agent.max_restarts``): a barrier not
+reached by every rank within the barrier timeout (a rank died: the daemon
+cannot yet replace a single rank in place), more than ``max_restarts``
+in-process restarts, or a ``BaseException`` (SystemExit, KeyboardInterrupt)
+in the function. A rank stuck in C code (a ``time.sleep``, a dead-locked
+extension) cannot be stopped from inside: the daemon's hang detection kills
+it (``agent.hang_hard_timeout``), and the others fall back when they time
+out at the next barrier.
+
+Settings (constructor argument, else the environment variable the daemon
+sets from its config, else the default); soft < hard < barrier is enforced:
+
+    soft_timeout      ELASTICD_INPROCESS_SOFT_TIMEOUT      60 s
+    hard_timeout      ELASTICD_INPROCESS_HARD_TIMEOUT      90 s
+    barrier_timeout   ELASTICD_INPROCESS_BARRIER_TIMEOUT  120 s
+    monitor_interval  ELASTICD_INPROCESS_MONITOR_INTERVAL  0.1 s
+    max_restarts      ELASTICD_INPROCESS_MAX_RESTARTS       8
+
+Without ELASTICD_STORE_ADDR (run by torchrun, or submitted without
+``--inprocess``) the wrapper initialises the process group from the usual
+torchrun environment and calls the function once: the script still runs,
+and faults are handled by process restarts.
+"""
+from __future__ import annotations
+
+import ctypes
+import datetime
+import functools
+import inspect
+import logging
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+from ._beat import heartbeat, last_beat
+from .coord import IterationStore
+
+log = logging.getLogger("elasticd.inprocess")
+
+ENV_PREFIX = "ELASTICD_INPROCESS_"
+
+
+class RestartRequested(Exception):
+    """Raised in the main thread when another rank's fault ends this iteration."""
+
+
+class RestartAbandoned(RuntimeError):
+    """In-process restart gave up; the daemon's process restart takes over."""
+
+
+@dataclass(frozen=True)
+class InProcessSettings:
+    soft_timeout: float = 60.0
+    hard_timeout: float = 90.0
+    barrier_timeout: float = 120.0
+    monitor_interval: float = 0.1
+    max_restarts: int = 8
+
+    def __post_init__(self):
+        bad = []
+        if not 0 < self.soft_timeout < self.hard_timeout < self.barrier_timeout:
+            bad.append(f"need 0 < soft_timeout < hard_timeout < barrier_timeout, got "
+                       f"{self.soft_timeout:g} / {self.hard_timeout:g} / "
+                       f"{self.barrier_timeout:g}")
+        if not 0 < self.monitor_interval < self.soft_timeout:
+            bad.append(f"monitor_interval must be > 0 and below soft_timeout, got "
+                       f"{self.monitor_interval:g}")
+        if self.max_restarts < 0:
+            bad.append(f"max_restarts must be >= 0, got {self.max_restarts}")
+        if bad:
+            raise ValueError("elasticd.inprocess settings: " + "; ".join(bad))
+
+    @classmethod
+    def resolve(cls, env=None, **given) -> "InProcessSettings":
+        """Given values, else ``ELASTICD_INPROCESS_<NAME>`` from ``env``, else defaults."""
+        env = os.environ if env is None else env
+        values = {}
+        for name, f in cls.__dataclass_fields__.items():
+            if given.get(name) is not None:
+                values[name] = given[name]
+                continue
+            raw = env.get(ENV_PREFIX + name.upper())
+            if raw:
+                try:
+                    values[name] = int(raw) if f.type in ("int", int) else float(raw)
+                except ValueError:
+                    raise ValueError(f"{ENV_PREFIX}{name.upper()}: not a number: {raw!r}") \
+                        from None
+        return cls(**values)
+
+
+class Wrapper:
+    """Decorator: run the function with in-process restarts (see the module's doc)."""
+
+    def __init__(self, *, backend: str = "gloo", soft_timeout: float | None = None,
+                 hard_timeout: float | None = None, barrier_timeout: float | None = None,
+                 monitor_interval: float | None = None, max_restarts: int | None = None):
+        self.backend = backend
+        self.settings = InProcessSettings.resolve(
+            soft_timeout=soft_timeout, hard_timeout=hard_timeout,
+            barrier_timeout=barrier_timeout, monitor_interval=monitor_interval,
+            max_restarts=max_restarts)
+
+    def __call__(self, fn):
+        takes_iteration = "iteration" in inspect.signature(fn).parameters
+
+        @functools.wraps(fn)
+        def wrapped(*args, **kwargs):
+            return _Run(self, fn, takes_iteration).run(args, kwargs)
+        return wrapped
+
+
+class _Run:
+    """One call of a wrapped function, with all its restart iterations."""
+
+    def __init__(self, wrapper: Wrapper, fn, takes_iteration: bool):
+        self.w = wrapper
+        self.s = wrapper.settings
+        self.fn = fn
+        self.takes_iteration = takes_iteration
+        self.rank = int(os.environ["RANK"])
+        self.world_size = int(os.environ["WORLD_SIZE"])
+
+    def run(self, args, kwargs):
+        if dist.is_initialized():
+            raise RuntimeError("elasticd.inprocess.Wrapper builds the process group itself; "
+                               "do not call init_process_group before the wrapped function")
+        addr = os.environ.get("ELASTICD_STORE_ADDR")
+        if not addr:
+            log.warning("rank %d: no ELASTICD_STORE_ADDR (not submitted with --inprocess): "
+                        "running once, faults restart the processes", self.rank)
+            dist.init_process_group(self.w.backend, timeout=_td(self.s.hard_timeout))
+            try:
+                return self._call(args, kwargs, 0)
+            finally:
+                _teardown()
+        _import_before_any_group()
+        base = dist.TCPStore(addr, int(os.environ["ELASTICD_STORE_PORT"]), is_master=False,
+                             timeout=_td(self.s.barrier_timeout), wait_for_workers=False)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        root = dist.PrefixStore(f"elasticd/inprocess/{attempt}/", base)
+        iteration = 0
+        while True:
+            store = dist.PrefixStore(f"it{iteration}/", root)
+            coord = IterationStore(store, self.rank, self.world_size,
+                                   poll=min(0.02, self.s.monitor_interval), beat=heartbeat)
+            outcome = self._iteration(coord, store, iteration, args, kwargs)
+            if outcome.done:
+                return outcome.value
+            if iteration >= self.s.max_restarts:
+                raise RestartAbandoned(f"rank {self.rank}: {self.s.max_restarts} in-process "
+                                       f"restarts used; last fault: {outcome.fault}") \
+                    from outcome.error
+            iteration += 1
+            _say(f"rank {self.rank}: fault in iteration {iteration - 1} ({outcome.fault}); "
+                 f"restarting in-process as iteration {iteration}")
+
+    def _iteration(self, coord: IterationStore, store, iteration: int, args, kwargs) -> "_Outcome":
+        waited = coord.barrier("start", self.s.barrier_timeout)
+        dist.init_process_group(self.w.backend, store=dist.PrefixStore("pg/", store),
+                                rank=self.rank, world_size=self.world_size,
+                                timeout=_td(self.s.hard_timeout))
+        _say(f"INPROCESS_ITERATION {iteration} rank={self.rank} pid={os.getpid()} "
+             f"t={time.time():.6f} barrier_wait={waited:.3f}s")
+        monitor = _Monitor(coord, self.rank, self.s, threading.get_ident())
+        monitor.start()
+        try:
+            value, error = self._call(args, kwargs, iteration), None
+        except BaseException as exc:  # sorted out below, once nothing can interrupt us
+            value, error = None, exc
+        monitor.quiesce()
+        try:
+            if error is None:
+                fault = coord.finish(self.s.barrier_timeout)
+                if fault is None:
+                    return _Outcome(True, value=value)
+            elif isinstance(error, RestartRequested):
+                fault = coord.fault() or "restart requested"
+            elif isinstance(error, Exception):
+                text = str(error).splitlines()[0] if str(error) else ""
+                fault = coord.report_fault(f"rank {self.rank}: {type(error).__name__}: {text}"[:500])
+                if fault.startswith(f"rank {self.rank}:"):
+                    log.error("rank %d: the wrapped function raised", self.rank, exc_info=error)
+            else:
+                # Exit or interrupt: not ours to restart from; the others must not wait for us.
+                coord.report_fault(f"rank {self.rank}: {type(error).__name__}")
+                raise error
+        finally:
+            if error is not None:
+                # The traceback's frames hold the function's locals, which can keep the
+                # process group (and its connections) alive; it was logged above.
+                error.__traceback__ = None
+            _teardown()  # closes our connections: peers still blocked in a collective fail now
+        return _Outcome(False, fault=fault, error=error)
+
+    def _call(self, args, kwargs, iteration: int):
+        if self.takes_iteration:
+            kwargs = dict(kwargs, iteration=iteration)
+        return self.fn(*args, **kwargs)
+
+
+@dataclass
+class _Outcome:
+    done: bool
+    value: object = None
+    fault: str = ""
+    error: BaseException | None = None
+
+
+class _Monitor:
+    """Watches the store for faults, and this rank's beats, while the function runs."""
+
+    def __init__(self, coord: IterationStore, rank: int, s: InProcessSettings, main_tid: int):
+        self.coord, self.rank, self.s, self.main_tid = coord, rank, s, main_tid
+        self._stop = threading.Event()
+        self._lock = threading.Lock()  # held while the main thread may be interrupted
+        self._armed = True
+        self._thread = threading.Thread(target=self._run, name="elasticd-inprocess-monitor",
+                                        daemon=True)
+
+    def start(self) -> None:
+        self._started = time.monotonic()
+        self._thread.start()
+
+    def quiesce(self) -> None:
+        """Stop watching; afterwards no RestartRequested is pending or can arrive."""
+        while True:
+            try:
+                with self._lock:
+                    self._armed = False
+                self._stop.set()
+                self._thread.join()
+                # An interrupt sent but not yet delivered is dropped (NULL clears it).
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.main_tid), None)
+                return
+            except RestartRequested:  # delivered while stopping: already counted as a fault
+                continue
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.s.monitor_interval):
+            try:
+                fault = self.coord.fault()
+                if fault is None:
+                    fault = self._own_stall()
+                if fault is not None:
+                    self._interrupt(fault)
+                    return
+            except Exception as exc:  # the store is gone: let the main thread find out
+                log.warning("rank %d: in-process monitor stopped: %s", self.rank, exc)
+                return
+
+    def _own_stall(self) -> str | None:
+        beat = last_beat()
+        if beat < self._started:
+            return None  # no beat yet this iteration: the first step has no limit here
+        idle = time.monotonic() - beat
+        if idle < self.s.soft_timeout:
+            return None
+        return self.coord.report_fault(f"rank {self.rank}: no progress for {idle:.0f}s "
+                                       f"(soft timeout {self.s.soft_timeout:g}s)")
+
+    def _interrupt(self, fault: str) -> None:
+        with self._lock:
+            if not self._armed:
+                return
+            _say(f"rank {self.rank}: {fault}; aborting this iteration")
+            _abort_group()
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.main_tid),
+                                                       ctypes.py_object(RestartRequested))
+
+
+def _import_before_any_group() -> None:
+    """Import what would otherwise pin the first process group in memory.
+
+    Modules that the first optimizer construction imports (torch._dynamo and
+    the torch.distributed parts it pulls in) take references to the default
+    process group existing at their import. That group then outlives its
+    abort, its connections stay open, and peers blocked in a collective with
+    this rank wait for the hard timeout instead of failing at once.
+    """
+    try:
+        import torch._dynamo  # noqa: F401
+    except Exception as exc:
+        log.warning("could not import torch._dynamo ahead of the process group: %s", exc)
+
+
+def _abort_group() -> None:
+    """Abort the default process group: connections closed, in-flight work failed."""
+    if not dist.is_initialized():
+        return
+    abort = getattr(c10d, "_abort_process_group", None)
+    try:
+        if abort is not None:
+            abort()
+        else:
+            dist.destroy_process_group()
+    except Exception as exc:
+        log.warning("aborting the process group failed: %s", exc)
+
+
+def _teardown() -> None:
+    _abort_group()
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception as exc:
+            log.warning("destroying the process group failed: %s", exc)
+
+
+def _say(line: str) -> None:
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+def _td(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)

@@ -1,0 +1,149 @@
+"""In-process restart (elasticd.inprocess): real torch gloo ranks, a real store process.
+
+The ranks are started here with the environment the daemon gives them and
+the job store elasticd hosts outside the ranks (jobstore.py); the daemon
+side of ``--inprocess`` is not wired up yet.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from elasticd.inprocess.coord import BarrierTimeout, IterationStore
+
+PY = sys.executable
+JOBSTORE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "daemon", "elasticd", "jobstore.py")
+
+
+class DictStore:
+    def __init__(self):
+        self.d = {}
+
+    def add(self, key, n):
+        self.d[key] = int(self.d.get(key, 0)) + n
+        return self.d[key]
+
+    def set(self, key, value):
+        self.d[key] = value
+
+    def get(self, key):
+        return self.d[key]
+
+    def check(self, keys):
+        return all(k in self.d for k in keys)
+
+    def compare_set(self, key, expected, desired):
+        if self.d.get(key, "") == expected:
+            self.d[key] = desired
+        return self.d[key]
+
+
+def coord(store, rank=0, world=2, clock=None):
+    t = [0.0]
+    return IterationStore(store, rank, world, poll=0.5, beat=lambda: None,
+                          clock=clock or (lambda: t[0]),
+                          sleep=lambda s: t.__setitem__(0, t[0] + s))
+
+
+def test_the_first_fault_wins_and_sets_the_verdict():
+    s = DictStore()
+    assert coord(s, 1).report_fault("rank 1: boom") == "rank 1: boom"
+    assert coord(s, 0).report_fault("rank 0: connection reset") == "rank 1: boom"
+    assert coord(s, 0).finish(5) == "rank 1: boom"
+
+
+def test_finish_is_ok_only_when_every_rank_returned():
+    s = DictStore()
+    with pytest.raises(BarrierTimeout, match="1 of 2 ranks finished"):
+        coord(s, 0).finish(2)
+    assert coord(s, 1).finish(2) is None
+    assert s.d["verdict"] == "ok"
+
+
+def test_barrier_times_out_naming_how_many_arrived():
+    with pytest.raises(BarrierTimeout, match="1 of 3 ranks reached barrier 'start' within 3s"):
+        coord(DictStore(), 0, 3).barrier("start", 3)
+
+
+# ---------------------------------------------------------------- real ranks
+
+@pytest.fixture
+def job_store():
+    proc = subprocess.Popen([PY, JOBSTORE, "--host", "127.0.0.1"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline().split()
+    assert line[:1] == ["ELASTICD_STORE"], line
+    yield line[1], line[2]
+    proc.stdin.close()
+    proc.wait(10)
+
+
+def run_ranks(store, world, args, tmp_path, **extra_env):
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                   ELASTICD_STORE_ADDR=store[0], ELASTICD_STORE_PORT=store[1],
+                   TORCHELASTIC_RESTART_COUNT="0", ELASTICD_INPROCESS_SOFT_TIMEOUT="10",
+                   ELASTICD_INPROCESS_HARD_TIMEOUT="20", ELASTICD_INPROCESS_BARRIER_TIMEOUT="30",
+                   **extra_env)
+        log = open(tmp_path / f"rank{rank}.log", "w")
+        procs.append((subprocess.Popen([PY, "-m", "elasticd.examples.train_inprocess", *args],
+                                       env=env, stdout=log, stderr=subprocess.STDOUT), log))
+    codes = []
+    for p, log in procs:
+        try:
+            codes.append(p.wait(120))
+        finally:
+            if p.poll() is None:
+                p.kill()
+            log.close()
+    return codes, [(tmp_path / f"rank{r}.log").read_text() for r in range(world)]
+
+
+def test_a_rank_raising_at_step_k_recovers_in_process(job_store, tmp_path):
+    t0 = time.time()
+    codes, logs = run_ranks(job_store, 2, ["--steps", "60", "--crash-at-step", "25",
+                                           "--checkpoint-every", "10"], tmp_path)
+    assert codes == [0, 0], "\n".join(logs)
+    for rank, text in enumerate(logs):
+        starts = re.findall(r"INPROCESS_ITERATION (\d+) rank=\d+ pid=(\d+)", text)
+        assert [it for it, _ in starts] == ["0", "1"], text
+        assert len({pid for _, pid in starts}) == 1  # the same process in both iterations
+        done = re.search(r"rank \d: done: 60 steps, iteration (\d+), pid (\d+), all_reduce sum "
+                         r"(\S+) ok", text)
+        assert done and done.group(1) == "1" and done.group(2) == starts[0][1], text
+        assert done.group(3) == "1"  # 0 + 1
+    assert "CRASH" in logs[1] and "injected failure on rank 1 at step 25" in logs[1]
+    # Rank 0 resumed from the snapshot both ranks held (step 20), not from scratch.
+    assert "attempt 0 iteration 1: world size 2, starting at step 20" in logs[0]
+    crash = float(re.search(r"CRASH (\S+)", logs[1]).group(1))
+    first = float(re.search(r"FIRST_STEP (\S+) attempt=0 iteration=1", logs[0]).group(1))
+    assert 0 < first - crash < 5.0, f"recovery took {first - crash:.2f}s"
+    assert time.time() - t0 < 100
+
+
+def test_without_a_store_the_wrapper_runs_the_function_once(tmp_path):
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(29000 + os.getpid() % 1000))
+    env.pop("ELASTICD_STORE_ADDR", None)
+    out = subprocess.run([PY, "-m", "elasticd.examples.train_inprocess", "--steps", "5"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "rank 0: done: 5 steps, iteration 0" in out.stdout
+    assert "no ELASTICD_STORE_ADDR" in out.stderr
+
+
+def test_settings_must_keep_soft_below_hard_below_barrier():
+    from elasticd.inprocess import InProcessSettings
+    with pytest.raises(ValueError, match="soft_timeout < hard_timeout < barrier_timeout"):
+        InProcessSettings(soft_timeout=5, hard_timeout=5, barrier_timeout=10)
+    with pytest.raises(ValueError, match="ELASTICD_INPROCESS_HARD_TIMEOUT: not a number"):
+        InProcessSettings.resolve(env={"ELASTICD_INPROCESS_HARD_TIMEOUT": "soon"})
+    assert InProcessSettings.resolve(env={"ELASTICD_INPROCESS_SOFT_TIMEOUT": "30"},
+                                     hard_timeout=40).soft_timeout == 30
