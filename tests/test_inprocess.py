@@ -6,6 +6,7 @@ side of ``--inprocess`` is not wired up yet.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -15,6 +16,7 @@ import time
 import pytest
 
 from elasticd.inprocess.coord import BarrierTimeout, IterationStore
+from elasticd.v1 import control_pb2 as pb
 
 PY = sys.executable
 JOBSTORE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -147,3 +149,24 @@ def test_settings_must_keep_soft_below_hard_below_barrier():
         InProcessSettings.resolve(env={"ELASTICD_INPROCESS_HARD_TIMEOUT": "soon"})
     assert InProcessSettings.resolve(env={"ELASTICD_INPROCESS_SOFT_TIMEOUT": "30"},
                                      hard_timeout=40).soft_timeout == 30
+
+
+def test_daemon_job_submitted_inprocess_recovers_without_new_processes(daemon_factory):
+    """Through the real daemon: `elasticctl submit --inprocess`, a rank raises, the
+    same worker processes carry on (no process restart), and the job succeeds."""
+    d = daemon_factory().start()
+    r = d.ctl("-o", "json", "submit", "--inprocess", "--nproc-per-node", "2", "--",
+              PY, "-m", "elasticd.examples.train_inprocess", "--steps", "60",
+              "--crash-at-step", "25", "--checkpoint-every", "10")
+    assert r.returncode == 0, r.stderr
+    job_id = json.loads(r.stdout)["id"]
+    job = d.wait_job(job_id, timeout=180)
+    assert pb.JobState.Name(job.state) == "SUCCEEDED", d.log()[-3000:]
+    assert job.inprocess and job.restarts == 0       # no process restart was needed
+    for rank in range(2):
+        text = d.rank_log(job_id, rank)
+        assert text.count("==== elasticd:") == 1      # started once
+        starts = re.findall(r"INPROCESS_ITERATION (\d+) rank=\d+ pid=(\d+)", text)
+        assert [it for it, _ in starts] == ["0", "1"], text
+        assert len({pid for _, pid in starts}) == 1
+    assert "injected failure on rank 1 at step 25" in d.rank_log(job_id, 1)

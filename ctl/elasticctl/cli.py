@@ -182,6 +182,7 @@ def cmd_submit(ctx: Context) -> int:
     req = pb.SubmitRequest(name=a.name or "", command=a.cmd, cwd=cwd, env=env,
                            min_nodes=lo, max_nodes=hi, nproc_per_node=a.nproc_per_node,
                            nodes=[n for n in a.nodes.split(",") if n],
+                           inprocess=a.inprocess,
                            max_restarts=a.max_restarts)
     job = ctx.client.call("Submit", req).job
     if not a.wait:
@@ -290,6 +291,10 @@ def _add_arguments(name: str, sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--nnodes", type=parse_nnodes, default=(1, 1), metavar="MIN[:MAX]",
                         help="nodes the job runs on: a fixed count or an elastic range "
                              "(default 1)")
+        sp.add_argument("--inprocess", action="store_true",
+                        help="host a job store so a training function wrapped in "
+                             "elasticd.inprocess.Wrapper restarts inside its processes after a "
+                             "fault (single-node rounds; otherwise process restarts)")
         sp.add_argument("--nodes", default="", metavar="NODE[,NODE...]",
                         help="run only on these nodes (default: any node with free slots)")
         sp.add_argument("--nproc-per-node", type=_int_at_least(1, "--nproc-per-node"),

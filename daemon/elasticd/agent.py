@@ -14,6 +14,7 @@ of the job goes through ``JobRegistry.transition``.
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import logging
@@ -34,6 +35,7 @@ from .rendezvous.cluster import ClusterRendezvous, RendezvousStopped, RoundFinal
 from .rendezvous.protocol import CANCELLED, FAILED, SUCCEEDED, Result, RoundState
 from .states import TERMINAL_STATES, JobState, WorkerState
 from .store import StoreError
+from .storehost import JobStoreHost
 from .workers import GroupSpec, SpawnError, SparePool, WorkerGroup, describe_exit
 
 log = logging.getLogger("elasticd.agent")
@@ -145,6 +147,7 @@ class Agent:
         self.wake = threading.Event()
         self.shutting_down = False
         self._spares = SparePool()
+        self._store_host = JobStoreHost()
         self._progress = ProgressTracker(job_id, cfg.agent, registry, cfg.daemon.node_id)
         self._thread = threading.Thread(target=self._run, name=f"agent-{job_id}", daemon=True)
 
@@ -176,6 +179,7 @@ class Agent:
                 log.exception("%s: could not record agent crash", self._where())
         finally:
             self._spares.clear()
+            self._store_host.stop()
             self._on_exit(self.job_id)
 
     def _loop(self) -> None:
@@ -207,7 +211,7 @@ class Agent:
             state = self._rdzv.last_state
             job = self._registry.update(self.job_id, round=result.round,
                                         restarts=state.restarts if state else job.restarts)
-            group = WorkerGroup(self._group_spec(job, result))
+            group = WorkerGroup(self._with_job_store(job, self._group_spec(job, result)))
             try:
                 group.start(self._spares)
             except SpawnError as exc:
@@ -388,6 +392,24 @@ class Agent:
             master_addr=rdzv.master_addr, master_port=rdzv.master_port,
             log_dir=os.path.join(self._cfg.logs_dir, job.id),
             run_dir=os.path.join(d.state_dir, "run", job.id), node_id=d.node_id)
+
+    def _with_job_store(self, job: JobRecord, spec: GroupSpec) -> GroupSpec:
+        """For --inprocess jobs: the store the wrapper coordinates through."""
+        if not job.inprocess:
+            return spec
+        if spec.group_world_size != 1:
+            self._store_host.stop()
+            self._registry.event(job.id, "info", "in-process restart needs a single-node round "
+                                 "for now; this round restarts processes only")
+            return spec
+        try:
+            addr, port = self._store_host.ensure(spec, timeout=120.0)
+        except SpawnError as exc:
+            self._registry.event(job.id, "info", f"no in-process restart this round: {exc}")
+            return spec
+        return dataclasses.replace(spec, extra_env={**spec.extra_env,
+                                                    "ELASTICD_STORE_ADDR": addr,
+                                                    "ELASTICD_STORE_PORT": str(port)})
 
     def _first_failure(self, job: JobRecord, group: WorkerGroup) -> dict:
         candidates = []

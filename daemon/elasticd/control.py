@@ -91,7 +91,7 @@ def job_to_proto(job: JobRecord) -> pb.Job:
         min_nodes=job.min_nodes, max_nodes=job.max_nodes, nproc_per_node=job.nproc_per_node,
         max_restarts=job.max_restarts, restarts=job.restarts, round=job.round,
         created_at=job.created_at, started_at=job.started_at, finished_at=job.finished_at,
-        exit_code=job.exit_code, node_id=job.node_id)
+        exit_code=job.exit_code, node_id=job.node_id, inprocess=job.inprocess)
     seconds = dict(job.seconds_in_state)
     if job.state not in TERMINAL_STATES:
         seconds[job.state.value] = seconds.get(job.state.value, 0.0) + max(

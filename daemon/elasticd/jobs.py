@@ -67,6 +67,7 @@ class JobRecord:
     workers: list = field(default_factory=list)
     node_id: str = ""
     cancel_requested: bool = False
+    inprocess: bool = False
     state_since: float = 0.0
     seconds_in_state: dict = field(default_factory=dict)
 

@@ -47,6 +47,7 @@ class JobRequest:
     nproc_per_node: int = 1
     max_restarts: int = -1
     nodes: tuple = ()
+    inprocess: bool = False
 
 
 def job_spec(rec: JobRecord, nodes: tuple = ()) -> dict:
@@ -55,7 +56,8 @@ def job_spec(rec: JobRecord, nodes: tuple = ()) -> dict:
             "env": rec.env, "uid": rec.uid, "gid": rec.gid, "user": rec.user,
             "min_nodes": rec.min_nodes, "max_nodes": rec.max_nodes,
             "nproc_per_node": rec.nproc_per_node, "max_restarts": rec.max_restarts,
-            "nodes": list(nodes), "created_at": rec.created_at, "submitted_on": rec.node_id}
+            "nodes": list(nodes), "created_at": rec.created_at, "submitted_on": rec.node_id,
+            "inprocess": rec.inprocess}
 
 
 def record_from_spec(spec: dict) -> JobRecord:
@@ -68,6 +70,7 @@ def record_from_spec(spec: dict) -> JobRecord:
         min_nodes=int(spec["min_nodes"]), max_nodes=int(spec["max_nodes"]),
         nproc_per_node=int(spec["nproc_per_node"]), max_restarts=int(spec["max_restarts"]),
         created_at=float(spec.get("created_at", 0.0)), node_id=str(spec.get("submitted_on", "")),
+        inprocess=bool(spec.get("inprocess", False)),
         reason="adopted from the cluster")
 
 
@@ -116,6 +119,7 @@ class JobManager:
             min_nodes=req.min_nodes, max_nodes=req.max_nodes,
             nproc_per_node=req.nproc_per_node, max_restarts=max_restarts,
             reason="waiting for free slots", node_id=self._cfg.daemon.node_id,
+            inprocess=req.inprocess,
             created_at=time.time())
         if rec.name and any(j.name == rec.name and j.live for j in self._registry.list()):
             raise errors.AlreadyExists(

@@ -95,4 +95,5 @@ def submit_request(req, limits: ControlSettings) -> JobRequest:
                               f"least {min_nodes}")
     return JobRequest(command=tuple(command), cwd=cwd, env=env, name=name,
                       min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc,
-                      max_restarts=max_restarts, nodes=tuple(sorted(set(nodes))))
+                      max_restarts=max_restarts, nodes=tuple(sorted(set(nodes))),
+                      inprocess=bool(req.inprocess))

@@ -152,8 +152,7 @@ class WorkerGroup:
         if not os.path.isdir(spec.cwd):
             raise SpawnError(f"working directory {spec.cwd} does not exist")
         user_kwargs = _user_kwargs(spec.uid, spec.gid)
-        os.makedirs(spec.log_dir, mode=0o755, exist_ok=True)
-        _ensure_run_dir(spec.run_dir, spec.uid, spec.gid)
+        prepare_dirs(spec)
         try:
             for local_rank in range(spec.nproc):
                 self.workers.append(self._spawn(local_rank, user_kwargs, spares))
@@ -236,14 +235,17 @@ def _mark_log(spec: GroupSpec, rank: int, what: str) -> None:
 
 
 def _popen(spec: GroupSpec, argv: list, rank: int, env: dict, user_kwargs: dict,
-           stdin) -> subprocess.Popen:
-    """Start one process of the job: its user, its own process group, dies with us."""
+           stdin, stdout=None) -> subprocess.Popen:
+    """Start one process of the job: its user, its own process group, dies with us.
+
+    Its output goes to the rank's log (stderr always; stdout unless given)."""
     with open(log_file_path(spec.log_dir, rank), "ab", buffering=0) as logf:
         try:
             return subprocess.Popen(
                 argv, cwd=spec.cwd, env=env,
                 stdin=subprocess.DEVNULL if stdin is None else stdin,
-                stdout=logf, stderr=subprocess.STDOUT, close_fds=True,
+                stdout=logf if stdout is None else stdout,
+                stderr=logf if stdout is not None else subprocess.STDOUT, close_fds=True,
                 process_group=0, preexec_fn=_die_with_parent, **user_kwargs)
         except FileNotFoundError:
             raise SpawnError(f"command not found: {argv[0]}") from None
@@ -366,6 +368,12 @@ def _user_kwargs(uid: int, gid: int) -> dict:
     except KeyError:
         groups = [gid]
     return {"user": uid, "group": gid, "extra_groups": groups}
+
+
+def prepare_dirs(spec: GroupSpec) -> None:
+    """The job's log dir, and a run dir its user can write error files into."""
+    os.makedirs(spec.log_dir, mode=0o755, exist_ok=True)
+    _ensure_run_dir(spec.run_dir, spec.uid, spec.gid)
 
 
 def _ensure_run_dir(path: str, uid: int, gid: int) -> None:
