@@ -176,12 +176,20 @@ def jobs_table(jobs: Iterable[control_pb2.Job], now: float | None = None) -> str
 
 def nodes_table(resp: control_pb2.ListNodesResponse) -> str:
     rows = [[n.node_id, n.state, n.host or "-", n.address or "-", f"{n.slots_free}/{n.slots}",
-             n.version or "-", f"{n.heartbeat_age_seconds:.1f}s", ",".join(n.jobs) or "-"]
+             n.version or "-", _heartbeat(n), ",".join(n.jobs) or "-"]
             for n in resp.nodes]
     text = table(rows, ["NODE", "STATE", "HOST", "ADDRESS", "FREE/SLOTS", "VERSION",
                         "HEARTBEAT", "JOBS"])
     store = resp.store or "?"
     return text + f"\nstore: {store} ({resp.store_health or 'unknown'})"
+
+
+def _heartbeat(n: control_pb2.Node) -> str:
+    if n.state == "lost":
+        return f"lost {fmt_age(n.heartbeat_age_seconds)} ago"
+    if n.heartbeat_age_seconds < 0:  # a peer: alive, so refreshed within its lease TTL
+        return f"<{n.lease_ttl_seconds:g}s" if n.lease_ttl_seconds else "live"
+    return f"{n.heartbeat_age_seconds:.1f}s"
 
 
 def event_line(ev: control_pb2.Event) -> str:

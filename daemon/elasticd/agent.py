@@ -148,7 +148,10 @@ class Agent:
         self.shutting_down = False
         self._spares = SparePool()
         self._store_host = JobStoreHost()
-        self._progress = ProgressTracker(job_id, cfg.agent, registry, cfg.daemon.node_id)
+        self._group: WorkerGroup | None = None    # the running attempt's workers
+        self._progress = ProgressTracker(
+            job_id, cfg.agent, registry, cfg.daemon.node_id,
+            on_beat=(lambda: metrics.progress_beat(job_id)) if metrics else None)
         self._thread = threading.Thread(target=self._run, name=f"agent-{job_id}", daemon=True)
 
     def start(self) -> None:
@@ -171,6 +174,11 @@ class Agent:
         except Exception as exc:
             log.exception("%s: agent crashed", self._where())
             try:
+                if self._group is not None:
+                    self._group.stop(self._cfg.agent.stop_grace_period)
+                # The other nodes would wait in collectives for our ranks: end it everywhere.
+                self._finish_cluster(FAILED, f"node {self._cfg.daemon.node_id}: internal error "
+                                             f"in elasticd: {exc}")
                 job = self._registry.get(self.job_id)
                 if job.state not in TERMINAL_STATES:
                     self._registry.transition(self.job_id, JobState.FAILED,
@@ -211,7 +219,8 @@ class Agent:
             state = self._rdzv.last_state
             job = self._registry.update(self.job_id, round=result.round,
                                         restarts=state.restarts if state else job.restarts)
-            group = WorkerGroup(self._with_job_store(job, self._group_spec(job, result)))
+            group = self._group = WorkerGroup(
+                self._with_job_store(job, self._group_spec(job, result)))
             try:
                 group.start(self._spares)
             except SpawnError as exc:
@@ -295,6 +304,7 @@ class Agent:
             group.stop(grace)
             group.poll()
             rows = self._worker_rows(group)
+            self._publish(group)
             if act is Action.CANCEL:
                 self._finish_cluster(CANCELLED, decision.reason)
                 self._registry.transition(self.job_id, JobState.CANCELLED, decision.reason,
@@ -308,6 +318,7 @@ class Agent:
         if act in (Action.REJOIN, Action.NODE_LOST):
             group.stop(grace)
             group.poll()
+            self._publish(group)
             state = self._rdzv.last_state
             if act is Action.NODE_LOST:
                 state = self._try(lambda: self._rdzv.reopen(result, decision.reason, True)) \
@@ -327,6 +338,7 @@ class Agent:
         # Stop the rest of the group before recording: they would hang in collectives.
         group.stop(grace)
         group.poll()
+        self._publish(group)
         if self._metrics:
             self._metrics.restart_or_failure(failure)
         state = self._try(lambda: self._rdzv.reopen(result, failure["cause"], True))

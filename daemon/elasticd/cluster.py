@@ -97,6 +97,7 @@ class Cluster:
         return {"node_id": self.cfg.daemon.node_id, "host": socket.gethostname(),
                 "address": self.address, "slots": self.cfg.daemon.slots, "slots_free": free,
                 "version": __version__, "started_at": self._started_at, "pid": os.getpid(),
+                "lease_ttl": self.cfg.membership.lease_ttl,
                 "jobs": sorted(jobs)}
 
     def start(self) -> None:

@@ -286,9 +286,11 @@ class ControlServicer(pb_grpc.ControlServicer):
             live[me] = cluster.record()
         nodes = []
         for node_id, rec in sorted(live.items()):
-            nodes.append(_node_proto(rec, "draining" if node_id in drains else "ready",
-                                     time.time() - cluster.keeper.last_refresh
-                                     if node_id == me and cluster.keeper.last_refresh else 0.0))
+            # Our own refresh we timed; a peer's lease is alive, so its last
+            # refresh was within its TTL (-1: "less than lease_ttl_seconds").
+            age = (time.time() - cluster.keeper.last_refresh
+                   if node_id == me and cluster.keeper.last_refresh else -1.0)
+            nodes.append(_node_proto(rec, "draining" if node_id in drains else "ready", age))
         for node_id, (lost_at, rec) in sorted(view.lost.items()):
             if node_id not in live:
                 msg = _node_proto(rec, "lost", time.time() - lost_at)
@@ -322,6 +324,7 @@ def _node_proto(rec: dict, state: str, age: float) -> pb.Node:
                    address=str(rec.get("address", "")), slots=int(rec.get("slots", 0)),
                    slots_free=int(rec.get("slots_free", 0)), version=str(rec.get("version", "")),
                    started_at=float(rec.get("started_at", 0.0)), heartbeat_age_seconds=age,
+                   lease_ttl_seconds=float(rec.get("lease_ttl", 0) or 0),
                    jobs=[str(j) for j in rec.get("jobs", [])][:1000])
 
 

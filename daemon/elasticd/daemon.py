@@ -112,6 +112,9 @@ class Daemon:
             raise OSError(f"metrics endpoint {cfg.metrics.address}:{cfg.metrics.port}: {exc} "
                           "(set metrics.port, or 0 to turn it off)") from None
         stops.callback(metrics.stop)
+        # Once the workers are stopped, leave the cluster at once (peers see the
+        # revoke now, not after the TTL); the rest can wind down after.
+        stops.callback(cluster.keeper.stop)
         stops.callback(manager.shutdown, d.shutdown_timeout)
         manager.resume()
         dispatcher = Dispatcher(cfg, view, registry, manager, cluster)

@@ -36,6 +36,10 @@ class NameInUse(ValueError):
     pass
 
 
+class JobExists(ValueError):
+    pass
+
+
 def new_job_id() -> str:
     """8 characters of base32 (40 random bits): short enough to type."""
     return base64.b32encode(secrets.token_bytes(5)).decode().lower()
@@ -68,6 +72,7 @@ class JobRecord:
     node_id: str = ""
     cancel_requested: bool = False
     inprocess: bool = False
+    nodes: list = field(default_factory=list)   # the nodes it may run on (empty: any)
     state_since: float = 0.0
     seconds_in_state: dict = field(default_factory=dict)
 
@@ -175,6 +180,8 @@ class JobRegistry:
     # -- writing -----------------------------------------------------------
     def create(self, rec: JobRecord) -> JobRecord:
         with self._lock:
+            if rec.id in self._jobs:
+                raise JobExists(f"job {rec.id} is already known here")
             if rec.name and any(j.name == rec.name and j.live for j in self._jobs.values()):
                 raise NameInUse(rec.name)
             now = self._clock()
@@ -206,6 +213,14 @@ class JobRegistry:
             log.info("%s: %s -> %s: %s", ctx(job=rec.id, node=self._node_id, round=rec.round),
                      old.value, new.value, reason)
             return copy.deepcopy(rec)
+
+    def discard(self, job_id: str) -> None:
+        """Forget a job that never got going (its submission failed half way)."""
+        with self._lock:
+            self._jobs.pop(job_id, None)
+            self._db.execute("DELETE FROM jobs WHERE id=?", (job_id,))
+            self._db.execute("DELETE FROM events WHERE job_id=?", (job_id,))
+            self.changed.notify_all()
 
     def update(self, job_id: str, **changes: Any) -> JobRecord:
         with self._lock:

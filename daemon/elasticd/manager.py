@@ -25,7 +25,7 @@ from . import errors
 from .agent import Agent
 from .auth import Caller
 from .config import Config
-from .jobs import JobNotFound, JobRecord, JobRegistry, NameInUse, new_job_id
+from .jobs import JobExists, JobNotFound, JobRecord, JobRegistry, NameInUse, new_job_id
 from .logsetup import ctx
 from .rendezvous.cluster import ClusterRendezvous, create_job
 from .rendezvous.protocol import CANCELLED, SUCCEEDED, JobLimits
@@ -52,6 +52,7 @@ class JobRequest:
 
 def job_spec(rec: JobRecord, nodes: tuple = ()) -> dict:
     """What other nodes need to run the job: the store's copy of the record."""
+    nodes = nodes or tuple(rec.nodes)
     return {"id": rec.id, "name": rec.name, "command": rec.command, "cwd": rec.cwd,
             "env": rec.env, "uid": rec.uid, "gid": rec.gid, "user": rec.user,
             "min_nodes": rec.min_nodes, "max_nodes": rec.max_nodes,
@@ -71,6 +72,7 @@ def record_from_spec(spec: dict) -> JobRecord:
         nproc_per_node=int(spec["nproc_per_node"]), max_restarts=int(spec["max_restarts"]),
         created_at=float(spec.get("created_at", 0.0)), node_id=str(spec.get("submitted_on", "")),
         inprocess=bool(spec.get("inprocess", False)),
+        nodes=[str(n) for n in spec.get("nodes") or []],
         reason="adopted from the cluster")
 
 
@@ -119,23 +121,22 @@ class JobManager:
             min_nodes=req.min_nodes, max_nodes=req.max_nodes,
             nproc_per_node=req.nproc_per_node, max_restarts=max_restarts,
             reason="waiting for free slots", node_id=self._cfg.daemon.node_id,
-            inprocess=req.inprocess,
+            inprocess=req.inprocess, nodes=list(req.nodes),
             created_at=time.time())
-        if rec.name and any(j.name == rec.name and j.live for j in self._registry.list()):
-            raise errors.AlreadyExists(
-                f"a live job is already named {req.name!r}; pick another --name or cancel "
-                "that job")
-        try:
-            create_job(self._cluster.store, rec.id, job_spec(rec, req.nodes), time.time())
-        except StoreError as exc:
-            raise errors.Unavailable(f"etcd unavailable, the job was not submitted: {exc}") \
-                from None
+        # The local record first: this node's own dispatcher, woken by the
+        # store write, must find the job known here and not adopt it again.
         try:
             rec = self._registry.create(rec)
         except NameInUse:
             raise errors.AlreadyExists(
                 f"a live job is already named {req.name!r}; pick another --name or cancel "
                 "that job") from None
+        try:
+            create_job(self._cluster.store, rec.id, job_spec(rec, req.nodes), time.time())
+        except (StoreError, ValueError) as exc:
+            self._registry.discard(rec.id)
+            raise errors.Unavailable(f"etcd unavailable, the job was not submitted: {exc}") \
+                from None
         log.info("%s: submitted by %s: %s", ctx(job=rec.id, node=self._cfg.daemon.node_id),
                  rec.user, " ".join(rec.command)[:200])
         self.schedule()
@@ -181,9 +182,10 @@ class JobManager:
             if self._stopping:
                 return
             free = self.slots_total - self.slots_used()
+            me = self._cfg.daemon.node_id
             waiting = [j for j in self._registry.list()
                        if j.state in (JobState.PENDING, JobState.RESTARTING)
-                       and j.id not in self._agents]
+                       and j.id not in self._agents and (not j.nodes or me in j.nodes)]
             # Resumed jobs (RESTARTING) go before new ones.
             waiting.sort(key=lambda j: (j.state != JobState.RESTARTING, j.created_at))
             for job in waiting:
@@ -214,10 +216,13 @@ class JobManager:
             log.warning("ignoring cluster job with a bad spec: %s", exc)
             return None
         try:
-            rec = self._registry.create(rec)
-        except NameInUse:
-            rec.name = ""
-            rec = self._registry.create(rec)
+            try:
+                rec = self._registry.create(rec)
+            except NameInUse:
+                rec.name = ""
+                rec = self._registry.create(rec)
+        except JobExists:
+            return None
         log.info("%s: adopted from the cluster (submitted on %s)",
                  ctx(job=rec.id, node=self._cfg.daemon.node_id), rec.node_id)
         self.schedule()

@@ -46,6 +46,7 @@ def node_key(node_id: str) -> str:
 # Fields of a node record and the types every reader may rely on.
 _INT32_MAX = 2**31 - 1
 _RECORD_FIELDS = {"slots": int, "slots_free": int, "pid": int, "started_at": (int, float),
+                  "lease_ttl": (int, float),
                   "host": str, "address": str, "version": str}
 
 

@@ -214,6 +214,7 @@ class ProgressTracker:
     registry: object            # JobRegistry: .event(job_id, kind, reason, rank=)
     node_id: str = ""
     ops: ProcessOps = field(default_factory=ProcessOps)
+    on_beat: object = None      # called (no arguments) when any rank beats: metrics
     _group: object = None
     _ranks: dict = field(default_factory=dict)
     _killed: dict = field(default_factory=dict)
@@ -241,6 +242,8 @@ class ProgressTracker:
                 r.mark, r.last_beat, r.dumped = mark, now, False
                 r.exiting = self.ops.read_beat(path)[1]
                 self._job_beats = True
+                if self.on_beat is not None:
+                    self.on_beat()
             live.append((w, r, path))
         watched = self._job_beats
         done = []
@@ -269,7 +272,7 @@ class ProgressTracker:
         cause = (f"rank {k.rank} hang: no progress for {k.idle:.0f}s; killed by elasticd "
                  f"(its Python stacks are in its log)")
         return dict(failure, rank=k.rank, exit_code=-1, signal=int(signal.SIGKILL),
-                    cause=cause, traceback="" if k.rank != failure.get("rank")
+                    cause=cause, kind="hang", traceback="" if k.rank != failure.get("rank")
                     else failure.get("traceback", ""))
 
     # -- actions -------------------------------------------------------------

@@ -56,7 +56,8 @@ class ClusterRendezvous:
         self._port = port
         self._prefix = job_prefix(job_id)
         self._round_clock = RoundClock()
-        self._joined: set[int] = set()
+        self._joined: dict[int, int] = {}   # round -> revision of our join put
+        self._written = 0                    # revision of our last state write
         self.prev_rank = -1
         self.last_state: RoundState | None = None
 
@@ -69,10 +70,15 @@ class ClusterRendezvous:
 
     def _cas_state(self, new: RoundState, revision: int) -> bool:
         try:
-            self._store.compare_and_swap(self._key("state"), new.to_json(), revision)
+            self._written = max(self._written, self._store.compare_and_swap(
+                self._key("state"), new.to_json(), revision))
             return True
         except CompareFailed:
             return False
+
+    def _view_behind(self) -> bool:
+        """Our last write is not in the view yet: deciding now would act on old news."""
+        return self._view.revision < self._written
 
     # -- joining -----------------------------------------------------------------
     def next_round(self, stop: threading.Event) -> Result:
@@ -92,7 +98,7 @@ class ClusterRendezvous:
             if state.status == OPEN:
                 self._join(state.round)
                 joins = list(keys.joins.get(state.round, {}).values())
-                if decider(joins) == self.node_id:
+                if decider(joins) == self.node_id and not self._view_behind():
                     new, why = decide_open_round(state, joins, self.limits, self._round_clock,
                                                  self._clock())
                     if new is not None and self._cas_state(new, keys.state_revision):
@@ -108,15 +114,18 @@ class ClusterRendezvous:
             self._view.wait(self._poll, seen)
 
     def _join(self, rnd: int) -> None:
+        """Write our join key for a round once; again only if it vanished (lease lapsed)."""
         if rnd in self._joined:
+            if self._view.revision < self._joined[rnd]:
+                return  # the view has not caught up with our own put yet
             keys = self._view.job(self.job_id)
             if keys and self.node_id in keys.joins.get(rnd, {}):
                 return
         lease = self._lease()
         join = Join(node_id=self.node_id, address=self._address, nproc=self._nproc,
                     port=self._port(), prev_rank=self.prev_rank, time=self._clock())
-        self._store.put(self._key("join", rnd, self.node_id), join.to_json(), lease=lease)
-        self._joined.add(rnd)
+        self._joined[rnd] = self._store.put(self._key("join", rnd, self.node_id),
+                                            join.to_json(), lease=lease)
 
     def _forget_old_joins(self, current: int) -> None:
         for rnd in sorted(r for r in self._joined if r < current):
@@ -124,7 +133,7 @@ class ClusterRendezvous:
                 self._store.delete(self._key("join", rnd, self.node_id))
             except Exception as exc:  # best effort: the lease removes them anyway
                 log.debug("could not delete old join key: %s", exc)
-            self._joined.discard(rnd)
+            self._joined.pop(rnd, None)
 
     # -- while running -------------------------------------------------------------
     def status(self, result: Result) -> tuple[str, str]:

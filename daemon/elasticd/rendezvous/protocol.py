@@ -162,8 +162,12 @@ def decide_open_round(state: RoundState, joins: list[Join], limits: JobLimits,
                   f" after a last call of {limits.last_call:g}s"))
         return replace(state, status=CLOSED, members=members, closed_at=now, reason=why), why
     if n < limits.min_nodes and now - clock.opened_seen >= limits.join_timeout:
+        joined = sorted(j.node_id for j in joins)
+        missing = sorted(set(state.expected) - set(joined))
         why = (f"only {n} of the {limits.min_nodes} nodes the job needs joined round "
-               f"{state.round} within {limits.join_timeout:g}s")
+               f"{state.round} within {limits.join_timeout:g}s (joined: "
+               f"{', '.join(joined) or 'none'}"
+               + (f"; missing: {', '.join(missing)}" if missing else "") + ")")
         return replace(state, status=FAILED, reason=why), why
     return None, f"round {state.round}: {n} node(s) joined, waiting"
 

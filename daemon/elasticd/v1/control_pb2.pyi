@@ -251,7 +251,7 @@ class ListNodesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Node(_message.Message):
-    __slots__ = ("node_id", "state", "host", "address", "slots", "slots_free", "version", "started_at", "heartbeat_age_seconds", "jobs", "lost_at")
+    __slots__ = ("node_id", "state", "host", "address", "slots", "slots_free", "version", "started_at", "heartbeat_age_seconds", "jobs", "lost_at", "lease_ttl_seconds")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
@@ -263,6 +263,7 @@ class Node(_message.Message):
     HEARTBEAT_AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     JOBS_FIELD_NUMBER: _ClassVar[int]
     LOST_AT_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     state: str
     host: str
@@ -274,7 +275,8 @@ class Node(_message.Message):
     heartbeat_age_seconds: float
     jobs: _containers.RepeatedScalarFieldContainer[str]
     lost_at: float
-    def __init__(self, node_id: _Optional[str] = ..., state: _Optional[str] = ..., host: _Optional[str] = ..., address: _Optional[str] = ..., slots: _Optional[int] = ..., slots_free: _Optional[int] = ..., version: _Optional[str] = ..., started_at: _Optional[float] = ..., heartbeat_age_seconds: _Optional[float] = ..., jobs: _Optional[_Iterable[str]] = ..., lost_at: _Optional[float] = ...) -> None: ...
+    lease_ttl_seconds: float
+    def __init__(self, node_id: _Optional[str] = ..., state: _Optional[str] = ..., host: _Optional[str] = ..., address: _Optional[str] = ..., slots: _Optional[int] = ..., slots_free: _Optional[int] = ..., version: _Optional[str] = ..., started_at: _Optional[float] = ..., heartbeat_age_seconds: _Optional[float] = ..., jobs: _Optional[_Iterable[str]] = ..., lost_at: _Optional[float] = ..., lease_ttl_seconds: _Optional[float] = ...) -> None: ...
 
 class SetNodeStateRequest(_message.Message):
     __slots__ = ("node_id", "state")
