@@ -169,7 +169,7 @@ class WorkerGroup:
             os.unlink(err)
         except FileNotFoundError:
             pass
-        spare = spares.take(local_rank) if spares is not None else None
+        spare = spares.take(local_rank, rank) if spares is not None else None
         how = "from a warm spare" if spare is not None else ""
         _mark_log(spec, rank, f"starting {how}".strip())
         proc = None
@@ -303,6 +303,7 @@ class SparePool:
 
     def __init__(self) -> None:
         self._spares: dict[int, subprocess.Popen] = {}
+        self._ranks: dict[int, int] = {}     # local rank -> the global rank its log is
 
     def fill(self, spec: GroupSpec, preload: list) -> int:
         """Start a spare for each local rank that has none; returns how many started."""
@@ -317,6 +318,7 @@ class SparePool:
             if spare is not None and spare.poll() is None:
                 continue
             try:
+                self._ranks[local_rank] = spec.rank_offset + local_rank
                 self._spares[local_rank] = _popen(
                     spec, [spec.command[0], WARMSTART], spec.rank_offset + local_rank,
                     env, user_kwargs, stdin=subprocess.PIPE)
@@ -326,8 +328,17 @@ class SparePool:
                 return started
         return started
 
-    def take(self, local_rank: int) -> subprocess.Popen | None:
+    def take(self, local_rank: int, rank: int) -> subprocess.Popen | None:
+        """The spare for a local rank, if alive and its output goes to ``rank``'s log.
+
+        A spare's stdout is the log of the rank it was started for; when a new
+        round moved this node's ranks (a node lost, one joined), it is retired
+        and the worker starts cold, so each rank's log stays its own."""
         spare = self._spares.pop(local_rank, None)
+        if spare is not None and self._ranks.pop(local_rank, None) != rank:
+            _killpg(spare.pid, signal.SIGKILL)
+            spare.wait()
+            return None
         if spare is not None and spare.poll() is not None:
             return None
         return spare
@@ -343,6 +354,7 @@ class SparePool:
             if spare.stdin:
                 spare.stdin.close()
         self._spares.clear()
+        self._ranks.clear()
 
     def pids(self) -> list[int]:
         return [p.pid for p in self._spares.values()]

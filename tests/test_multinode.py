@@ -1,0 +1,773 @@
+"""Multi-node jobs end to end: several real elasticd daemons, one real etcd.
+
+Each "node" is a real daemon on this machine with its own node id, control
+socket and state dir, all joined to one etcd (each cluster under its own
+key prefix, so clusters of different tests never meet). Tests drive them as
+a user does (the real ``elasticctl`` against each node's socket) and check
+what that user sees: the job's state and reason, ``status`` on a node that
+did not submit the job, ``logs``, ``events``, ``nodes``; plus what the
+workers saw (a probe writes each rank's torchrun environment into a shared
+directory) and which processes are left (psutil).
+
+The clusters that run many jobs turn warm spares off (``agent.warm_spares``):
+each spare imports torch, which on a small CI machine costs more than the
+jobs themselves; the node-loss-during-training tests keep the defaults.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+
+import psutil
+import pytest
+
+from daemons import DaemonProc, short_tmpdir
+from etcd_server import EtcdServer, etcd_binary
+
+pytestmark = pytest.mark.skipif(etcd_binary() is None, reason="needs an etcd binary")
+
+PY = sys.executable
+LEASE_TTL = 3.0           # membership.lease_ttl default: what "node loss" is measured against
+NO_SPARES = ("--set", "agent.warm_spares=false")
+
+# A worker that records the torchrun environment it was given (one JSON file
+# per job, round and rank in OUT) and then trains, sleeps, or holds round 1.
+PROBE = r'''
+import json, os, runpy, sys, time
+KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+        "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+        "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "ELASTICD_JOB_ID",
+        "ELASTICD_ROUND", "ELASTICD_NODE_ID")
+out, mode, args = sys.argv[1], sys.argv[2], sys.argv[3:]
+env = {k: os.environ.get(k) for k in KEYS}
+env["pid"] = os.getpid()
+name = "%s-round%s-rank%s.json" % (env["ELASTICD_JOB_ID"], env["ELASTICD_ROUND"], env["RANK"])
+with open(os.path.join(out, "." + name), "w") as fh:
+    json.dump(env, fh)
+os.replace(os.path.join(out, "." + name), os.path.join(out, name))
+print("probe", env["ELASTICD_NODE_ID"], "rank", env["RANK"], flush=True)
+if mode == "train":
+    sys.argv = ["train", *args]
+    runpy.run_module("elasticd.examples.train", run_name="__main__")
+elif mode == "sleep":          # seconds for rank 0, seconds for the other ranks
+    time.sleep(float(args[0] if env["RANK"] == "0" else args[1]))
+elif mode == "hold-round1":    # round 1: run until stopped; later rounds: exit 0
+    if env["ELASTICD_ROUND"] == "1":
+        time.sleep(600)
+    time.sleep(0.5)
+'''
+
+
+# ---------------------------------------------------------------- the cluster
+
+class Cluster:
+    """Daemons n1..nK on one etcd under their own prefix, and a shared dir."""
+
+    def __init__(self, etcd: EtcdServer, size: int, extra_args: tuple = ()):
+        self.etcd = etcd
+        self.prefix = f"/mt-{uuid.uuid4().hex[:8]}"
+        self.extra_args = tuple(extra_args)
+        self.shared = short_tmpdir("mt-")
+        self.probe = os.path.join(self.shared, "probe.py")
+        with open(self.probe, "w") as fh:
+            fh.write(PROBE)
+        self.out = os.path.join(self.shared, "env")
+        os.makedirs(self.out)
+        self.nodes: dict[str, DaemonProc] = {}
+        self._seen: dict[int, float] = {}   # every process the daemons started
+        with concurrent.futures.ThreadPoolExecutor(size) as pool:
+            list(pool.map(self.add, [f"n{i}" for i in range(1, size + 1)]))
+
+    def add(self, node_id: str, extra_args: tuple = ()) -> DaemonProc:
+        d = DaemonProc(short_tmpdir(), node_id=node_id, etcd=self.etcd.url, slots=4,
+                       extra_args=("--etcd-prefix", self.prefix, *self.extra_args,
+                                   *extra_args))
+        self.nodes[node_id] = d
+        d.start()
+        return d
+
+    def __getitem__(self, node_id: str) -> DaemonProc:
+        return self.nodes[node_id]
+
+    def remember_children(self) -> None:
+        for d in self.nodes.values():
+            if d.proc is not None and d.proc.poll() is None:
+                try:
+                    for p in psutil.Process(d.proc.pid).children(recursive=True):
+                        self._seen.setdefault(p.pid, p.create_time())
+                except psutil.Error:
+                    pass
+
+    def close(self) -> None:
+        self.remember_children()
+        for d in self.nodes.values():
+            d.stop()
+        for pid, created in self._seen.items():  # nothing a test started may outlive it
+            try:
+                p = psutil.Process(pid)
+                if abs(p.create_time() - created) < 0.01:
+                    p.kill()
+            except psutil.Error:
+                pass
+        for d in self.nodes.values():
+            shutil.rmtree(d.root, ignore_errors=True)
+        shutil.rmtree(self.shared, ignore_errors=True)
+
+    # -- jobs ------------------------------------------------------------------
+    def probe_cmd(self, mode: str, *args: str) -> list[str]:
+        return [PY, self.probe, self.out, mode, *args]
+
+    def train_cmd(self, name: str, *args: str) -> list[str]:
+        ckpt = os.path.join(self.shared, f"ckpt-{name}")
+        return self.probe_cmd("train", "--checkpoint-dir", ckpt, *args)
+
+    def envs(self, job_id: str, rnd: int | None = None) -> list[dict]:
+        """What each rank of the job saw (latest round if ``rnd`` is None)."""
+        files = glob.glob(os.path.join(self.out, f"{job_id}-round*-rank*.json"))
+        found = [json.load(open(f)) for f in files]
+        if not found:
+            return []
+        rnd = rnd if rnd is not None else max(int(e["ELASTICD_ROUND"]) for e in found)
+        return sorted((e for e in found if int(e["ELASTICD_ROUND"]) == rnd),
+                      key=lambda e: int(e["RANK"]))
+
+
+@pytest.fixture(scope="module")
+def etcd():
+    with EtcdServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def trio(etcd):
+    """Three nodes for the tests that do not lose one. A longer last call than
+    the default keeps a 2:3 round from closing without a node that is slow to
+    adopt the job on a loaded machine."""
+    c = Cluster(etcd, 3, NO_SPARES + ("--set", "rendezvous.last_call=5"))
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def make_cluster(etcd):
+    made = []
+
+    def make(size: int, extra_args: tuple = ()) -> Cluster:
+        c = Cluster(etcd, size, extra_args)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.close()
+
+
+# ---------------------------------------------------------------- helpers
+
+def ctl_ok(d: DaemonProc, *args: str, **kw) -> subprocess.CompletedProcess:
+    res = d.ctl(*args, **kw)
+    assert res.returncode == 0, (f"elasticctl {' '.join(args)} on {d.node_id} exited "
+                                 f"{res.returncode}\nstdout: {res.stdout}\nstderr: {res.stderr}")
+    return res
+
+
+def submit(d: DaemonProc, *args: str, cmd: list[str]) -> str:
+    out = ctl_ok(d, "submit", *args, "--", *cmd).stdout.strip()
+    assert out and len(out.split()) == 1, f"submit should print just the job id, got {out!r}"
+    return out
+
+
+def status(d: DaemonProc, job_id: str) -> dict:
+    return json.loads(ctl_ok(d, "-o", "json", "status", job_id).stdout)
+
+
+def events(d: DaemonProc, job_id: str) -> list[dict]:
+    out = ctl_ok(d, "-o", "json", "events", job_id).stdout
+    return [json.loads(line) for line in out.splitlines() if line.strip()]
+
+
+def wait_done(d: DaemonProc, job_id: str, timeout: float = 120.0) -> dict:
+    d.wait_job(job_id, timeout)
+    return status(d, job_id)
+
+
+def wait_for(pred, timeout: float, what: str, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def rank_log(d: DaemonProc, job_id: str, rank: int) -> str:
+    """`elasticctl logs JOB --rank R` on the node that runs R."""
+    return ctl_ok(d, "logs", job_id, "--rank", str(rank)).stdout
+
+
+def local_rows(d: DaemonProc, job_id: str) -> list[dict]:
+    """This node's own worker rows (pid, rank) from its status."""
+    return [w for w in status(d, job_id).get("workers", []) if w["node_id"] == d.node_id]
+
+
+def procs(rows: list[dict]) -> list[psutil.Process]:
+    out = []
+    for w in rows:
+        try:
+            out.append(psutil.Process(w["pid"]))
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def descendants(d: DaemonProc) -> list[psutil.Process]:
+    """Every process a daemon runs now: workers, warm spares, anything they forked."""
+    try:
+        return psutil.Process(d.proc.pid).children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def alive(ps: list[psutil.Process]) -> list[psutil.Process]:
+    left = []
+    for p in ps:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                left.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return left
+
+
+def running_on(d: DaemonProc, job_id: str, nodes: int, timeout: float = 90) -> dict:
+    """Wait until the job runs with workers on ``nodes`` nodes (as ``d`` sees it)."""
+    last = {}
+
+    def ready():
+        st = last["st"] = status(d, job_id)
+        live = {w["node_id"] for w in st.get("workers", []) if w["state"] == "running"}
+        return st if st["state"] == "RUNNING" and len(live) == nodes else None
+    try:
+        return wait_for(ready, timeout, f"job {job_id} running on {nodes} nodes", interval=0.3)
+    except AssertionError as exc:
+        st = last.get("st", {})
+        rows = [(w["node_id"], w["rank"], w["state"]) for w in st.get("workers", [])]
+        moves = "\n".join(f"  {e.get('node_id')}: {e.get('from_state')} -> {e.get('to_state')}: "
+                          f"{e.get('reason')}" for e in events(d, job_id))
+        raise AssertionError(f"{exc}; it is {st.get('state')} ({st.get('reason')}), "
+                             f"workers {rows}; events on {d.node_id}:\n{moves}") from None
+
+
+def state_moves(evs: list[dict]) -> list[tuple]:
+    return [(e.get("from_state"), e.get("to_state"), e.get("reason", "")) for e in evs
+            if e["kind"] == "state"]
+
+
+def check_envs(envs: list[dict], job_id: str, nodes: int, nproc: int) -> dict[int, str]:
+    """Every rank's torchrun environment agrees; returns rank -> node id."""
+    world = nodes * nproc
+    assert [int(e["RANK"]) for e in envs] == list(range(world)), envs
+    masters = {(e["MASTER_ADDR"], e["MASTER_PORT"]) for e in envs}
+    assert len(masters) == 1, f"ranks disagree on the master: {masters}"
+    by_group = {}
+    for e in envs:
+        assert int(e["WORLD_SIZE"]) == world and int(e["ROLE_WORLD_SIZE"]) == world
+        assert int(e["GROUP_WORLD_SIZE"]) == nodes
+        assert int(e["LOCAL_WORLD_SIZE"]) == nproc
+        assert int(e["RANK"]) == int(e["GROUP_RANK"]) * nproc + int(e["LOCAL_RANK"])
+        assert e["ROLE_RANK"] == e["RANK"]
+        assert e["TORCHELASTIC_RUN_ID"] == job_id == e["ELASTICD_JOB_ID"]
+        by_group.setdefault(int(e["GROUP_RANK"]), set()).add(e["ELASTICD_NODE_ID"])
+    # one node per group rank, one group rank per node
+    assert sorted(by_group) == list(range(nodes))
+    assert all(len(v) == 1 for v in by_group.values()), by_group
+    assert len({next(iter(v)) for v in by_group.values()}) == nodes
+    return {int(e["RANK"]): e["ELASTICD_NODE_ID"] for e in envs}
+
+
+# ---------------------------------------------------------------- one job, three nodes
+
+@pytest.fixture(scope="module")
+def three_node_job(trio):
+    """A 2:3 training job, two ranks per node, submitted on n1, run to the end."""
+    job = submit(trio["n1"], "--nnodes", "2:3", "--nproc-per-node", "2",
+                 cmd=trio.train_cmd("three", "--steps", "30", "--checkpoint-every", "10"))
+    final = wait_done(trio["n1"], job)
+    return job, final
+
+
+def test_job_submitted_on_one_node_runs_on_three_with_global_ranks(trio, three_node_job):
+    job, final = three_node_job
+    assert final["state"] == "SUCCEEDED", final
+    assert final["restarts"] == 0
+    # What the workers were given: one torchrun world of 6 ranks over 3 nodes.
+    envs = trio.envs(job)
+    node_of = check_envs(envs, job, nodes=3, nproc=2)
+    assert set(node_of.values()) == {"n1", "n2", "n3"}
+    # The training script's own check: every all_reduce summed right.
+    rank0 = trio[node_of[0]]
+    log = rank_log(rank0, job, 0)
+    assert "done: 30 steps, world size 6, all_reduce check ok" in log, log[-3000:]
+
+
+def test_status_on_a_node_that_did_not_submit_lists_every_nodes_workers(trio, three_node_job):
+    job, _ = three_node_job
+    node_of = {int(e["RANK"]): e["ELASTICD_NODE_ID"] for e in trio.envs(job)}
+    for viewer in ("n2", "n3"):
+        st = status(trio[viewer], job)
+        assert st["state"] == "SUCCEEDED"
+        assert st["node_id"] == "n1", "status should name the node the job was submitted on"
+        rows = st["workers"]
+        assert sorted(w["rank"] for w in rows) == list(range(6)), rows
+        assert {w["node_id"] for w in rows} == {"n1", "n2", "n3"}
+        assert {w["rank"]: w["node_id"] for w in rows} == node_of
+        assert all(w["pid"] > 0 for w in rows)
+
+
+def test_logs_for_a_rank_on_another_node_says_where_it_runs(trio, three_node_job):
+    job, _ = three_node_job
+    node_of = {int(e["RANK"]): e["ELASTICD_NODE_ID"] for e in trio.envs(job)}
+    rank = max(r for r, n in node_of.items() if n != "n1")
+    res = trio["n1"].ctl("logs", job, "--rank", str(rank))
+    assert res.returncode == 1, (res.returncode, res.stdout, res.stderr)
+    assert f"node {node_of[rank]}" in res.stderr, res.stderr
+    assert f"--rank {rank}" in res.stderr, "it should say what to run there"
+    # ... and there it works.
+    assert "probe" in rank_log(trio[node_of[rank]], job, rank)
+
+
+@pytest.fixture(scope="module")
+def cancelled_job(trio):
+    """A 3-node job cancelled on n1 while every node's workers run."""
+    job = submit(trio["n1"], "--nnodes", "3", cmd=trio.probe_cmd("sleep", "600", "600"))
+    running_on(trio["n1"], job, 3)
+    trio.remember_children()
+    workers = procs(sum((local_rows(trio[n], job) for n in ("n1", "n2", "n3")), []))
+    t0 = time.monotonic()
+    res = trio["n1"].ctl("cancel", job)
+    ended = {}
+    for node in ("n1", "n2", "n3"):
+        st = wait_for(lambda: (s := status(trio[node], job))["state"] in
+                      ("CANCELLED", "FAILED", "SUCCEEDED") and s, 15, f"{node} to end the job")
+        ended[node] = (st["state"], time.monotonic() - t0)
+    wait_for(lambda: not alive(workers), 10, "every node's workers to stop")
+    stopped = time.monotonic() - t0
+    time.sleep(1.0)  # let the last etcd writes reach every node
+    return {"job": job, "cancel": res, "ended": ended, "stopped": stopped, "workers": workers}
+
+
+def test_cancel_on_one_node_stops_the_job_on_every_node(cancelled_job):
+    res = cancelled_job["cancel"]
+    assert res.returncode == 0, (res.stdout, res.stderr)
+    assert "CANCELLED" in res.stdout
+    assert {n: s for n, (s, _) in cancelled_job["ended"].items()} == \
+        {"n1": "CANCELLED", "n2": "CANCELLED", "n3": "CANCELLED"}
+    assert len(cancelled_job["workers"]) == 3
+    assert cancelled_job["stopped"] < 10
+
+
+def test_status_after_cancel_shows_no_worker_still_running(trio, cancelled_job):
+    job = cancelled_job["job"]
+    for viewer in ("n1", "n2", "n3"):
+        rows = status(trio[viewer], job)["workers"]
+        assert len(rows) == 3
+        states = [(w["node_id"], w["state"]) for w in rows]
+        assert not [s for s in states if s[1] == "running"], (viewer, states)
+
+
+def test_two_jobs_at_once_do_not_mix_ranks_or_ports(trio):
+    jobs = [submit(trio[node], "--nnodes", "3",
+                   cmd=trio.train_cmd(f"pair-{node}", "--steps", "20"))
+            for node in ("n1", "n2")]
+    finals = [wait_done(trio[node], job) for node, job in zip(("n1", "n2"), jobs)]
+    assert [f["state"] for f in finals] == ["SUCCEEDED", "SUCCEEDED"], finals
+    masters = []
+    for job in jobs:
+        envs = trio.envs(job)
+        node_of = check_envs(envs, job, nodes=3, nproc=1)
+        masters.append((envs[0]["MASTER_ADDR"], envs[0]["MASTER_PORT"]))
+        log = rank_log(trio[node_of[0]], job, 0)
+        assert "world size 3, all_reduce check ok" in log, log[-3000:]
+    assert masters[0] != masters[1], f"both jobs were given the same master {masters[0]}"
+
+
+def test_nodes_flag_pins_a_job_to_those_nodes(trio):
+    # 2:3 with n2 free: only the named nodes may run it.
+    job = submit(trio["n1"], "--nnodes", "2:3", "--nodes", "n1,n3",
+                 cmd=trio.probe_cmd("sleep", "0.5", "0.5"))
+    final = wait_done(trio["n1"], job)
+    assert final["state"] == "SUCCEEDED", final
+    assert {w["node_id"] for w in final["workers"]} == {"n1", "n3"}
+    envs = trio.envs(job)
+    assert {e["ELASTICD_NODE_ID"] for e in envs} == {"n1", "n3"}
+    check_envs(envs, job, nodes=2, nproc=1)
+    res = trio["n2"].ctl("status", job)
+    assert res.returncode == 1 and "no job" in res.stderr, (res.stdout, res.stderr)
+
+
+def test_nodes_flag_excludes_the_submitting_node(trio):
+    job = submit(trio["n2"], "--nnodes", "2:3", "--nodes", "n1,n3",
+                 cmd=trio.probe_cmd("sleep", "0.5", "0.5"))
+    final = wait_done(trio["n2"], job)
+    assert final["state"] == "SUCCEEDED", final
+    assert {e["ELASTICD_NODE_ID"] for e in trio.envs(job)} == {"n1", "n3"}
+
+
+# ---------------------------------------------------------------- too few nodes
+
+@pytest.fixture(scope="module")
+def below_min(etcd):
+    """A job needing 3 nodes on a cluster of 2 (join timeout 5 s): its outcome."""
+    c = Cluster(etcd, 2, NO_SPARES + ("--set", "rendezvous.join_timeout=5"))
+    try:
+        t0 = time.monotonic()
+        job = submit(c["n1"], "--nnodes", "3", cmd=c.probe_cmd("sleep", "0", "0"))
+        waiting = status(c["n1"], job)
+        res = c["n1"].ctl("wait", job, timeout=60)
+        elapsed = time.monotonic() - t0
+        final = status(c["n1"], job)
+        other = wait_for(lambda: (s := status(c["n2"], job))["state"] == "FAILED" and s, 15,
+                         "n2 to record the failure")
+        yield {"job": job, "waiting": waiting, "wait": res, "elapsed": elapsed,
+               "final": final, "other": other, "workers": c.envs(job)}
+    finally:
+        c.close()
+
+
+def test_job_needing_more_nodes_than_alive_waits_then_fails(below_min):
+    assert below_min["waiting"]["state"] in ("PENDING", "RENDEZVOUS")
+    assert below_min["wait"].returncode == 1, below_min["wait"]
+    final = below_min["final"]
+    assert final["state"] == "FAILED", final
+    assert below_min["elapsed"] >= 5.0, "it failed before the join timeout"
+    assert below_min["elapsed"] < 30.0
+    assert "2 of the 3 nodes" in final["reason"] and "5s" in final["reason"], final["reason"]
+    assert below_min["other"]["reason"] == final["reason"]
+    assert below_min["workers"] == [], "no worker may start below the job's min nodes"
+
+
+def test_below_min_failure_names_the_nodes(below_min):
+    reason = below_min["final"]["reason"]
+    assert "n1" in reason and "n2" in reason, reason
+
+
+# ---------------------------------------------------------------- node loss
+
+def test_node_lost_survivors_stop_within_the_lease_ttl_and_finish_on_two(make_cluster):
+    """kill -9 of a daemon whose workers hang on: only its lease says it is gone."""
+    c = make_cluster(3, NO_SPARES)
+    job = submit(c["n1"], "--nnodes", "2:3", "--max-restarts", "2",
+                 cmd=c.probe_cmd("hold-round1"))
+    running_on(c["n1"], job, 3)
+    c.remember_children()
+    victims = procs(local_rows(c["n3"], job))
+    tree = descendants(c["n3"])
+    survivors = procs(local_rows(c["n1"], job) + local_rows(c["n2"], job))
+    assert len(victims) == 1 and len(survivors) == 2
+    t0 = time.monotonic()
+    c["n3"].kill()
+    wait_for(lambda: not alive(victims + tree), 5, "the dead node's workers to die with it")
+    wait_for(lambda: not alive(survivors), LEASE_TTL + 4, "the survivors to stop their workers")
+    noticed = time.monotonic() - t0
+    final = wait_done(c["n1"], job, 60)
+    assert final["state"] == "SUCCEEDED", final
+    assert final["restarts"] == 1, "a lost node is one restart"
+    envs = c.envs(job)
+    assert {e["ELASTICD_NODE_ID"] for e in envs} == {"n1", "n2"}
+    check_envs(envs, job, nodes=2, nproc=1)
+    moves = state_moves(events(c["n2"], job))
+    assert any(to == "RESTARTING" and "n3" in why and "lost" in why for _, to, why in moves), \
+        moves
+    assert any(to == "RUNNING" and "round 2" in why and "on 2 node(s)" in why
+               for _, to, why in moves), moves
+    nodes = json.loads(ctl_ok(c["n1"], "-o", "json", "nodes").stdout)["nodes"]
+    assert {n["node_id"]: n["state"] for n in nodes}.get("n3") == "lost", nodes
+    print(f"survivors stopped their workers {noticed:.2f}s after kill -9")
+
+
+def _train_on_three(c: Cluster, steps: int) -> str:
+    """A 2:3 training job submitted on n1, once its first step is done."""
+    job = submit(c["n1"], "--nnodes", "2:3", "--max-restarts", "2",
+                 cmd=c.train_cmd("loss", "--steps", str(steps), "--step-time", "0.05",
+                                 "--checkpoint-every", "10", "--log-every", "1000"))
+    running_on(c["n1"], job, 3)
+    node_of = {int(e["RANK"]): e["ELASTICD_NODE_ID"] for e in c.envs(job)}
+    wait_for(lambda: "FIRST_STEP" in rank_log(c[node_of[0]], job, 0), 90,
+             "the first training step", interval=0.3)
+    return job
+
+
+def test_node_killed_mid_training_job_restarts_on_survivors_and_succeeds(make_cluster):
+    c = make_cluster(3)
+    job = _train_on_three(c, steps=100)
+    time.sleep(1.0)  # well into training
+    c.remember_children()
+    victims = procs(local_rows(c["n3"], job))
+    tree = descendants(c["n3"])  # its worker and, by now, maybe its warm spare
+    survivors = procs(local_rows(c["n1"], job) + local_rows(c["n2"], job))
+    t0 = time.monotonic()
+    c["n3"].kill()
+    wait_for(lambda: not alive(victims + tree), 5,
+             "the dead node's workers (and spares) to die with it")
+    wait_for(lambda: not alive(survivors), LEASE_TTL + 4, "the survivors to stop their workers")
+    final = wait_done(c["n1"], job, 150)
+    assert final["state"] == "SUCCEEDED", final
+    assert 1 <= final["restarts"] <= 2
+    envs = c.envs(job)
+    assert {e["ELASTICD_NODE_ID"] for e in envs} == {"n1", "n2"}
+    node_of = check_envs(envs, job, nodes=2, nproc=1)
+    log = rank_log(c[node_of[0]], job, 0)
+    assert "done: 100 steps, world size 2, all_reduce check ok" in log, log[-3000:]
+    moves = state_moves(events(c["n1"], job))
+    assert any(to == "RUNNING" and "of 2 on 2 node(s)" in why for _, to, why in moves), moves
+    assert not alive(victims + tree)
+    print(f"survivors stopped their workers; job done {time.monotonic() - t0:.1f}s after "
+          f"kill -9; restarts {final['restarts']}")
+
+
+@pytest.mark.slow
+def test_rank0_node_killed_its_successor_logs_as_rank0(make_cluster):
+    c = make_cluster(3)  # defaults: warm spares on
+    job = _train_on_three(c, steps=300)
+    daemon_pids = {n: c[n].proc.pid for n in ("n2", "n3")}
+
+    def spares_ready():
+        ready = 0
+        for node, pid in daemon_pids.items():
+            kids = psutil.Process(pid).children(recursive=True)
+            ready += any("warmstart.py" in " ".join(k.cmdline()) for k in kids)
+        return ready == 2
+    wait_for(spares_ready, 60, "warm spares on the survivors", interval=0.3)
+    c.remember_children()
+    c["n1"].kill()
+    final = wait_done(c["n2"], job, 150)
+    assert final["state"] == "SUCCEEDED", final
+    node_of = check_envs(c.envs(job), job, nodes=2, nproc=1)
+    assert node_of[0] == "n2"
+    log = rank_log(c["n2"], job, 0)
+    old = c["n2"].rank_log(job, 1)  # the rank n2 had in round 1
+    assert "done: 300 steps, world size 2, all_reduce check ok" in log, \
+        f"rank-0.log on n2:\n{log[-1500:]}\nrank-1.log on n2:\n{old[-1500:]}"
+
+
+# ---------------------------------------------------------------- scale-up
+
+def test_fourth_node_started_later_joins_a_running_job(make_cluster):
+    c = make_cluster(3, NO_SPARES)
+    job = submit(c["n1"], "--nnodes", "2:4", "--max-restarts", "1",
+                 cmd=c.train_cmd("grow", "--steps", "100", "--step-time", "0.05",
+                                 "--checkpoint-every", "20", "--log-every", "1000"))
+    running_on(c["n1"], job, 3)
+    wait_for(lambda: "FIRST_STEP" in rank_log(c["n1"], job, 0), 90, "the first step",
+             interval=0.3)
+    c.add("n4")
+    final = wait_done(c["n1"], job, 150)
+    assert final["state"] == "SUCCEEDED", final
+    assert final["restarts"] == 0, "growing the job is not a restart"
+    envs = c.envs(job)
+    assert int(envs[0]["ELASTICD_ROUND"]) >= 2
+    node_of = check_envs(envs, job, nodes=4, nproc=1)
+    # the old members kept their ranks; the newcomer came after them
+    assert node_of == {0: "n1", 1: "n2", 2: "n3", 3: "n4"}
+    rows = status(c["n2"], job)["workers"]
+    assert {w["node_id"] for w in rows} == {"n1", "n2", "n3", "n4"}
+    assert sorted(w["rank"] for w in rows) == [0, 1, 2, 3]
+    log = rank_log(c["n1"], job, 0)
+    assert "world size 3" in log and "world size 4, all_reduce check ok" in log, log[-3000:]
+    moves = state_moves(events(c["n4"], job))
+    assert any(to == "RUNNING" and "of 4 on 4 node(s)" in why for _, to, why in moves), moves
+
+
+# ---------------------------------------------------------------- submit vs. dispatch
+
+class InProcessNode:
+    """One node's JobManager, JobsView and Dispatcher in this process, on a MemoryStore
+    (the dispatcher is not started: tests call tick() when they want it to run)."""
+
+    def __init__(self, root: str, node_id: str = "n1"):
+        from elasticd.config import load
+        from elasticd.dispatch import Dispatcher
+        from elasticd.jobs import JobRegistry
+        from elasticd.manager import JobManager
+        from elasticd.rendezvous.view import JobsView
+        from elasticd.store import MemoryStore
+
+        self.cfg = load(None, env={}, overrides={
+            "daemon.standalone": True, "daemon.node_id": node_id, "daemon.slots": 4,
+            "daemon.state_dir": os.path.join(root, "state"),
+            "daemon.socket": os.path.join(root, "c.sock"), "agent.warm_spares": False})
+        self.root = root
+        self.store = MemoryStore()
+        self.registry = JobRegistry(self.cfg.daemon.state_dir, node_id)
+        self.view = JobsView(self.store, retry=0.2)
+        self.view.start()
+        node = self
+
+        class FakeCluster:
+            address = "127.0.0.1"
+            store = node.store
+            keeper = type("K", (), {"lease": None})()
+
+            def drain_states(self):
+                return {}
+
+        self.cluster = FakeCluster()
+        self.manager = JobManager(self.cfg, self.registry, self.cluster, self.view)
+        self.dispatcher = Dispatcher(self.cfg, self.view, self.registry, self.manager,
+                                     self.cluster)
+
+    def submit(self, *command: str, **kw):
+        from elasticd.auth import Caller
+        from elasticd.manager import JobRequest
+        return self.manager.submit(JobRequest(command=tuple(command), cwd=self.root,
+                                              env=dict(os.environ), **kw),
+                                   Caller(os.geteuid(), os.getegid(), os.getpid()))
+
+    def wait_end(self, job_id: str, timeout: float = 30.0):
+        return wait_for(lambda: (j := self.registry.get(job_id)).state.value in
+                        ("SUCCEEDED", "FAILED", "CANCELLED") and j, timeout, "the job to end")
+
+    def close(self) -> None:
+        self.manager.shutdown(10)
+        self.view.stop()
+        self.registry.close()
+
+
+def _dispatch_right_after_the_store_write(node: "InProcessNode") -> list:
+    """Make the submit/dispatch race deterministic: run the node's dispatcher as soon
+    as submit has written the job's round state (what the watch-woken dispatcher
+    thread may do). Before the fix, submit wrote to the store before creating its
+    local record, the dispatcher adopted the job in between, the record was created
+    twice and its agent crashed ('cannot move from PENDING to RUNNING')."""
+    real_create = node.store.create
+    adopted: list = []
+
+    def create_then_dispatch(key, value, lease=None):
+        rev = real_create(key, value, lease)
+        if key.endswith("/state"):
+            job_id = key.split("/")[-2]
+            wait_for(lambda: (k := node.view.job(job_id)) is not None and k.state is not None,
+                     5, "the view to see the new job")
+            adopted.extend(node.dispatcher.tick())
+        return rev
+
+    node.store.create = create_then_dispatch
+    return adopted
+
+
+def test_submit_is_not_adopted_a_second_time_by_its_own_dispatcher(tmp_short):
+    node = InProcessNode(tmp_short)
+    adopted = _dispatch_right_after_the_store_write(node)
+    try:
+        rec = node.submit(PY, "-c", "pass")
+        final = node.wait_end(rec.id)
+        submitted = [e for e in node.registry.events(0, rec.id)
+                     if e["reason"].startswith("submitted")]
+        assert final.state.value == "SUCCEEDED", final.reason
+        assert len(submitted) == 1, submitted
+        assert adopted == [], f"the submitting node adopted its own job: {adopted}"
+    finally:
+        node.close()
+
+
+def test_named_submit_is_not_refused_because_of_itself(tmp_short):
+    from elasticd import errors
+
+    node = InProcessNode(tmp_short)
+    _dispatch_right_after_the_store_write(node)
+    try:
+        try:
+            rec = node.submit(PY, "-c", "pass", name="bert")
+        except errors.AlreadyExists as exc:
+            pytest.fail(f"submit refused a fresh name: {exc}")
+        assert node.wait_end(rec.id).state.value == "SUCCEEDED"
+    finally:
+        node.close()
+
+
+def test_an_agent_crash_ends_the_job_cluster_wide(tmp_short, monkeypatch):
+    from elasticd.rendezvous.protocol import RoundState
+    from elasticd.states import JobState
+
+    node = InProcessNode(tmp_short)
+    real = node.registry.transition
+
+    def broken(job_id, new, reason, **changes):
+        if new == JobState.RUNNING:
+            raise RuntimeError("injected bug")
+        return real(job_id, new, reason, **changes)
+
+    monkeypatch.setattr(node.registry, "transition", broken)
+    try:
+        rec = node.submit(PY, "-c", "import time; time.sleep(30)")
+        final = node.wait_end(rec.id)
+        assert final.state.value == "FAILED" and "injected bug" in final.reason
+        kv = node.store.get(f"/v1/jobs/{rec.id}/state")
+        state = RoundState.from_json(kv.value)
+        assert state.final, f"the store still says {state.status}: other nodes never hear of it"
+    finally:
+        node.close()
+
+
+# ---------------------------------------------------------------- cost of a round
+
+def test_a_round_costs_one_join_write_per_node_and_one_close(etcd):
+    from elasticd.rendezvous.cluster import ClusterRendezvous, create_job
+    from elasticd.rendezvous.protocol import JobLimits
+    from elasticd.rendezvous.view import JobsView
+    from elasticd.store import open_store
+
+    import threading
+
+    n = 32
+    prefix, job_id = f"/cost-{uuid.uuid4().hex[:8]}", "cost1"
+    limits = JobLimits(min_nodes=n, max_nodes=n, max_restarts=0, last_call=0.0,
+                       join_timeout=600.0)
+    counts = {"join": 0, "cas": 0}
+    lock = threading.Lock()
+    stores, views, parts = [], [], []
+
+    def counting(fn, what):
+        def call(key, *a, **kw):
+            if what == "cas" or "/join/" in key:
+                with lock:
+                    counts[what] += 1
+            return fn(key, *a, **kw)
+        return call
+
+    stop = threading.Event()
+    try:
+        for i in range(n):
+            store = open_store("etcd3", [etcd.url], prefix=prefix, timeout=30.0)
+            view = JobsView(store, retry=0.5)
+            view.start()
+            stores.append(store)
+            views.append(view)
+            lease = store.grant_lease(60)
+            store.put = counting(store.put, "join")
+            store.compare_and_swap = counting(store.compare_and_swap, "cas")
+            parts.append(ClusterRendezvous(store, view, job_id, f"node{i:02d}", "127.0.0.1", 1,
+                                           (lambda lease=lease: lease), limits, poll=0.5))
+        for v in views:
+            assert v.synced.wait(30)
+        create_job(stores[0], job_id, {"id": job_id, "nodes": []}, time.time())
+        wait_for(lambda: all((k := v.job(job_id)) is not None and k.state is not None
+                             for v in views), 30, "every view to see the job")
+        with concurrent.futures.ThreadPoolExecutor(n) as pool:
+            results = list(pool.map(lambda p: p.next_round(stop), parts, timeout=120))
+        assert sorted(r.group_rank for r in results) == list(range(n))
+        assert counts == {"join": n, "cas": 1}, counts
+    finally:
+        stop.set()
+        for v in views:
+            v.stop()
+        for s in stores:
+            s.close()

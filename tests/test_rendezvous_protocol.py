@@ -1,0 +1,340 @@
+"""The cluster rendezvous protocol's pure decisions (rendezvous/protocol.py), no I/O.
+
+What a user of a multi-node job relies on: a round closes at once when the
+job's max nodes joined, after the last call once its min joined, or as soon
+as every node it waits for (the old members) is back; a round stuck below
+min fails after the join timeout and says why; every fault counts against
+the job's restart budget, cluster-wide; nodes that survive keep their group
+ranks; and each node's ranks, world size and master come out right.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from elasticd.rendezvous.protocol import (CLOSED, FAILED, OPEN, SUCCEEDED, Join, JobLimits,
+                                          Member, RoundClock, RoundState, decide_open_round,
+                                          decider, order_members, reopen, result_for)
+
+LIMITS = JobLimits(min_nodes=2, max_nodes=4, max_restarts=3, last_call=2.0, join_timeout=30.0)
+
+
+def joins(*ids: str, nproc: int = 1, prev: dict | None = None) -> list[Join]:
+    prev = prev or {}
+    return [Join(node_id=n, address=f"10.0.0.{i + 1}", nproc=nproc, port=29500 + i,
+                 prev_rank=prev.get(n, -1)) for i, n in enumerate(ids)]
+
+
+def open_round(rnd: int = 1, expected: tuple = (), restarts: int = 0) -> RoundState:
+    return RoundState(round=rnd, status=OPEN, expected=expected, restarts=restarts,
+                      opened_at=100.0)
+
+
+def closed(members: list[Member], rnd: int = 1, restarts: int = 0) -> RoundState:
+    return RoundState(round=rnd, status=CLOSED, members=tuple(members), restarts=restarts)
+
+
+def decide(state, js, now, clock=None, limits=LIMITS):
+    clock = clock if clock is not None else RoundClock()
+    return decide_open_round(state, js, limits, clock, now)
+
+
+# ------------------------------------------------------------- closing a round
+
+def test_round_closes_at_once_when_max_nodes_joined():
+    clock = RoundClock()
+    new, why = decide(open_round(), joins("a", "b", "c", "d"), now=1000.0, clock=clock)
+    assert new is not None and new.status == CLOSED
+    assert new.member_ids() == ["a", "b", "c", "d"]
+    assert new.closed_at == 1000.0
+    assert "max reached" in why and "4 node(s)" in why
+    assert new.reason == why
+
+
+def test_more_joins_than_max_keeps_max_members_old_members_first():
+    # "z" ran in the last round (group rank 0): it keeps its place even
+    # though newcomers with smaller ids joined too.
+    js = joins("a", "b", "c", "d", "z", prev={"z": 0})
+    new, _ = decide(open_round(), js, now=0.0)
+    assert new.member_ids() == ["z", "a", "b", "c"]
+
+
+def test_min_joined_waits_for_the_last_call_then_closes():
+    clock = RoundClock()
+    state = open_round()
+    js = joins("a", "b")
+    new, why = decide(state, js, now=10.0, clock=clock)
+    assert new is None and "waiting" in why
+    new, _ = decide(state, js, now=11.9, clock=clock)
+    assert new is None, "closed before the last call was over"
+    new, why = decide(state, js, now=12.0, clock=clock)
+    assert new is not None and new.status == CLOSED
+    assert new.member_ids() == ["a", "b"]
+    assert "last call of 2s" in why
+
+
+def test_last_call_counts_from_when_min_was_reached_not_from_the_open():
+    clock = RoundClock()
+    state = open_round()
+    assert decide(state, joins("a"), now=0.0, clock=clock)[0] is None
+    # min reached 20 s after the round opened: the last call starts now.
+    assert decide(state, joins("a", "b"), now=20.0, clock=clock)[0] is None
+    assert decide(state, joins("a", "b"), now=21.0, clock=clock)[0] is None
+    new, _ = decide(state, joins("a", "b", "c"), now=22.0, clock=clock)
+    assert new is not None and new.member_ids() == ["a", "b", "c"]
+
+
+def test_below_min_never_closes_however_long_the_wait_before_timeout():
+    clock = RoundClock()
+    state = open_round()
+    for now in (0.0, 5.0, 29.0):
+        new, why = decide(state, joins("a"), now=now, clock=clock)
+        assert new is None
+        assert "1 node(s) joined" in why
+
+
+def test_round_closes_as_soon_as_every_expected_node_joined():
+    # After a fault the new round expects the old members: no last call.
+    clock = RoundClock()
+    state = open_round(rnd=2, expected=("a", "b", "c"))
+    assert decide(state, joins("a", "b"), now=0.0, clock=clock)[0] is None
+    new, why = decide(state, joins("a", "b", "c"), now=0.1, clock=clock)
+    assert new is not None and new.status == CLOSED
+    assert new.member_ids() == ["a", "b", "c"]
+    assert "every expected node joined" in why
+
+
+def test_expected_nodes_below_min_still_wait():
+    clock = RoundClock()
+    limits = JobLimits(min_nodes=3, max_nodes=4, max_restarts=3, last_call=2.0,
+                       join_timeout=30.0)
+    state = open_round(expected=("a", "b"))
+    new, _ = decide(state, joins("a", "b"), now=0.0, clock=clock, limits=limits)
+    assert new is None
+
+
+def test_no_expected_nodes_means_the_last_call_applies():
+    clock = RoundClock()
+    new, _ = decide(open_round(expected=()), joins("a", "b", "c"), now=0.0, clock=clock)
+    assert new is None
+
+
+def test_a_new_round_restarts_the_deciders_clock():
+    clock = RoundClock()
+    decide(open_round(rnd=1), joins("a", "b"), now=0.0, clock=clock)
+    # Round 2 opens much later: its last call starts again.
+    assert decide(open_round(rnd=2), joins("a", "b"), now=100.0, clock=clock)[0] is None
+    assert clock.round == 2 and clock.min_reached == 100.0
+    assert decide(open_round(rnd=2), joins("a", "b"), now=102.0, clock=clock)[0] is not None
+
+
+def test_closed_round_keeps_restart_count_and_round():
+    new, _ = decide(open_round(rnd=5, restarts=2), joins("a", "b", "c", "d"), now=0.0)
+    assert (new.round, new.restarts) == (5, 2)
+
+
+# ------------------------------------------------------------- failing a round
+
+def test_below_min_after_join_timeout_fails_with_the_reason():
+    clock = RoundClock()
+    limits = JobLimits(min_nodes=3, max_nodes=3, max_restarts=3, last_call=2.0,
+                       join_timeout=5.0)
+    state = open_round()
+    assert decide(state, joins("n1", "n2"), now=50.0, clock=clock, limits=limits)[0] is None
+    assert decide(state, joins("n1", "n2"), now=54.9, clock=clock, limits=limits)[0] is None
+    new, why = decide(state, joins("n1", "n2"), now=55.0, clock=clock, limits=limits)
+    assert new is not None and new.status == FAILED
+    assert new.final
+    assert "2 of the 3 nodes" in why and "5s" in why and "round 1" in why
+    assert new.reason == why
+
+
+def test_join_timeout_failure_names_the_nodes_that_joined():
+    clock = RoundClock()
+    limits = JobLimits(min_nodes=3, max_nodes=3, max_restarts=3, last_call=2.0,
+                       join_timeout=5.0)
+    decide(open_round(), joins("n1", "n2"), now=0.0, clock=clock, limits=limits)
+    new, why = decide(open_round(), joins("n1", "n2"), now=6.0, clock=clock, limits=limits)
+    assert new.status == FAILED
+    assert "n1" in why and "n2" in why
+
+
+def test_join_timeout_failure_names_the_expected_nodes_missing():
+    # After a fault the round waits for the old members; one never came back.
+    clock = RoundClock()
+    limits = JobLimits(min_nodes=3, max_nodes=3, max_restarts=3, last_call=2.0,
+                       join_timeout=5.0)
+    state = open_round(rnd=2, expected=("n1", "n2", "n3"))
+    decide(state, joins("n1", "n2"), now=0.0, clock=clock, limits=limits)
+    new, why = decide(state, joins("n1", "n2"), now=6.0, clock=clock, limits=limits)
+    assert new.status == FAILED
+    assert "missing" in why and "n3" in why, why
+
+
+def test_no_node_at_all_fails_after_join_timeout():
+    clock = RoundClock()
+    state = open_round()
+    decide(state, [], now=0.0, clock=clock)
+    new, why = decide(state, [], now=30.0, clock=clock)
+    assert new is not None and new.status == FAILED
+    assert "only 0 of the 2 nodes" in why
+
+
+def test_min_reached_never_fails_on_join_timeout():
+    # A slow last call past the join timeout closes the round; it never fails it.
+    limits = JobLimits(min_nodes=2, max_nodes=4, max_restarts=3, last_call=10.0,
+                       join_timeout=5.0)
+    clock = RoundClock()
+    state = open_round()
+    assert decide(state, joins("a"), now=0.0, clock=clock, limits=limits)[0] is None
+    assert decide(state, joins("a", "b"), now=4.0, clock=clock, limits=limits)[0] is None
+    new, _ = decide(state, joins("a", "b"), now=9.0, clock=clock, limits=limits)
+    assert new is None
+    new, _ = decide(state, joins("a", "b"), now=14.0, clock=clock, limits=limits)
+    assert new is not None and new.status == CLOSED
+
+
+# ------------------------------------------------------------- reopening
+
+def test_reopen_after_a_fault_counts_a_restart_and_opens_the_next_round():
+    state = closed([Member("a", "x", 1, 1), Member("b", "y", 1, 2)], rnd=3, restarts=1)
+    new, why = reopen(state, "rank 1 exited with exit code 1", True, LIMITS, now=7.0,
+                      expected=("b", "a"))
+    assert (new.round, new.status, new.restarts) == (4, OPEN, 2)
+    assert new.members == ()
+    assert new.expected == ("a", "b")        # sorted
+    assert new.opened_at == 7.0
+    assert "rank 1 exited" in why and "round 4 opened" in why and "restart 2 of 3" in why
+    assert new.reason == why
+
+
+def test_reopen_for_scale_up_does_not_count():
+    state = closed([Member("a", "x", 1, 1)], rnd=1, restarts=1)
+    new, why = reopen(state, "node(s) c waiting to join", False, LIMITS, now=0.0,
+                      expected=("a", "c"))
+    assert (new.round, new.status, new.restarts) == (2, OPEN, 1)
+    assert "restart" not in why
+
+
+def test_last_restart_is_still_granted():
+    state = closed([Member("a", "x", 1, 1)], restarts=2)
+    new, _ = reopen(state, "fault", True, LIMITS, now=0.0)
+    assert new.status == OPEN and new.restarts == 3
+
+
+def test_reopen_fails_the_job_when_the_restart_budget_is_spent():
+    state = closed([Member("a", "x", 1, 1)], rnd=4, restarts=3)
+    new, why = reopen(state, "node(s) b lost", True, LIMITS, now=0.0)
+    assert new.status == FAILED and new.final
+    assert "node(s) b lost" in why and "no restarts left" in why and "3 of 3" in why
+    # The failed state stays on the round it failed in.
+    assert new.round == 4
+
+
+def test_zero_restarts_allowed_fails_on_the_first_fault():
+    limits = JobLimits(min_nodes=1, max_nodes=2, max_restarts=0, last_call=0.0,
+                       join_timeout=5.0)
+    new, why = reopen(closed([Member("a", "x", 1, 1)]), "boom", True, limits, now=0.0)
+    assert new.status == FAILED and "0 of 0" in why
+
+
+def test_spent_budget_still_allows_uncounted_reopen():
+    state = closed([Member("a", "x", 1, 1)], restarts=3)
+    new, _ = reopen(state, "scale up", False, LIMITS, now=0.0)
+    assert new.status == OPEN and new.restarts == 3
+
+
+# ------------------------------------------------------------- stable ranks
+
+def test_old_members_keep_their_order_newcomers_follow_by_id():
+    js = joins("d", "a", "c", "b", "e", prev={"c": 0, "a": 1, "e": 2})
+    assert [m.node_id for m in order_members(js)] == ["c", "a", "e", "b", "d"]
+
+
+def test_survivors_keep_relative_order_after_a_loss():
+    # Round 1 was c, a, e; a died: c and e keep their order (0, 1).
+    js = joins("e", "c", prev={"c": 0, "e": 2})
+    members = order_members(js)
+    assert [m.node_id for m in members] == ["c", "e"]
+    state = closed(list(members), rnd=2)
+    assert result_for(state, "c").group_rank == 0
+    assert result_for(state, "e").group_rank == 1
+
+
+def test_ranks_stable_across_a_scale_up_round():
+    # Round 1 closed with b, a (b first); a newcomer "0" (smallest id) joins round 2.
+    r1 = closed([Member("b", "hb", 2, 1), Member("a", "ha", 2, 2)], rnd=1)
+    prev = {n: result_for(r1, n).group_rank for n in ("a", "b")}
+    new, _ = decide(open_round(rnd=2, expected=("0", "a", "b")),
+                    joins("0", "a", "b", nproc=2, prev=prev), now=0.0)
+    assert new.member_ids() == ["b", "a", "0"]
+    for node in ("a", "b"):
+        assert result_for(new, node).rank_offset == result_for(r1, node).rank_offset
+
+
+def test_order_members_carries_address_nproc_and_port():
+    (m,) = order_members([Join("n", "10.1.1.1", 8, 12345)])
+    assert m == Member("n", "10.1.1.1", 8, 12345)
+
+
+def test_decider_is_the_smallest_joined_id():
+    assert decider(joins("n3", "n10", "n2")) == "n10"  # string order, as ids compare
+    assert decider(joins("b", "a")) == "a"
+    assert decider([]) is None
+
+
+# ------------------------------------------------------------- result_for
+
+def test_result_for_offsets_world_and_master():
+    state = closed([Member("x", "10.0.0.9", 2, 29500), Member("y", "10.0.0.8", 3, 29501),
+                    Member("z", "10.0.0.7", 1, 29502)], rnd=7)
+    rx, ry, rz = (result_for(state, n) for n in ("x", "y", "z"))
+    assert [r.group_rank for r in (rx, ry, rz)] == [0, 1, 2]
+    assert [r.rank_offset for r in (rx, ry, rz)] == [0, 2, 5]
+    assert {r.world_size for r in (rx, ry, rz)} == {6}
+    assert {r.group_world_size for r in (rx, ry, rz)} == {3}
+    assert {(r.master_addr, r.master_port) for r in (rx, ry, rz)} == {("10.0.0.9", 29500)}
+    assert {r.round for r in (rx, ry, rz)} == {7}
+    assert rz.members == ("x", "y", "z")
+
+
+def test_every_global_rank_exactly_once():
+    members = [Member(f"n{i}", f"h{i}", nproc, 1000 + i)
+               for i, nproc in enumerate((4, 1, 3, 2))]
+    state = closed(members)
+    ranks = []
+    for m in members:
+        r = result_for(state, m.node_id)
+        ranks += range(r.rank_offset, r.rank_offset + m.nproc)
+    assert sorted(ranks) == list(range(10))
+
+
+def test_result_for_a_non_member_or_an_open_round_is_none():
+    state = closed([Member("a", "h", 1, 1)])
+    assert result_for(state, "b") is None
+    assert result_for(open_round(), "a") is None
+    done = RoundState(round=1, status=SUCCEEDED, members=(Member("a", "h", 1, 1),))
+    assert result_for(done, "a") is None
+
+
+# ------------------------------------------------------------- records
+
+def test_round_state_round_trips_through_json():
+    state = RoundState(round=3, status=CLOSED, members=(Member("a", "h", 2, 7),),
+                       restarts=1, expected=("a",), reason="r", opened_at=1.5, closed_at=2.5)
+    assert RoundState.from_json(state.to_json()) == state
+
+
+@pytest.mark.parametrize("text", ['[1, 2]', '{"round": 1, "status": "weird"}',
+                                  '{"status": "open"}', 'not json'])
+def test_bad_round_state_is_rejected(text):
+    with pytest.raises((ValueError, KeyError)):
+        RoundState.from_json(text)
+
+
+def test_join_round_trips_and_defaults():
+    j = Join("n1", "10.0.0.1", 2, 29500, prev_rank=1, time=3.0)
+    assert Join.from_json(j.to_json()) == j
+    bare = Join.from_json(json.dumps({"node_id": "n", "address": "a", "nproc": 1, "port": 2}))
+    assert bare.prev_rank == -1
