@@ -41,15 +41,18 @@ as_root() {
     fi
 }
 
-install_etcd() {
-    if command -v etcd >/dev/null 2>&1; then
+# apt_install BINARY SERVICE PACKAGE...: install the packages unless BINARY is
+# already on PATH, never letting the package start SERVICE (policy-rc.d exit
+# 101, honoured by invoke-rc.d and deb-systemd-invoke; a policy-rc.d that is
+# already there, as in containers, is left alone), and keep SERVICE disabled:
+# the tests start their own servers and want the ports free.
+apt_install() {
+    local binary=$1 service=$2
+    shift 2
+    if command -v "$binary" >/dev/null 2>&1; then
         return 0
     fi
-    say "installing etcd (etcd-server, etcd-client) with apt-get"
-    # Forbid maintainer scripts from starting services while we install
-    # (policy-rc.d exit 101, honoured by invoke-rc.d and deb-systemd-invoke);
-    # without systemd the package's init script would start etcd otherwise.
-    # A policy-rc.d that is already there (containers have one) is left alone.
+    say "installing $binary ($*) with apt-get"
     local policy=/usr/sbin/policy-rc.d ours=0
     if [ ! -e "$policy" ]; then
         as_root sh -c "printf '#!/bin/sh\nexit 101\n' > $policy && chmod 755 $policy"
@@ -59,57 +62,27 @@ install_etcd() {
     {
         quietly as_root apt-get update &&
         quietly as_root env DEBIAN_FRONTEND=noninteractive \
-            apt-get install -y --no-install-recommends etcd-server etcd-client
+            apt-get install -y --no-install-recommends "$@"
     } || rc=$?
     if [ "$ours" -eq 1 ]; then
         as_root rm -f "$policy"
     fi
     [ "$rc" -eq 0 ] || return "$rc"
-    # Don't start the package's etcd at boot either, nor leave it running.
     if command -v systemctl >/dev/null 2>&1; then
         if [ -d /run/systemd/system ]; then
-            as_root systemctl disable --now etcd.service >/dev/null 2>&1 || true
+            as_root systemctl disable --now "$service.service" >/dev/null 2>&1 || true
         else
             # No systemd running (a container): disabling still works offline.
-            as_root systemctl disable etcd.service >/dev/null 2>&1 || true
+            as_root systemctl disable "$service.service" >/dev/null 2>&1 || true
         fi
     fi
-    command -v etcd >/dev/null 2>&1 || { say "etcd still not on PATH after install"; return 1; }
+    command -v "$binary" >/dev/null 2>&1 || { say "$binary still not on PATH after install"; return 1; }
 }
 
-# promtool (Debian's `prometheus` package ships it): the metrics tests check
-# the scrape with `promtool check metrics` and monitoring/elasticd.rules.yml
-# with `promtool check rules`. Installed only if missing; the package's own
-# prometheus service is kept from running, as with etcd above.
-install_promtool() {
-    if command -v promtool >/dev/null 2>&1; then
-        return 0
-    fi
-    say "installing promtool (prometheus) with apt-get"
-    local policy=/usr/sbin/policy-rc.d ours=0
-    if [ ! -e "$policy" ]; then
-        as_root sh -c "printf '#!/bin/sh\nexit 101\n' > $policy && chmod 755 $policy"
-        ours=1
-    fi
-    local rc=0
-    {
-        quietly as_root apt-get update &&
-        quietly as_root env DEBIAN_FRONTEND=noninteractive \
-            apt-get install -y --no-install-recommends prometheus
-    } || rc=$?
-    if [ "$ours" -eq 1 ]; then
-        as_root rm -f "$policy"
-    fi
-    [ "$rc" -eq 0 ] || return "$rc"
-    if command -v systemctl >/dev/null 2>&1; then
-        if [ -d /run/systemd/system ]; then
-            as_root systemctl disable --now prometheus.service >/dev/null 2>&1 || true
-        else
-            as_root systemctl disable prometheus.service >/dev/null 2>&1 || true
-        fi
-    fi
-    command -v promtool >/dev/null 2>&1 || { say "promtool still not on PATH after install"; return 1; }
-}
+# etcd for the cluster tests; promtool (Debian's prometheus package ships it)
+# for `promtool check metrics/rules` in the metrics tests.
+install_etcd() { apt_install etcd etcd etcd-server etcd-client; }
+install_promtool() { apt_install promtool prometheus prometheus; }
 
 install_python_packages() {
     if ! command -v "$PYTHON" >/dev/null 2>&1; then
