@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from daemons import DaemonProc, kill_process_tree_of, short_tmpdir, worker_pids_under
+from daemons import DaemonProc, short_tmpdir
 
 
 @pytest.fixture
@@ -30,10 +30,7 @@ def daemon_factory():
 
     yield make
     for d in made:
-        d.stop()
-        # Nothing a test started may outlive it.
-        kill_process_tree_of(worker_pids_under(d.state_dir))
-        shutil.rmtree(d.root, ignore_errors=True)
+        d.cleanup()
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ bytes) and talks to it with the real elasticctl. Tests import from here
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -68,6 +69,13 @@ class DaemonProc:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             return self.proc.wait()
+
+    def cleanup(self) -> None:
+        """Stop the daemon, kill any worker it left, remove its directory:
+        nothing a test started may outlive it."""
+        self.stop()
+        kill_process_tree_of(worker_pids_under(self.state_dir))
+        shutil.rmtree(self.root, ignore_errors=True)
 
     def kill(self) -> None:
         assert self.proc is not None

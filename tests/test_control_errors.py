@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import socket
 import struct
 import time
@@ -20,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from daemons import DaemonProc, kill_process_tree_of, short_tmpdir, worker_pids_under
+from daemons import DaemonProc, short_tmpdir
 from elasticctl.client import fetch_token
 from elasticd.v1 import control_pb2 as pb
 from elasticd.v1 import control_pb2_grpc as pb_grpc
@@ -37,9 +36,7 @@ def d():
     daemon = DaemonProc(short_tmpdir(), node_id="fuzz", slots=2)
     daemon.start()
     yield daemon
-    daemon.stop()
-    kill_process_tree_of(worker_pids_under(daemon.state_dir))
-    shutil.rmtree(daemon.root, ignore_errors=True)
+    daemon.cleanup()
 
 
 def base(d: DaemonProc, **fields) -> pb.SubmitRequest:

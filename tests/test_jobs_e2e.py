@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -21,7 +20,7 @@ import grpc
 import psutil
 import pytest
 
-from daemons import DaemonProc, kill_process_tree_of, short_tmpdir, worker_pids_under
+from daemons import DaemonProc, short_tmpdir, worker_pids_under
 from elasticd.v1 import control_pb2 as pb
 
 PY = sys.executable
@@ -35,9 +34,7 @@ def shared():
     d = DaemonProc(short_tmpdir(), node_id="e2e", slots=16)
     d.start()
     yield d
-    d.stop()
-    kill_process_tree_of(worker_pids_under(d.state_dir))
-    shutil.rmtree(d.root, ignore_errors=True)
+    d.cleanup()
 
 
 # ---------------------------------------------------------------- helpers

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from daemons import DaemonProc, kill_process_tree_of, short_tmpdir, worker_pids_under
+from daemons import DaemonProc, short_tmpdir
 from elasticd import __version__
 from elasticd.jobs import JobRecord, JobRegistry
 from elasticd.metrics import CAUSES, LAYERS, Metrics
@@ -109,9 +109,7 @@ def faulted():
         d.wait_job(job_id, timeout=120)
         yield scrape(port), d.events(job_id), d
     finally:
-        d.stop()
-        kill_process_tree_of(worker_pids_under(d.state_dir))
-        shutil.rmtree(d.root, ignore_errors=True)
+        d.cleanup()
 
 
 def test_counters_follow_the_job_through_its_fault(faulted):

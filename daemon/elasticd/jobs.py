@@ -20,7 +20,7 @@ import sqlite3
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 from .logsetup import ctx
 from .states import LIVE_STATES, TERMINAL_STATES, JobState, check_transition
@@ -280,6 +280,3 @@ class JobRegistry:
         with self._lock:
             return self.changed.wait_for(predicate, timeout=timeout)
 
-
-def visible_to(jobs: Iterable[JobRecord], uid: int) -> list[JobRecord]:
-    return [j for j in jobs if uid == 0 or j.uid == uid]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import datetime
-import grp
 import json
 import logging
 import os
@@ -194,9 +193,6 @@ class WorkerGroup:
                     pass
         return self.workers
 
-    def pids(self) -> list[int]:
-        return [w.pid for w in self.workers]
-
     def stop(self, grace: float) -> None:
         """SIGTERM every worker's process group, wait ``grace``, then SIGKILL."""
         live = [w for w in self.workers if w.proc.poll() is None]
@@ -356,9 +352,6 @@ class SparePool:
         self._spares.clear()
         self._ranks.clear()
 
-    def pids(self) -> list[int]:
-        return [p.pid for p in self._spares.values()]
-
 
 def _killpg(pgid: int, sig: int) -> None:
     try:
@@ -406,9 +399,3 @@ def describe_exit(returncode: int) -> tuple[int, int, str]:
         return -1, sig, f"killed by {name}"
     return returncode, 0, f"exit code {returncode}"
 
-
-def group_name(gid: int) -> str:
-    try:
-        return grp.getgrgid(gid).gr_name
-    except KeyError:
-        return str(gid)
