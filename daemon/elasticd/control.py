@@ -103,6 +103,13 @@ def job_to_proto(job: JobRecord) -> pb.Job:
             rank=f.get("rank", -1), exit_code=f.get("exit_code", 0), signal=f.get("signal", 0),
             cause=f.get("cause", ""), traceback=f.get("traceback", ""), time=f.get("time", 0.0),
             restart=f.get("restart", 0), node_id=f.get("node_id", "")))
+    msg.restarts_by_layer.update({k: int(v) for k, v in job.restarts_by_layer.items()})
+    msg.restart_budget.update({k: int(v) for k, v in job.restart_budget.items()})
+    for a in job.attempts:
+        msg.attempts.add(layer=a.get("layer", ""), cause=a.get("cause", ""),
+                         time=a.get("time", 0.0), duration_seconds=a.get("duration", 0.0),
+                         outcome=a.get("outcome", ""), rank=a.get("rank", -1),
+                         node_id=a.get("node_id", ""))
     for w in job.workers:
         msg.workers.add(rank=w["rank"], local_rank=w["local_rank"], pid=w["pid"],
                         state=w["state"], exit_code=w["exit_code"], node_id=w["node_id"])
@@ -115,7 +122,8 @@ def _event_to_proto(ev: dict) -> pb.Event:
     return pb.Event(seq=ev["seq"], job_id=ev["job_id"], time=ev["time"], kind=ev["kind"],
                     from_state=state(ev["from_state"]), to_state=state(ev["to_state"]),
                     reason=ev["reason"], node_id=ev["node_id"], round=ev["round"],
-                    rank=ev["rank"], restart=ev["restart"])
+                    rank=ev["rank"], restart=ev["restart"], layer=ev.get("layer", ""),
+                    duration_seconds=ev.get("duration_seconds", 0.0))
 
 
 class ControlServicer(pb_grpc.ControlServicer):

@@ -75,6 +75,11 @@ class JobRecord:
     nodes: list = field(default_factory=list)   # the nodes it may run on (empty: any)
     state_since: float = 0.0
     seconds_in_state: dict = field(default_factory=dict)
+    # The restart ladder (ladder.py): restarts used and allowed per layer, and
+    # the latest recovery attempts (the cause chain), oldest first.
+    restarts_by_layer: dict = field(default_factory=dict)
+    restart_budget: dict = field(default_factory=dict)
+    attempts: list = field(default_factory=list)
 
     @property
     def live(self) -> bool:
@@ -230,10 +235,11 @@ class JobRegistry:
             self.changed.notify_all()
             return copy.deepcopy(rec)
 
-    def event(self, job_id: str, kind: str, reason: str, rank: int = -1) -> None:
+    def event(self, job_id: str, kind: str, reason: str, rank: int = -1, layer: str = "",
+              duration: float = 0.0) -> None:
         with self._lock:
             rec = self._require(job_id)
-            self._append_event(rec, kind, reason, rank=rank)
+            self._append_event(rec, kind, reason, rank=rank, layer=layer, duration=duration)
 
     def close(self) -> None:
         with self._lock:
@@ -259,12 +265,14 @@ class JobRegistry:
 
     def _append_event(self, rec: JobRecord, kind: str, reason: str, *,
                       from_state: JobState | None = None, to_state: JobState | None = None,
-                      rank: int = -1) -> None:
+                      rank: int = -1, layer: str = "", duration: float = 0.0) -> None:
         ev = {"job_id": rec.id, "time": self._clock(), "kind": kind,
               "from_state": from_state.value if from_state else "",
               "to_state": to_state.value if to_state else "",
               "reason": reason, "node_id": self._node_id, "round": rec.round,
               "rank": rank, "restart": rec.restarts}
+        if layer:
+            ev["layer"], ev["duration_seconds"] = layer, duration
         cur = self._db.execute("INSERT INTO events (job_id, data) VALUES (?, ?)",
                                (rec.id, json.dumps(ev)))
         ev["seq"] = self.last_seq = cur.lastrowid

@@ -132,7 +132,7 @@ class Worker(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., state: _Optional[str] = ..., exit_code: _Optional[int] = ..., node_id: _Optional[str] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("id", "name", "state", "reason", "command", "cwd", "uid", "gid", "user", "min_nodes", "max_nodes", "nproc_per_node", "max_restarts", "restarts", "round", "created_at", "started_at", "finished_at", "exit_code", "last_failure", "workers", "node_id", "seconds_in_state", "inprocess")
+    __slots__ = ("id", "name", "state", "reason", "command", "cwd", "uid", "gid", "user", "min_nodes", "max_nodes", "nproc_per_node", "max_restarts", "restarts", "round", "created_at", "started_at", "finished_at", "exit_code", "last_failure", "workers", "node_id", "seconds_in_state", "inprocess", "restarts_by_layer", "restart_budget", "attempts")
     class SecondsInStateEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +140,20 @@ class Job(_message.Message):
         key: str
         value: float
         def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class RestartsByLayerEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class RestartBudgetEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -164,6 +178,9 @@ class Job(_message.Message):
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     SECONDS_IN_STATE_FIELD_NUMBER: _ClassVar[int]
     INPROCESS_FIELD_NUMBER: _ClassVar[int]
+    RESTARTS_BY_LAYER_FIELD_NUMBER: _ClassVar[int]
+    RESTART_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
     id: str
     name: str
     state: JobState
@@ -188,7 +205,28 @@ class Job(_message.Message):
     node_id: str
     seconds_in_state: _containers.ScalarMap[str, float]
     inprocess: bool
-    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., cwd: _Optional[str] = ..., uid: _Optional[int] = ..., gid: _Optional[int] = ..., user: _Optional[str] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., nproc_per_node: _Optional[int] = ..., max_restarts: _Optional[int] = ..., restarts: _Optional[int] = ..., round: _Optional[int] = ..., created_at: _Optional[float] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., exit_code: _Optional[int] = ..., last_failure: _Optional[_Union[Failure, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., node_id: _Optional[str] = ..., seconds_in_state: _Optional[_Mapping[str, float]] = ..., inprocess: _Optional[bool] = ...) -> None: ...
+    restarts_by_layer: _containers.ScalarMap[str, int]
+    restart_budget: _containers.ScalarMap[str, int]
+    attempts: _containers.RepeatedCompositeFieldContainer[RestartAttempt]
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., cwd: _Optional[str] = ..., uid: _Optional[int] = ..., gid: _Optional[int] = ..., user: _Optional[str] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., nproc_per_node: _Optional[int] = ..., max_restarts: _Optional[int] = ..., restarts: _Optional[int] = ..., round: _Optional[int] = ..., created_at: _Optional[float] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., exit_code: _Optional[int] = ..., last_failure: _Optional[_Union[Failure, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., node_id: _Optional[str] = ..., seconds_in_state: _Optional[_Mapping[str, float]] = ..., inprocess: _Optional[bool] = ..., restarts_by_layer: _Optional[_Mapping[str, int]] = ..., restart_budget: _Optional[_Mapping[str, int]] = ..., attempts: _Optional[_Iterable[_Union[RestartAttempt, _Mapping]]] = ...) -> None: ...
+
+class RestartAttempt(_message.Message):
+    __slots__ = ("layer", "cause", "time", "duration_seconds", "outcome", "rank", "node_id")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    CAUSE_FIELD_NUMBER: _ClassVar[int]
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    DURATION_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    layer: str
+    cause: str
+    time: float
+    duration_seconds: float
+    outcome: str
+    rank: int
+    node_id: str
+    def __init__(self, layer: _Optional[str] = ..., cause: _Optional[str] = ..., time: _Optional[float] = ..., duration_seconds: _Optional[float] = ..., outcome: _Optional[str] = ..., rank: _Optional[int] = ..., node_id: _Optional[str] = ...) -> None: ...
 
 class LogsRequest(_message.Message):
     __slots__ = ("id", "rank", "follow", "tail_lines")
@@ -221,7 +259,7 @@ class EventsRequest(_message.Message):
     def __init__(self, id: _Optional[str] = ..., follow: _Optional[bool] = ..., after_seq: _Optional[int] = ...) -> None: ...
 
 class Event(_message.Message):
-    __slots__ = ("seq", "job_id", "time", "kind", "from_state", "to_state", "reason", "node_id", "round", "rank", "restart")
+    __slots__ = ("seq", "job_id", "time", "kind", "from_state", "to_state", "reason", "node_id", "round", "rank", "restart", "layer", "duration_seconds")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     TIME_FIELD_NUMBER: _ClassVar[int]
@@ -233,6 +271,8 @@ class Event(_message.Message):
     ROUND_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     RESTART_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    DURATION_SECONDS_FIELD_NUMBER: _ClassVar[int]
     seq: int
     job_id: str
     time: float
@@ -244,7 +284,9 @@ class Event(_message.Message):
     round: int
     rank: int
     restart: int
-    def __init__(self, seq: _Optional[int] = ..., job_id: _Optional[str] = ..., time: _Optional[float] = ..., kind: _Optional[str] = ..., from_state: _Optional[_Union[JobState, str]] = ..., to_state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., node_id: _Optional[str] = ..., round: _Optional[int] = ..., rank: _Optional[int] = ..., restart: _Optional[int] = ...) -> None: ...
+    layer: str
+    duration_seconds: float
+    def __init__(self, seq: _Optional[int] = ..., job_id: _Optional[str] = ..., time: _Optional[float] = ..., kind: _Optional[str] = ..., from_state: _Optional[_Union[JobState, str]] = ..., to_state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., node_id: _Optional[str] = ..., round: _Optional[int] = ..., rank: _Optional[int] = ..., restart: _Optional[int] = ..., layer: _Optional[str] = ..., duration_seconds: _Optional[float] = ...) -> None: ...
 
 class ListNodesRequest(_message.Message):
     __slots__ = ()
