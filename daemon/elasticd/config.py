@@ -145,6 +145,40 @@ class AgentSettings:
 
 
 @dataclass(frozen=True)
+class InprocessSettings:
+    """The first rung of the restart ladder (elasticd.inprocess.Wrapper, ``--inprocess`` jobs).
+
+    Each field reaches the workers as ELASTICD_INPROCESS_<NAME> (a job's own
+    ``--env`` wins), where the wrapper reads it; the daemon uses the budget
+    to decide whether a dead rank is replaced in place or the group restarts.
+    """
+    soft_timeout: float = _setting(60.0, "seconds without a progress beat before a rank reports "
+                                         "itself stalled and every rank restarts in-process",
+                                   min=0, exclusive_min=True, max=86400)
+    hard_timeout: float = _setting(90.0, "seconds a collective may block before it fails (the "
+                                         "process group's timeout)",
+                                   min=0, exclusive_min=True, max=86400)
+    barrier_timeout: float = _setting(240.0, "seconds the ranks wait for each other (a replaced "
+                                             "rank included) at the start of an iteration "
+                                             "before falling back to a process restart",
+                                      min=0, exclusive_min=True, max=86400)
+    monitor_interval: float = _setting(0.1, "seconds between a rank's looks for a fault "
+                                            "reported by another rank",
+                                       min=0.005, max=60)
+    max_restarts: int = _setting(8, "in-process restarts (iterations) per process attempt, "
+                                    "replaced ranks included, before a process restart",
+                                 min=0, max=1_000_000)
+    repeat_limit: int = _setting(3, "faults within repeat_window that make in-process restart "
+                                    "give up for a process restart (a fault that keeps "
+                                    "coming back may be state a fresh process clears)",
+                                 min=1, max=1_000_000)
+    repeat_window: float = _setting(30.0, "seconds over which repeat_limit faults are counted",
+                                    min=0, max=86400)
+    backoff: float = _setting(0.0, "seconds every rank waits before re-entering the training "
+                                   "function after a fault", min=0, max=3600)
+
+
+@dataclass(frozen=True)
 class ControlSettings:
     token_ttl: float = _setting(300.0, "seconds a caller's credential token stays valid",
                                 min=1, max=86400)
@@ -180,6 +214,7 @@ SECTIONS: dict[str, type] = {
     "membership": MembershipSettings,
     "rendezvous": RendezvousSettings,
     "agent": AgentSettings,
+    "inprocess": InprocessSettings,
     "control": ControlSettings,
     "metrics": MetricsSettings,
 }
@@ -192,6 +227,7 @@ class Config:
     membership: MembershipSettings = field(default_factory=MembershipSettings)
     rendezvous: RendezvousSettings = field(default_factory=RendezvousSettings)
     agent: AgentSettings = field(default_factory=AgentSettings)
+    inprocess: InprocessSettings = field(default_factory=InprocessSettings)
     control: ControlSettings = field(default_factory=ControlSettings)
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
     source: str = ""  # which file, if any, was read
@@ -271,6 +307,18 @@ def _check_relations(cfg: Config, errors: list[str]) -> None:
     if a.first_step_timeout < a.hang_hard_timeout:
         errors.append("agent.first_step_timeout: must be at least agent.hang_hard_timeout "
                       f"({a.first_step_timeout} < {a.hang_hard_timeout})")
+    i = cfg.inprocess
+    if not i.soft_timeout < i.hard_timeout < i.barrier_timeout:
+        errors.append("inprocess.soft_timeout: need inprocess.soft_timeout < hard_timeout < "
+                      f"barrier_timeout, got {i.soft_timeout} / {i.hard_timeout} / "
+                      f"{i.barrier_timeout}")
+    if i.monitor_interval >= i.soft_timeout:
+        errors.append(f"inprocess.monitor_interval: must be below inprocess.soft_timeout "
+                      f"({i.monitor_interval} >= {i.soft_timeout})")
+    if a.hang_detection and a.hang_hard_timeout >= i.barrier_timeout:
+        errors.append("inprocess.barrier_timeout: must exceed agent.hang_hard_timeout "
+                      f"({i.barrier_timeout} <= {a.hang_hard_timeout}), or the healthy ranks "
+                      "give up on a hung rank before elasticd kills and replaces it")
     d = cfg.daemon
     if d.node_id and (len(d.node_id) > 128 or not all(c.isalnum() or c in "-_." for c in d.node_id)):
         errors.append(f"daemon.node_id: use letters, digits, '-', '_' or '.', at most 128 "
