@@ -208,6 +208,20 @@ class MetricsSettings:
     address: str = _setting("0.0.0.0", "address the metrics endpoint listens on")
 
 
+@dataclass(frozen=True)
+class EventsSettings:
+    """Job events shared across the cluster (eventlog.py): ``elasticctl events`` on any
+    node shows every node's transitions, worker exits and restarts."""
+    share: bool = _setting(True, "publish this node's job events to etcd and mirror the other "
+                                 "nodes' into the local event log (ignored when standalone)")
+    retry: float = _setting(1.0, "seconds before events that could not be written to etcd are "
+                                 "tried again (they wait in the local event log meanwhile)",
+                            min=0.05, max=600)
+    keep_per_job: int = _setting(1000, "events each node keeps in etcd per job; older ones are "
+                                       "deleted there (every node keeps its own copy)",
+                                 min=1, max=1_000_000)
+
+
 SECTIONS: dict[str, type] = {
     "daemon": DaemonSettings,
     "etcd": EtcdSettings,
@@ -217,6 +231,7 @@ SECTIONS: dict[str, type] = {
     "inprocess": InprocessSettings,
     "control": ControlSettings,
     "metrics": MetricsSettings,
+    "events": EventsSettings,
 }
 
 
@@ -230,6 +245,7 @@ class Config:
     inprocess: InprocessSettings = field(default_factory=InprocessSettings)
     control: ControlSettings = field(default_factory=ControlSettings)
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
+    events: EventsSettings = field(default_factory=EventsSettings)
     source: str = ""  # which file, if any, was read
 
     @property
