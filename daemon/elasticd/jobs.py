@@ -288,3 +288,31 @@ class JobRegistry:
         with self._lock:
             return self.changed.wait_for(predicate, timeout=timeout)
 
+    def import_events(self, events: list[dict]) -> int:
+        """Add other nodes' events (eventlog.py) under new local seqs; how many were new.
+
+        Each carries ``node_id`` and ``origin_seq`` (its seq on that node); a unique
+        index on the pair makes importing again (a re-list, a daemon restart) a no-op.
+        Listeners are not called: they count this node's own events.
+        """
+        with self._lock:
+            self._db.execute(
+                "CREATE UNIQUE INDEX IF NOT EXISTS events_origin ON events "
+                "(json_extract(data, '$.node_id'), json_extract(data, '$.origin_seq')) "
+                "WHERE json_extract(data, '$.origin_seq') IS NOT NULL")
+            added, last = 0, self.last_seq
+            self._db.execute("BEGIN")
+            try:
+                for ev in events:
+                    cur = self._db.execute("INSERT OR IGNORE INTO events (job_id, data) "
+                                           "VALUES (?, ?)", (ev["job_id"], json.dumps(ev)))
+                    if cur.rowcount == 1:
+                        added, last = added + 1, cur.lastrowid
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            if added:
+                self.last_seq = last
+                self.changed.notify_all()
+            return added
