@@ -3,9 +3,11 @@
 Threads and their owners: the main thread runs this loop (watchdog pings,
 signals); the credential socket and the gRPC server own their accept
 threads; the cluster owns the lease keeper and the node watch; the jobs
-view owns the watch over every job's keys; the dispatcher adopts cluster
-jobs; the job manager owns one agent thread per active job. Each stops on
-its own stop event with a bounded wait, in reverse order of starting.
+view owns the watch over every job's keys; the event log owns the writer
+that shares this node's job events and the watch that mirrors the other
+nodes'; the dispatcher adopts cluster jobs; the job manager owns one agent
+thread per active job. Each stops on its own stop event with a bounded
+wait, in reverse order of starting.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from .control import ControlServer, ControlServicer
 from .jobs import JobRegistry
 from .logsetup import ctx
 from .dispatch import Dispatcher
+from .eventlog import EventLog
 from .manager import JobManager
 from .metrics import Metrics
 from .rendezvous.view import JobsView
@@ -102,6 +105,10 @@ class Daemon:
         stops.callback(cluster.stop)
         view.start()
         stops.callback(view.stop)
+        if not d.standalone and cfg.events.share:  # one node has nobody to share with
+            events = EventLog(cfg, store, registry)
+            events.start()
+            stops.callback(events.stop)
         server = ControlServer(cfg, ControlServicer(cfg, manager, registry, issuer, metrics,
                                                     cluster, view), gid)
         server.start()
