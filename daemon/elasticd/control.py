@@ -21,7 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from . import errors, validation
 from .auth import TOKEN_METADATA_KEY, AuthError, Caller, TokenIssuer, set_socket_access
 from .config import Config
-from .jobs import JobRecord, JobRegistry
+from .jobs import JobNotFound, JobRecord, JobRegistry
 from .logfiles import LogReader
 from .manager import JobManager
 from .store import StoreError
@@ -263,7 +263,10 @@ class ControlServicer(pb_grpc.ControlServicer):
             if caller.is_root:
                 return True
             if ev["job_id"] not in owners:
-                owners[ev["job_id"]] = self._registry.get(ev["job_id"]).uid
+                uid = self._owner(ev["job_id"])
+                if uid is None:
+                    return False  # not known yet: ask again at its next event
+                owners[ev["job_id"]] = uid
             return owners[ev["job_id"]] == caller.uid
 
         last = max(0, request.after_seq)
@@ -279,6 +282,19 @@ class ControlServicer(pb_grpc.ControlServicer):
             if not request.follow:
                 return
             self._registry.wait_for_change(lambda: self._registry.last_seq > last, 1.0)
+
+    def _owner(self, job_id: str) -> int | None:
+        """The uid a job runs as: from its record here, else (a job another node
+        runs, whose events are mirrored here) from its spec in the cluster."""
+        try:
+            return self._registry.get(job_id).uid
+        except JobNotFound:
+            pass
+        keys = self._view.job(job_id) if self._view is not None else None
+        try:
+            return int(keys.spec["uid"])
+        except (AttributeError, KeyError, TypeError, ValueError):
+            return None
 
     @_handle
     def ListNodes(self, request, context, caller):
