@@ -9,7 +9,11 @@ every rank re-enters ``train`` in the same process with the next
 ``iteration``, and resumes from an in-memory snapshot taken every
 ``--checkpoint-every`` steps (the ranks agree on the newest snapshot they
 all hold). ``--crash-at-step K`` makes ``--crash-rank`` raise once, in
-iteration 0 of the first process attempt. It prints ``CRASH <unix time>``
+iteration 0 of the first process attempt (``--crash-always``: every time it
+gets there), by raising or, with ``--crash-mode exit``, by ``os._exit(3)``
+(the daemon then replaces the dead rank with a new process); ``--crash-mode
+hang`` makes it sleep in C until elasticd's hang detection kills it. It
+prints ``CRASH <unix time>``
 before failing and ``FIRST_STEP <unix time> attempt=A iteration=I`` after
 the first step of each iteration, for bench/inprocess_vs_process.py.
 """
@@ -33,12 +37,16 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint-every", type=int, default=20)
     p.add_argument("--crash-at-step", type=int, default=-1)
     p.add_argument("--crash-rank", type=int, default=1)
+    p.add_argument("--crash-mode", choices=("raise", "exit", "hang"), default="raise")
+    p.add_argument("--crash-always", action="store_true",
+                   help="crash every time the step is reached, not only the first time")
     p.add_argument("--step-time", type=float, default=0.0, help="sleep per step (seconds)")
     p.add_argument("--log-every", type=int, default=50)
     return p.parse_args(argv)
 
 
 SNAPSHOTS: dict[int, dict] = {}  # step -> state; survives in-process restarts
+REPLACED = bool(os.environ.get("ELASTICD_INPROCESS_REPLACES"))  # a new process for a dead rank
 
 
 def snapshot(model, opt, step: int) -> None:
@@ -85,9 +93,13 @@ def train(args, iteration: int = 0) -> int:
         first = False
         if args.step_time:
             time.sleep(args.step_time)
-        if (step == args.crash_at_step and rank == args.crash_rank and attempt == 0
-                and iteration == 0):
+        if (step == args.crash_at_step and rank == args.crash_rank
+                and (args.crash_always or (attempt == 0 and iteration == 0 and not REPLACED))):
             print(f"CRASH {time.time():.6f} rank={rank} step={step}", flush=True)
+            if args.crash_mode == "exit":
+                os._exit(3)
+            if args.crash_mode == "hang":
+                time.sleep(3600)  # in C: only the daemon's hang detection ends it
             raise RuntimeError(f"injected failure on rank {rank} at step {step}")
         if rank == 0 and (step + 1) % args.log_every == 0:
             print(f"step {step + 1}/{args.steps} loss {loss.item():.4f}", flush=True)

@@ -23,24 +23,39 @@ sees the report, aborts its own group the same way and raises
 next Python instruction. A collective stuck on a peer that neither returns
 nor closes ends at the hard timeout.
 
-Fallbacks to the next layer (the process exits non-zero; the daemon
-restarts the node's worker group, ``agent.max_restarts``): a barrier not
-reached by every rank within the barrier timeout (a rank died: the daemon
-cannot yet replace a single rank in place), more than ``max_restarts``
-in-process restarts, or a ``BaseException`` (SystemExit, KeyboardInterrupt)
-in the function. A rank stuck in C code (a ``time.sleep``, a dead-locked
-extension) cannot be stopped from inside: the daemon's hang detection kills
-it (``agent.hang_hard_timeout``), and the others fall back when they time
-out at the next barrier.
+A rank whose process died (``os._exit``, a signal, the OOM killer, or
+killed by the daemon's hang detection: a rank stuck in C code, such as a
+``time.sleep`` or a dead-locked extension, cannot be stopped from inside)
+is replaced by the daemon: a new process, started with
+``ELASTICD_INPROCESS_REPLACES`` saying why, reports the fault in the
+iteration the dead rank was in (waking the others) and joins the next one.
+It has none of the dead rank's memory: the function must be able to start
+from what the others hold or from a checkpoint.
+
+Fallbacks to the next layer (the process exits non-zero after telling the
+daemon, which restarts the node's worker group, ``agent.max_restarts``): a
+barrier not reached by every rank within the barrier timeout, more than
+``max_restarts`` in-process restarts, ``repeat_limit`` faults within
+``repeat_window`` seconds (a fault that keeps coming back may be state that
+only a fresh process clears), or a ``BaseException`` (SystemExit,
+KeyboardInterrupt) in the function.
+
+Every iteration after the first, and every give-up, is reported as a JSON
+line to ``ELASTICD_INPROCESS_REPORT`` (see elasticd/inprocess_reports.py),
+which the daemon turns into events, metrics and the job's restart ladder.
 
 Settings (constructor argument, else the environment variable the daemon
-sets from its config, else the default); soft < hard < barrier is enforced:
+sets from its ``[inprocess]`` config, else the default); soft < hard <
+barrier is enforced:
 
     soft_timeout      ELASTICD_INPROCESS_SOFT_TIMEOUT      60 s
     hard_timeout      ELASTICD_INPROCESS_HARD_TIMEOUT      90 s
-    barrier_timeout   ELASTICD_INPROCESS_BARRIER_TIMEOUT  120 s
+    barrier_timeout   ELASTICD_INPROCESS_BARRIER_TIMEOUT  240 s
     monitor_interval  ELASTICD_INPROCESS_MONITOR_INTERVAL  0.1 s
     max_restarts      ELASTICD_INPROCESS_MAX_RESTARTS       8
+    repeat_limit      ELASTICD_INPROCESS_REPEAT_LIMIT       3
+    repeat_window     ELASTICD_INPROCESS_REPEAT_WINDOW     30 s
+    backoff           ELASTICD_INPROCESS_BACKOFF            0 s
 
 Without ELASTICD_STORE_ADDR (run by torchrun, or submitted without
 ``--inprocess``) the wrapper initialises the process group from the usual
@@ -49,10 +64,12 @@ and faults are handled by process restarts.
 """
 from __future__ import annotations
 
+import collections
 import ctypes
 import datetime
 import functools
 import inspect
+import json
 import logging
 import os
 import sys
@@ -64,7 +81,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from ._beat import heartbeat, last_beat
-from .coord import IterationStore
+from .coord import BarrierTimeout, IterationStore, _text
 
 log = logging.getLogger("elasticd.inprocess")
 
@@ -83,9 +100,12 @@ class RestartAbandoned(RuntimeError):
 class InProcessSettings:
     soft_timeout: float = 60.0
     hard_timeout: float = 90.0
-    barrier_timeout: float = 120.0
+    barrier_timeout: float = 240.0
     monitor_interval: float = 0.1
     max_restarts: int = 8
+    repeat_limit: int = 3
+    repeat_window: float = 30.0
+    backoff: float = 0.0
 
     def __post_init__(self):
         bad = []
@@ -98,6 +118,11 @@ class InProcessSettings:
                        f"{self.monitor_interval:g}")
         if self.max_restarts < 0:
             bad.append(f"max_restarts must be >= 0, got {self.max_restarts}")
+        if self.repeat_limit < 1:
+            bad.append(f"repeat_limit must be >= 1, got {self.repeat_limit}")
+        if self.repeat_window < 0 or self.backoff < 0:
+            bad.append(f"repeat_window and backoff must be >= 0, got {self.repeat_window:g} "
+                       f"and {self.backoff:g}")
         if bad:
             raise ValueError("elasticd.inprocess settings: " + "; ".join(bad))
 
@@ -125,12 +150,15 @@ class Wrapper:
 
     def __init__(self, *, backend: str = "gloo", soft_timeout: float | None = None,
                  hard_timeout: float | None = None, barrier_timeout: float | None = None,
-                 monitor_interval: float | None = None, max_restarts: int | None = None):
+                 monitor_interval: float | None = None, max_restarts: int | None = None,
+                 repeat_limit: int | None = None, repeat_window: float | None = None,
+                 backoff: float | None = None):
         self.backend = backend
         self.settings = InProcessSettings.resolve(
             soft_timeout=soft_timeout, hard_timeout=hard_timeout,
             barrier_timeout=barrier_timeout, monitor_interval=monitor_interval,
-            max_restarts=max_restarts)
+            max_restarts=max_restarts, repeat_limit=repeat_limit, repeat_window=repeat_window,
+            backoff=backoff)
 
     def __call__(self, fn):
         takes_iteration = "iteration" in inspect.signature(fn).parameters
@@ -151,6 +179,8 @@ class _Run:
         self.takes_iteration = takes_iteration
         self.rank = int(os.environ["RANK"])
         self.world_size = int(os.environ["WORLD_SIZE"])
+        self.report = _Reporter(os.environ.get("ELASTICD_INPROCESS_REPORT", ""), self.rank)
+        self.faults: collections.deque[float] = collections.deque()  # monotonic fault times
 
     def run(self, args, kwargs):
         if dist.is_initialized():
@@ -170,29 +200,77 @@ class _Run:
                              timeout=_td(self.s.barrier_timeout), wait_for_workers=False)
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         root = dist.PrefixStore(f"elasticd/inprocess/{attempt}/", base)
-        iteration = 0
+        iteration, fault, fault_time = 0, "", 0.0
+        replaces = os.environ.get("ELASTICD_INPROCESS_REPLACES", "")
+        if replaces:
+            iteration, fault = self._join_point(root, replaces)
+            fault_time = time.time()
         while True:
+            if iteration > self.s.max_restarts:
+                self._give_up(f"{self.s.max_restarts} in-process restarts used; last fault: "
+                              f"{fault}", None)
+            root.set("latest", str(iteration))
             store = dist.PrefixStore(f"it{iteration}/", root)
             coord = IterationStore(store, self.rank, self.world_size,
                                    poll=min(0.02, self.s.monitor_interval), beat=heartbeat)
-            outcome = self._iteration(coord, store, iteration, args, kwargs)
+            try:
+                outcome = self._iteration(coord, store, iteration, args, kwargs,
+                                          (fault, fault_time))
+            except BarrierTimeout as exc:
+                self._give_up(str(exc), exc)
             if outcome.done:
                 return outcome.value
-            if iteration >= self.s.max_restarts:
-                raise RestartAbandoned(f"rank {self.rank}: {self.s.max_restarts} in-process "
-                                       f"restarts used; last fault: {outcome.fault}") \
-                    from outcome.error
+            fault, fault_time = outcome.fault, time.time()
+            self._count_fault(outcome)
             iteration += 1
             _say(f"rank {self.rank}: fault in iteration {iteration - 1} ({outcome.fault}); "
                  f"restarting in-process as iteration {iteration}")
+            _pause(self.s.backoff)
 
-    def _iteration(self, coord: IterationStore, store, iteration: int, args, kwargs) -> "_Outcome":
+    def _join_point(self, root, replaces: str) -> tuple[int, str]:
+        """The iteration a replacement rank joins, and the fault it replaces.
+
+        ``latest`` is the newest iteration any rank entered. If its start
+        barrier has opened, the dead rank was in it: report the fault there
+        (the others may not have noticed yet) and join the next one; if not,
+        the others wait at that barrier for us.
+        """
+        latest = int(_text(root.get("latest"))) if root.check(["latest"]) else 0
+        fault = f"rank {self.rank}: {replaces}; replaced by pid {os.getpid()}"
+        current = dist.PrefixStore(f"it{latest}/", root)
+        if not current.check(["start/go"]):
+            return latest, fault
+        coord = IterationStore(current, self.rank, self.world_size, poll=0.02, beat=heartbeat)
+        return latest + 1, coord.report_fault(fault[:500])
+
+    def _count_fault(self, outcome: "_Outcome") -> None:
+        """Give up when faults keep coming: repeat_limit of them within repeat_window."""
+        now = time.monotonic()
+        self.faults.append(now)
+        while self.faults and now - self.faults[0] > self.s.repeat_window:
+            self.faults.popleft()
+        if len(self.faults) >= self.s.repeat_limit:
+            self._give_up(f"{len(self.faults)} faults within {self.s.repeat_window:g}s "
+                          f"(inprocess.repeat_limit {self.s.repeat_limit}); last fault: "
+                          f"{outcome.fault}", outcome.error)
+
+    def _give_up(self, why: str, cause: BaseException | None):
+        self.report.write({"kind": "abandoned", "reason": why})
+        _say(f"rank {self.rank}: in-process restart gives up: {why}")
+        raise RestartAbandoned(f"rank {self.rank}: {why}") from cause
+
+    def _iteration(self, coord: IterationStore, store, iteration: int, args, kwargs,
+                   after: tuple[str, float]) -> "_Outcome":
         waited = coord.barrier("start", self.s.barrier_timeout)
         dist.init_process_group(self.w.backend, store=dist.PrefixStore("pg/", store),
                                 rank=self.rank, world_size=self.world_size,
                                 timeout=_td(self.s.hard_timeout))
+        ready = time.time()
         _say(f"INPROCESS_ITERATION {iteration} rank={self.rank} pid={os.getpid()} "
-             f"t={time.time():.6f} barrier_wait={waited:.3f}s")
+             f"t={ready:.6f} barrier_wait={waited:.3f}s")
+        if iteration:
+            self.report.write({"kind": "restart", "iteration": iteration, "fault": after[0],
+                               "fault_time": after[1], "ready_time": ready})
         monitor = _Monitor(coord, self.rank, self.s, threading.get_ident())
         monitor.start()
         try:
@@ -298,6 +376,31 @@ class _Monitor:
             _abort_group()
             ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.main_tid),
                                                        ctypes.py_object(RestartRequested))
+
+
+class _Reporter:
+    """Appends JSON lines to the daemon's report file (ELASTICD_INPROCESS_REPORT)."""
+
+    def __init__(self, path: str, rank: int):
+        self.path, self.rank = path, rank
+
+    def write(self, record: dict) -> None:
+        if not self.path:
+            return
+        record = dict(record, rank=self.rank, pid=os.getpid(), time=time.time())
+        try:
+            with open(self.path, "a", encoding="utf-8") as fh:
+                fh.write(json.dumps(record) + "\n")
+        except OSError as exc:
+            log.warning("rank %d: cannot report to elasticd (%s): %s", self.rank, self.path, exc)
+
+
+def _pause(seconds: float) -> None:
+    """Wait between iterations, still beating (the daemon must not take us for hung)."""
+    end = time.monotonic() + seconds
+    while (left := end - time.monotonic()) > 0:
+        heartbeat()
+        time.sleep(min(left, 1.0))
 
 
 def _import_before_any_group() -> None:
