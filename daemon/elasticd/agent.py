@@ -28,8 +28,11 @@ from typing import Callable, Sequence
 import psutil
 
 from .config import Config
+from .inprocess_reports import ReportReader, report_path
 from .jobs import JobRecord, JobRegistry
+from .ladder import Ladder, Layer, round_layer
 from .logsetup import ctx
+from .metrics import failure_cause
 from .progress import ProgressTracker
 from .rendezvous.cluster import ClusterRendezvous, RendezvousStopped, RoundFinal
 from .rendezvous.protocol import CANCELLED, FAILED, SUCCEEDED, Result, RoundState
@@ -44,6 +47,7 @@ log = logging.getLogger("elasticd.agent")
 class Action(enum.Enum):
     CONTINUE = "continue"    # workers running (or done, waiting for the other nodes)
     SUCCEED = "succeed"      # every worker on every node exited 0
+    REPLACE = "replace"      # a rank died; the in-process layer starts a new one in its place
     RESTART = "restart"      # a local worker failed and restarts are left
     FAIL = "fail"            # a local worker failed and no restarts are left
     CANCEL = "cancel"        # the user cancelled the job
@@ -62,12 +66,19 @@ class Decision:
 
 def decide(returncodes: Sequence[int | None], restarts: int, max_restarts: int,
            cancel_requested: bool, shutting_down: bool, *, round_status: str = "current",
-           round_reason: str = "", peers_done: bool = True) -> Decision:
+           round_reason: str = "", peers_done: bool = True, inprocess_left: int = 0,
+           gave_up: bool = False) -> Decision:
     """What the agent does next, from one look at its workers and its round (no I/O).
 
     ``round_status`` is ClusterRendezvous.status(): current, superseded,
     final, lost:<nodes> or waiting. ``peers_done``: every member node has
     finished this round well (only asked once the local workers all did).
+    ``inprocess_left``: ranks the in-process layer may still replace (0 for a
+    job without in-process restart, or once it gave up). Dead ranks are
+    replaced only while the others still run the training function: once
+    any rank finished, nobody is left to meet the newcomer. ``gave_up``: a
+    rank reported that in-process restart gave up; it is about to exit
+    non-zero, and the group restarts without waiting for that.
     """
     if cancel_requested:
         return Decision(Action.CANCEL, "cancelled by user")
@@ -80,7 +91,11 @@ def decide(returncodes: Sequence[int | None], restarts: int, max_restarts: int,
     if round_status == "superseded":
         return Decision(Action.REJOIN, round_reason)
     failed = [rc for rc in returncodes if rc is not None and rc != 0]
-    if failed:
+    if failed or gave_up:
+        running = any(rc is None for rc in returncodes)
+        finished = any(rc == 0 for rc in returncodes)
+        if not gave_up and running and not finished and len(failed) <= inprocess_left:
+            return Decision(Action.REPLACE, f"{len(failed)} rank(s) replaced in-process")
         if restarts < max_restarts:
             return Decision(Action.RESTART, f"restart {restarts + 1} of {max_restarts}")
         return Decision(Action.FAIL, f"no restarts left ({restarts} of {max_restarts} used)")
@@ -149,6 +164,10 @@ class Agent:
         self._spares = SparePool()
         self._store_host = JobStoreHost()
         self._group: WorkerGroup | None = None    # the running attempt's workers
+        self._ladder: Ladder | None = None        # the restart ladder's record (ladder.py)
+        self._reports = ReportReader()            # the in-process wrapper's reports
+        self._inprocess_on = False                # this attempt's ranks can restart in-process
+        self._replaced_label = ""                 # metrics cause of the pending replacement
         self._progress = ProgressTracker(
             job_id, cfg.agent, registry, cfg.daemon.node_id,
             on_beat=(lambda: metrics.progress_beat(job_id)) if metrics else None)
@@ -219,8 +238,12 @@ class Agent:
             state = self._rdzv.last_state
             job = self._registry.update(self.job_id, round=result.round,
                                         restarts=state.restarts if state else job.restarts)
-            group = self._group = WorkerGroup(
-                self._with_job_store(job, self._group_spec(job, result)))
+            ladder = self._ladder_for(job)
+            ladder.new_process_attempt()
+            self._reports.reset()
+            spec = self._with_job_store(job, self._group_spec(job, result))
+            self._inprocess_on = "ELASTICD_STORE_ADDR" in spec.extra_env
+            group = self._group = WorkerGroup(spec)
             try:
                 group.start(self._spares)
             except SpawnError as exc:
@@ -234,6 +257,7 @@ class Agent:
                 f"round {result.round}: ranks {result.rank_offset}..{last} of "
                 f"{result.world_size} on {result.group_world_size} node(s)",
                 workers=self._worker_rows(group))
+            self._record_recovery()
             self._publish(group)
             if self._metrics:
                 self._metrics.workers_started_n(len(group.workers))
@@ -254,6 +278,8 @@ class Agent:
         while True:
             workers = group.poll()
             self._progress.check(group)  # hang detection: dump stacks, kill hung ranks
+            if self._inprocess_on:
+                self._read_reports(group)
             job_restarts, max_restarts, cancel = self._registry.control_flags(self.job_id)
             outcomes = [w.outcome for w in workers]
             try:
@@ -272,8 +298,14 @@ class Agent:
             restarts = state.restarts if state else job_restarts
             decision = decide(outcomes, restarts, max_restarts, cancel,
                               self.shutting_down, round_status=round_status, round_reason=why,
-                              peers_done=peers_done)
-            if decision.action is Action.SCALE_UP:
+                              peers_done=peers_done,
+                              inprocess_left=self._ladder.inprocess_left() if self._inprocess_on
+                              else 0, gave_up=self._inprocess_on and bool(self._ladder.abandoned))
+            if decision.action is Action.REPLACE:
+                self._replace_dead(group)
+                if a.warm_spares:
+                    spares_at = time.monotonic() + a.warm_spare_delay
+            elif decision.action is Action.SCALE_UP:
                 if result.group_rank == 0 and not scale_requested:
                     scale_requested = True
                     self._try(lambda: self._rdzv.reopen(result, decision.reason, False))
@@ -320,21 +352,29 @@ class Agent:
             group.poll()
             self._publish(group)
             state = self._rdzv.last_state
+            layer = Layer.RENDEZVOUS if act is Action.NODE_LOST else round_layer(decision.reason)
+            self._ladder.begin(layer, decision.reason or "a new round opened", time.time())
             if act is Action.NODE_LOST:
                 state = self._try(lambda: self._rdzv.reopen(result, decision.reason, True)) \
                     or state
                 if self._metrics:
                     self._metrics.restart_or_failure({"signal": 0, "cause": "node_lost"})
             if state is not None and state.final:
+                self._ladder.failed(layer, state.reason or decision.reason, time.time())
+                self._registry.update(self.job_id, **self._ladder_fields())
                 self._end_as(state, self._worker_rows(group))
                 return False
             self._registry.transition(
                 self.job_id, JobState.RESTARTING, decision.reason or "a new round opened",
                 restarts=state.restarts if state else job.restarts,
-                workers=self._worker_rows(group))
+                workers=self._worker_rows(group), **self._ladder_fields())
             return True
-        # RESTART or FAIL: a local worker failed.
-        failure = self._progress.explain(self._first_failure(job, group))  # cause: hang?
+        # RESTART or FAIL: a local worker failed, or in-process restart gave up.
+        if self._inprocess_on and self._ladder.abandoned:
+            failure = self._failure(job, self._ladder.abandoned_rank, 1, 0,
+                                    f"in-process restart gave up: {self._ladder.abandoned}")
+        else:
+            failure = self._progress.explain(self._first_failure(job, group))  # cause: hang?
         # Stop the rest of the group before recording: they would hang in collectives.
         group.stop(grace)
         group.poll()
@@ -344,21 +384,27 @@ class Agent:
         state = self._try(lambda: self._rdzv.reopen(result, failure["cause"], True))
         if act is Action.FAIL or (state is not None and state.final):
             code = failure["exit_code"] if failure["exit_code"] > 0 else 128 + failure["signal"]
-            self._finish_cluster(FAILED, f"{failure['cause']}; {decision.reason}")
-            self._registry.transition(self.job_id, JobState.FAILED,
-                                      f"{failure['cause']}; {decision.reason}",
+            chain = self._ladder.failed(Layer.PROCESS, failure["cause"], failure["time"],
+                                        failure["rank"])
+            why = f"{failure['cause']}; {decision.reason}"
+            if len(self._ladder.attempts) > 1:
+                why += f"; cause chain: {chain}"
+            self._finish_cluster(FAILED, why)
+            self._registry.transition(self.job_id, JobState.FAILED, why,
                                       exit_code=code, last_failure=failure,
-                                      workers=self._worker_rows(group))
+                                      workers=self._worker_rows(group), **self._ladder_fields())
             return False
         restart = state.restarts if state is not None else job.restarts + 1
         a = self._cfg.agent
         delay = restart_delay(restart, a.restart_backoff_initial, a.restart_backoff_step,
                               a.restart_backoff_max)
+        climb = self._ladder.begin(Layer.PROCESS, failure["cause"], failure["time"],
+                                   failure["rank"])
         self._registry.transition(self.job_id, JobState.RESTARTING,
-                                  f"{failure['cause']}; {decision.reason}"
+                                  f"{climb.cause}; {decision.reason}"
                                   + (f" in {delay:.1f}s" if delay else ""),
                                   restarts=restart, last_failure=failure,
-                                  workers=self._worker_rows(group))
+                                  workers=self._worker_rows(group), **self._ladder_fields())
         if delay:
             self.wake.wait(delay)
             self.wake.clear()
@@ -392,6 +438,102 @@ class Agent:
             log.warning("%s: etcd call failed: %s", self._where(), exc)
             return None
 
+    # -- the restart ladder (ladder.py) ------------------------------------------
+    def _ladder_for(self, job: JobRecord) -> Ladder:
+        if self._ladder is None:
+            budget = self._inprocess_budget(job) if job.inprocess else 0
+            self._ladder = Ladder.from_record(self._cfg.daemon.node_id, budget,
+                                              job.restarts_by_layer, job.attempts)
+            self._registry.update(self.job_id, restart_budget={
+                "inprocess": budget, "process": job.max_restarts,
+                "rendezvous": -1})  # no limit of its own: shares max_restarts
+        return self._ladder
+
+    def _inprocess_budget(self, job: JobRecord) -> int:
+        raw = job.env.get("ELASTICD_INPROCESS_MAX_RESTARTS")
+        try:
+            return max(0, int(raw)) if raw is not None else self._cfg.inprocess.max_restarts
+        except ValueError:
+            return self._cfg.inprocess.max_restarts
+
+    def _ladder_fields(self) -> dict:
+        return {"restarts_by_layer": dict(self._ladder.restarts_by_layer),
+                "attempts": list(self._ladder.attempts)}
+
+    def _record_recovery(self) -> None:
+        """Workers run again: the pending process or rendezvous climb recovered."""
+        climb = self._ladder.recovered()
+        if climb is None:
+            return
+        self._registry.update(self.job_id, **self._ladder_fields())
+        self._registry.event(self.job_id, "restart",
+                             f"{climb.layer} restart: running again {climb.duration:.2f}s after "
+                             f"the fault ({climb.cause})", rank=climb.rank, layer=climb.layer,
+                             duration=climb.duration)
+
+    def _read_reports(self, group: WorkerGroup) -> None:
+        """What the in-process wrapper of each rank reported since the last tick."""
+        spec = group.spec
+        paths = {w.rank: report_path(spec.run_dir, w.rank, spec.restart_count)
+                 for w in group.workers}
+        for rank, rep in self._reports.poll(paths):
+            if rep["kind"] == "abandoned":
+                if not self._ladder.abandoned:
+                    self._registry.event(self.job_id, "info", f"rank {rank}: in-process restart "
+                                         f"gave up: {rep['reason']}", rank=rank,
+                                         layer=Layer.INPROCESS.value)
+                self._ladder.gave_up(rep["reason"], rank)
+                continue
+            climb = self._ladder.iteration_started(rep["iteration"], rep["fault"],
+                                                   rep["fault_time"], rep["ready_time"], rank)
+            if climb is None:
+                continue
+            budget = self._ladder.inprocess_budget
+            self._registry.update(self.job_id, **self._ladder_fields())
+            self._registry.event(self.job_id, "restart",
+                                 f"in-process restart {rep['iteration']} of {budget}: running "
+                                 f"again {climb.duration:.2f}s after the fault ({climb.cause})",
+                                 rank=rank, layer=climb.layer, duration=climb.duration)
+            if self._metrics:
+                self._metrics.count_restart(Layer.INPROCESS.value, self._replaced_label or "exit")
+                self._metrics.observe_recovery(Layer.INPROCESS.value, climb.duration)
+            self._replaced_label = ""
+
+    def _replace_dead(self, group: WorkerGroup) -> None:
+        """Start a new process for each dead rank; it joins the others' next iteration."""
+        job = self._registry.get(self.job_id)
+        failure = None
+        for w in list(group.workers):
+            if w.outcome in (None, 0):
+                continue
+            message, tb, _ = read_error_file(w.error_file)
+            failure = self._progress.explain(self._worker_failure(job, w, message, tb))
+            self._progress.forget(w.rank)
+            cause = failure["cause"]
+            try:
+                new = group.replace(w, self._spares, {"ELASTICD_INPROCESS_REPLACES": cause},
+                                    cause)
+            except SpawnError as exc:
+                # Nothing to join the others: they fall back at their barrier; restart now.
+                self._registry.event(self.job_id, "info", f"rank {w.rank} not replaced: {exc}",
+                                     rank=w.rank, layer=Layer.INPROCESS.value)
+                self._ladder.gave_up(f"rank {w.rank} could not be replaced: {exc}", w.rank)
+                return
+            self._ladder.replaced(cause, failure["time"], w.rank)
+            self._replaced_label = failure_cause(failure)
+            used = max(self._ladder.iterations_seen, self._ladder.replacements)
+            log.warning("%s: %s; replaced in-process by pid %d",
+                        ctx(job=self.job_id, node=self._cfg.daemon.node_id, round=job.round,
+                            rank=w.rank), cause, new.pid)
+            self._registry.event(self.job_id, "replace",
+                                 f"{cause}; replaced in-process by pid {new.pid} "
+                                 f"({used} of {self._ladder.inprocess_budget})",
+                                 rank=w.rank, layer=Layer.INPROCESS.value)
+        if failure is not None:
+            self._registry.update(self.job_id, last_failure=failure,
+                                  workers=self._worker_rows(group), **self._ladder_fields())
+            self._publish(group)
+
     # -- helpers -------------------------------------------------------------
     def _group_spec(self, job: JobRecord, rdzv: Result) -> GroupSpec:
         d = self._cfg.daemon
@@ -419,7 +561,10 @@ class Agent:
         except SpawnError as exc:
             self._registry.event(job.id, "info", f"no in-process restart this round: {exc}")
             return spec
-        return dataclasses.replace(spec, extra_env={**spec.extra_env,
+        settings = {f"ELASTICD_INPROCESS_{name.upper()}": str(value)
+                    for name, value in dataclasses.asdict(self._cfg.inprocess).items()}
+        defaults = {k: v for k, v in settings.items() if k not in job.env}  # --env wins
+        return dataclasses.replace(spec, extra_env={**spec.extra_env, **defaults,
                                                     "ELASTICD_STORE_ADDR": addr,
                                                     "ELASTICD_STORE_PORT": str(port)})
 
@@ -433,6 +578,10 @@ class Agent:
             return self._failure(job, -1, 1, 0, "worker failed")
         candidates.sort(key=lambda c: c[:3])
         _, _, _, w, message, tb = candidates[0]
+        return self._worker_failure(job, w, message, tb)
+
+    def _worker_failure(self, job: JobRecord, w, message: str, tb: str) -> dict:
+        """The failure record of one failed worker, logged and recorded as an event."""
         exit_code, sig, text = describe_exit(w.outcome)
         cause = f"rank {w.rank} {'exited with ' if not sig else ''}{text}"
         if message:

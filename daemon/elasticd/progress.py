@@ -262,6 +262,11 @@ class ProgressTracker:
                                          f"(agent.{_hard_name(r)} {_hard(r, limits):g}s)"))
         return done
 
+    def forget(self, rank: int) -> None:
+        """The rank's process was replaced: watch its successor from its start."""
+        self._ranks.pop(rank, None)
+        self._killed.pop(rank, None)
+
     def explain(self, failure: dict) -> dict:
         """The failure record, its cause naming the hang if a rank was killed for one."""
         if not self._killed:

@@ -21,7 +21,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 
-from . import progress
+from . import inprocess_reports, progress
 from .logsetup import ctx
 
 log = logging.getLogger("elasticd.workers")
@@ -104,6 +104,9 @@ def worker_env(spec: GroupSpec, local_rank: int) -> dict[str, str]:
     })
     env.update(progress.rank_env(spec.run_dir, rank))  # hang detection: where it beats
     env.update(spec.extra_env)
+    if "ELASTICD_STORE_ADDR" in spec.extra_env:  # in-process restart: where it reports
+        env[inprocess_reports.ENV] = inprocess_reports.report_path(spec.run_dir, rank,
+                                                                   spec.restart_count)
     return env
 
 
@@ -159,10 +162,22 @@ class WorkerGroup:
             self.stop(grace=0)
             raise
 
-    def _spawn(self, local_rank: int, user_kwargs: dict, spares: "SparePool | None") -> Worker:
+    def replace(self, old: Worker, spares: "SparePool | None", extra_env: dict,
+                why: str) -> Worker:
+        """Start a new process for ``old``'s rank, in its place; the rest keep running."""
+        index = self.workers.index(old)
+        _killpg(old.pid, signal.SIGKILL)  # whatever the dead rank left in its group
+        new = self._spawn(old.local_rank, _user_kwargs(self.spec.uid, self.spec.gid), spares,
+                          extra_env=extra_env, what=f"replacing pid {old.pid} ({why})")
+        self.workers[index] = new
+        return new
+
+    def _spawn(self, local_rank: int, user_kwargs: dict, spares: "SparePool | None",
+               extra_env: dict | None = None, what: str = "starting") -> Worker:
         spec = self.spec
         rank = spec.rank_offset + local_rank
         env = worker_env(spec, local_rank)
+        env.update(extra_env or {})
         err = env["TORCHELASTIC_ERROR_FILE"]
         try:
             os.unlink(err)
@@ -170,7 +185,7 @@ class WorkerGroup:
             pass
         spare = spares.take(local_rank, rank) if spares is not None else None
         how = "from a warm spare" if spare is not None else ""
-        _mark_log(spec, rank, f"starting {how}".strip())
+        _mark_log(spec, rank, f"{what} {how}".strip())
         proc = None
         if spare is not None:
             proc = _hand_over(spare, env, spec.cwd, warm_args(spec.command))

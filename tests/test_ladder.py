@@ -1,0 +1,145 @@
+"""The restart ladder's decisions and records, without I/O (ladder.py, agent.decide,
+inprocess_reports.py)."""
+from __future__ import annotations
+
+import json
+import os
+
+from elasticd.agent import Action, decide
+from elasticd.inprocess_reports import ReportReader, parse_line
+from elasticd.ladder import Ladder, Layer, chain_text, round_layer
+
+
+def ladder(budget=8):
+    return Ladder("node-a", budget)
+
+
+# ---------------------------------------------------------------- decide()
+
+def test_a_dead_rank_is_replaced_while_the_others_still_train():
+    d = decide([None, -9], 0, 3, False, False, inprocess_left=8)
+    assert d.action is Action.REPLACE
+
+
+def test_no_replacement_without_the_inprocess_layer_or_its_budget():
+    assert decide([None, 3], 0, 3, False, False).action is Action.RESTART
+    assert decide([None, 3, 3], 0, 3, False, False, inprocess_left=1).action is Action.RESTART
+
+
+def test_no_replacement_once_a_rank_finished_or_all_are_gone():
+    # A rank that returned left the function: nobody would meet the newcomer.
+    assert decide([0, 3], 0, 3, False, False, inprocess_left=8).action is Action.RESTART
+    assert decide([3, 3], 0, 3, False, False, inprocess_left=8).action is Action.RESTART
+
+
+def test_giving_up_in_process_restarts_the_group_at_once_or_fails_without_budget():
+    assert decide([None, None], 0, 3, False, False, inprocess_left=8,
+                  gave_up=True).action is Action.RESTART
+    assert decide([None, None], 3, 3, False, False, gave_up=True).action is Action.FAIL
+
+
+def test_cancel_and_node_loss_still_come_before_a_replacement():
+    assert decide([None, 3], 0, 3, True, False, inprocess_left=8).action is Action.CANCEL
+    assert decide([None, 3], 0, 3, False, False, round_status="lost:n2",
+                  inprocess_left=8).action is Action.NODE_LOST
+
+
+# ---------------------------------------------------------------- Ladder
+
+def test_each_iteration_is_counted_once_whichever_rank_reports_it():
+    lad = ladder()
+    a = lad.iteration_started(1, "rank 1: RuntimeError: boom", 100.0, 100.5, rank=0)
+    assert (a.layer, a.rank, a.outcome, a.duration) == ("inprocess", 1, "recovered", 0.5)
+    assert lad.iteration_started(1, "rank 0: connection closed", 100.1, 100.6, rank=1) is None
+    assert lad.restarts_by_layer == {"inprocess": 1} and len(lad.attempts) == 1
+
+
+def test_a_replaced_rank_is_the_cause_of_the_next_iteration_not_the_peers_reset():
+    lad = ladder()
+    lad.replaced("rank 1 exited with exit code 3", at=99.0, rank=1)
+    a = lad.iteration_started(1, "rank 0: RuntimeError: Connection closed by peer", 99.2,
+                              101.0, rank=0)
+    assert (a.cause, a.rank, a.duration) == ("rank 1 exited with exit code 3", 1, 2.0)
+
+
+def test_replacements_and_iterations_draw_on_one_budget_per_process_attempt():
+    lad = ladder(budget=2)
+    lad.replaced("rank 1 died", 1.0, 1)
+    assert lad.inprocess_left() == 1
+    lad.iteration_started(1, "x", 1.0, 2.0, 0)
+    lad.iteration_started(2, "x", 3.0, 4.0, 0)
+    assert lad.inprocess_left() == 0
+    lad.new_process_attempt()
+    assert lad.inprocess_left() == 2
+    lad.gave_up("3 faults within 30s", rank=0)
+    assert lad.inprocess_left() == 0 and lad.abandoned_rank == 0
+
+
+def test_a_process_climb_recovers_when_the_workers_run_again():
+    lad = ladder()
+    lad.begin(Layer.PROCESS, "rank 0 exited with exit code 1", at=10.0, rank=0)
+    a = lad.recovered(now=12.5)
+    assert (a.outcome, a.duration) == ("recovered", 2.5)
+    assert lad.attempts[-1]["outcome"] == "recovered" and len(lad.attempts) == 1
+    assert lad.recovered(now=13.0) is None
+
+
+def test_the_final_failure_returns_the_cause_chain():
+    lad = ladder()
+    for it in (1, 2):
+        lad.iteration_started(it, "rank 1: RuntimeError: boom", it, it + 0.1, 0)
+    lad.begin(Layer.PROCESS, "in-process restart gave up: 3 faults", 5.0)
+    lad.recovered(6.0)
+    chain = lad.failed(Layer.PROCESS, "rank 0 exited with exit code 1", 9.0, 0)
+    assert chain == ("inprocess x2 (rank 1: RuntimeError: boom) -> process x2 "
+                     "(rank 0 exited with exit code 1)")
+    assert [a["outcome"] for a in lad.attempts] == ["recovered", "recovered", "recovered",
+                                                     "failed"]
+
+
+def test_the_record_keeps_the_latest_fifty_attempts_and_a_bounded_chain():
+    lad = ladder(budget=1000)
+    for it in range(1, 80):
+        lad.iteration_started(it, "rank 1: " + "x" * 500, it, it, 0)
+    assert len(lad.attempts) == 50 and lad.restarts_by_layer["inprocess"] == 79
+    assert len(chain_text([{"layer": str(i), "cause": "y" * 200} for i in range(50)])) <= 1000
+
+
+def test_a_peers_new_round_is_a_rendezvous_climb_only_for_membership_changes():
+    assert round_layer("node(s) n3 lost; round 4 opened (restart 2 of 3)") is Layer.RENDEZVOUS
+    assert round_layer("node(s) n4 waiting to join; round 2 opened") is Layer.RENDEZVOUS
+    assert round_layer("rank 3 exited with exit code 1; round 2 opened") is Layer.PROCESS
+
+
+# ---------------------------------------------------------------- the wrapper's reports
+
+def test_reports_are_parsed_and_anything_else_is_skipped():
+    ok = parse_line(b'{"kind": "restart", "iteration": 2, "fault": "f", "fault_time": 1, '
+                    b'"ready_time": 2}')
+    assert ok == {"kind": "restart", "iteration": 2, "fault": "f", "fault_time": 1.0,
+                  "ready_time": 2.0}
+    for junk in (b"not json", b"[1, 2]", b'{"kind": "restart"}', b'{"kind": "rm -rf"}',
+                 b'{"kind": "restart", "iteration": "many"}', b"[" * 100000):
+        assert parse_line(junk) is None
+    long = parse_line(json.dumps({"kind": "abandoned", "reason": "r" * 10**6}).encode())
+    assert len(long["reason"]) == 2000
+
+
+def test_the_reader_follows_appends_and_holds_back_a_partial_line(tmp_path):
+    path = tmp_path / "r.jsonl"
+    reader = ReportReader()
+    assert reader.poll({0: str(path)}) == []               # not there yet
+    path.write_text('{"kind": "abandoned", "reason": "a"}\n{"kind": "aband')
+    assert reader.poll({0: str(path)}) == [(0, {"kind": "abandoned", "reason": "a"})]
+    with open(path, "a") as fh:
+        fh.write('oned", "reason": "b"}\n')
+    assert reader.poll({0: str(path)}) == [(0, {"kind": "abandoned", "reason": "b"})]
+    assert reader.poll({0: str(path)}) == []
+
+
+def test_the_reader_never_follows_a_link(tmp_path):
+    secret = tmp_path / "secret"
+    secret.write_text('{"kind": "abandoned", "reason": "from a link"}\n')
+    link = tmp_path / "r.jsonl"
+    os.symlink(secret, link)
+    assert ReportReader().poll({0: str(link)}) == []
