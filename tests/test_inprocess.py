@@ -170,3 +170,96 @@ def test_daemon_job_submitted_inprocess_recovers_without_new_processes(daemon_fa
         assert [it for it, _ in starts] == ["0", "1"], text
         assert len({pid for _, pid in starts}) == 1
     assert "injected failure on rank 1 at step 25" in d.rank_log(job_id, 1)
+
+
+# ---------------------------------------------------------------- the ladder, through the daemon
+
+def _submit_inprocess(d, *train_args, env=(), max_restarts=3):
+    env_args = [a for kv in env for a in ("--env", kv)]
+    r = d.ctl("-o", "json", "submit", "--inprocess", "--nproc-per-node", "2",
+              "--max-restarts", str(max_restarts), *env_args, "--",
+              PY, "-m", "elasticd.examples.train_inprocess", *train_args)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)["id"]
+
+
+def _iterations(text):
+    return [(int(it), int(pid)) for it, pid in
+            re.findall(r"INPROCESS_ITERATION (\d+) rank=\d+ pid=(\d+)", text)]
+
+
+def test_a_rank_that_exits_is_replaced_and_joins_the_next_iteration(daemon_factory):
+    """A rank calling os._exit: the daemon starts a new process for that rank alone, it
+    joins the survivors' next iteration, and the job finishes with the right sums and no
+    process restart; status and events say the in-process layer recovered it."""
+    d = daemon_factory().start()
+    job_id = _submit_inprocess(d, "--steps", "60", "--crash-at-step", "25",
+                               "--checkpoint-every", "10", "--crash-mode", "exit")
+    job = d.wait_job(job_id, timeout=180)
+    assert pb.JobState.Name(job.state) == "SUCCEEDED", d.log()[-3000:]
+    assert job.restarts == 0                              # no process restart
+    assert dict(job.restarts_by_layer)["inprocess"] == 1
+    assert dict(job.restart_budget)["inprocess"] == 8
+    survivor, replaced = d.rank_log(job_id, 0), d.rank_log(job_id, 1)
+    assert [it for it, _ in _iterations(survivor)] == [0, 1]
+    assert len({pid for _, pid in _iterations(survivor)}) == 1     # rank 0 never restarted
+    assert "replacing pid" in replaced and replaced.count("==== elasticd:") == 2
+    its = _iterations(replaced)
+    assert [it for it, _ in its] == [0, 1] and its[0][1] != its[1][1]  # a new process
+    for text in (survivor, replaced):
+        assert "done: 60 steps, iteration 1" in text and "all_reduce sum 1 ok" in text
+    attempt = job.attempts[-1]
+    assert (attempt.layer, attempt.outcome, attempt.rank) == ("inprocess", "recovered", 1)
+    assert "rank 1 exited with exit code 3" in attempt.cause
+    assert 0 < attempt.duration_seconds < 60
+    kinds = {(e.kind, e.layer) for e in d.events(job_id)}
+    assert ("replace", "inprocess") in kinds and ("restart", "inprocess") in kinds
+    status = d.ctl("status", job_id).stdout
+    assert "in-process 1 (up to 8 per process attempt), process 0/3" in status
+    assert "in-process  recovered in" in status
+
+
+def test_repeated_faults_fall_down_the_ladder_and_fail_with_the_cause_chain(daemon_factory):
+    """A rank that raises every time: in-process restarts until the repeat limit, then a
+    process restart, the same again, and the job FAILS naming every layer it went through."""
+    d = daemon_factory().start()
+    job_id = _submit_inprocess(d, "--steps", "60", "--crash-at-step", "25",
+                               "--checkpoint-every", "10", "--crash-always", max_restarts=1)
+    job = d.wait_job(job_id, timeout=240)
+    assert pb.JobState.Name(job.state) == "FAILED", d.log()[-3000:]
+    assert job.restarts == 1 and job.exit_code == 1
+    assert dict(job.restarts_by_layer) == {"inprocess": 4, "process": 1}
+    layers = [(a.layer, a.outcome) for a in job.attempts]
+    assert layers == [("inprocess", "recovered")] * 2 + [("process", "recovered")] + \
+        [("inprocess", "recovered")] * 2 + [("process", "failed")], layers
+    assert "in-process restart gave up" in job.attempts[2].cause
+    assert "3 faults within 30s" in job.attempts[2].cause
+    assert "cause chain: inprocess x2 (" in job.reason
+    assert "-> process x1 (in-process restart gave up" in job.reason
+    assert job.reason.count("->") == 3
+    r = d.ctl("wait", job_id)
+    assert r.returncode == 1
+
+
+def test_a_hung_rank_is_dumped_killed_and_replaced_in_process(daemon_factory):
+    """A rank stuck in time.sleep inside the loop of an --inprocess job: its stacks land in
+    its log after the soft timeout, elasticd kills it after the hard one and replaces it;
+    the other rank never restarts and the job succeeds."""
+    settings = {"agent.hang_soft_timeout": 3, "agent.hang_hard_timeout": 6,
+                "agent.first_step_timeout": 60, "inprocess.soft_timeout": 2,
+                "inprocess.hard_timeout": 4, "inprocess.barrier_timeout": 30}
+    d = daemon_factory(extra_args=tuple(a for k, v in settings.items()
+                                        for a in ("--set", f"{k}={v}"))).start()
+    job_id = _submit_inprocess(d, "--steps", "60", "--crash-at-step", "25",
+                               "--checkpoint-every", "10", "--crash-mode", "hang")
+    job = d.wait_job(job_id, timeout=180)
+    assert pb.JobState.Name(job.state) == "SUCCEEDED", d.log()[-3000:]
+    assert job.restarts == 0 and dict(job.restarts_by_layer)["inprocess"] == 1
+    hung = d.rank_log(job_id, 1)
+    assert "time.sleep" in hung or "in train" in hung, hung[-2000:]   # its stacks, dumped
+    events = d.events(job_id)
+    assert any(e.kind == "hang" and "killed" in e.reason and e.rank == 1 for e in events)
+    replace = [e for e in events if e.kind == "replace"]
+    assert len(replace) == 1 and "rank 1 hang" in replace[0].reason
+    assert len({pid for _, pid in _iterations(d.rank_log(job_id, 0))}) == 1
+    assert "all_reduce sum 1 ok" in d.rank_log(job_id, 0)

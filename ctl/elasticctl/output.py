@@ -98,6 +98,36 @@ def restarts_text(job: control_pb2.Job) -> str:
     return f"{job.restarts}/{allowed}"
 
 
+LAYER_NAMES = {"inprocess": "in-process", "process": "process", "rendezvous": "rendezvous"}
+ATTEMPT_LINES = 8
+
+
+def layers_text(job: control_pb2.Job) -> str:
+    """``in-process 2 (up to 8 per process attempt), process 1/3, rendezvous 0 (...)``."""
+    used, budget = dict(job.restarts_by_layer), dict(job.restart_budget)
+    parts = []
+    if job.inprocess:
+        cap = budget.get("inprocess", 0)
+        parts.append(f"in-process {used.get('inprocess', 0)}"
+                     + (f" (up to {cap} per process attempt)" if cap else " (off)"))
+    allowed = "default" if job.max_restarts < 0 else str(job.max_restarts)
+    parts.append(f"process {used.get('process', 0)}/{allowed}")
+    parts.append(f"rendezvous {used.get('rendezvous', 0)} (shares the process budget)")
+    return ", ".join(parts)
+
+
+def attempt_line(a: control_pb2.RestartAttempt) -> str:
+    stamp = time.strftime("%H:%M:%S", time.localtime(a.time)) if a.time else "-"
+    if a.outcome == "recovered":
+        result = f"recovered in {a.duration_seconds:.2f}s"
+    else:
+        result = {"fell_back": "fell back", "pending": "recovering"}.get(a.outcome, a.outcome)
+    where = [f"rank {a.rank}"] if a.rank >= 0 else []
+    where += [f"node {a.node_id}"] if a.node_id else []
+    return (f"{stamp}  {LAYER_NAMES.get(a.layer, a.layer):<10}  {result:<20}  "
+            f"{_short(a.cause, 100)}" + (f"  [{', '.join(where)}]" if where else ""))
+
+
 def nodes_text(job: control_pb2.Job) -> str:
     lo = job.min_nodes or 1
     hi = job.max_nodes or lo
@@ -131,6 +161,7 @@ def job_detail(job: control_pb2.Job, now: float | None = None) -> str:
         lines.append(f"exit code:    {job.exit_code}")
     lines += [
         f"restarts:     {restarts_text(job)} used/allowed",
+        f"  by layer:   {layers_text(job)}",
         f"nodes:        {nodes_text(job)} x {job.nproc_per_node or 1} ranks/node, round {job.round}"
         + (f", submitted on {job.node_id}" if job.node_id else ""),
         f"user:         {job.user or '?'} (uid {job.uid})",
@@ -156,6 +187,12 @@ def job_detail(job: control_pb2.Job, now: float | None = None) -> str:
             lines += ["    " + t for t in tb[-TRACEBACK_LINES:]]
     else:
         lines.append("last failure: none")
+    if job.attempts:
+        shown = job.attempts[-ATTEMPT_LINES:]
+        lines.append("recovery:     " + (f"the latest {len(shown)} of {len(job.attempts)}, "
+                                         if len(shown) < len(job.attempts) else "")
+                     + "oldest first")
+        lines += ["    " + attempt_line(a) for a in shown]
     if job.workers:
         rows = [[w.rank, w.local_rank, w.node_id or "-", w.pid or "-", w.state,
                  w.exit_code if w.state in ("failed", "succeeded") else "-"]
@@ -197,7 +234,11 @@ def event_line(ev: control_pb2.Event) -> str:
     if ev.kind == "state":
         what = f"{state_name(ev.from_state)} -> {state_name(ev.to_state)}"
     else:
-        what = ev.kind + (f" rank {ev.rank}" if ev.rank >= 0 and ev.kind == "worker_exit" else "")
+        what = ev.kind + (f" rank {ev.rank}" if ev.rank >= 0 and ev.kind in (
+            "worker_exit", "replace", "hang") else "")
+        if ev.layer:
+            what += f" ({LAYER_NAMES.get(ev.layer, ev.layer)}" + (
+                f", {ev.duration_seconds:.2f}s)" if ev.duration_seconds else ")")
     ctx = [f"node {ev.node_id}"] if ev.node_id else []
     ctx += [f"round {ev.round}", f"restart {ev.restart}"]
     reason = f": {ev.reason}" if ev.reason else ""
