@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -197,11 +198,18 @@ class BenchDaemon:
 
     # -- calls -----------------------------------------------------------------
     def submit(self, command: list, cwd: str, nproc: int = 1, max_restarts: int = -1,
-               env: dict | None = None) -> str:
+               env: dict | None = None, inprocess: bool = False) -> str:
         req = pb.SubmitRequest(command=list(command), cwd=cwd,
                                env=dict(env if env is not None else os.environ),
-                               nproc_per_node=nproc, max_restarts=max_restarts)
+                               nproc_per_node=nproc, max_restarts=max_restarts,
+                               inprocess=inprocess)
         return self.client().call("Submit", req).job.id
+
+    def get_job(self, job_id: str) -> pb.Job:
+        return self.client().call("GetJob", pb.GetJobRequest(id=job_id))
+
+    def cancel(self, job_id: str) -> None:
+        self.client().call("CancelJob", pb.CancelJobRequest(id=job_id), wait=30)
 
     def wait_job(self, job_id: str, timeout: float = 120.0) -> pb.Job:
         deadline = time.monotonic() + timeout
@@ -245,6 +253,85 @@ def worker_pids_under(state_dir: str) -> list[int]:
         if env.get("ELASTICD_JOB_ID") in job_ids:
             found.append(proc.pid)
     return found
+
+
+# -- the sample job's marks -------------------------------------------------------
+# The sample scripts print 'CRASH <unix time> rank=R ...' just before the fault
+# and, on rank 0, 'FIRST_STEP <unix time> attempt=A [iteration=I]' after the
+# first step of each process attempt / in-process iteration (workers' clock).
+CRASH_LINE = re.compile(r"^CRASH (\d+\.\d+) rank=(\d+)", re.M)
+FIRST_STEP_LINE = re.compile(r"^FIRST_STEP (\d+\.\d+) attempt=(\d+)(?: iteration=(\d+))?", re.M)
+
+
+def fault_marks(text: str) -> tuple:
+    """(crash time, first FIRST_STEP after it, its attempt, its iteration) from worker output.
+
+    Any part not found is None; iteration is None for a script that has none.
+    """
+    crashes = [float(t) for t, _ in CRASH_LINE.findall(text)]
+    crash = min(crashes) if crashes else None
+    if crash is None:
+        return None, None, None, None
+    after = sorted((float(t), int(a), int(i) if i else None)
+                   for t, a, i in FIRST_STEP_LINE.findall(text) if float(t) > crash)
+    return (crash, *after[0]) if after else (crash, None, None, None)
+
+
+# -- torchrun --------------------------------------------------------------------
+def torchrun_bin() -> list[str]:
+    beside = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    if os.path.exists(beside):
+        return [beside]
+    found = shutil.which("torchrun")
+    return [found] if found else [sys.executable, "-m", "torch.distributed.run"]
+
+
+def torchrun_env() -> dict:
+    """The environment the benchmarks give torchrun (and, for fairness, elasticd jobs).
+
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: with torch 2.13's default the restarted
+    gloo workers read the previous attempt's addresses from the shared store and
+    fail or hang (pytorch#135712); see bench/README.md.
+    """
+    return dict(os.environ, LOGLEVEL="INFO", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+
+
+def start_torchrun(args: list, cwd: str, base: str, env: dict | None = None):
+    """torchrun ARGS in its own session, stdout/stderr to BASE.out/.err; owned."""
+    with open(base + ".out", "wb") as out, open(base + ".err", "wb") as err:
+        proc = subprocess.Popen([*torchrun_bin(), *args], cwd=cwd,
+                                env=env if env is not None else torchrun_env(),
+                                stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                start_new_session=True)
+    own(proc)
+    return proc
+
+
+def stop_torchrun(proc) -> None:
+    """SIGTERM torchrun (it stops its workers), then kill what is left of its tree."""
+    procs = tree(proc.pid)  # hung workers are still its children
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+    kill_procs(procs)
+    proc.wait()
+
+
+def read_text(path: str) -> str:
+    try:
+        with open(path, errors="replace") as fh:
+            return fh.read()
+    except FileNotFoundError:
+        return ""
+
+
+def last_error(text: str) -> str:
+    """The last '...Error: ' line of a log (why a torchrun run failed), or ''."""
+    last = [ln for ln in text.splitlines() if re.search(r"\w+Error: ", ln)][-1:]
+    return last[0].strip()[:300] if last else ""
 
 
 # -- statistics and printing -----------------------------------------------------

@@ -1,116 +1,252 @@
-"""Worker crash -> first training step after recovery: in-process vs process restart vs torchrun.
+"""Worker fault -> first training step after recovery: in-process vs process restart vs torchrun.
 
-    python bench/inprocess_vs_process.py [--reps 3]
+    python bench/inprocess_vs_process.py [--fault raise|exit] [--reps 3]
 
-The same model, data and crash (rank 1 raises at step 160 of 180, 2 ranks,
-gloo, 0.05 s per step) under three recoveries, in one invocation:
+One script, ``python -m elasticd.examples.train_inprocess`` (2 ranks, gloo,
+180 steps of 0.05 s, an in-memory snapshot every 40), whose rank 1 faults
+once at step 160, under three recoveries in one invocation:
 
-  inprocess      elasticd.examples.train_inprocess: the training function is
-                 re-entered in the same processes (elasticd.inprocess.Wrapper),
-                 coordinated through a job store hosted outside the ranks
-                 (daemon/elasticd/jobstore.py). The ranks are started by this
-                 script with the environment elasticd gives workers: the
-                 daemon side of `submit --inprocess` is not wired up yet.
-  elasticd-warm  process restart by a standalone elasticd (warm spares), as in
-                 bench/restart_vs_torchrun.py
-  torchrun       torchrun --max-restarts 1, as in bench/restart_vs_torchrun.py
+  inprocess      ``elasticctl submit --inprocess`` on a standalone elasticd
+                 (default settings). --fault raise: the rank's exception is
+                 caught by elasticd.inprocess.Wrapper and every rank re-enters
+                 the training function in the same process. --fault exit
+                 (os._exit(3)): the daemon replaces just that rank with a new
+                 process (a warm spare when one is ready) that joins the
+                 survivor's next in-process iteration.
+  elasticd-warm  the same script submitted without --inprocess (the wrapper
+                 then calls the function once): the daemon restarts the
+                 node's worker group, warm spares taking over.
+  torchrun       torchrun --standalone --nproc-per-node 2 --max-restarts 1
+                 --monitor-interval 0.1 (c10d rendezvous), the same script.
 
-Measured from the ``CRASH <unix time>`` line the failing rank prints to rank
-0's ``FIRST_STEP <unix time>`` line of the recovered run, both from the
-workers' own clock. Prints medians and ratios; never asserts a timing.
+Measured from the ``CRASH <unix time>`` line rank 1 prints just before the
+fault to the first ``FIRST_STEP <unix time>`` line rank 0 prints after it
+(the workers' own clock). A run counts only if it recovered by the layer it
+is meant to measure, checked in the job record and the rank logs:
+
+  inprocess      job SUCCEEDED, restarts == 0 (no process restart),
+                 restarts_by_layer["inprocess"] >= 1, the first step after
+                 the fault in attempt 0, iteration >= 1, and for --fault exit
+                 a "replace" event for rank 1
+  elasticd-warm  job SUCCEEDED, restarts >= 1 with restarts_by_layer["process"]
+                 >= 1, first step after the fault in attempt 1
+  torchrun       exit 0, first step after the fault in attempt 1
+
+A run that does not pass is reported as INVALID with the reason, never as a
+number. Prints medians, torchrun / this, and PASS/MISS against the design
+targets (in-process >= 10x, process restart >= 2x). Never asserts a timing.
 """
 from __future__ import annotations
 
 import argparse
 import os
-import re
-import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import BenchDaemon, machine, median, own, revision, secs, table, tempdir  # noqa: E402
-import restart_vs_torchrun as rvt  # noqa: E402
+from common import (BenchDaemon, fault_marks, last_error, machine, median,  # noqa: E402
+                    read_text, revision, secs, start_torchrun, stop_torchrun, table,
+                    tempdir, torchrun_env, wait_quiet)
 
-JOBSTORE = os.path.join(rvt.REPO, "daemon", "elasticd", "jobstore.py")
-FIRST_INPROC = re.compile(r"^FIRST_STEP (\S+) attempt=0 iteration=1 ", re.M)
+from elasticd.v1 import control_pb2 as pb  # noqa: E402
+
+LAUNCHERS = ("inprocess", "elasticd-warm", "torchrun")
+GOALS = {"inprocess": 10.0, "elasticd-warm": 2.0}  # torchrun / this, ../shared/DESIGN.md
+SCRIPT = ["-m", "elasticd.examples.train_inprocess"]
 
 
-def run_inprocess(run: rvt.Run, a, work: str) -> None:
-    store = subprocess.Popen([sys.executable, JOBSTORE, "--host", "127.0.0.1"],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    own(store)
+class Run:
+    def __init__(self, launcher: str, rep: int):
+        self.launcher, self.rep = launcher, rep
+        self.crash = self.first = None
+        self.attempt = self.iteration = None
+        self.invalid = ""        # why this run does not measure its layer ('' = valid)
+        self.detail = ""         # what the launcher recorded (layers, events)
+        self.daemon_duration = None  # the daemon's own fault -> running again
+        self.busy = None
+
+    @property
+    def total(self):
+        return None if self.crash is None or self.first is None else self.first - self.crash
+
+    @property
+    def ok(self) -> bool:
+        return not self.invalid and self.total is not None
+
+    def line(self) -> str:
+        busy = f"; machine {self.busy:.0f} % busy before" if self.busy is not None else ""
+        if not self.ok:
+            return f"{self.launcher:14s} rep {self.rep}: INVALID ({self.invalid}){busy}"
+        return f"{self.launcher:14s} rep {self.rep}: {secs(self.total)}  ({self.detail}{busy})"
+
+
+def script_args(a) -> list[str]:
+    return ["--steps", str(a.steps), "--crash-at-step", str(a.crash_at_step), "--crash-rank", "1",
+            "--crash-mode", a.fault, "--checkpoint-every", str(a.checkpoint_every),
+            "--step-time", str(a.step_time), "--log-every", "1000"]
+
+
+def job_summary(job: pb.Job, events: list) -> tuple[dict, list, str]:
+    """(restarts_by_layer, recovery events, one-line description) of a finished job."""
+    layers = dict(job.restarts_by_layer)
+    recov = [e for e in events if e.kind in ("replace", "restart")]
+    kinds = ", ".join(f"{e.kind}[{e.layer}]" + (f" {e.duration_seconds:.3f}s"
+                                                if e.duration_seconds else "") for e in recov)
+    text = (f"restarts {job.restarts}, by layer {layers or '{}'}; "
+            f"events: {kinds or 'none'}")
+    return layers, recov, text
+
+
+def run_daemon(d: BenchDaemon, run: Run, a, work: str) -> None:
+    inprocess = run.launcher == "inprocess"
+    job_id = d.submit([sys.executable, *SCRIPT, *script_args(a)], cwd=work, nproc=2,
+                      max_restarts=1, env=torchrun_env(), inprocess=inprocess)
     try:
-        _, addr, port = store.stdout.readline().split()
-        procs, logs = [], []
-        for rank in (0, 1):
-            env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
-                       ELASTICD_STORE_ADDR=addr, ELASTICD_STORE_PORT=port,
-                       TORCHELASTIC_RESTART_COUNT="0", OMP_NUM_THREADS="1")
-            path = os.path.join(work, f"inproc-{run.rep}-rank{rank}.log")
-            logs.append(path)
-            with open(path, "w") as fh:
-                p = subprocess.Popen(
-                    [sys.executable, "-m", "elasticd.examples.train_inprocess",
-                     "--steps", str(a.steps), "--crash-at-step", str(a.crash_at_step),
-                     "--crash-rank", "1", "--checkpoint-every", str(a.checkpoint_every),
-                     "--step-time", str(a.step_time), "--log-every", "1000"],
-                    env=env, stdout=fh, stderr=subprocess.STDOUT, cwd=work)
-            own(p)
-            procs.append(p)
-        codes = [p.wait(a.timeout) for p in procs]
-        text = "".join(open(p).read() for p in logs)
-        crash = [float(t) for t, _ in rvt.CRASH_RE.findall(text)]
-        first = [float(t) for t in FIRST_INPROC.findall(text)]
-        run.crash, run.first = (min(crash) if crash else None), (min(first) if first else None)
-        run.ok = codes == [0, 0] and run.total is not None
-        if not run.ok:
-            run.error = f"exit codes {codes}, crash {run.crash}, first {run.first}"
-    finally:
-        store.stdin.close()
-        store.wait(10)
+        job = d.wait_job(job_id, timeout=a.timeout)
+    except TimeoutError as exc:
+        d.cancel(job_id)
+        run.invalid = str(exc)
+        return
+    text = d.rank_log(job_id, 0) + "\n" + d.rank_log(job_id, 1)
+    run.crash, run.first, run.attempt, run.iteration = fault_marks(text)
+    layers, recov, run.detail = job_summary(job, d.events(job_id))
+    durations = [e.duration_seconds for e in recov if e.kind == "restart" and e.duration_seconds]
+    run.daemon_duration = durations[0] if durations else None
+    marks = [ln for ln in text.splitlines() if ln.startswith("==== elasticd:")]
+    if inprocess:
+        run.detail += f"; first step after the fault: attempt {run.attempt} iteration {run.iteration}"
+        repl = [ln for ln in marks if " replacing pid " in ln]
+        if repl:
+            run.detail += "; replacement " + ("from a warm spare" if "from a warm spare" in
+                                              repl[0] else "started cold")
+    else:
+        warm = sum("from a warm spare (restart 1" in ln for ln in marks)
+        run.detail += f"; {warm}/2 ranks from warm spares"
+    state = pb.JobState.Name(job.state)
+    why = []
+    if state != "SUCCEEDED":
+        why.append(f"job ended {state}: {job.reason}")
+    if run.crash is None or run.first is None:
+        why.append(f"no CRASH/FIRST_STEP pair in the rank logs (crash {run.crash}, "
+                   f"first {run.first})")
+    if inprocess:
+        if job.restarts != 0:
+            why.append(f"a process restart happened (restarts {job.restarts})")
+        if layers.get("inprocess", 0) < 1:
+            why.append(f"restarts_by_layer.inprocess is {layers.get('inprocess', 0)}")
+        if run.first is not None and (run.attempt != 0 or not run.iteration):
+            why.append(f"first step after the fault is attempt {run.attempt} "
+                       f"iteration {run.iteration}, not an in-process iteration")
+        if a.fault == "exit" and not any(e.kind == "replace" and e.rank == 1 for e in recov):
+            why.append("no 'replace' event for rank 1")
+    else:
+        if job.restarts < 1 or layers.get("process", 0) < 1:
+            why.append(f"no process restart recorded (restarts {job.restarts}, by layer "
+                       f"{layers})")
+        if run.first is not None and run.attempt != 1:
+            why.append(f"first step after the fault is in attempt {run.attempt}, not 1")
+    run.invalid = "; ".join(why)
+
+
+def run_torchrun(run: Run, a, work: str) -> None:
+    base = os.path.join(work, f"torchrun-{run.rep}")
+    proc = start_torchrun(["--standalone", "--nnodes", "1", "--nproc-per-node", "2",
+                           "--max-restarts", "1", "--monitor-interval", "0.1", *SCRIPT,
+                           *script_args(a)], work, base)
+    try:
+        rc = proc.wait(timeout=a.timeout)
+    except Exception:  # TimeoutExpired: hung
+        rc = None
+    stop_torchrun(proc)
+    run.crash, run.first, run.attempt, run.iteration = fault_marks(read_text(base + ".out"))
+    run.detail = f"exit {rc}, first step after the fault in attempt {run.attempt}"
+    why = []
+    if rc != 0:
+        why.append(("timed out (hung)" if rc is None else f"torchrun exit {rc}")
+                   + (f": {last_error(read_text(base + '.err'))}"
+                      if last_error(read_text(base + ".err")) else ""))
+    if run.crash is None or run.first is None:
+        why.append(f"no CRASH/FIRST_STEP pair (crash {run.crash}, first {run.first})")
+    elif run.attempt != 1:
+        why.append(f"first step after the fault is in attempt {run.attempt}, not 1")
+    run.invalid = "; ".join(why)
+
+
+def report(runs: list[Run], launchers: list[str], a) -> None:
+    ok = {L: [r for r in runs if r.launcher == L and r.ok] for L in launchers}
+    med = {L: median([r.total for r in ok[L]]) for L in launchers}
+    base = med.get("torchrun")
+    print(f"\n== fault ({a.fault}) -> first step after recovery (median over valid runs) ==")
+    rows = []
+    for L in launchers:
+        totals = [r.total for r in ok[L]]
+        n = sum(r.launcher == L for r in runs)
+        ratio = base / med[L] if base and med[L] else None
+        goal = GOALS.get(L)
+        verdict = ("-" if goal is None else "no ratio" if ratio is None else
+                   f"{'PASS' if ratio >= goal else 'MISS'} (goal >= {goal:g}x)")
+        rows.append([L, secs(med[L]),
+                     f"{secs(min(totals))} .. {secs(max(totals))}" if totals else "-",
+                     f"{len(totals)}/{n}",
+                     secs(median([r.daemon_duration for r in ok[L]])),
+                     f"{ratio:.1f}x" if ratio else "-", verdict])
+    print(table(rows, ["recovery", "median", "min .. max", "valid", "daemon's own",
+                       "torchrun / this", "target"]))
+    print("  daemon's own: the restart event's duration_seconds (fault seen by the daemon "
+          "or a rank ->\n  workers running again), not CRASH -> FIRST_STEP.")
+    bad = [r for r in runs if not r.ok]
+    if bad:
+        print("\n== invalid runs (not counted) ==")
+        for r in bad:
+            print("  " + r.line())
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--fault", choices=("raise", "exit"), default="raise",
+                    help="raise: rank 1 raises; exit: rank 1's process dies (os._exit(3))")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--launchers", default="inprocess,elasticd-warm,torchrun")
+    ap.add_argument("--launchers", default=",".join(LAUNCHERS),
+                    help=f"comma list from {', '.join(LAUNCHERS)}")
     ap.add_argument("--steps", type=int, default=180)
     ap.add_argument("--crash-at-step", type=int, default=160)
     ap.add_argument("--checkpoint-every", type=int, default=40)
     ap.add_argument("--step-time", type=float, default=0.05)
-    ap.add_argument("--timeout", type=float, default=120.0)
+    ap.add_argument("--timeout", type=float, default=120.0, help="seconds one run may take")
+    ap.add_argument("--quiet-wait", type=float, default=60.0,
+                    help="before each run wait up to this many seconds for the machine to "
+                         "be under --quiet-threshold %% busy (0: don't)")
+    ap.add_argument("--quiet-threshold", type=float, default=30.0)
     a = ap.parse_args(argv)
-    a.crash_mode, a.torchrun_shared_store = "raise", False
     launchers = [x.strip() for x in a.launchers.split(",") if x.strip()]
+    for L in launchers:
+        if L not in LAUNCHERS:
+            ap.error(f"unknown launcher {L!r}")
     print(f"machine: {machine()}\nelasticd: {revision()}")
+    print(f"job: 2 ranks, gloo, python {' '.join(SCRIPT + script_args(a))}; fault {a.fault}; "
+          f"daemon at default settings")
     work = tempdir("edb-inp-")
-    daemon = BenchDaemon(slots=4) if "elasticd-warm" in launchers else None
-    runs: list[rvt.Run] = []
+    daemon = BenchDaemon(slots=4) if set(launchers) - {"torchrun"} else None
+    runs: list[Run] = []
     try:
         if daemon:
             daemon.start()
         for rep in range(1, a.reps + 1):
             k = (rep - 1) % len(launchers)
-            for name in launchers[k:] + launchers[:k]:
-                run = rvt.Run(name, rep, False)
-                if name == "inprocess":
-                    run_inprocess(run, a, work)
-                elif name == "torchrun":
-                    rvt.run_torchrun(run, a, work)
+            for name in launchers[k:] + launchers[:k]:  # rotate who goes first
+                run = Run(name, rep)
+                if a.quiet_wait > 0:
+                    run.busy = wait_quiet(a.quiet_threshold, a.quiet_wait)
+                if name == "torchrun":
+                    run_torchrun(run, a, work)
                 else:
-                    rvt.run_elasticd(daemon, run, a, work)
+                    run_daemon(daemon, run, a, work)
                 runs.append(run)
-                print(f"{name:14s} rep {rep}: " + (secs(run.total) if run.ok else
-                                                    f"FAILED {run.error}"), flush=True)
+                print(run.line(), flush=True)
     finally:
         if daemon:
             daemon.stop()
-    med = {L: median([r.total for r in runs if r.launcher == L and r.ok]) for L in launchers}
-    base = med.get("torchrun")
-    rows = [[L, secs(med[L]) if med[L] is not None else "-",
-             f"{base / med[L]:.1f}x" if base and med[L] else "-"] for L in launchers]
-    print("\ncrash -> first step after recovery (median)")
-    print(table(rows, ["recovery", "median", "torchrun / this"]))
+    report(runs, launchers, a)
+    print(f"\nmachine after: {machine()}")
     return 0
 
 
