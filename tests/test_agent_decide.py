@@ -10,7 +10,8 @@ import textwrap
 
 import pytest
 
-from elasticd.agent import Action, decide, read_error_file, restart_delay
+from elasticd.agent import Action, decide, restart_delay
+from elasticd.failures import read_error_file
 
 
 def act(returncodes, restarts=0, max_restarts=3, cancel=False, stopping=False):

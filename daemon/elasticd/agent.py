@@ -16,30 +16,26 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import json
 import logging
 import os
-import signal
 import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-import psutil
-
+from . import failures
 from .config import Config
-from .inprocess_reports import ReportReader, report_path
 from .jobs import JobRecord, JobRegistry
-from .ladder import Ladder, Layer, round_layer
+from .ladder import Layer, round_layer
 from .logsetup import ctx
-from .metrics import failure_cause
 from .progress import ProgressTracker
+from .recovery import Recovery
 from .rendezvous.cluster import ClusterRendezvous, RendezvousStopped, RoundFinal
 from .rendezvous.protocol import CANCELLED, FAILED, SUCCEEDED, Result, RoundState
-from .states import TERMINAL_STATES, JobState, WorkerState
+from .states import TERMINAL_STATES, JobState
 from .store import StoreError
 from .storehost import JobStoreHost
-from .workers import GroupSpec, SpawnError, SparePool, WorkerGroup, describe_exit
+from .workers import GroupSpec, SpawnError, SparePool, WorkerGroup
 
 log = logging.getLogger("elasticd.agent")
 
@@ -116,40 +112,6 @@ def restart_delay(restart_number: int, initial: float, step: float, maximum: flo
     return min(maximum, initial + step * 2.0 ** min(restart_number - 2, 60))
 
 
-# Signals that mean "we or a peer's teardown stopped it", not a fault of its own.
-_STOP_SIGNALS = {-signal.SIGTERM, -signal.SIGINT, -signal.SIGPIPE}
-
-
-def _blame_order(outcome: int, error_file_mtime: float) -> int:
-    """Which of several failed workers seen together caused it: lower first.
-
-    A worker killed by a signal of its own (SIGKILL from the OOM killer,
-    SIGSEGV, SIGABRT) comes before those that wrote an error file, since its
-    peers then fail with "connection reset" errors of their own; then error
-    files (by time), then the rest (by rank).
-    """
-    if outcome < 0 and outcome not in _STOP_SIGNALS:
-        return 0
-    return 1 if error_file_mtime else 2
-
-
-def read_error_file(path: str, limit: int = 16 * 1024) -> tuple[str, str, float]:
-    """(message, traceback, mtime) from a torch ``@record`` error file, or blanks."""
-    try:
-        mtime = os.stat(path).st_mtime
-        with open(path, "rb") as fh:
-            data = json.loads(fh.read(1 << 20))
-        msg = data.get("message", {})
-        if isinstance(msg, str):
-            return msg[:limit], "", mtime
-        text = str(msg.get("message", ""))
-        tb = str(msg.get("extraInfo", {}).get("py_callstack", ""))
-        return text[:limit], tb[-limit:], mtime
-    except (OSError, ValueError, AttributeError, TypeError, RecursionError):
-        # Whatever a worker left there, a bad file must not stop the restart loop.
-        return "", "", 0.0
-
-
 class Agent:
     def __init__(self, job_id: str, cfg: Config, registry: JobRegistry,
                  rendezvous: ClusterRendezvous, on_exit: Callable[[str], None], metrics=None):
@@ -164,10 +126,7 @@ class Agent:
         self._spares = SparePool()
         self._store_host = JobStoreHost()
         self._group: WorkerGroup | None = None    # the running attempt's workers
-        self._ladder: Ladder | None = None        # the restart ladder's record (ladder.py)
-        self._reports = ReportReader()            # the in-process wrapper's reports
-        self._inprocess_on = False                # this attempt's ranks can restart in-process
-        self._replaced_label = ""                 # metrics cause of the pending replacement
+        self._recovery = Recovery(job_id, cfg, registry, metrics)  # the ladder's record
         self._progress = ProgressTracker(
             job_id, cfg.agent, registry, cfg.daemon.node_id,
             on_beat=(lambda: metrics.progress_beat(job_id)) if metrics else None)
@@ -238,11 +197,8 @@ class Agent:
             state = self._rdzv.last_state
             job = self._registry.update(self.job_id, round=result.round,
                                         restarts=state.restarts if state else job.restarts)
-            ladder = self._ladder_for(job)
-            ladder.new_process_attempt()
-            self._reports.reset()
             spec = self._with_job_store(job, self._group_spec(job, result))
-            self._inprocess_on = "ELASTICD_STORE_ADDR" in spec.extra_env
+            self._recovery.start_attempt(job, "ELASTICD_STORE_ADDR" in spec.extra_env)
             group = self._group = WorkerGroup(spec)
             try:
                 group.start(self._spares)
@@ -257,7 +213,7 @@ class Agent:
                 f"round {result.round}: ranks {result.rank_offset}..{last} of "
                 f"{result.world_size} on {result.group_world_size} node(s)",
                 workers=self._worker_rows(group))
-            self._record_recovery()
+            self._recovery.recovered()
             self._publish(group)
             if self._metrics:
                 self._metrics.workers_started_n(len(group.workers))
@@ -278,8 +234,8 @@ class Agent:
         while True:
             workers = group.poll()
             self._progress.check(group)  # hang detection: dump stacks, kill hung ranks
-            if self._inprocess_on:
-                self._read_reports(group)
+            if self._recovery.inprocess_on:
+                self._recovery.read_reports(group)
             job_restarts, max_restarts, cancel = self._registry.control_flags(self.job_id)
             outcomes = [w.outcome for w in workers]
             try:
@@ -299,8 +255,8 @@ class Agent:
             decision = decide(outcomes, restarts, max_restarts, cancel,
                               self.shutting_down, round_status=round_status, round_reason=why,
                               peers_done=peers_done,
-                              inprocess_left=self._ladder.inprocess_left() if self._inprocess_on
-                              else 0, gave_up=self._inprocess_on and bool(self._ladder.abandoned))
+                              inprocess_left=self._recovery.inprocess_left(),
+                              gave_up=self._recovery.gave_up())
             if decision.action is Action.REPLACE:
                 self._replace_dead(group)
                 if a.warm_spares:
@@ -353,26 +309,27 @@ class Agent:
             self._publish(group)
             state = self._rdzv.last_state
             layer = Layer.RENDEZVOUS if act is Action.NODE_LOST else round_layer(decision.reason)
-            self._ladder.begin(layer, decision.reason or "a new round opened", time.time())
+            self._recovery.ladder.begin(layer, decision.reason or "a new round opened", time.time())
             if act is Action.NODE_LOST:
                 state = self._try(lambda: self._rdzv.reopen(result, decision.reason, True)) \
                     or state
                 if self._metrics:
                     self._metrics.restart_or_failure({"signal": 0, "cause": "node_lost"})
             if state is not None and state.final:
-                self._ladder.failed(layer, state.reason or decision.reason, time.time())
-                self._registry.update(self.job_id, **self._ladder_fields())
+                self._recovery.ladder.failed(layer, state.reason or decision.reason, time.time())
+                self._registry.update(self.job_id, **self._recovery.fields())
                 self._end_as(state, self._worker_rows(group))
                 return False
             self._registry.transition(
                 self.job_id, JobState.RESTARTING, decision.reason or "a new round opened",
                 restarts=state.restarts if state else job.restarts,
-                workers=self._worker_rows(group), **self._ladder_fields())
+                workers=self._worker_rows(group), **self._recovery.fields())
             return True
         # RESTART or FAIL: a local worker failed, or in-process restart gave up.
-        if self._inprocess_on and self._ladder.abandoned:
-            failure = self._failure(job, self._ladder.abandoned_rank, 1, 0,
-                                    f"in-process restart gave up: {self._ladder.abandoned}")
+        ladder = self._recovery.ladder
+        if self._recovery.gave_up():
+            failure = self._failure(job, ladder.abandoned_rank, 1, 0,
+                                    f"in-process restart gave up: {ladder.abandoned}")
         else:
             failure = self._progress.explain(self._first_failure(job, group))  # cause: hang?
         # Stop the rest of the group before recording: they would hang in collectives.
@@ -384,27 +341,27 @@ class Agent:
         state = self._try(lambda: self._rdzv.reopen(result, failure["cause"], True))
         if act is Action.FAIL or (state is not None and state.final):
             code = failure["exit_code"] if failure["exit_code"] > 0 else 128 + failure["signal"]
-            chain = self._ladder.failed(Layer.PROCESS, failure["cause"], failure["time"],
+            chain = self._recovery.ladder.failed(Layer.PROCESS, failure["cause"], failure["time"],
                                         failure["rank"])
             why = f"{failure['cause']}; {decision.reason}"
-            if len(self._ladder.attempts) > 1:
+            if len(self._recovery.ladder.attempts) > 1:
                 why += f"; cause chain: {chain}"
             self._finish_cluster(FAILED, why)
             self._registry.transition(self.job_id, JobState.FAILED, why,
                                       exit_code=code, last_failure=failure,
-                                      workers=self._worker_rows(group), **self._ladder_fields())
+                                      workers=self._worker_rows(group), **self._recovery.fields())
             return False
         restart = state.restarts if state is not None else job.restarts + 1
         a = self._cfg.agent
         delay = restart_delay(restart, a.restart_backoff_initial, a.restart_backoff_step,
                               a.restart_backoff_max)
-        climb = self._ladder.begin(Layer.PROCESS, failure["cause"], failure["time"],
+        climb = self._recovery.ladder.begin(Layer.PROCESS, failure["cause"], failure["time"],
                                    failure["rank"])
         self._registry.transition(self.job_id, JobState.RESTARTING,
                                   f"{climb.cause}; {decision.reason}"
                                   + (f" in {delay:.1f}s" if delay else ""),
                                   restarts=restart, last_failure=failure,
-                                  workers=self._worker_rows(group), **self._ladder_fields())
+                                  workers=self._worker_rows(group), **self._recovery.fields())
         if delay:
             self.wake.wait(delay)
             self.wake.clear()
@@ -438,67 +395,7 @@ class Agent:
             log.warning("%s: etcd call failed: %s", self._where(), exc)
             return None
 
-    # -- the restart ladder (ladder.py) ------------------------------------------
-    def _ladder_for(self, job: JobRecord) -> Ladder:
-        if self._ladder is None:
-            budget = self._inprocess_budget(job) if job.inprocess else 0
-            self._ladder = Ladder.from_record(self._cfg.daemon.node_id, budget,
-                                              job.restarts_by_layer, job.attempts)
-            self._registry.update(self.job_id, restart_budget={
-                "inprocess": budget, "process": job.max_restarts,
-                "rendezvous": -1})  # no limit of its own: shares max_restarts
-        return self._ladder
-
-    def _inprocess_budget(self, job: JobRecord) -> int:
-        raw = job.env.get("ELASTICD_INPROCESS_MAX_RESTARTS")
-        try:
-            return max(0, int(raw)) if raw is not None else self._cfg.inprocess.max_restarts
-        except ValueError:
-            return self._cfg.inprocess.max_restarts
-
-    def _ladder_fields(self) -> dict:
-        return {"restarts_by_layer": dict(self._ladder.restarts_by_layer),
-                "attempts": list(self._ladder.attempts)}
-
-    def _record_recovery(self) -> None:
-        """Workers run again: the pending process or rendezvous climb recovered."""
-        climb = self._ladder.recovered()
-        if climb is None:
-            return
-        self._registry.update(self.job_id, **self._ladder_fields())
-        self._registry.event(self.job_id, "restart",
-                             f"{climb.layer} restart: running again {climb.duration:.2f}s after "
-                             f"the fault ({climb.cause})", rank=climb.rank, layer=climb.layer,
-                             duration=climb.duration)
-
-    def _read_reports(self, group: WorkerGroup) -> None:
-        """What the in-process wrapper of each rank reported since the last tick."""
-        spec = group.spec
-        paths = {w.rank: report_path(spec.run_dir, w.rank, spec.restart_count)
-                 for w in group.workers}
-        for rank, rep in self._reports.poll(paths):
-            if rep["kind"] == "abandoned":
-                if not self._ladder.abandoned:
-                    self._registry.event(self.job_id, "info", f"rank {rank}: in-process restart "
-                                         f"gave up: {rep['reason']}", rank=rank,
-                                         layer=Layer.INPROCESS.value)
-                self._ladder.gave_up(rep["reason"], rank)
-                continue
-            climb = self._ladder.iteration_started(rep["iteration"], rep["fault"],
-                                                   rep["fault_time"], rep["ready_time"], rank)
-            if climb is None:
-                continue
-            budget = self._ladder.inprocess_budget
-            self._registry.update(self.job_id, **self._ladder_fields())
-            self._registry.event(self.job_id, "restart",
-                                 f"in-process restart {rep['iteration']} of {budget}: running "
-                                 f"again {climb.duration:.2f}s after the fault ({climb.cause})",
-                                 rank=rank, layer=climb.layer, duration=climb.duration)
-            if self._metrics:
-                self._metrics.count_restart(Layer.INPROCESS.value, self._replaced_label or "exit")
-                self._metrics.observe_recovery(Layer.INPROCESS.value, climb.duration)
-            self._replaced_label = ""
-
+    # -- the in-process layer -----------------------------------------------------
     def _replace_dead(self, group: WorkerGroup) -> None:
         """Start a new process for each dead rank; it joins the others' next iteration."""
         job = self._registry.get(self.job_id)
@@ -506,7 +403,7 @@ class Agent:
         for w in list(group.workers):
             if w.outcome in (None, 0):
                 continue
-            message, tb, _ = read_error_file(w.error_file)
+            message, tb, _ = failures.read_error_file(w.error_file)
             failure = self._progress.explain(self._worker_failure(job, w, message, tb))
             self._progress.forget(w.rank)
             cause = failure["cause"]
@@ -517,21 +414,20 @@ class Agent:
                 # Nothing to join the others: they fall back at their barrier; restart now.
                 self._registry.event(self.job_id, "info", f"rank {w.rank} not replaced: {exc}",
                                      rank=w.rank, layer=Layer.INPROCESS.value)
-                self._ladder.gave_up(f"rank {w.rank} could not be replaced: {exc}", w.rank)
+                self._recovery.ladder.gave_up(f"rank {w.rank} could not be replaced: {exc}",
+                                              w.rank)
                 return
-            self._ladder.replaced(cause, failure["time"], w.rank)
-            self._replaced_label = failure_cause(failure)
-            used = max(self._ladder.iterations_seen, self._ladder.replacements)
+            used = self._recovery.replaced(failure, w.rank)
             log.warning("%s: %s; replaced in-process by pid %d",
                         ctx(job=self.job_id, node=self._cfg.daemon.node_id, round=job.round,
                             rank=w.rank), cause, new.pid)
             self._registry.event(self.job_id, "replace",
                                  f"{cause}; replaced in-process by pid {new.pid} "
-                                 f"({used} of {self._ladder.inprocess_budget})",
+                                 f"({used} of {self._recovery.ladder.inprocess_budget})",
                                  rank=w.rank, layer=Layer.INPROCESS.value)
         if failure is not None:
             self._registry.update(self.job_id, last_failure=failure,
-                                  workers=self._worker_rows(group), **self._ladder_fields())
+                                  workers=self._worker_rows(group), **self._recovery.fields())
             self._publish(group)
 
     # -- helpers -------------------------------------------------------------
@@ -569,23 +465,14 @@ class Agent:
                                                     "ELASTICD_STORE_PORT": str(port)})
 
     def _first_failure(self, job: JobRecord, group: WorkerGroup) -> dict:
-        candidates = []
-        for w in group.workers:
-            if w.outcome not in (None, 0) and (w.reported_error or not w.stopped_by_us):
-                message, tb, mtime = read_error_file(w.error_file)
-                candidates.append((_blame_order(w.outcome, mtime), mtime, w.rank, w, message, tb))
-        if not candidates:
+        blamed = failures.most_to_blame(group.workers)
+        if blamed is None:
             return self._failure(job, -1, 1, 0, "worker failed")
-        candidates.sort(key=lambda c: c[:3])
-        _, _, _, w, message, tb = candidates[0]
-        return self._worker_failure(job, w, message, tb)
+        return self._worker_failure(job, *blamed)
 
     def _worker_failure(self, job: JobRecord, w, message: str, tb: str) -> dict:
         """The failure record of one failed worker, logged and recorded as an event."""
-        exit_code, sig, text = describe_exit(w.outcome)
-        cause = f"rank {w.rank} {'exited with ' if not sig else ''}{text}"
-        if message:
-            cause += f": {message.splitlines()[0] if message.strip() else message}"
+        exit_code, sig, cause = failures.describe(w, message)
         log.warning("%s: worker pid %d failed: %s",
                     ctx(job=job.id, node=self._cfg.daemon.node_id, round=job.round, rank=w.rank),
                     w.pid, cause)
@@ -594,27 +481,8 @@ class Agent:
 
     def _failure(self, job: JobRecord, rank: int, exit_code: int, sig: int, cause: str,
                  traceback: str = "") -> dict:
-        return {"rank": rank, "exit_code": exit_code, "signal": sig, "cause": cause,
-                "traceback": traceback, "time": time.time(), "restart": job.restarts,
-                "node_id": self._cfg.daemon.node_id}
+        return failures.record(rank, exit_code, sig, cause, traceback, job.restarts,
+                               self._cfg.daemon.node_id)
 
     def _worker_rows(self, group: WorkerGroup) -> list[dict]:
-        rows = []
-        for w in group.workers:
-            rc = w.outcome
-            if rc is None:
-                state = WorkerState.RUNNING
-            elif w.stopped_by_us and not w.reported_error:
-                state = WorkerState.STOPPED
-            elif rc == 0:
-                state = WorkerState.SUCCEEDED
-            else:
-                state = WorkerState.FAILED
-            try:
-                started = psutil.Process(w.pid).create_time() if rc is None else 0.0
-            except psutil.Error:
-                started = 0.0
-            rows.append({"rank": w.rank, "local_rank": w.local_rank, "pid": w.pid,
-                         "state": state.value, "exit_code": rc if rc is not None else 0,
-                         "node_id": self._cfg.daemon.node_id, "create_time": started})
-        return rows
+        return failures.worker_rows(group.workers, self._cfg.daemon.node_id)
