@@ -143,3 +143,9 @@ def test_the_reader_never_follows_a_link(tmp_path):
     link = tmp_path / "r.jsonl"
     os.symlink(secret, link)
     assert ReportReader().poll({0: str(link)}) == []
+
+
+def test_the_only_local_rank_is_replaced_when_other_nodes_still_train():
+    assert decide([3], 0, 3, False, False, inprocess_left=8).action is Action.RESTART
+    assert decide([3], 0, 3, False, False, inprocess_left=8,
+                  remote_ranks=True).action is Action.REPLACE

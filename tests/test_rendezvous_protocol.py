@@ -338,3 +338,18 @@ def test_join_round_trips_and_defaults():
     assert Join.from_json(j.to_json()) == j
     bare = Join.from_json(json.dumps({"node_id": "n", "address": "a", "nproc": 1, "port": 2}))
     assert bare.prev_rank == -1
+
+
+def test_the_first_members_job_store_is_the_rounds_and_an_old_record_still_reads():
+    joins = [Join("b", "10.0.0.2", 1, 29500, store_port=0),
+             Join("a", "10.0.0.1", 1, 29500, store_port=41000)]
+    state = RoundState(round=2, status=CLOSED, members=order_members(joins))
+    state = RoundState.from_json(state.to_json())
+    for node in ("a", "b"):
+        r = result_for(state, node)
+        assert (r.store_addr, r.store_port) == ("10.0.0.1", 41000)
+    # A join or member written before the store port existed reads as "no store".
+    old = json.dumps({"node_id": "a", "address": "x", "nproc": 1, "port": 1})
+    assert Join.from_json(old).store_port == 0
+    noone = RoundState(round=1, status=CLOSED, members=(Member("b", "y", 1, 2),))
+    assert result_for(noone, "b").store_port == 0 and result_for(noone, "b").store_addr == ""

@@ -63,7 +63,7 @@ class Decision:
 def decide(returncodes: Sequence[int | None], restarts: int, max_restarts: int,
            cancel_requested: bool, shutting_down: bool, *, round_status: str = "current",
            round_reason: str = "", peers_done: bool = True, inprocess_left: int = 0,
-           gave_up: bool = False) -> Decision:
+           gave_up: bool = False, remote_ranks: bool = False) -> Decision:
     """What the agent does next, from one look at its workers and its round (no I/O).
 
     ``round_status`` is ClusterRendezvous.status(): current, superseded,
@@ -72,7 +72,9 @@ def decide(returncodes: Sequence[int | None], restarts: int, max_restarts: int,
     ``inprocess_left``: ranks the in-process layer may still replace (0 for a
     job without in-process restart, or once it gave up). Dead ranks are
     replaced only while the others still run the training function: once
-    any rank finished, nobody is left to meet the newcomer. ``gave_up``: a
+    any rank finished, nobody is left to meet the newcomer (``remote_ranks``:
+    other nodes of the round run ranks too, still training as far as this
+    node knows). ``gave_up``: a
     rank reported that in-process restart gave up; it is about to exit
     non-zero, and the group restarts without waiting for that.
     """
@@ -88,7 +90,7 @@ def decide(returncodes: Sequence[int | None], restarts: int, max_restarts: int,
         return Decision(Action.REJOIN, round_reason)
     failed = [rc for rc in returncodes if rc is not None and rc != 0]
     if failed or gave_up:
-        running = any(rc is None for rc in returncodes)
+        running = remote_ranks or any(rc is None for rc in returncodes)
         finished = any(rc == 0 for rc in returncodes)
         if not gave_up and running and not finished and len(failed) <= inprocess_left:
             return Decision(Action.REPLACE, f"{len(failed)} rank(s) replaced in-process")
@@ -183,6 +185,8 @@ class Agent:
                 self._registry.transition(self.job_id, JobState.RENDEZVOUS,
                                           f"joining round {self._next_round_number(job)}")
             self.wake.clear()
+            if job.inprocess:
+                self._rdzv.store_port = self._start_job_store(job)
             try:
                 result = self._rdzv.next_round(self.wake)
             except RoundFinal as final:
@@ -197,7 +201,7 @@ class Agent:
             state = self._rdzv.last_state
             job = self._registry.update(self.job_id, round=result.round,
                                         restarts=state.restarts if state else job.restarts)
-            spec = self._with_job_store(job, self._group_spec(job, result))
+            spec = self._with_job_store(job, self._group_spec(job, result), result)
             self._recovery.start_attempt(job, "ELASTICD_STORE_ADDR" in spec.extra_env)
             group = self._group = WorkerGroup(spec)
             try:
@@ -256,7 +260,8 @@ class Agent:
                               self.shutting_down, round_status=round_status, round_reason=why,
                               peers_done=peers_done,
                               inprocess_left=self._recovery.inprocess_left(),
-                              gave_up=self._recovery.gave_up())
+                              gave_up=self._recovery.gave_up(),
+                              remote_ranks=result.group_world_size > 1)
             if decision.action is Action.REPLACE:
                 self._replace_dead(group)
                 if a.warm_spares:
@@ -443,26 +448,40 @@ class Agent:
             log_dir=os.path.join(self._cfg.logs_dir, job.id),
             run_dir=os.path.join(d.state_dir, "run", job.id), node_id=d.node_id)
 
-    def _with_job_store(self, job: JobRecord, spec: GroupSpec) -> GroupSpec:
-        """For --inprocess jobs: the store the wrapper coordinates through."""
+    def _start_job_store(self, job: JobRecord) -> int:
+        """For --inprocess jobs: this node's job store, up before it joins a round; its port.
+
+        Every node hosts one; the ranks of a round share the first member's
+        (rendezvous Result.store_addr), which outlives any rank. 0 when it
+        cannot start: the job then restarts processes only.
+        """
+        address = self._rdzv.address
+        local = address.startswith("127.") or address in ("localhost", "::1")
+        spec = self._group_spec(job, Result(round=0, group_rank=0, group_world_size=1,
+                                            world_size=job.nproc_per_node, rank_offset=0,
+                                            master_addr=address, master_port=0))
+        try:
+            _, port = self._store_host.ensure(spec, bind="127.0.0.1" if local else "0.0.0.0",
+                                              advertise=address, timeout=120.0)
+            return port
+        except SpawnError as exc:
+            self._registry.event(job.id, "info", f"no in-process restart on this node: {exc}")
+            return 0
+
+    def _with_job_store(self, job: JobRecord, spec: GroupSpec, rdzv: Result) -> GroupSpec:
+        """For --inprocess jobs: the store the round's wrappers coordinate through."""
         if not job.inprocess:
             return spec
-        if spec.group_world_size != 1:
-            self._store_host.stop()
-            self._registry.event(job.id, "info", "in-process restart needs a single-node round "
-                                 "for now; this round restarts processes only")
-            return spec
-        try:
-            addr, port = self._store_host.ensure(spec, timeout=120.0)
-        except SpawnError as exc:
-            self._registry.event(job.id, "info", f"no in-process restart this round: {exc}")
+        if not rdzv.store_port:
+            self._registry.event(job.id, "info", f"round {rdzv.round}: its first node hosts no "
+                                 "job store; this round restarts processes only")
             return spec
         settings = {f"ELASTICD_INPROCESS_{name.upper()}": str(value)
                     for name, value in dataclasses.asdict(self._cfg.inprocess).items()}
         defaults = {k: v for k, v in settings.items() if k not in job.env}  # --env wins
         return dataclasses.replace(spec, extra_env={**spec.extra_env, **defaults,
-                                                    "ELASTICD_STORE_ADDR": addr,
-                                                    "ELASTICD_STORE_PORT": str(port)})
+                                                    "ELASTICD_STORE_ADDR": rdzv.store_addr,
+                                                    "ELASTICD_STORE_PORT": str(rdzv.store_port)})
 
     def _first_failure(self, job: JobRecord, group: WorkerGroup) -> dict:
         blamed = failures.most_to_blame(group.workers)

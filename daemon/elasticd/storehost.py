@@ -28,8 +28,14 @@ class JobStoreHost:
         self._proc: subprocess.Popen | None = None
         self.address: tuple[str, int] | None = None
 
-    def ensure(self, spec: GroupSpec, timeout: float) -> tuple[str, int]:
-        """The running store's (addr, port), starting it if need be."""
+    def ensure(self, spec: GroupSpec, bind: str, advertise: str,
+               timeout: float) -> tuple[str, int]:
+        """The running store's (addr, port), starting it if need be.
+
+        ``bind``: the address it listens on (loopback for a single node, all
+        addresses when ranks on other nodes use it); ``advertise``: the
+        address the ranks are told. Its errors go to ``<job logs>/jobstore.log``.
+        """
         if self._proc is not None and self._proc.poll() is None and self.address:
             return self.address
         self.stop()
@@ -37,10 +43,10 @@ class JobStoreHost:
             raise SpawnError("in-process restart needs a `python SCRIPT` or `python -m MODULE` "
                              "command (the store host runs with the job's Python)")
         prepare_dirs(spec)
-        proc = _popen(spec, [spec.command[0], JOBSTORE, "--host", "127.0.0.1",
-                             "--advertise", "127.0.0.1"], spec.rank_offset, base_env(spec),
-                      _user_kwargs(spec.uid, spec.gid), stdin=subprocess.PIPE,
-                      stdout=subprocess.PIPE)
+        proc = _popen(spec, [spec.command[0], JOBSTORE, "--host", bind, "--advertise", advertise],
+                      spec.rank_offset, base_env(spec), _user_kwargs(spec.uid, spec.gid),
+                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                      log_path=os.path.join(spec.log_dir, "jobstore.log"))
         self._proc = proc
         ready, _, _ = select.select([proc.stdout], [], [], timeout)
         line = proc.stdout.readline().decode(errors="replace").split() if ready else []

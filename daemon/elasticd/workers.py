@@ -246,11 +246,12 @@ def _mark_log(spec: GroupSpec, rank: int, what: str) -> None:
 
 
 def _popen(spec: GroupSpec, argv: list, rank: int, env: dict, user_kwargs: dict,
-           stdin, stdout=None) -> subprocess.Popen:
+           stdin, stdout=None, log_path: str | None = None) -> subprocess.Popen:
     """Start one process of the job: its user, its own process group, dies with us.
 
-    Its output goes to the rank's log (stderr always; stdout unless given)."""
-    with open(log_file_path(spec.log_dir, rank), "ab", buffering=0) as logf:
+    Its output goes to the rank's log, or ``log_path`` (stderr always; stdout
+    unless given)."""
+    with open(log_path or log_file_path(spec.log_dir, rank), "ab", buffering=0) as logf:
         try:
             return subprocess.Popen(
                 argv, cwd=spec.cwd, env=env,

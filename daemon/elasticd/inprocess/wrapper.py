@@ -198,8 +198,11 @@ class _Run:
         _import_before_any_group()
         base = dist.TCPStore(addr, int(os.environ["ELASTICD_STORE_PORT"]), is_master=False,
                              timeout=_td(self.s.barrier_timeout), wait_for_workers=False)
+        # One prefix per round and process attempt: a store that outlives a round (its
+        # node stays the first member) never hands a new group an old group's keys.
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        root = dist.PrefixStore(f"elasticd/inprocess/{attempt}/", base)
+        rnd = os.environ.get("ELASTICD_ROUND", "0")
+        root = dist.PrefixStore(f"elasticd/inprocess/r{rnd}a{attempt}/", base)
         iteration, fault, fault_time = 0, "", 0.0
         replaces = os.environ.get("ELASTICD_INPROCESS_REPLACES", "")
         if replaces:

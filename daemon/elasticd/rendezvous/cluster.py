@@ -60,6 +60,14 @@ class ClusterRendezvous:
         self._written = 0                    # revision of our last state write
         self.prev_rank = -1
         self.last_state: RoundState | None = None
+        # This node's job store for in-process restart (the agent starts it before
+        # joining; 0: none). The round's first member's is the one its ranks share.
+        self.store_port = 0
+
+    @property
+    def address(self) -> str:
+        """The address peers reach this node's workers (and job store) at."""
+        return self._address
 
     # -- keys --------------------------------------------------------------------
     def _key(self, *parts) -> str:
@@ -123,7 +131,8 @@ class ClusterRendezvous:
                 return
         lease = self._lease()
         join = Join(node_id=self.node_id, address=self._address, nproc=self._nproc,
-                    port=self._port(), prev_rank=self.prev_rank, time=self._clock())
+                    port=self._port(), prev_rank=self.prev_rank, time=self._clock(),
+                    store_port=self.store_port)
         self._joined[rnd] = self._store.put(self._key("join", rnd, self.node_id),
                                             join.to_json(), lease=lease)
 

@@ -41,6 +41,7 @@ class Member:
     address: str
     nproc: int
     port: int                      # a free port on that node, for MASTER_PORT if rank 0
+    store_port: int = 0            # its job store for in-process restart (0: none)
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,7 @@ class Join:
     port: int
     prev_rank: int = -1            # group rank in the last round this node was in
     time: float = 0.0
+    store_port: int = 0            # its job store for in-process restart (0: none)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -100,7 +102,8 @@ class Join:
         data = json.loads(text)
         return cls(node_id=str(data["node_id"]), address=str(data["address"]),
                    nproc=int(data["nproc"]), port=int(data["port"]),
-                   prev_rank=int(data.get("prev_rank", -1)), time=float(data.get("time", 0.0)))
+                   prev_rank=int(data.get("prev_rank", -1)), time=float(data.get("time", 0.0)),
+                   store_port=int(data.get("store_port", 0)))
 
 
 @dataclass(frozen=True)
@@ -131,13 +134,17 @@ class Result:
     master_addr: str
     master_port: int
     members: tuple = field(default=())
+    # The job store every rank of the round shares for in-process restart: the
+    # first member's (it hosts rank 0's MASTER_PORT too); empty if it has none.
+    store_addr: str = ""
+    store_port: int = 0
 
 
 def order_members(joins: list[Join]) -> tuple[Member, ...]:
     """Old members keep their order (group ranks stay stable); newcomers follow by id."""
     old = sorted((j for j in joins if j.prev_rank >= 0), key=lambda j: (j.prev_rank, j.node_id))
     new = sorted((j for j in joins if j.prev_rank < 0), key=lambda j: j.node_id)
-    return tuple(Member(j.node_id, j.address, j.nproc, j.port) for j in old + new)
+    return tuple(Member(j.node_id, j.address, j.nproc, j.port, j.store_port) for j in old + new)
 
 
 def decider(joins: list[Join]) -> str | None:
@@ -199,4 +206,5 @@ def result_for(state: RoundState, node_id: str) -> Result | None:
                   world_size=sum(m.nproc for m in state.members),
                   rank_offset=sum(m.nproc for m in state.members[:index]),
                   master_addr=master.address, master_port=master.port,
-                  members=tuple(ids))
+                  members=tuple(ids), store_addr=master.address if master.store_port else "",
+                  store_port=master.store_port)
