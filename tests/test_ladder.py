@@ -149,3 +149,47 @@ def test_the_only_local_rank_is_replaced_when_other_nodes_still_train():
     assert decide([3], 0, 3, False, False, inprocess_left=8).action is Action.RESTART
     assert decide([3], 0, 3, False, False, inprocess_left=8,
                   remote_ranks=True).action is Action.REPLACE
+
+
+# ---------------------------------------------------------------- Recovery: record, events, metrics
+
+def test_inprocess_reports_become_events_a_ladder_record_and_metrics(tmp_path):
+    from types import SimpleNamespace
+
+    from elasticd.config import Config
+    from elasticd.inprocess_reports import report_path
+    from elasticd.jobs import JobRecord, JobRegistry
+    from elasticd.metrics import Metrics
+    from elasticd.recovery import Recovery
+
+    registry = JobRegistry(str(tmp_path / "state"), "node-a")
+    job = registry.create(JobRecord(id="j1", command=["python", "t.py"], cwd="/", uid=0, gid=0,
+                                    inprocess=True, max_restarts=3))
+    metrics = Metrics("node-a")
+    rec = Recovery("j1", Config(), registry, metrics)
+    rec.start_attempt(job, inprocess_on=True)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    group = SimpleNamespace(spec=SimpleNamespace(run_dir=str(run_dir), restart_count=0),
+                            workers=[SimpleNamespace(rank=0), SimpleNamespace(rank=1)])
+    line = {"kind": "restart", "iteration": 1, "fault": "rank 1: RuntimeError: boom",
+            "fault_time": 100.0, "ready_time": 100.25}
+    for rank in (0, 1):   # every rank reports the iteration; it counts once
+        with open(report_path(str(run_dir), rank, 0), "w") as fh:
+            fh.write(json.dumps(line) + "\n")
+    rec.read_reports(group)
+    job = registry.get("j1")
+    assert job.restarts_by_layer == {"inprocess": 1}
+    assert job.restart_budget == {"inprocess": 8, "process": 3, "rendezvous": -1}
+    assert job.attempts[0]["cause"] == "rank 1: RuntimeError: boom"
+    ev = [e for e in registry.events(job_id="j1") if e["kind"] == "restart"]
+    assert len(ev) == 1 and ev[0]["layer"] == "inprocess" and ev[0]["duration_seconds"] == 0.25
+    value = metrics.registry.get_sample_value
+    assert value("elasticd_restarts_total", {"layer": "inprocess", "cause": "exit"}) == 1
+    assert value("elasticd_recovery_duration_seconds_count", {"layer": "inprocess"}) == 1
+    assert value("elasticd_recovery_duration_seconds_bucket",
+                 {"layer": "inprocess", "le": "0.1"}) == 0   # 0.25 s: finer buckets than 50 ms
+    with open(report_path(str(run_dir), 0, 0), "a") as fh:
+        fh.write(json.dumps({"kind": "abandoned", "reason": "3 faults within 30s"}) + "\n")
+    rec.read_reports(group)
+    assert rec.gave_up() and rec.inprocess_left() == 0

@@ -54,6 +54,8 @@ _STORE_ERRORS = ((StoreUnavailable, "unavailable"), (StoreAuthError, "auth"),
 
 _FAST_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 _SLOW_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+# Recovery spans in-process restarts (tens of ms) to hangs killed after minutes.
+_RECOVERY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 
 class Metrics:
@@ -79,7 +81,7 @@ class Metrics:
         self.recovery_seconds = Histogram(
             "elasticd_recovery_duration_seconds",
             "From a fault seen to the job running again, by the layer that recovered it",
-            ["layer"], registry=r, buckets=_SLOW_BUCKETS)
+            ["layer"], registry=r, buckets=_RECOVERY_BUCKETS)
         self.rendezvous_seconds = Histogram(
             "elasticd_rendezvous_duration_seconds",
             "Time a job spent in RENDEZVOUS (forming its round and starting workers) "
