@@ -1,0 +1,129 @@
+"""Cluster jobs this node knows only from etcd, as a user sees them.
+
+A cluster job has a local record (jobs.py) only on the nodes that adopted
+it. Any other node still answers ``status``, ``wait`` and ``events`` for it
+from the job's keys in the ``JobsView`` (see rendezvous/protocol.py): the
+spec (what, whose, submitted where), the round state (round, restarts,
+open/closed/final and why) and the worker rows each running node publishes.
+``record_from_keys`` builds that record and ``find`` resolves an id or a
+live name; neither does I/O beyond reading the view.
+"""
+from __future__ import annotations
+
+from .jobs import JobRecord
+from .manager import record_from_spec
+from .rendezvous.protocol import CANCELLED, CLOSED, FAILED, OPEN, SUCCEEDED
+from .rendezvous.view import JobKeys
+from .states import JobState
+
+_FINAL_STATES = {SUCCEEDED: JobState.SUCCEEDED, FAILED: JobState.FAILED,
+                 CANCELLED: JobState.CANCELLED}
+
+
+class AmbiguousName(ValueError):
+    """Several live cluster jobs carry the name; the ids are in ``ids``."""
+
+    def __init__(self, name: str, ids: list[str]):
+        super().__init__(f"{len(ids)} live jobs in the cluster are named {name!r} "
+                         f"({', '.join(ids)}); give the job id")
+        self.ids = ids
+
+
+def worker_rows(keys: JobKeys, skip: str = "") -> list[dict]:
+    """Every node's published worker rows (but ``skip``'s), as the record keeps
+    them; rows that do not parse are left out."""
+    rows = []
+    for node, published in sorted(keys.workers.items()):
+        if node == skip:
+            continue
+        for w in published:
+            try:
+                rows.append({"rank": int(w["rank"]), "local_rank": int(w["local_rank"]),
+                             "pid": int(w["pid"]), "state": str(w["state"]),
+                             "exit_code": int(w["exit_code"]), "node_id": node})
+            except (KeyError, TypeError, ValueError):
+                continue
+    return sorted(rows, key=lambda w: (w["rank"], w["node_id"]))
+
+
+def nodes_of(keys: JobKeys) -> list[str]:
+    """The nodes that run the job: its round's members once closed (or final),
+    those joined so far while open; else whoever published workers."""
+    state = keys.state
+    nodes: list[str] = []
+    if state is not None:
+        nodes = state.member_ids() if state.status != OPEN else \
+            sorted(keys.joins.get(state.round, {}))
+    return nodes or sorted(keys.workers)
+
+
+def job_state(keys: JobKeys) -> JobState:
+    """The round status as a job state: closed is RUNNING; an open first round
+    is PENDING until a node joins, then RENDEZVOUS; a later open round (after a
+    fault or a change of nodes) is RESTARTING; final states map one to one."""
+    state = keys.state
+    if state.status in _FINAL_STATES:
+        return _FINAL_STATES[state.status]
+    if state.status == CLOSED:
+        return JobState.RUNNING
+    if state.restarts > 0 or state.round > 1:
+        return JobState.RESTARTING
+    return JobState.RENDEZVOUS if keys.joins.get(state.round) else JobState.PENDING
+
+
+def record_from_keys(keys: JobKeys, now: float) -> JobRecord | None:
+    """The job as the cluster knows it; None without a usable spec and state."""
+    state = keys.state
+    if keys.spec is None or state is None:
+        return None
+    try:
+        rec = record_from_spec(keys.spec)
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None
+    rec.state = job_state(keys)
+    nodes = ", ".join(nodes_of(keys))
+    if rec.state in _FINAL_STATES.values():
+        where = f"ran on {nodes}" if nodes else "ran on no node"
+    elif state.status == OPEN:
+        where = f"joined so far: {nodes}" if nodes else "no node joined yet"
+    else:
+        where = f"running on {nodes}"
+    rec.reason = f"this node does not run it; {where}" + (f": {state.reason}"
+                                                            if state.reason else "")
+    rec.round, rec.restarts = state.round, state.restarts
+    rec.workers = worker_rows(keys)
+    since = state.opened_at if state.status == OPEN else state.closed_at
+    rec.state_since = since if 0 < since <= now else now
+    if rec.state in _FINAL_STATES.values():
+        rec.finished_at = state.closed_at
+        rec.exit_code = 1 if rec.state is JobState.FAILED else 0
+    return rec
+
+
+def find(view, key: str, may_see) -> tuple[str, JobKeys] | None:
+    """The cluster job with id ``key``, else the live one named ``key``:
+    (id, keys), or None. Among several live ones of that name, those
+    ``may_see(uid)`` allows count first; AmbiguousName if still several."""
+    keys = view.job(key)
+    if keys is not None and keys.spec is not None and keys.state is not None:
+        return key, keys
+    named = []
+    for job_id in view.job_ids():
+        keys = view.job(job_id)
+        if keys is None or keys.spec is None or keys.state is None or keys.state.final:
+            continue
+        if keys.spec.get("name") == key:
+            named.append((job_id, keys))
+    if len(named) > 1:
+        mine = [(j, k) for j, k in named if _uid(k) is not None and may_see(_uid(k))]
+        named = mine or named
+    if len(named) > 1:
+        raise AmbiguousName(key, sorted(j for j, _ in named))
+    return named[0] if named else None
+
+
+def _uid(keys: JobKeys) -> int | None:
+    try:
+        return int(keys.spec["uid"])
+    except (KeyError, TypeError, ValueError):
+        return None
