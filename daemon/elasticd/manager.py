@@ -148,10 +148,7 @@ class JobManager:
         except JobNotFound:
             raise errors.NotFound(f"no job {key!r} on this node; `elasticctl list` shows "
                                   "the jobs you can see") from None
-        if not caller.may_act_on(job.uid):
-            raise errors.PermissionDenied(
-                f"job {job.id} belongs to {job.user or job.uid}; only that user or root may "
-                "see or change it")
+        check_access(job, caller)
         return job
 
     def cancel(self, key: str, caller: Caller) -> JobRecord:
@@ -162,11 +159,7 @@ class JobManager:
             job = self._registry.get(job.id)
             if job.id not in self._agents:
                 reason = f"cancelled by {caller.user}"
-                try:
-                    self._rendezvous_for(job).finish(CANCELLED, reason)
-                except StoreError as exc:
-                    raise errors.FailedPrecondition(f"etcd unavailable, job not cancelled: "
-                                                    f"{exc}") from None
+                self._finish_cancelled(job, reason)
                 return self._registry.transition(job.id, JobState.CANCELLED, reason)
             self._registry.update(job.id, cancel_requested=True)
             self._registry.event(job.id, "info", f"cancel requested by {caller.user}")
@@ -174,6 +167,21 @@ class JobManager:
         if agent is not None:
             agent.poke()
         return self._registry.get(job.id)
+
+    def cancel_elsewhere(self, job: JobRecord, caller: Caller) -> None:
+        """Cancel a cluster job that other nodes run (``job`` as the cluster
+        knows it): its round goes to cancelled, and the agents of the nodes
+        that run it stop their workers and end their records, as after a
+        cancel on one of them."""
+        check_access(job, caller)
+        self._finish_cancelled(job, f"cancelled by {caller.user} on {self._cfg.daemon.node_id}")
+
+    def _finish_cancelled(self, job: JobRecord, reason: str) -> None:
+        try:
+            self._rendezvous_for(job).finish(CANCELLED, reason)
+        except StoreError as exc:
+            raise errors.FailedPrecondition(f"etcd unavailable, job not cancelled: {exc}") \
+                from None
 
     # -- scheduling ----------------------------------------------------------
     def schedule(self) -> None:
@@ -310,6 +318,14 @@ class JobManager:
         for agent in agents:
             if not agent.join(timeout):
                 log.error("%s: agent did not stop within %.0fs", ctx(job=agent.job_id), timeout)
+
+
+def check_access(job: JobRecord, caller: Caller) -> None:
+    """root may see and change every job; anyone else only their own."""
+    if not caller.may_act_on(job.uid):
+        raise errors.PermissionDenied(
+            f"job {job.id} belongs to {job.user or job.uid}; only that user or root may "
+            "see or change it")
 
 
 def kill_leftover_workers(rows: list[dict]) -> int:
