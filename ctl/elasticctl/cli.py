@@ -266,8 +266,10 @@ COMMANDS: dict[str, tuple[Callable[[Context], int], str, str, bool]] = {
     "submit": (cmd_submit, "queue a job; prints its id",
                "elasticctl submit --name bert --nnodes 2:4 --nproc-per-node 8 -- "
                "python train.py --lr 3e-4", True),
-    "list": (cmd_list, "list jobs", "elasticctl list -o json", True),
-    "status": (cmd_status, "show one job: state, restarts, last failure, workers",
+    "list": (cmd_list, "list this node's jobs (one only other nodes run: `status JOB`)",
+             "elasticctl list -o json", True),
+    "status": (cmd_status, "show one job (on any node): state, restarts, last failure, "
+                           "every node's workers",
                "elasticctl status bert", True),
     "logs": (cmd_logs, "print a job's worker output on this node",
              "elasticctl logs bert --rank 3 --tail 100 -f", True),

@@ -18,12 +18,12 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from . import errors, validation
+from . import clusterjobs, errors, validation
 from .auth import TOKEN_METADATA_KEY, AuthError, Caller, TokenIssuer, set_socket_access
 from .config import Config
 from .jobs import JobNotFound, JobRecord, JobRegistry
 from .logfiles import LogReader
-from .manager import JobManager
+from .manager import JobManager, check_access
 from .store import StoreError
 from .states import TERMINAL_STATES
 from .v1 import control_pb2 as pb
@@ -32,6 +32,7 @@ from .v1 import control_pb2_grpc as pb_grpc
 log = logging.getLogger("elasticd.control")
 
 SERVICE_NAME = "elasticd.v1.Control"
+SETTLE_SECONDS = 2.0  # how long WaitJob waits for the rows of a job other nodes ended
 
 
 def _status(exc: errors.ElasticdError) -> grpc.StatusCode:
@@ -116,6 +117,12 @@ def job_to_proto(job: JobRecord) -> pb.Job:
     return msg
 
 
+def _settled(job: JobRecord) -> bool:
+    """Ended, and every node's last worker rows published (none still running)."""
+    return job.state in TERMINAL_STATES and not any(w["state"] == "running"
+                                                    for w in job.workers)
+
+
 def _event_to_proto(ev: dict) -> pb.Event:
     def state(value: str) -> int:
         return pb.JobState.Value(value) if value else pb.JOB_STATE_UNSPECIFIED
@@ -162,7 +169,8 @@ class ControlServicer(pb_grpc.ControlServicer):
 
     @_handle
     def ListJobs(self, request, context, caller):
-        # root sees every job; anyone else only their own.
+        # root sees every job; anyone else only their own. This node's records
+        # only: a cluster job other nodes run is found by GetJob (see _find).
         jobs = [j for j in self._registry.list() if caller.may_act_on(j.uid)]
         return pb.ListJobsResponse(jobs=[job_to_proto(j) for j in jobs])
 
@@ -171,50 +179,117 @@ class ControlServicer(pb_grpc.ControlServicer):
         msg = job_to_proto(job)
         keys = self._view.job(job.id) if self._view is not None else None
         if keys is not None:
-            me = self._cfg.daemon.node_id
-            for node, rows in sorted(keys.workers.items()):
-                if node == me:
-                    continue
-                for w in rows:
-                    try:
-                        msg.workers.add(rank=int(w["rank"]), local_rank=int(w["local_rank"]),
-                                        pid=int(w["pid"]), state=str(w["state"]),
-                                        exit_code=int(w["exit_code"]), node_id=node)
-                    except (KeyError, TypeError, ValueError):
-                        continue
+            for row in clusterjobs.worker_rows(keys, skip=self._cfg.daemon.node_id):
+                msg.workers.add(**row)
         return msg
+
+    def _find(self, key: str, caller) -> tuple[JobRecord, bool]:
+        """The job with this id or name, if the caller may see it: (its record
+        here, True), else (the record the cluster's keys make of a job only
+        other nodes run, False). A live job wins over a finished one of the
+        same name here."""
+        key = validation.job_key(key)
+        try:
+            local = self._registry.get(key)
+        except JobNotFound:
+            local = None
+        if local is not None and (local.id == key or local.live):
+            check_access(local, caller)
+            return local, True
+        remote = self._remote(key, caller)
+        if remote is not None:
+            check_access(remote, caller)
+            return remote, False
+        if local is not None:
+            check_access(local, caller)
+            return local, True
+        raise errors.NotFound(f"no job {key!r} on this node or in the cluster; "
+                              "`elasticctl list` shows this node's jobs")
+
+    def _remote(self, key: str, caller) -> JobRecord | None:
+        if self._view is None:
+            return None
+        try:
+            found = clusterjobs.find(self._view, key, caller.may_act_on)
+        except clusterjobs.AmbiguousName as exc:
+            raise errors.FailedPrecondition(str(exc)) from None
+        return clusterjobs.record_from_keys(found[1], time.time()) if found else None
+
+    def _refresh(self, job: JobRecord, here: bool) -> JobRecord:
+        """The job's record now: from the registry, or from the cluster's keys."""
+        if here:
+            return self._registry.get(job.id)
+        keys = self._view.job(job.id)
+        return (clusterjobs.record_from_keys(keys, time.time()) if keys else None) or job
+
+    def _wait_until(self, job: JobRecord, here: bool, done, timeout: float | None, gone=None):
+        """Wait (in steps of at most a second) until ``done(record)``, the
+        timeout, or the caller goes; the record then."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not done(job) and not (gone is not None and gone.is_set()):
+            left = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
+            if left <= 0:
+                break
+            if here:
+                self._registry.wait_for_change(lambda: done(self._registry.get(job.id)), left)
+                job = self._refresh(job, here)
+            else:
+                seen = self._view.revision  # before the look: a change after it wakes us
+                job = self._refresh(job, here)
+                if not done(job):
+                    self._view.wait(left, seen)
+                    job = self._refresh(job, here)
+        return job
 
     @_handle
     def GetJob(self, request, context, caller):
-        return self._with_cluster(self._manager.get_for(validation.job_key(request.id), caller))
+        job, here = self._find(request.id, caller)
+        return self._with_cluster(job) if here else job_to_proto(job)
 
     @_handle
     def CancelJob(self, request, context, caller):
-        job = self._manager.cancel(validation.job_key(request.id), caller)
+        job, here = self._find(request.id, caller)
+        if not here:
+            return job_to_proto(self._cancel_elsewhere(job, caller))
+        job = self._manager.cancel(job.id, caller)
         # Answer once the workers are stopped (graceful stop plus a margin), so
         # the caller sees CANCELLED rather than a job still shutting down.
         finished = lambda: self._registry.get(job.id).state in TERMINAL_STATES  # noqa: E731
         self._registry.wait_for_change(finished, self._cfg.agent.stop_grace_period + 2.0)
         return job_to_proto(self._registry.get(job.id))
 
+    def _cancel_elsewhere(self, job: JobRecord, caller) -> JobRecord:
+        """Cancel a job only other nodes run, through its round state; answer
+        once its workers there are stopped (their grace period plus a margin)."""
+        if job.state in TERMINAL_STATES:
+            return job
+        self._manager.cancel_elsewhere(job, caller)
+        return self._wait_until(job, False, _settled, self._cfg.agent.stop_grace_period + 2.0)
+
     @_handle
     def WaitJob(self, request, context, caller):
-        job = self._manager.get_for(validation.job_key(request.id), caller)
+        job, here = self._find(request.id, caller)
         timeout = request.timeout_seconds
         if timeout < 0 or timeout != timeout:
             raise errors.InvalidArgument(f"timeout_seconds: must be >= 0, got {timeout}")
-        deadline = time.monotonic() + timeout if timeout else None
         gone = self._gone(context)
-        finished = lambda: self._registry.get(job.id).state in TERMINAL_STATES  # noqa: E731
-        while not gone.is_set():
-            left = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
-            if left <= 0 or self._registry.wait_for_change(finished, left):
-                break
-        return job_to_proto(self._registry.get(job.id))
+        job = self._wait_until(job, here, lambda j: j.state in TERMINAL_STATES,
+                               timeout or None, gone)
+        if not here and job.state in TERMINAL_STATES:
+            # A node ends the round, then publishes its workers' last rows.
+            job = self._wait_until(job, here, _settled, SETTLE_SECONDS, gone)
+        return job_to_proto(job)
 
     @_handle
     def Logs(self, request, context, caller):
-        job = self._manager.get_for(validation.job_key(request.id), caller)
+        job, here = self._find(request.id, caller)
+        if not here:
+            keys = self._view.job(job.id)
+            nodes = clusterjobs.nodes_of(keys) if keys else []
+            raise errors.FailedPrecondition(
+                f"job {job.id} does not run on this node; its logs are on the nodes that run "
+                f"it: " + (f"{', '.join(nodes)}: run `elasticctl logs {job.id}` there"
+                           if nodes else "none has joined it yet"))
         ranks = None
         if request.HasField("rank"):
             world = job.nproc_per_node * max(job.max_nodes, 1)
@@ -254,9 +329,7 @@ class ControlServicer(pb_grpc.ControlServicer):
 
     @_handle
     def Events(self, request, context, caller):
-        job_id = ""
-        if request.id:
-            job_id = self._manager.get_for(validation.job_key(request.id), caller).id
+        job_id = self._find(request.id, caller)[0].id if request.id else ""
         owners: dict[str, int] = {}
 
         def visible(ev: dict) -> bool:
