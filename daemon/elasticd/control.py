@@ -24,6 +24,7 @@ from .config import Config
 from .jobs import JobNotFound, JobRecord, JobRegistry
 from .logfiles import LogReader
 from .manager import JobManager, check_access
+from .messages import event_to_proto, job_to_proto, node_to_proto
 from .store import StoreError
 from .states import TERMINAL_STATES
 from .v1 import control_pb2 as pb
@@ -85,52 +86,10 @@ def _is_abort(exc: BaseException) -> bool:
     return type(exc) is Exception and not exc.args
 
 
-def job_to_proto(job: JobRecord) -> pb.Job:
-    msg = pb.Job(
-        id=job.id, name=job.name, state=pb.JobState.Value(job.state.value), reason=job.reason,
-        command=job.command, cwd=job.cwd, uid=job.uid, gid=job.gid, user=job.user,
-        min_nodes=job.min_nodes, max_nodes=job.max_nodes, nproc_per_node=job.nproc_per_node,
-        max_restarts=job.max_restarts, restarts=job.restarts, round=job.round,
-        created_at=job.created_at, started_at=job.started_at, finished_at=job.finished_at,
-        exit_code=job.exit_code, node_id=job.node_id, inprocess=job.inprocess)
-    seconds = dict(job.seconds_in_state)
-    if job.state not in TERMINAL_STATES:
-        seconds[job.state.value] = seconds.get(job.state.value, 0.0) + max(
-            0.0, time.time() - job.state_since)
-    msg.seconds_in_state.update(seconds)
-    if job.last_failure:
-        f = job.last_failure
-        msg.last_failure.CopyFrom(pb.Failure(
-            rank=f.get("rank", -1), exit_code=f.get("exit_code", 0), signal=f.get("signal", 0),
-            cause=f.get("cause", ""), traceback=f.get("traceback", ""), time=f.get("time", 0.0),
-            restart=f.get("restart", 0), node_id=f.get("node_id", "")))
-    msg.restarts_by_layer.update({k: int(v) for k, v in job.restarts_by_layer.items()})
-    msg.restart_budget.update({k: int(v) for k, v in job.restart_budget.items()})
-    for a in job.attempts:
-        msg.attempts.add(layer=a.get("layer", ""), cause=a.get("cause", ""),
-                         time=a.get("time", 0.0), duration_seconds=a.get("duration", 0.0),
-                         outcome=a.get("outcome", ""), rank=a.get("rank", -1),
-                         node_id=a.get("node_id", ""))
-    for w in job.workers:
-        msg.workers.add(rank=w["rank"], local_rank=w["local_rank"], pid=w["pid"],
-                        state=w["state"], exit_code=w["exit_code"], node_id=w["node_id"])
-    return msg
-
-
 def _settled(job: JobRecord) -> bool:
     """Ended, and every node's last worker rows published (none still running)."""
     return job.state in TERMINAL_STATES and not any(w["state"] == "running"
                                                     for w in job.workers)
-
-
-def _event_to_proto(ev: dict) -> pb.Event:
-    def state(value: str) -> int:
-        return pb.JobState.Value(value) if value else pb.JOB_STATE_UNSPECIFIED
-    return pb.Event(seq=ev["seq"], job_id=ev["job_id"], time=ev["time"], kind=ev["kind"],
-                    from_state=state(ev["from_state"]), to_state=state(ev["to_state"]),
-                    reason=ev["reason"], node_id=ev["node_id"], round=ev["round"],
-                    rank=ev["rank"], restart=ev["restart"], layer=ev.get("layer", ""),
-                    duration_seconds=ev.get("duration_seconds", 0.0))
 
 
 class ControlServicer(pb_grpc.ControlServicer):
@@ -349,7 +308,7 @@ class ControlServicer(pb_grpc.ControlServicer):
             for ev in batch:
                 last = ev["seq"]
                 if visible(ev):
-                    yield _event_to_proto(ev)
+                    yield event_to_proto(ev)
             if len(batch) == 1000:
                 continue
             if not request.follow:
@@ -387,10 +346,10 @@ class ControlServicer(pb_grpc.ControlServicer):
             # refresh was within its TTL (-1: "less than lease_ttl_seconds").
             age = (time.time() - cluster.keeper.last_refresh
                    if node_id == me and cluster.keeper.last_refresh else -1.0)
-            nodes.append(_node_proto(rec, "draining" if node_id in drains else "ready", age))
+            nodes.append(node_to_proto(rec, "draining" if node_id in drains else "ready", age))
         for node_id, (lost_at, rec) in sorted(view.lost.items()):
             if node_id not in live:
-                msg = _node_proto(rec, "lost", time.time() - lost_at)
+                msg = node_to_proto(rec, "lost", time.time() - lost_at)
                 msg.lost_at = lost_at
                 nodes.append(msg)
         return pb.ListNodesResponse(nodes=nodes, store=cluster.kind,
@@ -413,16 +372,7 @@ class ControlServicer(pb_grpc.ControlServicer):
             raise errors.FailedPrecondition(f"etcd unavailable, node state unchanged: {exc}") \
                 from None
         rec = view.live.get(node_id) or self._cluster.record()
-        return _node_proto(rec, request.state, 0.0)
-
-
-def _node_proto(rec: dict, state: str, age: float) -> pb.Node:
-    return pb.Node(node_id=rec.get("node_id", ""), state=state, host=str(rec.get("host", "")),
-                   address=str(rec.get("address", "")), slots=int(rec.get("slots", 0)),
-                   slots_free=int(rec.get("slots_free", 0)), version=str(rec.get("version", "")),
-                   started_at=float(rec.get("started_at", 0.0)), heartbeat_age_seconds=age,
-                   lease_ttl_seconds=float(rec.get("lease_ttl", 0) or 0),
-                   jobs=[str(j) for j in rec.get("jobs", [])][:1000])
+        return node_to_proto(rec, request.state, 0.0)
 
 
 class ControlServer:
