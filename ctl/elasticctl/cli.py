@@ -296,7 +296,9 @@ def _add_arguments(name: str, sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--inprocess", action="store_true",
                         help="host a job store so a training function wrapped in "
                              "elasticd.inprocess.Wrapper restarts inside its processes after a "
-                             "fault (single-node rounds; otherwise process restarts)")
+                             "fault, and a rank that died is replaced by a new process that "
+                             "joins the others; falls back to process restarts (see "
+                             "`elasticctl status`: restarts by layer)")
         sp.add_argument("--nodes", default="", metavar="NODE[,NODE...]",
                         help="run only on these nodes (default: any node with free slots)")
         sp.add_argument("--nproc-per-node", type=_int_at_least(1, "--nproc-per-node"),
