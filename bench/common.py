@@ -190,11 +190,7 @@ class BenchDaemon:
         kill_procs(procs)
 
     def log(self) -> str:
-        try:
-            with open(self.log_path, errors="replace") as fh:
-                return fh.read()
-        except FileNotFoundError:
-            return ""
+        return read_text(self.log_path)
 
     # -- calls -----------------------------------------------------------------
     def submit(self, command: list, cwd: str, nproc: int = 1, max_restarts: int = -1,
@@ -228,12 +224,7 @@ class BenchDaemon:
         return list(self.client().stream("Events", pb.EventsRequest(id=job_id)))
 
     def rank_log(self, job_id: str, rank: int) -> str:
-        path = os.path.join(self.state_dir, "logs", job_id, f"rank-{rank}.log")
-        try:
-            with open(path, errors="replace") as fh:
-                return fh.read()
-        except FileNotFoundError:
-            return ""
+        return read_text(os.path.join(self.state_dir, "logs", job_id, f"rank-{rank}.log"))
 
 
 def worker_pids_under(state_dir: str) -> list[int]:
@@ -286,14 +277,18 @@ def torchrun_bin() -> list[str]:
     return [found] if found else [sys.executable, "-m", "torch.distributed.run"]
 
 
-def torchrun_env() -> dict:
+def torchrun_env(shared_store: bool = False) -> dict:
     """The environment the benchmarks give torchrun (and, for fairness, elasticd jobs).
 
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: with torch 2.13's default the restarted
-    gloo workers read the previous attempt's addresses from the shared store and
-    fail or hang (pytorch#135712); see bench/README.md.
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 unless ``shared_store``: with torch
+    2.13's default the restarted gloo workers read the previous attempt's
+    addresses from the shared store and fail or hang (pytorch#135712); see
+    bench/README.md.
     """
-    return dict(os.environ, LOGLEVEL="INFO", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    env = dict(os.environ, LOGLEVEL="INFO")
+    if not shared_store:
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    return env
 
 
 def start_torchrun(args: list, cwd: str, base: str, env: dict | None = None):
@@ -403,6 +398,25 @@ def wait_quiet(threshold: float, max_wait: float) -> float:
         busy = busy_percent()
         if busy < threshold or time.monotonic() >= deadline:
             return busy
+
+
+def run_each(names: list[str], reps: int, run_one, quiet_wait: float = 0.0,
+             quiet_threshold: float = 30.0, rotate: bool = True) -> list:
+    """``run_one(name, rep, busy)`` for each name, ``reps`` times; prints each result's line().
+
+    With ``rotate`` the order turns by one each repetition, so no launcher is
+    always first; with ``quiet_wait`` each run waits for a quiet machine
+    first (``busy`` is the % busy it saw, else None).
+    """
+    runs = []
+    for rep in range(1, reps + 1):
+        k = (rep - 1) % len(names) if rotate else 0
+        for name in names[k:] + names[:k]:
+            busy = wait_quiet(quiet_threshold, quiet_wait) if quiet_wait > 0 else None
+            run = run_one(name, rep, busy)
+            runs.append(run)
+            print(run.line(), flush=True)
+    return runs
 
 
 def revision() -> str:

@@ -21,9 +21,18 @@ step 160 rank 1 prints ``CRASH <unix time>`` and sleeps for an hour in C
              worker group (process restart, warm spares).
   torchrun   torchrun --max-restarts 1 --monitor-interval 0.1, same script.
              torchrun has no hang detection: a rank asleep in C is alive to it,
-             and the blocked gloo collective only fails at its timeout (30
-             minutes by default). The run is watched for ``--torchrun-window``
-             seconds (240) after CRASH, then killed: "no recovery within N s".
+             and the blocked gloo collective only fails at its timeout. The run
+             is watched for ``--torchrun-window`` seconds (240) after CRASH,
+             then killed: "no recovery within N s".
+
+The collective timeout: without --inprocess the sample's wrapper builds the
+process group with ``inprocess.hard_timeout`` (90 s) as its timeout, so rank
+0's blocked all_reduce would fail at 90 s and end the hang for the process
+and torchrun runs, whatever the launcher's hang detection. Those two runs
+get ``--collective-timeout`` (default 1800 s, torch's default for gloo:
+ELASTICD_INPROCESS_HARD_TIMEOUT in their environment) so that what is timed
+is the launcher's own handling of a hang; ``--collective-timeout 0`` keeps the
+sample's 90 s. The inprocess run keeps what the daemon gives it (defaults).
 
 For the daemon runs, the timeline comes from the job's events (the daemon's
 clock, same machine) and the rank logs (the workers' clock): CRASH -> first
@@ -44,8 +53,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (BenchDaemon, fault_marks, machine, read_text, revision,  # noqa: E402
-                    secs, start_torchrun, stop_torchrun, table, tempdir, torchrun_env,
-                    wait_quiet)
+                    run_each, secs, start_torchrun, stop_torchrun, table, tempdir,
+                    torchrun_env)
 
 from elasticd import config  # noqa: E402
 from elasticd.v1 import control_pb2 as pb  # noqa: E402
@@ -61,8 +70,8 @@ class Run:
     def __init__(self, mode: str, rep: int):
         self.mode, self.rep = mode, rep
         self.crash = self.first = self.attempt = self.iteration = None
-        self.dumped = self.killed = self.recovered = None  # unix times (daemon's events)
-        self.recovered_how = ""
+        self.dumped = self.killed = None  # unix times (the daemon's hang events)
+        self.recoveries: list[tuple[float, str]] = []  # replace / restart events
         self.timeline: list[tuple[float, str]] = []
         self.invalid = ""
         self.note = ""
@@ -75,6 +84,9 @@ class Run:
     def total(self):
         return self.rel(self.first)
 
+    def recovery_text(self) -> str:
+        return ", ".join(f"{what} {secs(self.rel(t))}" for t, what in self.recoveries) or "-"
+
     def line(self) -> str:
         busy = f"; machine {self.busy:.0f} % busy before" if self.busy is not None else ""
         if self.mode == "torchrun":
@@ -82,7 +94,7 @@ class Run:
         head = (f"INVALID ({self.invalid}); " if self.invalid else "")
         return (f"{self.mode:10s} rep {self.rep}: {head}CRASH -> stacks dumped "
                 f"{secs(self.rel(self.dumped))} -> killed {secs(self.rel(self.killed))} -> "
-                f"recovered {secs(self.rel(self.recovered))} ({self.recovered_how or '-'}) -> "
+                f"{self.recovery_text()} -> "
                 f"first step {secs(self.total)}{busy}")
 
 
@@ -104,15 +116,24 @@ def effective_settings(sets: list[str]) -> dict:
     return {key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]) for key in WATCHED}
 
 
+def job_env(a, mode: str) -> dict:
+    env = torchrun_env()
+    if mode != "inprocess" and a.collective_timeout:
+        env["ELASTICD_INPROCESS_HARD_TIMEOUT"] = f"{a.collective_timeout:g}"
+        env["ELASTICD_INPROCESS_BARRIER_TIMEOUT"] = f"{a.collective_timeout + 60:g}"
+    return env
+
+
 def run_daemon(d: BenchDaemon, run: Run, a, work: str) -> None:
     job_id = d.submit([sys.executable, *SCRIPT, *script_args(a)], cwd=work, nproc=2,
-                      max_restarts=1, env=torchrun_env(), inprocess=run.mode == "inprocess")
+                      max_restarts=1, env=job_env(a, run.mode),
+                      inprocess=run.mode == "inprocess")
     try:
         job = d.wait_job(job_id, timeout=a.timeout)
     except TimeoutError as exc:
         d.cancel(job_id)
         job = d.get_job(job_id)
-        run.invalid = f"no recovery: {exc}"
+        run.invalid = f"cancelled by the benchmark: {exc}"
     text = d.rank_log(job_id, 0) + "\n" + d.rank_log(job_id, 1)
     run.crash, run.first, run.attempt, run.iteration = fault_marks(text)
     events = [e for e in d.events(job_id) if run.crash is None or e.time >= run.crash - 1]
@@ -125,8 +146,8 @@ def run_daemon(d: BenchDaemon, run: Run, a, work: str) -> None:
             run.dumped = e.time
         if e.kind == "hang" and "killed" in e.reason and run.killed is None:
             run.killed = e.time
-        if e.kind in ("replace", "restart") and run.recovered is None:
-            run.recovered, run.recovered_how = e.time, f"{e.kind}[{e.layer}]"
+        if e.kind in ("replace", "restart"):
+            run.recoveries.append((e.time, f"{e.kind}[{e.layer}]"))
     if run.first is not None:
         run.timeline.append((run.first, f"FIRST_STEP attempt={run.attempt} "
                                         f"iteration={run.iteration} (rank 0)"))
@@ -142,6 +163,9 @@ def run_daemon(d: BenchDaemon, run: Run, a, work: str) -> None:
         why.append(f"not recovered in-process (restarts {job.restarts}, by layer {layers})")
     if run.mode == "process" and (job.restarts < 1 or layers.get("process", 0) < 1):
         why.append(f"no process restart (restarts {job.restarts}, by layer {layers})")
+    if run.mode == "process" and run.killed is None and run.recoveries:
+        why.append("recovered without a hang kill (see the restart's cause: e.g. the "
+                   "collective timed out first)")
     run.invalid = "; ".join(why)
     run.note = f"restarts {job.restarts}, by layer {layers}"
 
@@ -150,7 +174,7 @@ def run_torchrun(run: Run, a, work: str) -> None:
     base = os.path.join(work, f"torchrun-{run.rep}")
     proc = start_torchrun(["--standalone", "--nnodes", "1", "--nproc-per-node", "2",
                            "--max-restarts", "1", "--monitor-interval", "0.1", *SCRIPT,
-                           *script_args(a)], work, base)
+                           *script_args(a)], work, base, env=job_env(a, run.mode))
     try:
         start = time.monotonic()
         while run.crash is None and proc.poll() is None and time.monotonic() - start < a.timeout:
@@ -197,9 +221,9 @@ def report(runs: list[Run], a, settings: dict) -> None:
                          f"none within {a.torchrun_window:g} s", "no hang detection"])
             continue
         rows.append([r.mode, r.rep, secs(r.rel(r.dumped)), secs(r.rel(r.killed)),
-                     f"{secs(r.rel(r.recovered))} {r.recovered_how}", secs(r.total),
+                     r.recovery_text(), secs(r.total),
                      f"INVALID: {r.invalid}" if r.invalid else "valid"])
-    print(table(rows, ["mode", "rep", "stacks dumped", "killed", "recovery event",
+    print(table(rows, ["mode", "rep", "stacks dumped", "killed", "recovery events",
                        "first step", "check"]))
     print("  all times from rank 1's CRASH line (the start of the hang).")
 
@@ -219,8 +243,12 @@ def main(argv=None) -> int:
     ap.add_argument("--crash-at-step", type=int, default=160)
     ap.add_argument("--checkpoint-every", type=int, default=40)
     ap.add_argument("--step-time", type=float, default=0.05)
+    ap.add_argument("--collective-timeout", type=float, default=1800.0,
+                    help="process group timeout of the process and torchrun runs (0: the "
+                         "sample's own, inprocess.hard_timeout = 90 s)")
     ap.add_argument("--timeout", type=float, default=None,
-                    help="seconds one daemon run may take (default: hard timeout + 150)")
+                    help="seconds one daemon run may take (default: agent.hang_hard_timeout + "
+                         "inprocess.barrier_timeout + 120, room for a fallback)")
     ap.add_argument("--quiet-wait", type=float, default=60.0)
     ap.add_argument("--quiet-threshold", type=float, default=30.0)
     a = ap.parse_args(argv)
@@ -236,7 +264,8 @@ def main(argv=None) -> int:
     if a.torchrun_window is None:
         a.torchrun_window = 30.0 if a.quick else 240.0
     if a.timeout is None:
-        a.timeout = float(settings["agent.hang_hard_timeout"]) + 150.0
+        a.timeout = (float(settings["agent.hang_hard_timeout"])
+                     + float(settings["inprocess.barrier_timeout"]) + 120.0)
 
     print(f"machine: {machine()}\nelasticd: {revision()}")
     print(f"job: 2 ranks, gloo, python {' '.join(SCRIPT + script_args(a))}")
@@ -244,25 +273,27 @@ def main(argv=None) -> int:
                           "CHANGED from the defaults: " + " ".join(sets)))
     print("  " + ", ".join(f"{k}={v}" for k, v in settings.items())
           + f"; torchrun watched {a.torchrun_window:g} s after CRASH")
+    print("  collective (process group) timeout of the process and torchrun runs: "
+          + (f"{a.collective_timeout:g} s" if a.collective_timeout else
+             "the sample's own (inprocess.hard_timeout 90 s)"))
     work = tempdir("edb-hang-")
     extra = tuple(x for s in sets for x in ("--set", s))
     daemon = BenchDaemon(slots=4, extra_args=extra) if set(modes) - {"torchrun"} else None
-    runs: list[Run] = []
+
+    def run_one(mode: str, rep: int, busy) -> Run:
+        run = Run(mode, rep)
+        run.busy = busy
+        print(f"-- {mode} rep {rep} ({machine()})", flush=True)
+        if mode == "torchrun":
+            run_torchrun(run, a, work)
+        else:
+            run_daemon(daemon, run, a, work)
+        return run
+
     try:
         if daemon:
             daemon.start()
-        for rep in range(1, a.reps + 1):
-            for mode in modes:
-                run = Run(mode, rep)
-                if a.quiet_wait > 0:
-                    run.busy = wait_quiet(a.quiet_threshold, a.quiet_wait)
-                print(f"-- {mode} rep {rep} ({machine()})", flush=True)
-                if mode == "torchrun":
-                    run_torchrun(run, a, work)
-                else:
-                    run_daemon(daemon, run, a, work)
-                runs.append(run)
-                print(run.line(), flush=True)
+        runs = run_each(modes, a.reps, run_one, a.quiet_wait, a.quiet_threshold, rotate=False)
     finally:
         if daemon:
             daemon.stop()

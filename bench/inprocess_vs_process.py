@@ -44,8 +44,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (BenchDaemon, fault_marks, last_error, machine, median,  # noqa: E402
-                    read_text, revision, secs, start_torchrun, stop_torchrun, table,
-                    tempdir, torchrun_env, wait_quiet)
+                    read_text, revision, run_each, secs, start_torchrun, stop_torchrun,
+                    table, tempdir, torchrun_env)
 
 from elasticd.v1 import control_pb2 as pb  # noqa: E402
 
@@ -226,22 +226,20 @@ def main(argv=None) -> int:
           f"daemon at default settings")
     work = tempdir("edb-inp-")
     daemon = BenchDaemon(slots=4) if set(launchers) - {"torchrun"} else None
-    runs: list[Run] = []
+
+    def run_one(name: str, rep: int, busy) -> Run:
+        run = Run(name, rep)
+        run.busy = busy
+        if name == "torchrun":
+            run_torchrun(run, a, work)
+        else:
+            run_daemon(daemon, run, a, work)
+        return run
+
     try:
         if daemon:
             daemon.start()
-        for rep in range(1, a.reps + 1):
-            k = (rep - 1) % len(launchers)
-            for name in launchers[k:] + launchers[:k]:  # rotate who goes first
-                run = Run(name, rep)
-                if a.quiet_wait > 0:
-                    run.busy = wait_quiet(a.quiet_threshold, a.quiet_wait)
-                if name == "torchrun":
-                    run_torchrun(run, a, work)
-                else:
-                    run_daemon(daemon, run, a, work)
-                runs.append(run)
-                print(run.line(), flush=True)
+        runs = run_each(launchers, a.reps, run_one, a.quiet_wait, a.quiet_threshold)
     finally:
         if daemon:
             daemon.stop()

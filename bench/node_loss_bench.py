@@ -59,8 +59,8 @@ REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(REPO, "tests"))
 
-from common import (kill_owned, machine, median, own, own_tree, revision,  # noqa: E402
-                    tempdir, wait_quiet)
+from common import (kill_owned, machine, median, own, own_tree, read_text,  # noqa: E402
+                    revision, tempdir, wait_quiet)
 from daemons import DaemonProc  # noqa: E402
 from etcd_server import EtcdServer, free_port  # noqa: E402
 
@@ -72,14 +72,6 @@ TRAIN_ARGS = ["--steps", "5000", "--step-time", "0.05", "--checkpoint-every", "5
 
 def first_steps(text: str) -> list[float]:
     return [float(m.group(1)) for m in FIRST.finditer(text)]
-
-
-def read(path: str) -> str:
-    try:
-        with open(path, errors="replace") as fh:
-            return fh.read()
-    except FileNotFoundError:
-        return ""
 
 
 def wait_for(pred, timeout: float, what: str, interval: float = 0.05):
@@ -113,7 +105,7 @@ def after_kill(logs: list[str], killed_at: float, timeout: float) -> float | Non
     """The first FIRST_STEP stamp after the kill, in any of these log files."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        stamps = [t for path in logs for t in first_steps(read(path)) if t > killed_at]
+        stamps = [t for path in logs for t in first_steps(read_text(path)) if t > killed_at]
         if stamps:
             return min(stamps)
         time.sleep(0.05)
@@ -147,7 +139,7 @@ def run_elasticd(etcd: EtcdServer, warm: float, timeout: float) -> dict:
             return [w for w in d.job(job).workers if w.node_id == d.node_id and w.pid > 0]
 
         wait_for(lambda: len({w.node_id for w in n1.job(job).workers}) == 3
-                 and first_steps(read(log0)), 180, "the first step on 3 nodes", 0.2)
+                 and first_steps(read_text(log0)), 180, "the first step on 3 nodes", 0.2)
         if {w.rank for w in workers_of(n1)} != {0}:
             raise RuntimeError("rank 0 is not on n1")
         time.sleep(warm)
@@ -204,7 +196,7 @@ def run_torchrun(variant: str, etcd: EtcdServer, warm: float, timeout: float) ->
                          "the c10d store to listen")
 
         def rank0_agent():
-            hits = [i for i, path in enumerate(logs) if first_steps(read(path))]
+            hits = [i for i, path in enumerate(logs) if first_steps(read_text(path))]
             return hits[0] if hits else None
 
         def trainers(i):

@@ -52,15 +52,14 @@ import argparse
 import datetime
 import os
 import re
-import shutil
-import signal
 import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (BenchDaemon, REPO, kill_procs, machine, median, own,  # noqa: E402
-                    revision, secs, table, tempdir, tree, wait_quiet)
+from common import (BenchDaemon, REPO, last_error, machine, median, read_text,  # noqa: E402
+                    revision, secs, start_torchrun, stop_torchrun, table, tempdir,
+                    torchrun_env, wait_quiet)
 
 from elasticd.v1 import control_pb2 as pb  # noqa: E402
 
@@ -133,10 +132,7 @@ def train_args(a, ckpt_dir: str) -> list[str]:
 
 
 def job_env(a) -> dict:
-    env = dict(os.environ, LOGLEVEL="INFO")
-    if not a.torchrun_shared_store:
-        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    return env
+    return torchrun_env(a.torchrun_shared_store)
 
 
 def parse_worker_output(run: Run, text: str) -> None:
@@ -195,14 +191,6 @@ def run_elasticd(d: BenchDaemon, run: Run, a, work: str) -> None:
 
 
 # -- torchrun ------------------------------------------------------------------------
-def torchrun_bin() -> list[str]:
-    beside = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    if os.path.exists(beside):
-        return [beside]
-    found = shutil.which("torchrun")
-    return [found] if found else [sys.executable, "-m", "torch.distributed.run"]
-
-
 def _torch_log_time(line: str) -> tuple[float, str] | None:
     """(unix time, message) of a torch elastic log line like 'I1123 11:03:12.171000 PID ...'."""
     m = TORCH_LOG_RE.match(line)
@@ -217,34 +205,21 @@ def _torch_log_time(line: str) -> tuple[float, str] | None:
 def run_torchrun(run: Run, a, work: str) -> None:
     ckpt = os.path.join(work, f"ckpt-{run.launcher}-{run.rep}-{int(run.instrumented)}")
     entry = [TIMED_TRAIN] if run.instrumented else ["-m", "elasticd.examples.train"]
-    cmd = [*torchrun_bin(), "--standalone", "--nnodes", "1", "--nproc-per-node", "2",
-           "--max-restarts", "1", "--monitor-interval", "0.1", *entry,
-           *train_args(a, ckpt)]
     base = os.path.join(work, f"torchrun-{run.rep}-{int(run.instrumented)}")
-    with open(base + ".out", "wb") as out, open(base + ".err", "wb") as err:
-        proc = subprocess.Popen(cmd, cwd=work, env=job_env(a), stdin=subprocess.DEVNULL,
-                                stdout=out, stderr=err, start_new_session=True)
-    own(proc)
+    proc = start_torchrun(["--standalone", "--nnodes", "1", "--nproc-per-node", "2",
+                           "--max-restarts", "1", "--monitor-interval", "0.1", *entry,
+                           *train_args(a, ckpt)], work, base, env=job_env(a))
     try:
         rc = proc.wait(timeout=a.timeout)
     except subprocess.TimeoutExpired:
-        procs = tree(proc.pid)  # the hung workers are still its children
-        proc.send_signal(signal.SIGTERM)  # torchrun stops its workers itself...
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            pass
-        kill_procs(procs)  # ...or we do
-        proc.wait()
         rc = None
-    with open(base + ".out", errors="replace") as fh:
-        parse_worker_output(run, fh.read())
-    with open(base + ".err", errors="replace") as fh:
-        err_text = fh.read()
+    stop_torchrun(proc)  # its workers, if it hung
+    parse_worker_output(run, read_text(base + ".out"))
+    err_text = read_text(base + ".err")
     if rc != 0:
         why = "timed out (hung)" if rc is None else f"exit {rc}"
-        last = [ln for ln in err_text.splitlines() if re.search(r"\w+Error: ", ln)][-1:]
-        run.error = f"torchrun {why}" + (f": {last[0].strip()[:300]}" if last else "")
+        last = last_error(err_text)
+        run.error = f"torchrun {why}" + (f": {last}" if last else "")
         return
     m = run.marks
     rdzv_done = []
