@@ -10,6 +10,7 @@ HMAC under a secret that never leaves this process. The client sends it as
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import logging
@@ -145,6 +146,8 @@ class CredentialServer:
     def stop(self) -> None:
         self._stop.set()
         if self._sock is not None:
+            with contextlib.suppress(OSError):  # wakes the accept() now, not at its timeout
+                self._sock.shutdown(socket.SHUT_RDWR)
             self._sock.close()
         if self._thread is not None:
             self._thread.join(timeout=2 * self._poll + 1)

@@ -111,10 +111,16 @@ class Cluster:
         self.watcher.start()
         self._drain_follower.start()
 
+    def request_stop(self) -> None:
+        """Both watches start winding down (each sees it within a watch poll)."""
+        self._drain_follower.request_stop()
+        self.watcher.request_stop()
+
     def stop(self) -> None:
+        self.request_stop()
+        self.keeper.stop()
         self._drain_follower.stop()
         self.watcher.stop()
-        self.keeper.stop()
         self.store.close()
 
     def health(self) -> str:

@@ -105,10 +105,12 @@ class Daemon:
         stops.callback(cluster.stop)
         view.start()
         stops.callback(view.stop)
+        watches = [view, cluster]
         if not d.standalone and cfg.events.share:  # one node has nobody to share with
             events = EventLog(cfg, store, registry)
             events.start()
             stops.callback(events.stop)
+            watches.append(events)
         server = ControlServer(cfg, ControlServicer(cfg, manager, registry, issuer, metrics,
                                                     cluster, view), gid)
         server.start()
@@ -119,6 +121,9 @@ class Daemon:
             raise OSError(f"metrics endpoint {cfg.metrics.address}:{cfg.metrics.port}: {exc} "
                           "(set metrics.port, or 0 to turn it off)") from None
         stops.callback(metrics.stop)
+        # Once the workers are stopped, every watch winds down at once (each
+        # takes up to a watch poll to notice), rather than one after another.
+        stops.callback(lambda: [w.request_stop() for w in watches])
         # Once the workers are stopped, leave the cluster at once (peers see the
         # revoke now, not after the TTL); the rest can wind down after.
         stops.callback(cluster.keeper.stop)

@@ -77,7 +77,7 @@ class Dispatcher:
                 log.debug("dispatch: etcd unavailable: %s", exc)
             except Exception:
                 log.exception("dispatch failed")
-            self._view.wait(self._interval, seen)
+            self._view.wait(self._interval, seen, self._stop)
 
     def tick(self) -> list[str]:
         """One look at the job list; returns what it did, a sentence per job."""

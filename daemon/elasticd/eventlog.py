@@ -124,6 +124,10 @@ class EventLog:
         self._thread.start()
         self._mirror.start()
 
+    def request_stop(self) -> None:
+        """The mirror's watch starts winding down (the writer keeps going)."""
+        self._mirror.request_stop()
+
     def stop(self) -> None:
         self._mirror.stop()
         self._stop.set()

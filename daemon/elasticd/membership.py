@@ -236,6 +236,9 @@ class NodeWatcher:
     def start(self) -> None:
         self._follower.start()
 
+    def request_stop(self) -> None:
+        self._follower.request_stop()
+
     def stop(self) -> None:
         self._follower.stop()
 
@@ -283,8 +286,11 @@ class NodeWatcher:
             if record is None:
                 return
             self._view.lost[node] = (self._clock(), record)
-        log.warning("%s: node %s lost (its lease expired or was revoked)",
-                    ctx(node=self._node_id), node)
+        if node == self._node_id:  # our clean stop, or a lapse the lease keeper reports
+            log.info("%s: this node's key is gone from the cluster", ctx(node=self._node_id))
+        else:
+            log.warning("%s: node %s lost (its lease expired or was revoked)",
+                        ctx(node=self._node_id), node)
         self._tell(node, None)
 
     def _tell(self, node: str, record: dict | None) -> None:

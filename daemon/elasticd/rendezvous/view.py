@@ -56,8 +56,10 @@ class JobsView:
         with self.changed:
             return list(self._jobs)
 
-    def wait(self, timeout: float, seen: int | None = None) -> None:
-        """Wait for a change after revision ``seen`` (now, if None), or timeout.
+    def wait(self, timeout: float, seen: int | None = None,
+             stop: threading.Event | None = None) -> None:
+        """Wait for a change after revision ``seen`` (now, if None), timeout,
+        or ``stop`` set (whoever sets it must notify ``changed``).
 
         Pass the revision read before looking at the view: a change applied
         between that look and this call then returns at once instead of
@@ -65,11 +67,15 @@ class JobsView:
         """
         with self.changed:
             after = self.revision if seen is None else seen
-            self.changed.wait_for(lambda: self.revision > after, timeout)
+            self.changed.wait_for(
+                lambda: self.revision > after or (stop is not None and stop.is_set()), timeout)
 
     # -- the loop --------------------------------------------------------------
     def start(self) -> None:
         self._follower.start()
+
+    def request_stop(self) -> None:
+        self._follower.request_stop()
 
     def stop(self) -> None:
         self._follower.stop()

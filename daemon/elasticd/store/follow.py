@@ -35,7 +35,12 @@ class Follower:
         self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
         self._thread.start()
 
+    def request_stop(self) -> None:
+        """Ask the loop to stop (it sees this within the store's watch poll)."""
+        self._stop.set()
+
     def stop(self) -> None:
+        """Stop the loop and wait for it."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=self._retry + 2)
