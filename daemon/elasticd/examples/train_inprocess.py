@@ -27,6 +27,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from elasticd.inprocess import Wrapper
 
@@ -119,6 +120,7 @@ def train(args, iteration: int = 0) -> int:
     return 0
 
 
+@record  # a fault the wrapper gives up on reaches the daemon as an error file, at once
 def main(argv=None) -> int:
     args = parse_args(argv)
     return Wrapper(backend="gloo")(train)(args)
