@@ -244,10 +244,11 @@ def test_repeated_faults_fall_down_the_ladder_and_fail_with_the_cause_chain(daem
 def test_a_hung_rank_is_dumped_killed_and_replaced_in_process(daemon_factory):
     """A rank stuck in time.sleep inside the loop of an --inprocess job: its stacks land in
     its log after the soft timeout, elasticd kills it after the hard one and replaces it;
-    the other rank never restarts and the job succeeds."""
+    the other rank never restarts and the job succeeds. (The wrapper's own end of a stuck
+    rank comes later here: inprocess.hard_timeout - soft_timeout = 18 s.)"""
     settings = {"agent.hang_soft_timeout": 3, "agent.hang_hard_timeout": 6,
                 "agent.first_step_timeout": 60, "inprocess.soft_timeout": 2,
-                "inprocess.hard_timeout": 4, "inprocess.barrier_timeout": 30}
+                "inprocess.hard_timeout": 20, "inprocess.barrier_timeout": 30}
     d = daemon_factory(extra_args=tuple(a for k, v in settings.items()
                                         for a in ("--set", f"{k}={v}"))).start()
     job_id = _submit_inprocess(d, "--steps", "60", "--crash-at-step", "25",
@@ -261,5 +262,39 @@ def test_a_hung_rank_is_dumped_killed_and_replaced_in_process(daemon_factory):
     assert any(e.kind == "hang" and "killed" in e.reason and e.rank == 1 for e in events)
     replace = [e for e in events if e.kind == "replace"]
     assert len(replace) == 1 and "rank 1 hang" in replace[0].reason
+    assert len({pid for _, pid in _iterations(d.rank_log(job_id, 0))}) == 1
+    assert "all_reduce sum 1 ok" in d.rank_log(job_id, 0)
+
+
+def test_a_rank_stuck_in_c_ends_itself_at_the_inprocess_hard_timeout_and_is_replaced(
+        daemon_factory):
+    """The wrapper's own hang handling, long before the daemon's (agent hard timeout 60 s):
+    the hung rank's monitor stops the iteration at the soft timeout (2 s); its main thread,
+    asleep in C, is not back in Python hard - soft = 3 s later, so the rank dumps its stacks
+    and ends itself; the daemon counts a hang, replaces the rank, and the job succeeds."""
+    settings = {"agent.hang_soft_timeout": 30, "agent.hang_hard_timeout": 60,
+                "agent.first_step_timeout": 60, "inprocess.soft_timeout": 2,
+                "inprocess.hard_timeout": 5, "inprocess.barrier_timeout": 90}
+    d = daemon_factory(extra_args=tuple(a for k, v in settings.items()
+                                        for a in ("--set", f"{k}={v}"))).start()
+    t0 = time.monotonic()
+    job_id = _submit_inprocess(d, "--steps", "60", "--crash-at-step", "25",
+                               "--checkpoint-every", "10", "--crash-mode", "hang")
+    job = d.wait_job(job_id, timeout=180)
+    assert pb.JobState.Name(job.state) == "SUCCEEDED", d.log()[-3000:]
+    assert time.monotonic() - t0 < 60, "recovered by the wrapper, not by the daemon's kill"
+    assert job.restarts == 0 and dict(job.restarts_by_layer)["inprocess"] == 1
+    hung = d.rank_log(job_id, 1)
+    assert "not back in Python 3s after the fault" in hung, hung[-3000:]
+    assert "most recent call first" in hung      # faulthandler: every thread's stack
+    events = d.events(job_id)
+    assert not any(e.kind == "hang" and "killed" in e.reason for e in events)
+    stuck = [e for e in events if e.kind == "hang" and e.rank == 1]
+    assert stuck and "not back in Python" in stuck[0].reason and stuck[0].layer == "inprocess"
+    replace = [e for e in events if e.kind == "replace"]
+    assert len(replace) == 1 and replace[0].reason.startswith("rank 1: hang: not back"), replace
+    f = job.last_failure
+    assert f.rank == 1 and f.cause.startswith("rank 1: hang: not back in Python"), f
+    assert "time.sleep" in f.traceback or "in train" in f.traceback, f.traceback
     assert len({pid for _, pid in _iterations(d.rank_log(job_id, 0))}) == 1
     assert "all_reduce sum 1 ok" in d.rank_log(job_id, 0)

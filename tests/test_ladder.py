@@ -123,6 +123,8 @@ def test_reports_are_parsed_and_anything_else_is_skipped():
         assert parse_line(junk) is None
     long = parse_line(json.dumps({"kind": "abandoned", "reason": "r" * 10**6}).encode())
     assert len(long["reason"]) == 2000
+    assert parse_line(b'{"kind": "stuck", "reason": "hang", "pid": 7}') == \
+        {"kind": "stuck", "reason": "hang"}
 
 
 def test_the_reader_follows_appends_and_holds_back_a_partial_line(tmp_path):

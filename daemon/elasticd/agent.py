@@ -336,7 +336,8 @@ class Agent:
             failure = self._failure(job, ladder.abandoned_rank, 1, 0,
                                     f"in-process restart gave up: {ladder.abandoned}")
         else:
-            failure = self._progress.explain(self._first_failure(job, group))  # cause: hang?
+            failure = self._recovery.explain(  # cause: a hang, seen by us or by the wrapper?
+                self._progress.explain(self._first_failure(job, group)))
         # Stop the rest of the group before recording: they would hang in collectives.
         group.stop(grace)
         group.poll()
@@ -409,7 +410,8 @@ class Agent:
             if w.outcome in (None, 0):
                 continue
             message, tb, _ = failures.read_error_file(w.error_file)
-            failure = self._progress.explain(self._worker_failure(job, w, message, tb))
+            failure = self._recovery.explain(
+                self._progress.explain(self._worker_failure(job, w, message, tb)))
             self._progress.forget(w.rank)
             cause = failure["cause"]
             try:

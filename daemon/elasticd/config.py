@@ -156,7 +156,9 @@ class InprocessSettings:
                                          "itself stalled and every rank restarts in-process",
                                    min=0, exclusive_min=True, max=86400)
     hard_timeout: float = _setting(90.0, "seconds a collective may block before it fails (the "
-                                         "process group's timeout)",
+                                         "process group's timeout); a rank not back in Python "
+                                         "hard - soft seconds after its function was stopped "
+                                         "ends itself (stacks in its log) and is replaced",
                                    min=0, exclusive_min=True, max=86400)
     barrier_timeout: float = _setting(240.0, "seconds the ranks wait for each other (a replaced "
                                              "rank included) at the start of an iteration "

@@ -8,6 +8,9 @@ in the job's run dir, and ``elasticd.inprocess.Wrapper`` appends to it:
     {"kind": "abandoned", "reason": "..."}
         in-process restart gave up on this rank; the process exits non-zero and
         the daemon's process restart takes over
+    {"kind": "stuck", "reason": "..."}
+        this rank's function could not be stopped (hung outside Python); the
+        process ends itself and the daemon replaces it, the cause a hang
 
 The agent reads new lines once per monitor tick (a stat per rank when nothing
 changed). The files are written by the job's user, so they are untrusted:
@@ -47,7 +50,7 @@ def parse_line(line: bytes) -> dict | None:
                     "fault": str(data.get("fault", ""))[:_TEXT_LIMIT],
                     "fault_time": float(data.get("fault_time", 0.0)),
                     "ready_time": float(data.get("ready_time", 0.0))}
-        if kind == "abandoned":
+        if kind in ("abandoned", "stuck"):
             return {"kind": kind, "reason": str(data.get("reason", ""))[:_TEXT_LIMIT]}
     except (KeyError, TypeError, ValueError, OverflowError):
         return None

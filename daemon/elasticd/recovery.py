@@ -33,6 +33,7 @@ class Recovery:
         self.ladder: Ladder | None = None
         self.inprocess_on = False         # this attempt's ranks can restart in-process
         self._replaced_label = ""         # metrics cause of the pending replacement
+        self._stuck: dict[int, str] = {}  # rank -> why its wrapper ended it (a hang)
 
     # -- per process attempt -------------------------------------------------------
     def start_attempt(self, job: JobRecord, inprocess_on: bool) -> Ladder:
@@ -46,6 +47,7 @@ class Recovery:
                 "rendezvous": -1})  # no limit of its own: shares max_restarts
         self.ladder.new_process_attempt()
         self._reports.reset()
+        self._stuck.clear()
         self.inprocess_on = inprocess_on
         return self.ladder
 
@@ -69,8 +71,16 @@ class Recovery:
                 "attempts": list(self.ladder.attempts)}
 
     # -- what happened ---------------------------------------------------------------
+    def explain(self, failure: dict) -> dict:
+        """The failure record, as a hang if the rank's wrapper ended it for being stuck."""
+        why = self._stuck.get(failure.get("rank"))
+        if why is None:
+            return failure
+        return dict(failure, kind="hang", cause=why)
+
     def replaced(self, failure: dict, rank: int) -> int:
         """A dead rank got a new process; returns the in-process restarts used so far."""
+        self._stuck.pop(rank, None)
         self.ladder.replaced(failure["cause"], failure["time"], rank)
         self._replaced_label = failure_cause(failure)
         return max(self.ladder.iterations_seen, self.ladder.replacements)
@@ -92,6 +102,11 @@ class Recovery:
         paths = {w.rank: report_path(spec.run_dir, w.rank, spec.restart_count)
                  for w in group.workers}
         for rank, rep in self._reports.poll(paths):
+            if rep["kind"] == "stuck":
+                self._stuck[rank] = rep["reason"]
+                self._registry.event(self.job_id, "hang", rep["reason"], rank=rank,
+                                     layer=Layer.INPROCESS.value)
+                continue
             if rep["kind"] == "abandoned":
                 if not self.ladder.abandoned:
                     self._registry.event(self.job_id, "info", f"rank {rank}: in-process restart "

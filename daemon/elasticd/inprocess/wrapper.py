@@ -20,13 +20,16 @@ collective is not interrupted by a local abort: the peer's closing is what
 ends it; NCCL's abort ends it locally too). The monitor of every other rank
 sees the report, aborts its own group the same way and raises
 ``RestartRequested`` in the main thread, which stops the function at its
-next Python instruction. A collective stuck on a peer that neither returns
-nor closes ends at the hard timeout.
+next Python instruction. A main thread that is not back in Python within
+``hard_timeout - soft_timeout`` seconds of that (asleep in C code, a
+dead-locked extension, a collective on a peer that neither returns nor
+closes) cannot be stopped from inside: the monitor dumps every thread's
+stack into the rank's log, tells the daemon (a ``stuck`` report and torch's
+error file) and ends the process, which the daemon replaces (below).
 
-A rank whose process died (``os._exit``, a signal, the OOM killer, or
-killed by the daemon's hang detection: a rank stuck in C code, such as a
-``time.sleep`` or a dead-locked extension, cannot be stopped from inside)
-is replaced by the daemon: a new process, started with
+A rank whose process died (``os._exit``, a signal, the OOM killer, stuck
+as above, or killed by the daemon's hang detection) is replaced by the
+daemon: a new process, started with
 ``ELASTICD_INPROCESS_REPLACES`` saying why, reports the fault in the
 iteration the dead rank was in (waking the others) and joins the next one.
 It has none of the dead rank's memory: the function must be able to start
@@ -67,6 +70,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import datetime
+import faulthandler
 import functools
 import inspect
 import json
@@ -75,6 +79,7 @@ import os
 import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -86,6 +91,7 @@ from .coord import BarrierTimeout, IterationStore, _text
 log = logging.getLogger("elasticd.inprocess")
 
 ENV_PREFIX = "ELASTICD_INPROCESS_"
+STUCK_EXIT_CODE = 75  # a rank stuck outside Python ends itself with this code
 
 
 class RestartRequested(Exception):
@@ -274,7 +280,7 @@ class _Run:
         if iteration:
             self.report.write({"kind": "restart", "iteration": iteration, "fault": after[0],
                                "fault_time": after[1], "ready_time": ready})
-        monitor = _Monitor(coord, self.rank, self.s, threading.get_ident())
+        monitor = _Monitor(coord, self.rank, self.s, threading.get_ident(), self.report)
         monitor.start()
         try:
             value, error = self._call(args, kwargs, iteration), None
@@ -322,8 +328,10 @@ class _Outcome:
 class _Monitor:
     """Watches the store for faults, and this rank's beats, while the function runs."""
 
-    def __init__(self, coord: IterationStore, rank: int, s: InProcessSettings, main_tid: int):
+    def __init__(self, coord: IterationStore, rank: int, s: InProcessSettings, main_tid: int,
+                 report: "_Reporter"):
         self.coord, self.rank, self.s, self.main_tid = coord, rank, s, main_tid
+        self.report = report
         self._stop = threading.Event()
         self._lock = threading.Lock()  # held while the main thread may be interrupted
         self._armed = True
@@ -354,12 +362,19 @@ class _Monitor:
                 fault = self.coord.fault()
                 if fault is None:
                     fault = self._own_stall()
-                if fault is not None:
-                    self._interrupt(fault)
-                    return
             except Exception as exc:  # the store is gone: let the main thread find out
                 log.warning("rank %d: in-process monitor stopped: %s", self.rank, exc)
                 return
+            if fault is not None:
+                if self._interrupt(fault):
+                    self._await_return(fault)
+                return
+
+    def _await_return(self, fault: str) -> None:
+        """The main thread has hard - soft seconds to get back to Python (quiesce)."""
+        grace = self.s.hard_timeout - self.s.soft_timeout
+        if not self._stop.wait(grace):
+            _exit_stuck(self.rank, self.main_tid, grace, fault, self.report)
 
     def _own_stall(self) -> str | None:
         beat = last_beat()
@@ -371,14 +386,53 @@ class _Monitor:
         return self.coord.report_fault(f"rank {self.rank}: no progress for {idle:.0f}s "
                                        f"(soft timeout {self.s.soft_timeout:g}s)")
 
-    def _interrupt(self, fault: str) -> None:
+    def _interrupt(self, fault: str) -> bool:
+        """Abort the group and stop the function; False if it is already leaving."""
         with self._lock:
             if not self._armed:
-                return
+                return False
             _say(f"rank {self.rank}: {fault}; aborting this iteration")
             _abort_group()
             ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.main_tid),
                                                        ctypes.py_object(RestartRequested))
+            return True
+
+
+def _exit_stuck(rank: int, main_tid: int, grace: float, fault: str, report: "_Reporter"):
+    """End a process whose main thread cannot be reached: the daemon replaces it.
+
+    Its stacks go to the rank's log; the reason goes to the daemon twice: as a
+    ``stuck`` report (the cause is then a hang) and as torch's error file (the
+    cause text and the main thread's stack in ``elasticctl status``).
+    """
+    why = (f"rank {rank}: hang: not back in Python {grace:g}s after the fault stopped its "
+           f"function (stuck in C code or a blocked collective; inprocess.hard_timeout - "
+           f"soft_timeout); ending the process so elasticd replaces it. The fault: {fault}")
+    _say(why)
+    try:
+        faulthandler.dump_traceback(all_threads=True)  # stderr: the rank's log
+    except (OSError, ValueError, RuntimeError) as exc:
+        _say(f"rank {rank}: could not dump the stacks: {exc}")
+    frame = sys._current_frames().get(main_tid)
+    stack = "".join(traceback.format_stack(frame)) if frame is not None else ""
+    report.write({"kind": "stuck", "reason": why})
+    _write_error_file(why, stack)
+    os._exit(STUCK_EXIT_CODE)
+
+
+def _write_error_file(message: str, stack: str) -> None:
+    """torch's @record error file (TORCHELASTIC_ERROR_FILE), which the daemon reads."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {"message": {"message": message,
+                        "extraInfo": {"py_callstack": stack,
+                                      "timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump(data, fh)
+    except OSError as exc:
+        _say(f"cannot write the error file {path}: {exc}")
 
 
 class _Reporter:
