@@ -13,9 +13,11 @@ step 160 rank 1 prints ``CRASH <unix time>`` and sleeps for an hour in C
              daemon's hang detection (agent.hang_soft_timeout, default 60 s,
              dumps the rank's Python stacks; agent.hang_hard_timeout, default
              180 s, kills it) and the in-process wrapper's own stall check
-             (inprocess.soft_timeout, default 60 s) both watch; a killed rank
-             is replaced by a new process that joins the survivor's next
-             in-process iteration.
+             (inprocess.soft_timeout, default 60 s: stops the iteration;
+             inprocess.hard_timeout, default 90 s: a rank not back in Python
+             by then ends itself) both watch; the ended rank is replaced by
+             a new process that joins the survivor's next in-process
+             iteration.
   process    the same script submitted without --inprocess (the wrapper then
              just calls the function): after the kill the daemon restarts the
              worker group (process restart, warm spares).
@@ -144,7 +146,9 @@ def run_daemon(d: BenchDaemon, run: Run, a, work: str) -> None:
         run.timeline.append((e.time, f"{what}: {e.reason}"))
         if e.kind == "hang" and "stacks" in e.reason and run.dumped is None:
             run.dumped = e.time
-        if e.kind == "hang" and "killed" in e.reason and run.killed is None:
+        # the daemon killed it, or its in-process wrapper ended it (not back in Python)
+        if e.kind == "hang" and ("killed" in e.reason or "ending the process" in e.reason) \
+                and run.killed is None:
             run.killed = e.time
         if e.kind in ("replace", "restart"):
             run.recoveries.append((e.time, f"{e.kind}[{e.layer}]"))
@@ -223,7 +227,7 @@ def report(runs: list[Run], a, settings: dict) -> None:
         rows.append([r.mode, r.rep, secs(r.rel(r.dumped)), secs(r.rel(r.killed)),
                      r.recovery_text(), secs(r.total),
                      f"INVALID: {r.invalid}" if r.invalid else "valid"])
-    print(table(rows, ["mode", "rep", "stacks dumped", "killed", "recovery events",
+    print(table(rows, ["mode", "rep", "stacks dumped", "killed/ended", "recovery events",
                        "first step", "check"]))
     print("  all times from rank 1's CRASH line (the start of the hang).")
 
