@@ -73,6 +73,35 @@ def test_a_running_job_shows_round_restarts_every_nodes_ranks_and_where_it_runs(
     assert rec.state_since == NOW - 5 and rec.finished_at == 0
 
 
+def test_every_nodes_recovery_summary_makes_the_layers_last_failure_and_history():
+    keys = running_keys()
+    f1 = {"rank": 0, "exit_code": 1, "signal": 0, "cause": "older", "traceback": "tb0",
+          "time": NOW - 50, "restart": 0, "node_id": "n1"}
+    f2 = dict(f1, rank=1, exit_code=3, cause="rank 1 exited with exit code 3", time=NOW - 9,
+              traceback="x" * 10_000, node_id="n2")
+    step = {"layer": "inprocess", "cause": "c", "time": NOW - 8, "duration": 0.05,
+            "outcome": "recovered", "rank": 1, "node_id": "n2"}
+    keys.summaries = {
+        "n1": {"restarts_by_layer": {"inprocess": 2, "process": 1}, "last_failure": f1,
+               "restart_budget": {"inprocess": 8, "process": 3, "rendezvous": -1},
+               "attempts": [dict(step, layer="process", time=NOW - 50, node_id="n1")]},
+        "n2": {"restarts_by_layer": {"inprocess": 3, "process": 1}, "last_failure": f2,
+               "restart_budget": {"inprocess": 8, "process": 3, "rendezvous": -1},
+               "attempts": [step]},
+        "n9": {"restarts_by_layer": {"process": "many"}, "last_failure": "garbage"},
+        "n8": {"attempts": "not a list of dicts", "last_failure": {"time": "soon"}},
+    }
+    rec = record_from_keys(keys, NOW)
+    assert rec.restarts_by_layer == {"inprocess": 3, "process": 1}   # the most any node saw
+    assert rec.restart_budget == {"inprocess": 8, "process": 3, "rendezvous": -1}
+    assert (rec.last_failure["rank"], rec.last_failure["node_id"]) == (1, "n2")  # the newest
+    assert len(rec.last_failure["traceback"]) == 4000
+    assert [(a["layer"], a["node_id"]) for a in rec.attempts] == [("process", "n1"),
+                                                                  ("inprocess", "n2")]
+    from elasticd.messages import job_to_proto
+    assert job_to_proto(rec).last_failure.exit_code == 3  # what status sends, from n3
+
+
 @pytest.mark.parametrize("status,rnd,restarts,joined,want", [
     ("open", 1, 0, (), JobState.PENDING),
     ("open", 1, 0, ("n1",), JobState.RENDEZVOUS),
@@ -198,6 +227,11 @@ def test_a_job_on_n1_and_n2_seen_waited_for_and_cancelled_from_n3(trio):
     assert n3.ctl("list", "-o", "json").stdout.count(job) == 0, "list stays this node's"
     table = n3.ctl("status", job).stdout
     assert "RUNNING" in table and "n2" in table, table
+    # ... and the recovery, as the nodes that ran it published it: n2's exit 3.
+    f = st["last_failure"]
+    assert (f["rank"], f["exit_code"], f["node_id"]) == (1, 3, "n2"), st
+    assert st["restarts_by_layer"]["process"] == 1, st
+    assert "last failure: rank 1 exit code 3" in table and "process 1/2" in table, table
 
     # events on n3: both nodes' transitions and n2's worker exit.
     def both_nodes_events():

@@ -391,7 +391,9 @@ class Agent:
         self._try(lambda: self._rdzv.finish(status, reason))
 
     def _publish(self, group: WorkerGroup) -> None:
-        self._try(lambda: self._rdzv.publish_workers(self._worker_rows(group)))
+        job = self._registry.get(self.job_id)
+        summary = job.recovery_summary() if job is not None else None
+        self._try(lambda: self._rdzv.publish_workers(self._worker_rows(group), summary))
 
     def _try(self, call):
         """A store call that must not stop the loop: etcd may be away for a while."""

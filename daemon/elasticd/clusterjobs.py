@@ -5,8 +5,13 @@ it. Any other node still answers ``status``, ``wait`` and ``events`` for it
 from the job's keys in the ``JobsView`` (see rendezvous/protocol.py): the
 spec (what, whose, submitted where), the round state (round, restarts,
 open/closed/final and why) and the worker rows each running node publishes.
-``record_from_keys`` builds that record and ``find`` resolves an id or a
-live name; neither does I/O beyond reading the view.
+Each running node also publishes a summary of its recovery (restarts per
+layer, the budgets, its last failure with a traceback excerpt, its latest
+ladder attempts: ``JobRecord.recovery_summary``), which ``recovery_of``
+merges. ``record_from_keys`` builds that record and ``find`` resolves an id
+or a live name; neither does I/O beyond reading the view. What other nodes
+published is checked field by field: a bad summary is skipped, never an
+error for the caller.
 """
 from __future__ import annotations
 
@@ -44,6 +49,53 @@ def worker_rows(keys: JobKeys, skip: str = "") -> list[dict]:
             except (KeyError, TypeError, ValueError):
                 continue
     return sorted(rows, key=lambda w: (w["rank"], w["node_id"]))
+
+
+def recovery_of(keys: JobKeys) -> dict:
+    """Every node's recovery summary as one record's fields: restarts and budgets
+    per layer, the most any node counted (each node of a round sees its in-process
+    restarts and its process restarts); the newest last failure; the nodes'
+    attempts by time, the latest 20."""
+    by_layer: dict[str, int] = {}
+    budget: dict[str, int] = {}
+    failure, attempts = None, []
+    for node, summary in sorted(keys.summaries.items()):
+        try:
+            layers = {str(k): _int(v) for k, v in (summary.get("restarts_by_layer") or {}).items()}
+            limits = {str(k): _int(v) for k, v in (summary.get("restart_budget") or {}).items()}
+            f = summary.get("last_failure")
+            f = _failure(f, node) if isinstance(f, dict) else None
+            tried = [_attempt(a, node) for a in (summary.get("attempts") or [])[-20:]
+                     if isinstance(a, dict)]
+        except (AttributeError, TypeError, ValueError, OverflowError):
+            continue  # what one node wrote does not parse: the others still count
+        for table, new in ((by_layer, layers), (budget, limits)):
+            for k, v in new.items():
+                table[k] = max(table.get(k, v), v)
+        if f is not None and (failure is None or f["time"] > failure["time"]):
+            failure = f
+        attempts.extend(tried)
+    attempts.sort(key=lambda a: a["time"])
+    return {"restarts_by_layer": by_layer, "restart_budget": budget, "last_failure": failure,
+            "attempts": attempts[-20:]}
+
+
+def _int(v) -> int:
+    return max(-2**31, min(2**31 - 1, int(v)))
+
+
+def _failure(f: dict, node: str) -> dict:
+    return {"rank": _int(f.get("rank", -1)), "exit_code": _int(f.get("exit_code", 0)),
+            "signal": _int(f.get("signal", 0)), "cause": str(f.get("cause", ""))[:2000],
+            "traceback": str(f.get("traceback", ""))[-4000:], "time": float(f.get("time", 0)),
+            "restart": _int(f.get("restart", 0)), "node_id": str(f.get("node_id") or node)}
+
+
+def _attempt(a: dict, node: str) -> dict:
+    return {"layer": str(a.get("layer", "")), "cause": str(a.get("cause", ""))[:500],
+            "time": float(a.get("time", 0)), "duration": float(a.get("duration", 0)),
+            "outcome": str(a.get("outcome", "")), "rank": _int(a.get("rank", -1)),
+            "node_id": str(a.get("node_id") or node)}
 
 
 def nodes_of(keys: JobKeys) -> list[str]:
@@ -92,6 +144,8 @@ def record_from_keys(keys: JobKeys, now: float) -> JobRecord | None:
                                                             if state.reason else "")
     rec.round, rec.restarts = state.round, state.restarts
     rec.workers = worker_rows(keys)
+    for name, value in recovery_of(keys).items():
+        setattr(rec, name, value)
     since = state.opened_at if state.status == OPEN else state.closed_at
     rec.state_since = since if 0 < since <= now else now
     if rec.state in _FINAL_STATES.values():

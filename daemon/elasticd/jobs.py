@@ -85,6 +85,18 @@ class JobRecord:
     def live(self) -> bool:
         return self.state in LIVE_STATES
 
+    def recovery_summary(self) -> dict:
+        """What this node shares of the job's recovery with the other nodes
+        (published with its worker rows; see clusterjobs.py), size-bounded."""
+        failure = self.last_failure
+        if failure:
+            failure = dict(failure, cause=str(failure.get("cause", ""))[:2000],
+                           traceback=str(failure.get("traceback", ""))[-4000:])
+        return {"restarts_by_layer": dict(self.restarts_by_layer),
+                "restart_budget": dict(self.restart_budget), "last_failure": failure,
+                "attempts": [dict(a, cause=str(a.get("cause", ""))[:500])
+                             for a in self.attempts[-10:]]}
+
     def to_json(self) -> str:
         data = dataclasses.asdict(self)
         data["state"] = self.state.value

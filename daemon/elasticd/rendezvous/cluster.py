@@ -211,8 +211,11 @@ class ClusterRendezvous:
         done = keys.done.get(result.round, set()) if keys else set()
         return set(result.members) <= done
 
-    def publish_workers(self, rows: list[dict]) -> None:
-        self._store.put(self._key("workers", self.node_id), json.dumps(rows), lease=self._lease())
+    def publish_workers(self, rows: list[dict], summary: dict | None = None) -> None:
+        """This node's worker rows and its recovery summary, for status on any node."""
+        value = {"rows": rows, "summary": summary or {}}
+        self._store.put(self._key("workers", self.node_id), json.dumps(value),
+                        lease=self._lease())
 
 
 def create_job(store: Store, job_id: str, spec: dict, now: float, round: int = 1,

@@ -7,7 +7,8 @@ Keys of one job (under the store prefix; ``R`` is a round number)::
                                      by compare-and-swap
     /v1/jobs/<job>/join/<R>/<node>   a node's wish to be in round R (its node lease)
     /v1/jobs/<job>/done/<R>/<node>   a node's workers finished round R well (lease)
-    /v1/jobs/<job>/workers/<node>    a node's worker rows, for status (lease)
+    /v1/jobs/<job>/workers/<node>    a node's worker rows and recovery summary, for
+                                     status on any node (lease)
 
 Each node writes only its own join/done/workers keys, so the writes of a
 round grow linearly with the number of nodes. The state moves

@@ -29,6 +29,7 @@ class JobKeys:
     joins: dict = field(default_factory=dict)     # round -> {node: Join}
     done: dict = field(default_factory=dict)      # round -> set(node)
     workers: dict = field(default_factory=dict)   # node -> list of worker rows
+    summaries: dict = field(default_factory=dict)  # node -> its recovery summary (a dict)
 
 
 class JobsView:
@@ -50,7 +51,7 @@ class JobsView:
             return JobKeys(spec=keys.spec, state=keys.state, state_revision=keys.state_revision,
                            joins={r: dict(v) for r, v in keys.joins.items()},
                            done={r: set(v) for r, v in keys.done.items()},
-                           workers=dict(keys.workers))
+                           workers=dict(keys.workers), summaries=dict(keys.summaries))
 
     def job_ids(self) -> list[str]:
         with self.changed:
@@ -127,11 +128,15 @@ class JobsView:
             elif kind == "workers" and len(parts) == 3:
                 if value is None:
                     keys.workers.pop(parts[2], None)
+                    keys.summaries.pop(parts[2], None)
                 else:
-                    rows = json.loads(value)
-                    if not isinstance(rows, list):
+                    data = json.loads(value)
+                    rows, summary = (data.get("rows"), data.get("summary", {})) \
+                        if isinstance(data, dict) else (data, {})  # a list: before summaries
+                    if not isinstance(rows, list) or not isinstance(summary, dict):
                         raise ValueError("worker rows are not a list")
                     keys.workers[parts[2]] = rows
+                    keys.summaries[parts[2]] = summary
             else:
                 self._garbage(key, "unknown key")
         except (ValueError, KeyError, TypeError) as exc:
