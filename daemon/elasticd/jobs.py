@@ -118,6 +118,10 @@ CREATE TABLE IF NOT EXISTS events (
     data TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS events_job ON events (job_id, seq);
+-- Other nodes' events, mirrored here (import_events): once each.
+CREATE UNIQUE INDEX IF NOT EXISTS events_origin ON events
+    (json_extract(data, '$.node_id'), json_extract(data, '$.origin_seq'))
+    WHERE json_extract(data, '$.origin_seq') IS NOT NULL;
 """
 
 
@@ -304,14 +308,11 @@ class JobRegistry:
         """Add other nodes' events (eventlog.py) under new local seqs; how many were new.
 
         Each carries ``node_id`` and ``origin_seq`` (its seq on that node); a unique
-        index on the pair makes importing again (a re-list, a daemon restart) a no-op.
+        index on the pair (events_origin) makes importing again (a re-list, a daemon
+        restart) a no-op.
         Listeners are not called: they count this node's own events.
         """
         with self._lock:
-            self._db.execute(
-                "CREATE UNIQUE INDEX IF NOT EXISTS events_origin ON events "
-                "(json_extract(data, '$.node_id'), json_extract(data, '$.origin_seq')) "
-                "WHERE json_extract(data, '$.origin_seq') IS NOT NULL")
             added, last = 0, self.last_seq
             self._db.execute("BEGIN")
             try:
