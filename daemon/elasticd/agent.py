@@ -336,8 +336,7 @@ class Agent:
             failure = self._failure(job, ladder.abandoned_rank, 1, 0,
                                     f"in-process restart gave up: {ladder.abandoned}")
         else:
-            failure = self._recovery.explain(  # cause: a hang, seen by us or by the wrapper?
-                self._progress.explain(self._first_failure(job, group)))
+            failure = self._explain(self._first_failure(job, group))
         # Stop the rest of the group before recording: they would hang in collectives.
         group.stop(grace)
         group.poll()
@@ -347,8 +346,8 @@ class Agent:
         state = self._try(lambda: self._rdzv.reopen(result, failure["cause"], True))
         if act is Action.FAIL or (state is not None and state.final):
             code = failure["exit_code"] if failure["exit_code"] > 0 else 128 + failure["signal"]
-            chain = self._recovery.ladder.failed(Layer.PROCESS, failure["cause"], failure["time"],
-                                        failure["rank"])
+            chain = self._recovery.ladder.failed(Layer.PROCESS, failure["cause"],
+                                                 failure["time"], failure["rank"])
             why = f"{failure['cause']}; {decision.reason}"
             if len(self._recovery.ladder.attempts) > 1:
                 why += f"; cause chain: {chain}"
@@ -362,7 +361,7 @@ class Agent:
         delay = restart_delay(restart, a.restart_backoff_initial, a.restart_backoff_step,
                               a.restart_backoff_max)
         climb = self._recovery.ladder.begin(Layer.PROCESS, failure["cause"], failure["time"],
-                                   failure["rank"])
+                                            failure["rank"])
         self._registry.transition(self.job_id, JobState.RESTARTING,
                                   f"{climb.cause}; {decision.reason}"
                                   + (f" in {delay:.1f}s" if delay else ""),
@@ -412,8 +411,7 @@ class Agent:
             if w.outcome in (None, 0):
                 continue
             message, tb, _ = failures.read_error_file(w.error_file)
-            failure = self._recovery.explain(
-                self._progress.explain(self._worker_failure(job, w, message, tb)))
+            failure = self._explain(self._worker_failure(job, w, message, tb))
             self._progress.forget(w.rank)
             cause = failure["cause"]
             try:
@@ -492,6 +490,11 @@ class Agent:
         if blamed is None:
             return self._failure(job, -1, 1, 0, "worker failed")
         return self._worker_failure(job, *blamed)
+
+    def _explain(self, failure: dict) -> dict:
+        """The failure, its cause a hang if one ended the rank: killed by our hang
+        detection (progress.py), or ended by its own wrapper as stuck (recovery.py)."""
+        return self._recovery.explain(self._progress.explain(failure))
 
     def _worker_failure(self, job: JobRecord, w, message: str, tb: str) -> dict:
         """The failure record of one failed worker, logged and recorded as an event."""

@@ -85,6 +85,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from .. import inprocess_reports
 from ._beat import heartbeat, last_beat
 from .coord import BarrierTimeout, IterationStore, _text
 
@@ -185,7 +186,7 @@ class _Run:
         self.takes_iteration = takes_iteration
         self.rank = int(os.environ["RANK"])
         self.world_size = int(os.environ["WORLD_SIZE"])
-        self.report = _Reporter(os.environ.get("ELASTICD_INPROCESS_REPORT", ""), self.rank)
+        self.report = _Reporter(os.environ.get(inprocess_reports.ENV, ""), self.rank)
         self.faults: collections.deque[float] = collections.deque()  # monotonic fault times
 
     def run(self, args, kwargs):
