@@ -22,6 +22,10 @@ from elasticd.v1 import control_pb2 as pb
 from etcd_server import free_port
 
 DEFAULT_TTL = 3.0  # membership.lease_ttl's default
+# Daemon flags: no warm spares (less CPU on a small machine), and the control
+# socket's group nogroup, so a test may also call elasticctl as `nobody`.
+NO_SPARES_NOBODY_MAY_CALL = ("--set", "agent.warm_spares=false",
+                             "--set", "daemon.socket_group=65534")
 
 
 def fresh_prefix() -> str:

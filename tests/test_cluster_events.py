@@ -26,7 +26,8 @@ from elasticd.eventlog import EVENTS, EventLog, event_key, parse_event, parse_ke
 from elasticd.jobs import JobRecord, JobRegistry
 from elasticd.states import JobState
 from elasticd.store import MemoryStore, StoreUnavailable, open_store
-from etcd_cluster import cluster_daemon, fresh_prefix, wait_for
+from etcd_cluster import (NO_SPARES_NOBODY_MAY_CALL as NO_SPARES, cluster_daemon, fresh_prefix,
+                          wait_for)
 from etcd_server import EtcdServer, etcd_binary
 
 PY = sys.executable
@@ -224,7 +225,6 @@ def test_each_node_keeps_a_bounded_number_of_events_per_job_in_etcd(tmp_path):
 # ---------------------------------------------------------------- real daemons, real etcd
 
 pytestmark_etcd = pytest.mark.skipif(etcd_binary() is None, reason="needs an etcd binary")
-NO_SPARES = ("--set", "agent.warm_spares=false", "--set", "daemon.socket_group=65534")
 
 
 @pytest.fixture(scope="module")

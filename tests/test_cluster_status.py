@@ -22,7 +22,8 @@ from elasticd.jobs import JobRecord
 from elasticd.rendezvous.protocol import Join, Member, RoundState
 from elasticd.rendezvous.view import JobKeys
 from elasticd.states import JobState
-from etcd_cluster import cluster_daemon, ctl_json, fresh_prefix, wait_for
+from etcd_cluster import (NO_SPARES_NOBODY_MAY_CALL as NO_SPARES, cluster_daemon, ctl_json,
+                          fresh_prefix, wait_for)
 from etcd_server import EtcdServer, etcd_binary
 
 PY = sys.executable
@@ -174,8 +175,6 @@ def test_an_id_or_a_live_name_resolves_and_the_callers_own_job_wins_a_shared_nam
 
 
 # ---------------------------------------------------------------- real daemons, real etcd
-
-NO_SPARES = ("--set", "agent.warm_spares=false", "--set", "daemon.socket_group=65534")
 
 # The rank on n2 exits 3 at its first start; then every rank runs until cancelled.
 FAIL_ON_N2_ONCE_THEN_RUN = [PY, "-c", (
