@@ -5,9 +5,9 @@
 #   bash scripts/demo.sh            (set DEMO_KEEP=1 to leave the daemon running)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON="${PYTHON:-python3}"
-
 bash scripts/setup.sh
+# The project's virtualenv (.venv/bin/python) unless PYTHON says otherwise.
+PYTHON="$(bash scripts/python.sh)"
 
 work="$(mktemp -d /tmp/elasticd-demo.XXXXXX)"
 sock="$work/control.sock"

@@ -145,6 +145,16 @@ def test_event_json_line():
     assert second["from_state"] is None
 
 
+def test_a_jobs_first_event_names_its_state_without_a_blank_before_it():
+    first = output.event_line(pb.Event(seq=1, job_id="j1", kind="state", to_state=pb.PENDING,
+                                       reason="submitted by root", time=1.0))
+    assert "  j1  PENDING: submitted by root  [" in first
+    assert "UNSPECIFIED" not in first
+    later = output.event_line(pb.Event(seq=2, job_id="j1", kind="state", from_state=pb.PENDING,
+                                       to_state=pb.RENDEZVOUS, time=2.0))
+    assert "  j1  PENDING -> RENDEZVOUS  [" in later
+
+
 def test_log_prefix_per_line():
     buf = io.StringIO()
     printer = output.Printer("table", buf)

@@ -231,7 +231,9 @@ def _heartbeat(n: control_pb2.Node) -> str:
 
 def event_line(ev: control_pb2.Event) -> str:
     stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ev.time)) if ev.time else "-"
-    if ev.kind == "state":
+    if ev.kind == "state" and ev.from_state == control_pb2.JOB_STATE_UNSPECIFIED:
+        what = state_name(ev.to_state)  # the job's first event: it has no state before
+    elif ev.kind == "state":
         what = f"{state_name(ev.from_state)} -> {state_name(ev.to_state)}"
     else:
         what = ev.kind + (f" rank {ev.rank}" if ev.rank >= 0 and ev.kind in (
