@@ -4,5 +4,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-daemon}"
-python -m grpc_tools.protoc -Iprotos --python_out="$out" --pyi_out="$out" \
+# The interpreter with grpcio-tools: $PYTHON, else the project venv, else python3.
+if [ -z "${PYTHON:-}" ]; then
+    if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
+fi
+"$PYTHON" -m grpc_tools.protoc -Iprotos --python_out="$out" --pyi_out="$out" \
   --grpc_python_out="$out" protos/elasticd/v1/control.proto

@@ -5,11 +5,20 @@ left behind is killed.
 """
 from __future__ import annotations
 
+import os
 import shutil
+import sys
 
 import pytest
 
 from daemons import DaemonProc, short_tmpdir
+
+# The tests run with the project virtualenv's python (scripts/test.sh): put
+# its bin/ first on PATH, as activating it would, so commands installed with
+# the project (torchrun, elasticd, elasticctl) are the venv's own.
+_BIN = os.path.dirname(sys.executable)
+if os.environ.get("PATH", "").split(os.pathsep)[0] != _BIN:
+    os.environ["PATH"] = _BIN + os.pathsep + os.environ.get("PATH", "")
 
 
 @pytest.fixture

@@ -14,7 +14,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tarfile
 import time
 import tomllib
 import zipfile
@@ -220,13 +219,12 @@ def test_wheel_builds_and_carries_the_generated_protos(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
     # A copy, so the work tree gets no build/ or egg-info of its own.
-    with tarfile.open(tmp_path / "src.tar", "w") as tar:
-        for name in ("pyproject.toml", "README.md", "daemon", "ctl"):
-            tar.add(ROOT / name, arcname=name,
-                    filter=lambda t: None if "__pycache__" in t.name or ".egg-info" in t.name
-                    else t)
-    with tarfile.open(tmp_path / "src.tar") as tar:
-        tar.extractall(src, filter="data")
+    skip = shutil.ignore_patterns("__pycache__", "*.egg-info")
+    for name in ("pyproject.toml", "README.md", "daemon", "ctl"):
+        if (ROOT / name).is_dir():
+            shutil.copytree(ROOT / name, src / name, ignore=skip)
+        else:
+            shutil.copy2(ROOT / name, src / name)
     run(sys.executable, "-m", "build", "--wheel", "--outdir", tmp_path / "dist", src,
         timeout=300)
     wheels = list((tmp_path / "dist").glob(f"elasticd-{VERSION}-*.whl"))

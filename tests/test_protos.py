@@ -2,6 +2,7 @@
 import filecmp
 import os
 import subprocess
+import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STUBS = ("control_pb2.py", "control_pb2.pyi", "control_pb2_grpc.py")
@@ -9,7 +10,7 @@ STUBS = ("control_pb2.py", "control_pb2.pyi", "control_pb2_grpc.py")
 
 def test_generated_stubs_match_the_proto(tmp_path):
     subprocess.run(["bash", os.path.join(REPO, "scripts", "gen_protos.sh"), str(tmp_path)],
-                   check=True, cwd=REPO)
+                   check=True, cwd=REPO, env=dict(os.environ, PYTHON=sys.executable))
     for name in STUBS:
         fresh = tmp_path / "elasticd" / "v1" / name
         checked_in = os.path.join(REPO, "daemon", "elasticd", "v1", name)

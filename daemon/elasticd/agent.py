@@ -332,14 +332,17 @@ class Agent:
             return True
         # RESTART or FAIL: a local worker failed, or in-process restart gave up.
         ladder = self._recovery.ladder
+        # Stop the rest of the group before recording: they would hang in collectives.
+        # Blame only after the stop: a rank SIGKILLed by someone else (the OOM
+        # killer) may not be reaped yet when its peer's error file is seen, on a
+        # loaded machine; the stop waits for it and tells its signal from ours.
+        group.stop(grace)
+        group.poll()
         if self._recovery.gave_up():
             failure = self._failure(job, ladder.abandoned_rank, 1, 0,
                                     f"in-process restart gave up: {ladder.abandoned}")
         else:
             failure = self._explain(self._first_failure(job, group))
-        # Stop the rest of the group before recording: they would hang in collectives.
-        group.stop(grace)
-        group.poll()
         self._publish(group)
         if self._metrics:
             self._metrics.restart_or_failure(failure)
