@@ -46,11 +46,16 @@ USER, UID = "jobuser", 61021           # in the elasticd group
 OUTSIDER, OUTSIDER_UID = "outsider", 61022   # not in it
 HOME = f"/home/{USER}"
 # The job: says who it runs as, starts a child in its process group (as a data
-# loader would; that child has no PDEATHSIG, so only the cgroup kill stops it
-# when the daemon is SIGKILLed), then waits until told to finish.
+# loader would; that child has no PDEATHSIG and ignores SIGTERM, so only a
+# SIGKILL stops it: the daemon's to the process group, or systemd's to the
+# cgroup when the daemon is gone), then waits until told to finish. It
+# ignores SIGTERM too, so a clean stop has to wait out the daemon's
+# agent.stop_grace_period and SIGKILL it, within the unit's TimeoutStopSec.
 JOB = r"""
-import os, subprocess, sys, time
-child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+import os, signal, subprocess, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+child = subprocess.Popen([sys.executable, "-c", "import signal, time; "
+                          "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(3600)"])
 restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "?")
 with open(os.path.join(os.environ["HOME"], f"started-{restart}"), "w") as fh:
     fh.write(f"{os.getpid()} {child.pid} {os.getuid()} {os.umask(0o022):o}\n")
@@ -290,12 +295,16 @@ def test_stop_stops_the_workers_and_restart_keeps_finished_jobs(tree, state):
     tree.run("systemctl", "stop", UNIT)
     NUMBERS["systemctl stop s"] = round(time.monotonic() - t0, 2)
     props = tree.show(UNIT, "ActiveState", "Result", "ExecMainCode", "ExecMainStatus")
-    # A clean exit (code 1 = exited, status 0), not a timeout's SIGKILL.
+    # A clean exit (code 1 = exited, status 0) once the daemon had SIGKILLed
+    # the workers that ignored its SIGTERM; not systemd's SIGKILL at
+    # TimeoutStopSec (Result would be "timeout").
     assert props == {"ActiveState": "inactive", "Result": "success", "ExecMainCode": "1",
                      "ExecMainStatus": "0"}, props
     assert proc_status(tree, worker) is None and proc_status(tree, child) is None
     said = [e["MESSAGE"] for e in journal(tree)]
     assert any(f"job={job}" in m and "daemon stopping" in m for m in said), said[-20:]
+    # It left the cluster on the way out (standalone here: its in-memory store).
+    assert any("this node's key is gone from the cluster" in m for m in said), said[-20:]
 
     # Started again, it resumes the job; then the job finishes.
     tree.run("systemctl", "start", UNIT)
