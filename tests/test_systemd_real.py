@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 import systemd_tree
+from etcd_server import EtcdServer, etcd_binary
 
 pytestmark = [pytest.mark.slow, pytest.mark.root]
 
@@ -392,6 +393,38 @@ def test_the_hardening_holds_and_jobs_still_run_as_their_user(tree, state):
     assert owner == [USER, "644"], owner
     tree.run("touch", f"{HOME}/finish", user=USER)
     wait_for(lambda: job_status(tree, job)["state"] == "SUCCEEDED", f"job {job} to finish")
+
+
+def test_on_etcd_a_stop_revokes_the_node_lease(tree):
+    if etcd_binary() is None or shutil.which("etcdctl") is None:
+        pytest.skip("needs etcd and etcdctl (Debian packages etcd-server, etcd-client)")
+    drop_in = f"/etc/systemd/system/{UNIT}.d/etcd.conf"
+    with EtcdServer() as etcd:
+        # The tree shares this machine's network: its daemon reaches this etcd.
+        # A long lease, so a key gone at once was revoked, not expired.
+        tree.write(drop_in, "[Service]\nEnvironment=ELASTICD_DAEMON_STANDALONE=false "
+                   f"ELASTICD_ETCD_ENDPOINTS={etcd.url} ELASTICD_MEMBERSHIP_LEASE_TTL=60 "
+                   "ELASTICD_MEMBERSHIP_REFRESH_INTERVAL=5\n")
+        tree.run("systemctl", "daemon-reload")
+        tree.run("systemctl", "restart", UNIT)
+
+        def node_keys() -> list[str]:
+            out = subprocess.run(["etcdctl", f"--endpoints={etcd.url}", "get", "--prefix",
+                                  "--keys-only", "/elasticd/v1/nodes/"],
+                                 capture_output=True, text=True, timeout=60,
+                                 env=dict(os.environ, ETCDCTL_API="3"))
+            assert out.returncode == 0, out.stderr
+            return [k for k in out.stdout.split() if k]
+
+        assert node_keys() == [f"/elasticd/v1/nodes/{systemd_tree.HOSTNAME}"]
+        nodes = json.loads(ctl(tree, "-o", "json", "nodes").stdout)
+        assert [n["node_id"] for n in nodes["nodes"]] == [systemd_tree.HOSTNAME], nodes
+        tree.run("systemctl", "stop", UNIT)
+        assert node_keys() == [], "the stopped daemon's node key outlived it"
+        assert tree.show(UNIT, "Result")["Result"] == "success"
+    tree.run("rm", drop_in)
+    tree.run("systemctl", "daemon-reload")
+    tree.run("systemctl", "start", UNIT)
 
 
 def test_reinstalling_keeps_the_config_and_restarts_the_daemon(tree):
