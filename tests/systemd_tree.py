@@ -50,6 +50,8 @@ CACHE_DIR = Path(os.environ.get("ELASTICD_TEST_TREE_CACHE", "/var/cache/elasticd
 MASKED_UNITS = ("getty.target", "console-getty.service", "getty@tty1.service",
                 "serial-getty@ttyS0.service")
 HOSTNAME = "elasticd-test"
+# Each boot's overlay layers live in WORK_PARENT/WORK_PREFIX..., its cgroup has the same name.
+WORK_PARENT, WORK_PREFIX = "/var/tmp", "elasticd-systemd-"
 # A clean environment for everything run inside the tree.
 TREE_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
             "LANG": "C.UTF-8", "SYSTEMD_COLORS": "0", "SYSTEMD_PAGER": "", "TERM": "dumb"}
@@ -239,7 +241,8 @@ class BootedTree:
         self.teardown()
 
     def boot(self, timeout: float = 120.0) -> None:
-        self.workdir = Path(tempfile.mkdtemp(prefix="elasticd-systemd-", dir="/var/tmp"))
+        _reap_stale()
+        self.workdir = Path(tempfile.mkdtemp(prefix=WORK_PREFIX, dir=WORK_PARENT))
         for name in ("upper", "work", "root"):
             (self.workdir / name).mkdir()
         self.root = self.workdir / "root"
@@ -250,9 +253,14 @@ class BootedTree:
         # The shell joins the cgroup before unshare, so the new cgroup namespace
         # is rooted there and systemd's cgroups are made under it.
         self.unshare = subprocess.Popen(
-            ["sh", "-c", 'echo $$ > "$1/cgroup.procs" && shift && exec "$@"', "sh",
-             str(self.cgroup), "unshare", "--fork", "--pid", "--mount", "--uts", "--cgroup",
-             "--propagation", "private", "sh", "-c", _BOOT_SCRIPT, "boot", str(self.tree),
+            # If this test process dies without a teardown, the kernel still
+            # brings the tree down: unshare gets SIGKILL when we die, its
+            # child (the tree's PID 1) when it does, and the rest with PID 1.
+            ["setpriv", "--pdeathsig", "KILL",
+             "sh", "-c", 'echo $$ > "$1/cgroup.procs" && shift && exec "$@"', "sh",
+             str(self.cgroup), "unshare", "--fork", "--kill-child=SIGKILL", "--pid", "--mount",
+             "--uts", "--cgroup", "--propagation", "private",
+             "sh", "-c", _BOOT_SCRIPT, "boot", str(self.tree),
              str(self.workdir / "upper"), str(self.workdir / "work"), str(self.root), HOSTNAME],
             env={**TREE_ENV, "container": "elasticd-test"}, stdin=subprocess.DEVNULL,
             stdout=self._console, stderr=subprocess.STDOUT,
@@ -374,6 +382,38 @@ class BootedTree:
         self._pidns = None
         if problems:
             raise AssertionError("tearing down the booted tree left:\n" + "\n".join(problems))
+
+
+def _reap_stale(min_age: float = 60.0) -> None:
+    """Remove what boots of killed test runs left: empty cgroups and their work dirs.
+
+    A cgroup with a process in it belongs to a tree still running (another
+    test run's), and a young one may be one about to get its first process:
+    both are left alone.
+    """
+    root = _cgroup2_root()
+    for cgroup in root.glob(WORK_PREFIX + "*") if root else ():
+        try:
+            if time.time() - cgroup.stat().st_mtime < min_age or _cgroup_has_processes(cgroup):
+                continue
+        except OSError:
+            continue
+        if _remove_cgroup(cgroup):
+            continue
+        workdir = Path(WORK_PARENT) / cgroup.name
+        with open("/proc/self/mountinfo") as fh:
+            if not any(str(workdir) in line for line in fh):
+                shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _cgroup_has_processes(top: Path) -> bool:
+    for dirpath, _dirs, _files in os.walk(top):
+        try:
+            if Path(dirpath, "cgroup.procs").read_text().strip():
+                return True
+        except OSError:
+            pass
+    return False
 
 
 def _processes_in_pidns(ns: str) -> list[int]:
