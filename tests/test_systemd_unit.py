@@ -107,7 +107,8 @@ def test_directories_match_the_daemons_root_defaults(unit):
     assert _one(unit, "Service", "RuntimeDirectory") == "elasticd"
     assert _one(unit, "Service", "StateDirectory") == "elasticd"
     assert _one(unit, "Service", "RuntimeDirectoryMode") == "0755"
-    assert _one(unit, "Service", "StateDirectoryMode") == "0755"
+    # Records and logs are root's alone; users read theirs through elasticctl.
+    assert _one(unit, "Service", "StateDirectoryMode") == "0700"
 
 
 def test_stop_kills_workers_but_only_after_the_graceful_stop(unit):
@@ -128,3 +129,25 @@ def test_restart_environment_limits_and_install(unit):
     assert re.match(r"\S+:", _one(unit, "Unit", "Documentation"))
     assert _one(unit, "Install", "WantedBy") == "multi-user.target"
     assert "User" not in unit["Service"], "runs as root: it starts workers as their users"
+
+
+def test_hardening_keeps_what_jobs_need(unit):
+    """Hardened where it costs jobs nothing (tests/test_systemd_real.py runs them under it)."""
+    service = unit["Service"]
+    assert _one(unit, "Service", "UMask") == "0077"
+    assert _one(unit, "Service", "ProtectSystem") in ("full", "strict")
+    for key in ("ProtectKernelTunables", "ProtectKernelModules", "ProtectKernelLogs",
+                "ProtectControlGroups", "ProtectHostname", "RestrictSUIDSGID",
+                "LockPersonality"):
+        assert _one(unit, "Service", key) == "yes", key
+    # Switching to the job's user, chowning its run dir, signalling its
+    # process groups, reaching its files: nothing more.
+    assert set(_one(unit, "Service", "CapabilityBoundingSet").split()) == {
+        "CAP_SETUID", "CAP_SETGID", "CAP_CHOWN", "CAP_KILL", "CAP_DAC_OVERRIDE",
+        "CAP_DAC_READ_SEARCH"}
+    # Jobs use the user's /tmp, home and every device (GPUs); setuid helpers
+    # they run must still work.
+    for key in ("PrivateTmp", "ProtectHome", "PrivateDevices", "DeviceAllow", "DevicePolicy",
+                "ProtectClock", "NoNewPrivileges", "RestrictNamespaces", "SystemCallFilter",
+                "ProtectProc"):
+        assert key not in service, f"{key}= would take from jobs what they need"

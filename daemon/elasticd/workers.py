@@ -27,6 +27,10 @@ from .logsetup import ctx
 log = logging.getLogger("elasticd.workers")
 
 _PR_SET_PDEATHSIG = 1
+# The umask workers start with, whatever the daemon's own (systemd gives it
+# 0077, so its records and logs are private): a login's default, so a job's
+# checkpoints and outputs get the modes its user expects.
+WORKER_UMASK = 0o022
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _prctl = _libc.prctl
 
@@ -258,7 +262,8 @@ def _popen(spec: GroupSpec, argv: list, rank: int, env: dict, user_kwargs: dict,
                 stdin=subprocess.DEVNULL if stdin is None else stdin,
                 stdout=logf if stdout is None else stdout,
                 stderr=logf if stdout is not None else subprocess.STDOUT, close_fds=True,
-                process_group=0, preexec_fn=_die_with_parent, **user_kwargs)
+                process_group=0, preexec_fn=_die_with_parent, umask=WORKER_UMASK,
+                **user_kwargs)
         except FileNotFoundError:
             raise SpawnError(f"command not found: {argv[0]}") from None
         except PermissionError as exc:
