@@ -120,7 +120,8 @@ class Daemon:
             stops.callback(events.stop)
             watches.append(events)
         keeper = LogKeeper(cfg.logs_dir, cfg.agent.log_max_bytes, cfg.agent.log_check_interval,
-                           manager.active_jobs, d.node_id)
+                           manager.active_jobs, d.node_id, lambda: statedir.disk_space(
+                               d.state_dir, cfg.limits.state_min_free_bytes).full)
         keeper.start()
         stops.callback(keeper.stop)
         metrics.attach_state(cfg, keeper)  # metrics: the state dir's disk, log rotation

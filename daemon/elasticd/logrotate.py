@@ -29,6 +29,8 @@ rotation with it.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
 import os
 import re
@@ -46,9 +48,10 @@ LOCK = threading.Lock()          # held while any log rotates, and by readers pe
 MARKER = b"==== elasticd: "
 ROTATED = b"==== elasticd: log rotated"
 MARKER_BYTES = 64 * 1024         # restart markers kept in a rotated part's header
+FULL_DISK_BYTES = 64 * 1024      # a log past this is rotated while the disk is full
 _HEADER_SCAN = MARKER_BYTES + 4096
 _ROTATION_LINE = re.compile(rb"==== elasticd: log rotated \(generation (\d+)\) at \S+: "
-                            rb"(\d+) bytes dropped; what follows is from byte (\d+) of the "
+                            rb"(\d+) bytes dropped[^;\n]*; what follows is from byte (\d+) of the "
                             rb"log before ====\n")
 _generations: dict[str, int] = {}  # log path -> rotations so far (under LOCK)
 
@@ -166,21 +169,41 @@ def rotate(path: str, max_bytes: int) -> int:
             dropped = old_size + start
             line = (f"==== elasticd: log rotated (generation {gen}) at {stamp}: {dropped} bytes "
                     f"dropped; what follows is from byte {start} of the log before ====\n")
-            out = statedir.open_private(tmp, os.O_WRONLY | os.O_TRUNC)
             try:
-                os.write(out, b"".join(markers) + line.encode())
-                _copy(fd, out, start, size)
-                # What the rank wrote during the copy, before the truncate.
-                for _ in range(3):
-                    now = os.fstat(fd).st_size
-                    if now <= size:
-                        break
-                    _copy(fd, out, size, now)
-                    size = now
-                os.replace(tmp, old_part)
-            finally:
-                os.close(out)
-            os.ftruncate(fd, 0)
+                out = statedir.open_private(tmp, os.O_WRONLY | os.O_TRUNC)
+                try:
+                    os.write(out, b"".join(markers) + line.encode())
+                    _copy(fd, out, start, size)
+                    # What the rank wrote during the copy, before the truncate.
+                    for _ in range(3):
+                        now = os.fstat(fd).st_size
+                        if now <= size:
+                            break
+                        _copy(fd, out, size, now)
+                        size = now
+                    os.replace(tmp, old_part)
+                finally:
+                    os.close(out)
+                os.ftruncate(fd, 0)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                # No room for the copy: drop the whole log so the rank can go
+                # on writing, and keep only the markers and what was dropped.
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+                size = os.fstat(fd).st_size
+                os.ftruncate(fd, 0)
+                line = (f"==== elasticd: log rotated (generation {gen}) at {stamp}: "
+                        f"{old_size + size} bytes dropped, the disk being full; what follows is "
+                        f"from byte {size} of the log before ====\n")
+                out = statedir.open_private(tmp, os.O_WRONLY | os.O_TRUNC)
+                try:
+                    os.write(out, b"".join(markers) + line.encode())
+                    os.replace(tmp, old_part)
+                finally:
+                    os.close(out)
+                dropped = old_size + size
             _generations[path] = gen
         finally:
             os.close(fd)
@@ -197,12 +220,14 @@ class LogKeeper:
     """
 
     def __init__(self, logs_dir: str, max_bytes: int, interval: float,
-                 active: Callable[[], list[str]], node_id: str = ""):
+                 active: Callable[[], list[str]], node_id: str = "",
+                 disk_full: Callable[[], bool] = lambda: False):
         self._dir = logs_dir
         self._max = max_bytes
         self._interval = interval
         self._active = active
         self._node = node_id
+        self._disk_full = disk_full
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._last: set[str] = set()
@@ -229,11 +254,14 @@ class LogKeeper:
     def check(self) -> None:
         """One look at every log of the active jobs (and of those just ended)."""
         now = set(self._active())
+        # A full disk: running ranks would fail to write, so their logs give
+        # way at a much lower size (what they hold is dropped first).
+        low = FULL_DISK_BYTES if self._disk_full() else None
         for job_id in sorted(now | self._last):
-            self.check_job(job_id)
+            self.check_job(job_id, low)
         self._last = now
 
-    def check_job(self, job_id: str) -> None:
+    def check_job(self, job_id: str, low: int | None = None) -> None:
         job_dir = os.path.join(self._dir, job_id)
         try:
             names = os.listdir(job_dir)
@@ -251,7 +279,8 @@ class LogKeeper:
                     rotated = 0
                 # Past half, or both parts past the cap (a rotation that copied
                 # what a fast rank wrote meanwhile may leave the old part big).
-                if size <= self._max // 2 and size + rotated <= self._max:
+                if size <= self._max // 2 and size + rotated <= self._max and (
+                        low is None or size <= low):
                     continue
                 dropped = rotate(path, self._max)
             except OSError as exc:
