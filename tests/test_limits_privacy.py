@@ -15,11 +15,13 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 
 import psutil
 import pytest
 
 from daemons import REPO, DaemonProc, short_tmpdir
+from etcd_server import free_port
 from elasticd.v1 import control_pb2 as pb
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0,
@@ -27,6 +29,8 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0,
                                        "tmpfs mounts (CI runs as root)")
 
 GROUP = "h15_ctl"
+# An HTTP/2 client's first words: the preface and an empty SETTINGS frame.
+HTTP2_HELLO = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
 USERS = ("h15_alice", "h15_bob")
 
 
@@ -83,6 +87,11 @@ def readable_by(path: str, who: tuple) -> bool:
     r = subprocess.run(["/bin/cat", path], capture_output=True, user=who[0], group=who[1],
                        extra_groups=who[2])
     return r.returncode == 0
+
+
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        return resp.read().decode()
 
 
 def mode(path: str) -> int:
@@ -175,10 +184,13 @@ def test_forty_follow_streams_of_one_user_leave_list_to_another(users, daemons):
 
 def test_a_connection_flood_leaves_a_second_client_served(users, daemons):
     bob = users["h15_bob"]
-    d = start("limits.max_connections=200", "limits.handshake_timeout=2")
+    d = start("limits.max_connections=200", "limits.handshake_timeout=2",
+              "limits.idle_timeout=2")
     daemons.append(d)
     # The daemon's open files as under a tight LimitNOFILE: a flood of 1,500
-    # silent connections would take every one without the connection cap.
+    # connections would take every one without the connection cap. Every
+    # other one speaks HTTP/2 (preface and SETTINGS) then idles; the rest
+    # never say a word.
     psutil.Process(d.proc.pid).rlimit(psutil.RLIMIT_NOFILE, (1024, 1024))
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4096)), hard))
@@ -189,13 +201,17 @@ def test_a_connection_flood_leaves_a_second_client_served(users, daemons):
             s.setblocking(False)
             try:
                 s.connect(d.socket)
+                if len(flood) % 2:
+                    s.send(HTTP2_HELLO)
             except (BlockingIOError, InterruptedError):
                 pass  # queued; the daemon takes it (or not) in its own time
             except OSError:
                 s.close()
                 break
             flood.append(s)
-        time.sleep(2 + 2)  # the handshake timeout closes the silent ones the cap let in
+        # The handshake timeout closes the silent ones the cap let in, the
+        # idle timeout those that spoke HTTP/2 but never made a call.
+        time.sleep(2 + 3)
         t0 = time.monotonic()
         listed = d.ctl("-o", "json", "list", user=bob, timeout=60)
         assert listed.returncode == 0, listed.stderr + d.log()[-3000:]
@@ -303,8 +319,11 @@ def test_a_full_state_filesystem_is_a_clean_submit_error_and_no_phantom_job(daem
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=0700", "h15-state", state],
                    check=True)
     try:
-        d = start("limits.state_min_free_bytes=65536", root=root)
+        port = free_port()
+        d = start("limits.state_min_free_bytes=65536", f"metrics.port={port}",
+                  "metrics.address=127.0.0.1", root=root)
         daemons.append(d)
+        assert "elasticd_state_disk_full 0.0" in scrape(port)
         before = d.submit("/bin/true")
         d.wait_job(before)
         with open(os.path.join(state, "filler"), "wb") as fh:
@@ -318,7 +337,9 @@ def test_a_full_state_filesystem_is_a_clean_submit_error_and_no_phantom_job(daem
         assert r.returncode == 1
         assert "RESOURCE_EXHAUSTED" in r.stderr and "full" in r.stderr, r.stderr
         nodes = d.ctl("nodes")
-        assert "full" in nodes.stdout, nodes.stdout
+        assert "problem on node-a: state dir" in nodes.stdout and "full" in nodes.stdout, \
+            nodes.stdout
+        assert "elasticd_state_disk_full 1.0" in scrape(port)
         listed = json.loads(d.ctl("-o", "json", "list").stdout)["jobs"]
         assert [j["id"] for j in listed] == [before]
         assert d.proc.poll() is None

@@ -239,8 +239,9 @@ class LimitsSettings:
     handshake_timeout: float = _setting(10.0, "seconds a new control connection has to start "
                                               "speaking HTTP/2 before it is closed",
                                         min=0.1, max=3600)
-    idle_timeout: float = _setting(300.0, "seconds a control connection may stay open "
-                                          "with no call in progress before it is closed",
+    idle_timeout: float = _setting(30.0, "seconds a control connection may stay open "
+                                         "with no call in progress before it is closed (a "
+                                         "client reconnects by itself at its next call)",
                                    min=1, max=30 * 86400)
     response_bytes: int = _setting(2 * 1024 * 1024, "most bytes of one answer: `list` comes "
                                                     "in pages of this size, and a job's "

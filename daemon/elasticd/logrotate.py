@@ -72,8 +72,8 @@ class Header:
 def read_header(fd: int) -> Header | None:
     """The header of an open rotated part, or None if it has none (not ours)."""
     head = os.pread(fd, _HEADER_SCAN, 0)
-    at = head.find(ROTATED)
-    if at < 0 or (at and head[at - 1:at] != b"\n"):
+    at = 0 if head.startswith(ROTATED) else head.find(b"\n" + ROTATED) + 1
+    if at <= 0 and not head.startswith(ROTATED):
         return None
     m = _ROTATION_LINE.match(head, at)
     if m is None:
