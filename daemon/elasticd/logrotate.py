@@ -268,7 +268,7 @@ class LogKeeper:
         except FileNotFoundError:
             return
         for name in names:
-            if not (name.startswith("rank-") and name.endswith(".log")):
+            if not name.endswith(".log"):  # rank-R.log, jobstore.log
                 continue
             path = os.path.join(job_dir, name)
             try:
