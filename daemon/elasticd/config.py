@@ -233,6 +233,10 @@ class LimitsSettings:
                                                           "environment, cwd) of the unfinished "
                                                           "jobs one uid may hold on this node",
                                         min=1024, max=1 << 40)
+    spec_bytes_total: int = _setting(512 * 1024 * 1024, "bytes of job specs of every "
+                                                        "unfinished job on this node, all "
+                                                        "users together",
+                                     min=1024, max=1 << 40)
     max_connections: int = _setting(1024, "open connections to the control socket; more are "
                                           "closed at once (the daemon raises its open-file "
                                           "limit to fit)", min=4, max=1_000_000)
@@ -401,6 +405,9 @@ def _check_relations(cfg: Config, errors: list[str]) -> None:
                       f"({i.barrier_timeout} <= {a.hang_hard_timeout}), or the healthy ranks "
                       "give up on a hung rank before elasticd kills and replaces it")
     lim = cfg.limits
+    if lim.spec_bytes_per_user > lim.spec_bytes_total:
+        errors.append(f"limits.spec_bytes_per_user: must not exceed limits.spec_bytes_total "
+                      f"({lim.spec_bytes_per_user} > {lim.spec_bytes_total})")
     if lim.streams_per_user > lim.streams_total:
         errors.append(f"limits.streams_per_user: must not exceed limits.streams_total "
                       f"({lim.streams_per_user} > {lim.streams_total})")

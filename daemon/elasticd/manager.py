@@ -167,6 +167,11 @@ class JobManager:
                 f"{who} holds {held} bytes of job specs and this one adds {size} "
                 f"(limits.spec_bytes_per_user {lim.spec_bytes_per_user}); submit smaller "
                 "commands and environments, or wait for jobs to finish")
+        total = self._registry.spec_bytes_total()
+        if total + size > lim.spec_bytes_total:
+            raise errors.ResourceExhausted(
+                f"this node holds {total} bytes of job specs and this one adds {size} "
+                f"(limits.spec_bytes_total {lim.spec_bytes_total}); wait for jobs to finish")
 
     def get_for(self, key: str, caller: Caller) -> JobRecord:
         try:
