@@ -125,6 +125,15 @@ def _markers(fd: int, size: int, limit: int) -> list[bytes]:
     return kept[::-1]
 
 
+def _newest(markers: list[bytes], limit: int) -> list[bytes]:
+    """The newest of ``markers`` that fit in ``limit`` bytes, in order."""
+    total, first = 0, len(markers)
+    while first > 0 and total + len(markers[first - 1]) <= limit:
+        first -= 1
+        total += len(markers[first])
+    return markers[first:]
+
+
 def _copy(src: int, dst: int, offset: int, end: int) -> None:
     while offset < end:
         n = os.copy_file_range(src, dst, end - offset, offset) if hasattr(os, "copy_file_range") \
@@ -162,9 +171,8 @@ def rotate(path: str, max_bytes: int) -> int:
             if start:  # begin the kept part at a line
                 nl = os.pread(fd, 4096, start - 1).find(b"\n")
                 start += nl if nl >= 0 else 0
-            markers += _markers(fd, start, limit)  # the starts in what is dropped now
-            while sum(map(len, markers)) > limit:
-                markers.pop(0)
+            kept = markers
+            markers = _newest(kept + _markers(fd, start, limit), limit)  # + those dropped now
             stamp = time.strftime("%Y-%m-%dT%H:%M:%S%z")
             dropped = old_size + start
             line = (f"==== elasticd: log rotated (generation {gen}) at {stamp}: {dropped} bytes "
@@ -193,6 +201,7 @@ def rotate(path: str, max_bytes: int) -> int:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(tmp)
                 size = os.fstat(fd).st_size
+                markers = _newest(kept + _markers(fd, size, limit), limit)
                 os.ftruncate(fd, 0)
                 line = (f"==== elasticd: log rotated (generation {gen}) at {stamp}: "
                         f"{old_size + size} bytes dropped, the disk being full; what follows is "
