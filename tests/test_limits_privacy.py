@@ -28,10 +28,12 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0,
                                 reason="needs root: real users (useradd), a root daemon, "
                                        "tmpfs mounts (CI runs as root)")
 
-GROUP = "h15_ctl"
+# One set per pytest-xdist worker, so parallel workers never share a user.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+GROUP = f"h15_ctl{_WORKER}"
 # An HTTP/2 client's first words: the preface and an empty SETTINGS frame.
 HTTP2_HELLO = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
-USERS = ("h15_alice", "h15_bob")
+USERS = (f"h15_alice{_WORKER}", f"h15_bob{_WORKER}")
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +103,7 @@ def mode(path: str) -> int:
 # -- private state -----------------------------------------------------------------
 
 def test_another_user_cannot_read_the_database_wal_or_logs(users, daemons):
-    alice, bob = users["h15_alice"], users["h15_bob"]
+    alice, bob = users[USERS[0]], users[USERS[1]]
     root = short_tmpdir()
     # An older version's state dir: 0755 with a world-readable file in it.
     state = os.path.join(root, "state")
@@ -146,7 +148,7 @@ def test_another_user_cannot_read_the_database_wal_or_logs(users, daemons):
 # -- fair share of the daemon ------------------------------------------------------------
 
 def test_forty_follow_streams_of_one_user_leave_list_to_another(users, daemons):
-    alice, bob = users["h15_alice"], users["h15_bob"]
+    alice, bob = users[USERS[0]], users[USERS[1]]
     d = start()
     daemons.append(d)
     r = submit_as(d, alice, "/bin/sh", "-c", "echo hello; sleep 120")
@@ -183,7 +185,7 @@ def test_forty_follow_streams_of_one_user_leave_list_to_another(users, daemons):
 
 
 def test_a_connection_flood_leaves_a_second_client_served(users, daemons):
-    bob = users["h15_bob"]
+    bob = users[USERS[1]]
     d = start("limits.max_connections=200", "limits.handshake_timeout=2",
               "limits.idle_timeout=2")
     daemons.append(d)
@@ -224,7 +226,7 @@ def test_a_connection_flood_leaves_a_second_client_served(users, daemons):
 
 
 def test_per_user_caps_name_the_limit_while_another_user_submits(users, daemons):
-    alice, bob = users["h15_alice"], users["h15_bob"]
+    alice, bob = users[USERS[0]], users[USERS[1]]
     d = start("limits.jobs_per_user=2", "limits.spec_bytes_per_user=400000", slots=8)
     daemons.append(d)
     for _ in range(2):
