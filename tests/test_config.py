@@ -196,6 +196,22 @@ def test_relations_between_settings_are_checked(tmp_path):
         "agent.restart_backoff_initial: must not exceed agent.restart_backoff_max")
 
 
+def test_a_user_may_not_hold_more_streams_than_the_daemon_serves(tmp_path):
+    path = _write(tmp_path, "[limits]\nstreams_total = 8\nstreams_per_user = 9\n")
+    with pytest.raises(ConfigError) as excinfo:
+        _load(path)
+    assert _errors(excinfo) == ["limits.streams_per_user: must not exceed limits.streams_total "
+                                "(9 > 8)"]
+
+
+def test_metrics_address_is_a_setting_and_a_flag():
+    from elasticd import cli
+    args = cli.build_parser().parse_args(["--metrics-address", "127.0.0.1"])
+    assert config.load("/dev/null", env={}, overrides=cli.overrides_from(args)).metrics.address \
+        == "127.0.0.1"
+    assert config.load("/dev/null", env={}).metrics.address == "0.0.0.0"
+
+
 def test_describe_lists_every_setting_with_its_env_name():
     text = config.describe()
     for sname, cls in config.SECTIONS.items():

@@ -194,8 +194,15 @@ def cmd_submit(ctx: Context) -> int:
 
 
 def cmd_list(ctx: Context) -> int:
-    resp = ctx.client.call("ListJobs", pb.ListJobsRequest(all_users=ctx.args.all))
-    ctx.printer.jobs(list(resp.jobs))
+    jobs, token = [], ""
+    while True:  # the daemon answers in pages (limits.response_bytes each)
+        resp = ctx.client.call("ListJobs", pb.ListJobsRequest(all_users=ctx.args.all,
+                                                              page_token=token))
+        jobs.extend(resp.jobs)
+        token = resp.next_page_token
+        if not token:
+            break
+    ctx.printer.jobs(jobs)
     return EXIT_OK
 
 

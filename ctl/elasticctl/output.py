@@ -218,7 +218,10 @@ def nodes_table(resp: control_pb2.ListNodesResponse) -> str:
     text = table(rows, ["NODE", "STATE", "HOST", "ADDRESS", "FREE/SLOTS", "VERSION",
                         "HEARTBEAT", "JOBS"])
     store = resp.store or "?"
-    return text + f"\nstore: {store} ({resp.store_health or 'unknown'})"
+    text += f"\nstore: {store} ({resp.store_health or 'unknown'})"
+    for n in resp.nodes:
+        text += "".join(f"\nproblem on {n.node_id}: {p}" for p in n.problems)
+    return text
 
 
 def _heartbeat(n: control_pb2.Node) -> str:

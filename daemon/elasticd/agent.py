@@ -451,7 +451,7 @@ class Agent:
             world_size=rdzv.world_size, rank_offset=rdzv.rank_offset,
             master_addr=rdzv.master_addr, master_port=rdzv.master_port,
             log_dir=os.path.join(self._cfg.logs_dir, job.id),
-            run_dir=os.path.join(d.state_dir, "run", job.id), node_id=d.node_id)
+            run_dir=os.path.join(self._cfg.jobs_run_dir, job.id), node_id=d.node_id)
 
     def _start_job_store(self, job: JobRecord) -> int:
         """For --inprocess jobs: this node's job store, up before it joins a round; its port.

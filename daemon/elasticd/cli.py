@@ -33,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--etcd", metavar="URL[,URL...]", help="etcd endpoints")
     p.add_argument("--etcd-prefix", metavar="P", help="etcd key prefix (default /elasticd)")
     p.add_argument("--metrics-port", metavar="N", type=int, help="Prometheus port (0: off)")
+    p.add_argument("--metrics-address", metavar="ADDR", help="address the metrics endpoint "
+                   "listens on (default 0.0.0.0; 127.0.0.1 keeps it on this host)")
     p.add_argument("--slots", metavar="N", type=int, help="worker processes this node runs at "
                    "once (default: CPUs)")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
@@ -49,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
 _FLAG_SETTINGS = {
     "standalone": "daemon.standalone", "node_id": "daemon.node_id", "socket": "daemon.socket",
     "state_dir": "daemon.state_dir", "etcd": "etcd.endpoints", "etcd_prefix": "etcd.prefix",
-    "metrics_port": "metrics.port", "slots": "daemon.slots", "log_level": "daemon.log_level",
+    "metrics_port": "metrics.port", "metrics_address": "metrics.address", "slots": "daemon.slots", "log_level": "daemon.log_level",
 }
 
 

@@ -142,6 +142,16 @@ class AgentSettings:
     first_step_timeout: float = _setting(600.0, "seconds a rank of a job that beats may take "
                                                 "from its start to its first beat",
                                          min=0, exclusive_min=True, max=7 * 86400)
+    # -- bounded logs (logfiles.LogKeeper) --
+    log_max_bytes: int = _setting(256 * 1024 * 1024, "bytes one rank's log may take on disk, "
+                                                     "its rotated part (rank-R.log.1) included; "
+                                                     "the oldest output goes first, restart "
+                                                     "markers are kept", min=1024 * 1024,
+                                  max=1 << 50)
+    log_check_interval: float = _setting(1.0, "seconds between checks of the size of running "
+                                              "jobs' logs (a log may pass log_max_bytes by "
+                                              "what a rank writes in this time)",
+                                         min=0.05, max=3600)
 
 
 @dataclass(frozen=True)
@@ -184,7 +194,8 @@ class InprocessSettings:
 class ControlSettings:
     token_ttl: float = _setting(300.0, "seconds a caller's credential token stays valid",
                                 min=1, max=86400)
-    rpc_threads: int = _setting(32, "threads serving control RPCs (streams hold one each)",
+    rpc_threads: int = _setting(32, "threads serving short control RPCs (long-lived calls "
+                                    "get limits.streams_total threads more)",
                                 min=2, max=1024)
     max_message_bytes: int = _setting(4 * 1024 * 1024, "largest control request accepted",
                                       min=1024, max=1 << 30)
@@ -205,9 +216,56 @@ class ControlSettings:
 
 
 @dataclass(frozen=True)
+class LimitsSettings:
+    """What one user, or everyone together, may hold of the daemon (control.py,
+    manager.py). An error over a limit names it, e.g. RESOURCE_EXHAUSTED "uid
+    1001 has 100 unfinished jobs (limits.jobs_per_user 100)". root counts as
+    one user like any other."""
+    streams_total: int = _setting(64, "long-lived calls (logs -f, events, wait) served at "
+                                      "once; each holds a thread of its own, beside the "
+                                      "control.rpc_threads kept for short calls",
+                                  min=1, max=100_000)
+    streams_per_user: int = _setting(16, "long-lived calls one uid may hold at once",
+                                     min=1, max=100_000)
+    jobs_per_user: int = _setting(100, "unfinished jobs one uid may hold on this node",
+                                  min=1, max=1_000_000)
+    spec_bytes_per_user: int = _setting(64 * 1024 * 1024, "bytes of job specs (command, "
+                                                          "environment, cwd) of the unfinished "
+                                                          "jobs one uid may hold on this node",
+                                        min=1024, max=1 << 40)
+    spec_bytes_total: int = _setting(512 * 1024 * 1024, "bytes of job specs of every "
+                                                        "unfinished job on this node, all "
+                                                        "users together",
+                                     min=1024, max=1 << 40)
+    max_connections: int = _setting(1024, "open connections to the control socket; more are "
+                                          "closed at once (the daemon raises its open-file "
+                                          "limit to fit)", min=4, max=1_000_000)
+    handshake_timeout: float = _setting(10.0, "seconds a new control connection has to start "
+                                              "speaking HTTP/2 before it is closed",
+                                        min=0.1, max=3600)
+    idle_timeout: float = _setting(30.0, "seconds a control connection may stay open "
+                                         "with no call in progress before it is closed (a "
+                                         "client reconnects by itself at its next call)",
+                                   min=1, max=30 * 86400)
+    response_bytes: int = _setting(2 * 1024 * 1024, "most bytes of one answer: `list` comes "
+                                                    "in pages of this size, and a job's "
+                                                    "command is shortened in answers to fit "
+                                                    "(keep under 4 MiB, a gRPC client's "
+                                                    "default receive limit)",
+                                   min=64 * 1024, max=64 * 1024 * 1024)
+    state_min_free_bytes: int = _setting(64 * 1024 * 1024, "free bytes under which the state "
+                                                           "dir's filesystem counts as full "
+                                                           "(`elasticctl nodes`, metric "
+                                                           "elasticd_state_disk_full)",
+                                         min=0, max=1 << 50)
+
+
+@dataclass(frozen=True)
 class MetricsSettings:
     port: int = _setting(9400, "Prometheus /metrics port (0: off)", min=0, max=65535)
-    address: str = _setting("0.0.0.0", "address the metrics endpoint listens on")
+    address: str = _setting("0.0.0.0", "address the metrics endpoint listens on: every "
+                                       "interface by default, like other exporters; "
+                                       "127.0.0.1 keeps it on this host")
 
 
 @dataclass(frozen=True)
@@ -232,6 +290,7 @@ SECTIONS: dict[str, type] = {
     "agent": AgentSettings,
     "inprocess": InprocessSettings,
     "control": ControlSettings,
+    "limits": LimitsSettings,
     "metrics": MetricsSettings,
     "events": EventsSettings,
 }
@@ -246,6 +305,7 @@ class Config:
     agent: AgentSettings = field(default_factory=AgentSettings)
     inprocess: InprocessSettings = field(default_factory=InprocessSettings)
     control: ControlSettings = field(default_factory=ControlSettings)
+    limits: LimitsSettings = field(default_factory=LimitsSettings)
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
     events: EventsSettings = field(default_factory=EventsSettings)
     source: str = ""  # which file, if any, was read
@@ -257,6 +317,13 @@ class Config:
     @property
     def logs_dir(self) -> str:
         return os.path.join(self.daemon.state_dir, "logs")
+
+    @property
+    def jobs_run_dir(self) -> str:
+        """Where each job gets a dir its user writes error files and progress
+        beats into: beside the control socket (a dir users can reach), not in
+        the state dir (root's alone)."""
+        return os.path.join(os.path.dirname(self.daemon.socket), "jobs")
 
 
 def _coerce(section: str, name: str, ftype: Any, raw: Any, errors: list[str]) -> Any:
@@ -337,6 +404,16 @@ def _check_relations(cfg: Config, errors: list[str]) -> None:
         errors.append("inprocess.barrier_timeout: must exceed agent.hang_hard_timeout "
                       f"({i.barrier_timeout} <= {a.hang_hard_timeout}), or the healthy ranks "
                       "give up on a hung rank before elasticd kills and replaces it")
+    lim = cfg.limits
+    if lim.spec_bytes_per_user > lim.spec_bytes_total:
+        errors.append(f"limits.spec_bytes_per_user: must not exceed limits.spec_bytes_total "
+                      f"({lim.spec_bytes_per_user} > {lim.spec_bytes_total})")
+    if lim.streams_per_user > lim.streams_total:
+        errors.append(f"limits.streams_per_user: must not exceed limits.streams_total "
+                      f"({lim.streams_per_user} > {lim.streams_total})")
+    if not cfg.metrics.address.strip():
+        errors.append("metrics.address: must be an address to listen on, e.g. 0.0.0.0 or "
+                      "127.0.0.1")
     d = cfg.daemon
     if d.node_id and (len(d.node_id) > 128 or not all(c.isalnum() or c in "-_." for c in d.node_id)):
         errors.append(f"daemon.node_id: use letters, digits, '-', '_' or '.', at most 128 "

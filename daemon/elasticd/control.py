@@ -18,7 +18,7 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from . import clusterjobs, errors, validation
+from . import clusterjobs, errors, statedir, validation
 from .auth import TOKEN_METADATA_KEY, AuthError, Caller, TokenIssuer, set_socket_access
 from .config import Config
 from .jobs import JobNotFound, JobRecord, JobRegistry
@@ -26,6 +26,7 @@ from .logfiles import LogReader
 from .manager import JobManager, check_access
 from .messages import event_to_proto, job_to_proto, node_to_proto
 from .store import StoreError
+from .streamgate import StreamGate
 from .states import TERMINAL_STATES
 from .v1 import control_pb2 as pb
 from .v1 import control_pb2_grpc as pb_grpc
@@ -59,7 +60,9 @@ def _handle(method):
         def stream(self, request, context):
             context.started = time.perf_counter()
             try:
-                yield from method(self, request, context, self._caller(context))
+                caller = self._caller(context)
+                with self._streams.slot(caller.uid, name):
+                    yield from method(self, request, context, caller)
                 self._observe(name, grpc.StatusCode.OK, context)
             except Exception as exc:  # noqa: BLE001 - mapped to a status code
                 if _is_abort(exc):
@@ -86,6 +89,18 @@ def _is_abort(exc: BaseException) -> bool:
     return type(exc) is Exception and not exc.args
 
 
+def _page_key(token: str) -> tuple[float, str] | None:
+    """The (created_at, id) a ListJobs page token stands for; None: from the start."""
+    if not token:
+        return None
+    stamp, _, job_id = token.partition(" ")
+    try:
+        return float(stamp), validation.job_key(job_id)
+    except ValueError:
+        raise errors.InvalidArgument(f"page_token: not one this daemon gave, got "
+                                     f"{token[:60]!r}") from None
+
+
 def _settled(job: JobRecord) -> bool:
     """Ended, and every node's last worker rows published (none still running)."""
     return job.state in TERMINAL_STATES and not any(w["state"] == "running"
@@ -102,6 +117,7 @@ class ControlServicer(pb_grpc.ControlServicer):
         self._metrics = metrics
         self._cluster = cluster
         self._view = view
+        self._streams = StreamGate(cfg.limits.streams_total, cfg.limits.streams_per_user)
 
     def _caller(self, context) -> Caller:
         token = dict(context.invocation_metadata()).get(TOKEN_METADATA_KEY)
@@ -121,17 +137,48 @@ class ControlServicer(pb_grpc.ControlServicer):
         context.add_callback(gone.set)
         return gone
 
+    def _fit(self, msg: pb.Job) -> pb.Job:
+        """The job, its command shortened if the answer would pass
+        limits.response_bytes (a command may be as long as a request)."""
+        budget = self._cfg.limits.response_bytes
+        if msg.ByteSize() <= budget:
+            return msg
+        args, room = list(msg.command), budget // 2
+        kept = []
+        for arg in args:
+            room -= len(arg.encode()) + 8
+            if room < 0:
+                break
+            kept.append(arg)
+        kept.append(f"... ({len(args) - len(kept)} more arguments, "
+                    f"{sum(len(a.encode()) for a in args)} bytes in all)")
+        del msg.command[:]
+        msg.command.extend(kept)
+        return msg
+
     @_handle
     def Submit(self, request, context, caller):
         req = validation.submit_request(request, self._cfg.control)
-        return pb.SubmitResponse(job=job_to_proto(self._manager.submit(req, caller)))
+        return pb.SubmitResponse(job=self._fit(job_to_proto(self._manager.submit(req, caller))))
 
     @_handle
     def ListJobs(self, request, context, caller):
         # root sees every job; anyone else only their own. This node's records
         # only: a cluster job other nodes run is found by GetJob (see _find).
-        jobs = [j for j in self._registry.list() if caller.may_act_on(j.uid)]
-        return pb.ListJobsResponse(jobs=[job_to_proto(j) for j in jobs])
+        # In pages of at most limits.response_bytes, oldest first; a page
+        # token is the (created_at, id) of the last job of the page before.
+        after = _page_key(request.page_token)
+        jobs = [j for j in self._registry.list()
+                if caller.may_act_on(j.uid) and (after is None or (j.created_at, j.id) > after)]
+        resp, budget = pb.ListJobsResponse(), self._cfg.limits.response_bytes
+        for job in jobs:
+            msg = self._fit(job_to_proto(job))
+            if resp.jobs and resp.ByteSize() + msg.ByteSize() + 16 > budget:
+                last = resp.jobs[-1]
+                resp.next_page_token = f"{last.created_at!r} {last.id}"
+                break
+            resp.jobs.append(msg)
+        return resp
 
     def _with_cluster(self, job: JobRecord) -> pb.Job:
         """The job as this node knows it, with the other nodes' workers added."""
@@ -203,19 +250,19 @@ class ControlServicer(pb_grpc.ControlServicer):
     @_handle
     def GetJob(self, request, context, caller):
         job, here = self._find(request.id, caller)
-        return self._with_cluster(job) if here else job_to_proto(job)
+        return self._fit(self._with_cluster(job) if here else job_to_proto(job))
 
     @_handle
     def CancelJob(self, request, context, caller):
         job, here = self._find(request.id, caller)
         if not here:
-            return job_to_proto(self._cancel_elsewhere(job, caller))
+            return self._fit(job_to_proto(self._cancel_elsewhere(job, caller)))
         job = self._manager.cancel(job.id, caller)
         # Answer once the workers are stopped (graceful stop plus a margin), so
         # the caller sees CANCELLED rather than a job still shutting down.
         finished = lambda: self._registry.get(job.id).state in TERMINAL_STATES  # noqa: E731
         self._registry.wait_for_change(finished, self._cfg.agent.stop_grace_period + 2.0)
-        return job_to_proto(self._registry.get(job.id))
+        return self._fit(job_to_proto(self._registry.get(job.id)))
 
     def _cancel_elsewhere(self, job: JobRecord, caller) -> JobRecord:
         """Cancel a job only other nodes run, through its round state; answer
@@ -232,12 +279,13 @@ class ControlServicer(pb_grpc.ControlServicer):
         if timeout < 0 or timeout != timeout:
             raise errors.InvalidArgument(f"timeout_seconds: must be >= 0, got {timeout}")
         gone = self._gone(context)
-        job = self._wait_until(job, here, lambda j: j.state in TERMINAL_STATES,
-                               timeout or None, gone)
-        if not here and job.state in TERMINAL_STATES:
-            # A node ends the round, then publishes its workers' last rows.
-            job = self._wait_until(job, here, _settled, SETTLE_SECONDS, gone)
-        return job_to_proto(job)
+        with self._streams.slot(caller.uid, "wait"):  # long-lived: a stream's thread
+            job = self._wait_until(job, here, lambda j: j.state in TERMINAL_STATES,
+                                   timeout or None, gone)
+            if not here and job.state in TERMINAL_STATES:
+                # A node ends the round, then publishes its workers' last rows.
+                job = self._wait_until(job, here, _settled, SETTLE_SECONDS, gone)
+        return self._fit(job_to_proto(job))
 
     @_handle
     def Logs(self, request, context, caller):
@@ -346,7 +394,10 @@ class ControlServicer(pb_grpc.ControlServicer):
             # refresh was within its TTL (-1: "less than lease_ttl_seconds").
             age = (time.time() - cluster.keeper.last_refresh
                    if node_id == me and cluster.keeper.last_refresh else -1.0)
-            nodes.append(node_to_proto(rec, "draining" if node_id in drains else "ready", age))
+            msg = node_to_proto(rec, "draining" if node_id in drains else "ready", age)
+            if node_id == me:
+                msg.problems.extend(self._problems())
+            nodes.append(msg)
         for node_id, (lost_at, rec) in sorted(view.lost.items()):
             if node_id not in live:
                 msg = node_to_proto(rec, "lost", time.time() - lost_at)
@@ -354,6 +405,15 @@ class ControlServicer(pb_grpc.ControlServicer):
                 nodes.append(msg)
         return pb.ListNodesResponse(nodes=nodes, store=cluster.kind,
                                     store_health=cluster.health())
+
+    def _problems(self) -> list[str]:
+        """What is wrong on this node, one line each."""
+        try:
+            space = statedir.disk_space(self._cfg.daemon.state_dir,
+                                        self._cfg.limits.state_min_free_bytes)
+        except OSError as exc:
+            return [f"state dir {self._cfg.daemon.state_dir}: {exc}"]
+        return [p for p in (space.problem(self._cfg.daemon.state_dir),) if p]
 
     @_handle
     def SetNodeState(self, request, context, caller):
@@ -382,11 +442,17 @@ class ControlServer:
         self._cfg = cfg
         self._gid = gid
         c = cfg.control
+        lim = cfg.limits
+        threads = c.rpc_threads + lim.streams_total  # streams never take the short calls' share
         self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=c.rpc_threads, thread_name_prefix="rpc"),
+            futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="rpc"),
             options=[("grpc.max_receive_message_length", c.max_message_bytes),
-                     ("grpc.max_send_message_length", 64 * 1024 * 1024)],
-            maximum_concurrent_rpcs=c.rpc_threads * 4)
+                     ("grpc.max_send_message_length", 64 * 1024 * 1024),
+                     # A flood of connections is closed, not kept until the fds run out:
+                     ("grpc.max_allowed_incoming_connections", lim.max_connections),
+                     ("grpc.server_handshake_timeout_ms", int(lim.handshake_timeout * 1000)),
+                     ("grpc.max_connection_idle_ms", int(lim.idle_timeout * 1000))],
+            maximum_concurrent_rpcs=threads * 4)
         pb_grpc.add_ControlServicer_to_server(servicer, self._server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)

@@ -15,16 +15,18 @@ import contextlib
 import fcntl
 import logging
 import os
+import resource
 import signal
 import threading
 import time
 
-from . import __version__
+from . import __version__, statedir
 from .auth import CredentialServer, TokenIssuer
 from .cluster import Cluster, ClusterStartError, open_cluster_store
 from .config import Config, socket_gid
 from .control import ControlServer, ControlServicer
 from .jobs import JobRegistry
+from .logrotate import LogKeeper
 from .logsetup import ctx
 from .dispatch import Dispatcher
 from .eventlog import EventLog
@@ -35,6 +37,7 @@ from .sdnotify import Notifier
 from .store import StoreError
 
 log = logging.getLogger("elasticd")
+OWN_FILES = 1024  # fds kept for the daemon's own use beside control connections
 
 
 class Daemon:
@@ -49,8 +52,13 @@ class Daemon:
     def run(self) -> int:
         cfg, d = self.cfg, self.cfg.daemon
         t0 = time.monotonic()
+        _fit_open_files(cfg)
         os.makedirs(os.path.dirname(d.socket), mode=0o755, exist_ok=True)
-        os.makedirs(cfg.logs_dir, mode=0o755, exist_ok=True)
+        try:
+            _private_state(cfg)
+        except OSError as exc:
+            log.error("state dir %s: %s", d.state_dir, exc)
+            return 1
         lock = _lock_state_dir(d.state_dir)
         if lock is None:
             log.error("another elasticd already uses the state dir %s; give this one its own "
@@ -111,6 +119,12 @@ class Daemon:
             events.start()
             stops.callback(events.stop)
             watches.append(events)
+        keeper = LogKeeper(cfg.logs_dir, cfg.agent.log_max_bytes, cfg.agent.log_check_interval,
+                           manager.active_jobs, d.node_id, lambda: statedir.disk_space(
+                               d.state_dir, cfg.limits.state_min_free_bytes).full)
+        keeper.start()
+        stops.callback(keeper.stop)
+        metrics.attach_state(cfg, keeper)  # metrics: the state dir's disk, log rotation
         server = ControlServer(cfg, ControlServicer(cfg, manager, registry, issuer, metrics,
                                                     cluster, view), gid)
         server.start()
@@ -142,9 +156,43 @@ class Daemon:
             self._notifier.watchdog()
 
 
+def _fit_open_files(cfg: Config) -> None:
+    """Raise the soft open-file limit to the hard one, so limits.max_connections
+    control connections fit beside the daemon's own files; warn if they do not."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        want = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError) as exc:
+            log.warning("cannot raise the open-file limit from %d to %d: %s", soft, want, exc)
+    need = cfg.limits.max_connections + OWN_FILES
+    if soft < need:
+        log.warning("open-file limit %d is below limits.max_connections %d plus %d for the "
+                    "daemon's own files: a connection flood may exhaust it (raise LimitNOFILE "
+                    "or lower limits.max_connections)", soft, cfg.limits.max_connections,
+                    OWN_FILES)
+
+
+def _private_state(cfg: Config) -> None:
+    """The state dir and its logs dir, root's alone; what an older version left
+    readable is tightened (statedir.py)."""
+    statedir.private_dir(cfg.daemon.state_dir)
+    statedir.private_dir(cfg.logs_dir)
+    # Jobs' run dirs (each 0700, its user's) under a root dir anyone may pass.
+    os.makedirs(cfg.jobs_run_dir, mode=0o711, exist_ok=True)
+    os.chmod(cfg.jobs_run_dir, 0o711)
+    statedir.tighten_files(cfg.daemon.state_dir)
+    for name in os.listdir(cfg.logs_dir):
+        job_dir = os.path.join(cfg.logs_dir, name)
+        if os.path.isdir(job_dir) and not os.path.islink(job_dir):
+            statedir.tighten_files(job_dir)
+
+
 def _lock_state_dir(path: str):
     """An exclusive lock on the state dir, held for the daemon's life, or None."""
-    fh = open(os.path.join(path, "lock"), "a")
+    fh = open(statedir.open_private(os.path.join(path, "lock")), "a")
     try:
         fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -32,6 +32,7 @@ import logging
 import os
 import threading
 
+from . import statedir
 from .logsetup import ctx
 from .states import JobState
 from .store import EVENT_PUT, Store, StoreError
@@ -221,7 +222,7 @@ class EventLog:
     def _write_mark(self) -> None:
         tmp = self._mark_path + ".tmp"
         try:
-            with open(tmp, "w") as fh:
+            with open(statedir.open_private(tmp, os.O_WRONLY | os.O_TRUNC), "w") as fh:
                 fh.write(f"{self.published}\n")
             os.replace(tmp, self._mark_path)
         except OSError as exc:  # at worst, events are put again at the next start

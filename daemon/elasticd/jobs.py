@@ -10,6 +10,7 @@ persists the record and appends an event, all under one lock; watchers
 from __future__ import annotations
 
 import base64
+import contextlib
 import copy
 import dataclasses
 import json
@@ -22,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import statedir
 from .logsetup import ctx
 from .states import LIVE_STATES, TERMINAL_STATES, JobState, check_transition
 
@@ -38,6 +40,15 @@ class NameInUse(ValueError):
 
 class JobExists(ValueError):
     pass
+
+
+class NotPersisted(Exception):
+    """A job could not be written to the state dir; nothing of it was kept.
+    ``disk_full``: because the filesystem (or SQLite's file) is full."""
+
+    def __init__(self, job_id: str, exc: sqlite3.Error):
+        self.disk_full = getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL
+        super().__init__(f"job {job_id} could not be stored: {exc}")
 
 
 def new_job_id() -> str:
@@ -110,6 +121,13 @@ class JobRecord:
         return cls(**{k: v for k, v in data.items() if k in known})
 
 
+def spec_bytes(rec: JobRecord) -> int:
+    """What a job's spec weighs: its command, environment and cwd, in bytes
+    (what limits.spec_bytes_per_user counts)."""
+    return (sum(len(a.encode()) for a in rec.command) + len(rec.cwd.encode())
+            + sum(len(k.encode()) + len(v.encode()) for k, v in rec.env.items()))
+
+
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (id TEXT PRIMARY KEY, data TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS events (
@@ -127,9 +145,14 @@ CREATE UNIQUE INDEX IF NOT EXISTS events_origin ON events
 
 class JobRegistry:
     def __init__(self, state_dir: str, node_id: str, clock=time.time):
-        os.makedirs(state_dir, mode=0o755, exist_ok=True)
-        self._db = sqlite3.connect(os.path.join(state_dir, "jobs.sqlite3"),
-                                   check_same_thread=False, isolation_level=None)
+        statedir.private_dir(state_dir)
+        path = os.path.join(state_dir, "jobs.sqlite3")
+        # Every job's environment is in here: 0600 from the first byte, the
+        # WAL and shared-memory files too (SQLite copies the database's mode
+        # when it makes them again; made here first all the same).
+        for name in (path, path + "-wal", path + "-shm"):
+            statedir.touch_private(name)
+        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(_SCHEMA)
@@ -138,6 +161,7 @@ class JobRegistry:
         self._node_id = node_id
         self._clock = clock
         self._jobs: dict[str, JobRecord] = {}
+        self._spec_sizes: dict[str, int] = {}  # job id -> spec_bytes(record)
         self.last_seq = 0
         self.listeners: list = []  # callables(event dict), e.g. metrics
         for (data,) in self._db.execute("SELECT data FROM jobs"):
@@ -147,6 +171,7 @@ class JobRegistry:
                 log.error("skipping unreadable job record: %s", exc)
                 continue
             self._jobs[rec.id] = rec
+            self._spec_sizes[rec.id] = spec_bytes(rec)
         row = self._db.execute("SELECT MAX(seq) FROM events").fetchone()
         self.last_seq = row[0] or 0
 
@@ -209,10 +234,18 @@ class JobRegistry:
             rec.created_at = rec.created_at or now
             rec.state_since = now
             rec.node_id = rec.node_id or self._node_id
+            # Record and first event in one transaction: a full disk leaves
+            # neither behind (no job listed PENDING that was never stored).
+            try:
+                with self._transaction():
+                    self._persist(rec)
+                    ev = self._insert_event(rec, "state", f"submitted by {rec.user or rec.uid}",
+                                            from_state=None, to_state=rec.state)
+            except sqlite3.Error as exc:
+                raise NotPersisted(rec.id, exc) from None
             self._jobs[rec.id] = rec
-            self._persist(rec)
-            self._append_event(rec, "state", f"submitted by {rec.user or rec.uid}",
-                               from_state=None, to_state=rec.state)
+            self._spec_sizes[rec.id] = spec_bytes(rec)
+            self._announce(ev)
             return copy.deepcopy(rec)
 
     def transition(self, job_id: str, new: JobState, reason: str, **changes: Any) -> JobRecord:
@@ -239,9 +272,26 @@ class JobRegistry:
         """Forget a job that never got going (its submission failed half way)."""
         with self._lock:
             self._jobs.pop(job_id, None)
-            self._db.execute("DELETE FROM jobs WHERE id=?", (job_id,))
-            self._db.execute("DELETE FROM events WHERE job_id=?", (job_id,))
+            self._spec_sizes.pop(job_id, None)
+            try:
+                with self._transaction():
+                    self._db.execute("DELETE FROM jobs WHERE id=?", (job_id,))
+                    self._db.execute("DELETE FROM events WHERE job_id=?", (job_id,))
+            except sqlite3.Error as exc:
+                log.error("%s: could not remove the record of a failed submission: %s",
+                          ctx(job=job_id, node=self._node_id), exc)
             self.changed.notify_all()
+
+    def usage(self, uid: int) -> tuple[int, int]:
+        """(unfinished jobs, bytes of their specs) that ``uid`` holds here."""
+        with self._lock:
+            live = [j.id for j in self._jobs.values() if j.uid == uid and j.live]
+            return len(live), sum(self._spec_sizes.get(j, 0) for j in live)
+
+    def spec_bytes_total(self) -> int:
+        """Bytes of the specs of every unfinished job here."""
+        with self._lock:
+            return sum(self._spec_sizes.get(j.id, 0) for j in self._jobs.values() if j.live)
 
     def update(self, job_id: str, **changes: Any) -> JobRecord:
         with self._lock:
@@ -262,6 +312,17 @@ class JobRegistry:
             self._db.close()
 
     # -- internals ---------------------------------------------------------
+    @contextlib.contextmanager
+    def _transaction(self):
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+            self._db.execute("COMMIT")
+        except BaseException:
+            if self._db.in_transaction:
+                self._db.execute("ROLLBACK")
+            raise
+
     def _require(self, job_id: str) -> JobRecord:
         rec = self._jobs.get(job_id)
         if rec is None:
@@ -282,6 +343,13 @@ class JobRegistry:
     def _append_event(self, rec: JobRecord, kind: str, reason: str, *,
                       from_state: JobState | None = None, to_state: JobState | None = None,
                       rank: int = -1, layer: str = "", duration: float = 0.0) -> None:
+        self._announce(self._insert_event(rec, kind, reason, from_state=from_state,
+                                          to_state=to_state, rank=rank, layer=layer,
+                                          duration=duration))
+
+    def _insert_event(self, rec: JobRecord, kind: str, reason: str, *,
+                      from_state: JobState | None = None, to_state: JobState | None = None,
+                      rank: int = -1, layer: str = "", duration: float = 0.0) -> dict:
         ev = {"job_id": rec.id, "time": self._clock(), "kind": kind,
               "from_state": from_state.value if from_state else "",
               "to_state": to_state.value if to_state else "",
@@ -291,7 +359,12 @@ class JobRegistry:
             ev["layer"], ev["duration_seconds"] = layer, duration
         cur = self._db.execute("INSERT INTO events (job_id, data) VALUES (?, ?)",
                                (rec.id, json.dumps(ev)))
-        ev["seq"] = self.last_seq = cur.lastrowid
+        ev["seq"] = cur.lastrowid
+        return ev
+
+    def _announce(self, ev: dict) -> None:
+        """A stored event: to the listeners, and wake the watchers."""
+        self.last_seq = ev["seq"]
         for listener in self.listeners:
             try:
                 listener(ev)

@@ -25,7 +25,8 @@ from . import errors
 from .agent import Agent
 from .auth import Caller
 from .config import Config
-from .jobs import JobExists, JobNotFound, JobRecord, JobRegistry, NameInUse, new_job_id
+from .jobs import (JobExists, JobNotFound, JobRecord, JobRegistry, NameInUse, NotPersisted,
+                   new_job_id, spec_bytes)
 from .logsetup import ctx
 from .rendezvous.cluster import ClusterRendezvous, create_job
 from .rendezvous.protocol import CANCELLED, SUCCEEDED, JobLimits
@@ -84,6 +85,7 @@ class JobManager:
         self._view = view
         self._metrics = metrics
         self._lock = threading.RLock()
+        self._admit_lock = threading.Lock()
         self._agents: dict[str, Agent] = {}
         self._stopping = False
 
@@ -109,10 +111,6 @@ class JobManager:
             raise errors.FailedPrecondition(
                 f"the job needs {req.nproc_per_node} worker slots but this node has "
                 f"{self.slots_total} (elasticd --slots); lower --nproc-per-node")
-        if self._registry.count_live() >= self._cfg.control.max_live_jobs:
-            raise errors.ResourceExhausted(
-                f"this node already holds {self._cfg.control.max_live_jobs} unfinished jobs "
-                "(control.max_live_jobs); wait for some to finish or cancel some")
         max_restarts = (self._cfg.agent.default_max_restarts if req.max_restarts < 0
                         else req.max_restarts)
         rec = JobRecord(
@@ -125,12 +123,20 @@ class JobManager:
             created_at=time.time())
         # The local record first: this node's own dispatcher, woken by the
         # store write, must find the job known here and not adopt it again.
-        try:
-            rec = self._registry.create(rec)
-        except NameInUse:
-            raise errors.AlreadyExists(
-                f"a live job is already named {req.name!r}; pick another --name or cancel "
-                "that job") from None
+        with self._admit_lock:  # the limits checked and the job counted at once
+            self._admit(rec)
+            try:
+                rec = self._registry.create(rec)
+            except NameInUse:
+                raise errors.AlreadyExists(
+                    f"a live job is already named {req.name!r}; pick another --name or cancel "
+                    "that job") from None
+            except NotPersisted as exc:
+                if exc.disk_full:
+                    raise errors.ResourceExhausted(
+                        f"the state dir {self._cfg.daemon.state_dir} is full, the job was not "
+                        "submitted (nothing of it was kept); free some space there") from None
+                raise errors.Unavailable(f"{exc}; the job was not submitted") from None
         try:
             create_job(self._cluster.store, rec.id, job_spec(rec, req.nodes), time.time())
         except (StoreError, ValueError) as exc:
@@ -141,6 +147,31 @@ class JobManager:
                  rec.user, " ".join(rec.command)[:200])
         self.schedule()
         return self._registry.get(rec.id)
+
+    def _admit(self, rec: JobRecord) -> None:
+        """Refuse a job over this node's limits or its user's (limits.*)."""
+        lim = self._cfg.limits
+        if self._registry.count_live() >= self._cfg.control.max_live_jobs:
+            raise errors.ResourceExhausted(
+                f"this node already holds {self._cfg.control.max_live_jobs} unfinished jobs "
+                "(control.max_live_jobs); wait for some to finish or cancel some")
+        jobs, held = self._registry.usage(rec.uid)
+        who = f"uid {rec.uid}" + (f" ({rec.user})" if rec.user else "")
+        if jobs >= lim.jobs_per_user:
+            raise errors.ResourceExhausted(
+                f"{who} has {jobs} unfinished jobs (limits.jobs_per_user {lim.jobs_per_user}); "
+                "wait for some to finish or cancel some")
+        size = spec_bytes(rec)
+        if held + size > lim.spec_bytes_per_user:
+            raise errors.ResourceExhausted(
+                f"{who} holds {held} bytes of job specs and this one adds {size} "
+                f"(limits.spec_bytes_per_user {lim.spec_bytes_per_user}); submit smaller "
+                "commands and environments, or wait for jobs to finish")
+        total = self._registry.spec_bytes_total()
+        if total + size > lim.spec_bytes_total:
+            raise errors.ResourceExhausted(
+                f"this node holds {total} bytes of job specs and this one adds {size} "
+                f"(limits.spec_bytes_total {lim.spec_bytes_total}); wait for jobs to finish")
 
     def get_for(self, key: str, caller: Caller) -> JobRecord:
         try:
@@ -230,6 +261,10 @@ class JobManager:
                 rec.name = ""
                 rec = self._registry.create(rec)
         except JobExists:
+            return None
+        except NotPersisted as exc:
+            log.error("%s: cannot adopt: %s", ctx(job=rec.id, node=self._cfg.daemon.node_id),
+                      exc)
             return None
         log.info("%s: adopted from the cluster (submitted on %s)",
                  ctx(job=rec.id, node=self._cfg.daemon.node_id), rec.node_id)

@@ -31,7 +31,7 @@ from prometheus_client import (CollectorRegistry, Counter, Histogram, Info, Proc
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import start_http_server
 
-from . import __version__
+from . import __version__, statedir
 from .jobs import JobNotFound
 from .states import LIVE_STATES, TERMINAL_STATES, JobState
 from .store import (KV, CompareFailed, KeyExists, Lease, LeaseNotFound, Store,
@@ -137,6 +137,10 @@ class Metrics:
                     self._live.add(job.id)
             registry.listeners.append(self._on_event)
         self.registry.register(_JobCollector(registry, manager, self))
+
+    def attach_state(self, cfg, keeper) -> None:
+        """Export the state dir's free space and the log keeper's work at scrape time."""
+        self.registry.register(_StateCollector(cfg, keeper))
 
     def attach_cluster(self, cluster) -> None:
         """Export the node lease kept by ``cluster.keeper`` at scrape time."""
@@ -431,3 +435,36 @@ class _LeaseCollector:
         yield CounterMetricFamily("elasticd_node_lease_reregistrations",
                                   "Registrations again after the lease was lost",
                                   value=k.reregistrations)
+
+
+class _StateCollector:
+    """The state dir's filesystem and the bounding of rank logs (logrotate.py)."""
+
+    def __init__(self, cfg, keeper):
+        self._dir = cfg.daemon.state_dir
+        self._min_free = cfg.limits.state_min_free_bytes
+        self._keeper = keeper
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        try:
+            space = statedir.disk_space(self._dir, self._min_free)
+        except OSError:
+            space = None
+        yield GaugeMetricFamily("elasticd_state_disk_free_bytes",
+                                "Free bytes on the state dir's filesystem",
+                                value=space.free_bytes if space else 0)
+        yield GaugeMetricFamily("elasticd_state_disk_full",
+                                "1 while the state dir's filesystem has less than "
+                                "limits.state_min_free_bytes free (submits fail, logs may "
+                                "lose output), else 0", value=1 if space is None or space.full
+                                else 0)
+        k = self._keeper
+        yield CounterMetricFamily("elasticd_log_rotations", "Rank logs rotated to stay under "
+                                  "agent.log_max_bytes", value=k.rotations)
+        yield CounterMetricFamily("elasticd_log_dropped_bytes", "Bytes of rank logs dropped "
+                                  "by rotation (the oldest output)", value=k.dropped_bytes)
+        yield CounterMetricFamily("elasticd_log_rotation_errors", "Rotations of rank logs "
+                                  "that failed (disk full, ...)", value=k.errors)

@@ -21,7 +21,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 
-from . import inprocess_reports, progress
+from . import inprocess_reports, progress, statedir
 from .logsetup import ctx
 
 log = logging.getLogger("elasticd.workers")
@@ -243,10 +243,17 @@ class WorkerGroup:
 
 def _mark_log(spec: GroupSpec, rank: int, what: str) -> None:
     stamp = datetime.datetime.now().astimezone().isoformat(timespec="milliseconds")
-    with open(log_file_path(spec.log_dir, rank), "ab", buffering=0) as logf:
+    with _open_log(log_file_path(spec.log_dir, rank)) as logf:
         logf.write((f"==== elasticd: job {spec.job_id} rank {rank} {what} "
                     f"(restart {spec.restart_count}, round {spec.round}) at {stamp} ====\n"
                     ).encode())
+
+
+def _open_log(path: str):
+    """A rank's log for appending: root's, 0600 (its user reads it through
+    elasticctl), O_APPEND so the daemon's rotation can truncate it under a
+    worker that keeps writing (logfiles.LogKeeper)."""
+    return open(statedir.open_private(path), "ab", buffering=0)
 
 
 def _popen(spec: GroupSpec, argv: list, rank: int, env: dict, user_kwargs: dict,
@@ -255,7 +262,7 @@ def _popen(spec: GroupSpec, argv: list, rank: int, env: dict, user_kwargs: dict,
 
     Its output goes to the rank's log, or ``log_path`` (stderr always; stdout
     unless given)."""
-    with open(log_path or log_file_path(spec.log_dir, rank), "ab", buffering=0) as logf:
+    with _open_log(log_path or log_file_path(spec.log_dir, rank)) as logf:
         try:
             return subprocess.Popen(
                 argv, cwd=spec.cwd, env=env,
@@ -398,7 +405,7 @@ def _user_kwargs(uid: int, gid: int) -> dict:
 
 def prepare_dirs(spec: GroupSpec) -> None:
     """The job's log dir, and a run dir its user can write error files into."""
-    os.makedirs(spec.log_dir, mode=0o755, exist_ok=True)
+    statedir.private_dir(spec.log_dir)
     _ensure_run_dir(spec.run_dir, spec.uid, spec.gid)
 
 

@@ -64,16 +64,20 @@ class SubmitResponse(_message.Message):
     def __init__(self, job: _Optional[_Union[Job, _Mapping]] = ...) -> None: ...
 
 class ListJobsRequest(_message.Message):
-    __slots__ = ("all_users",)
+    __slots__ = ("all_users", "page_token")
     ALL_USERS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     all_users: bool
-    def __init__(self, all_users: _Optional[bool] = ...) -> None: ...
+    page_token: str
+    def __init__(self, all_users: _Optional[bool] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class ListJobsResponse(_message.Message):
-    __slots__ = ("jobs",)
+    __slots__ = ("jobs", "next_page_token")
     JOBS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     jobs: _containers.RepeatedCompositeFieldContainer[Job]
-    def __init__(self, jobs: _Optional[_Iterable[_Union[Job, _Mapping]]] = ...) -> None: ...
+    next_page_token: str
+    def __init__(self, jobs: _Optional[_Iterable[_Union[Job, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class GetJobRequest(_message.Message):
     __slots__ = ("id",)
@@ -293,7 +297,7 @@ class ListNodesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Node(_message.Message):
-    __slots__ = ("node_id", "state", "host", "address", "slots", "slots_free", "version", "started_at", "heartbeat_age_seconds", "jobs", "lost_at", "lease_ttl_seconds")
+    __slots__ = ("node_id", "state", "host", "address", "slots", "slots_free", "version", "started_at", "heartbeat_age_seconds", "jobs", "lost_at", "lease_ttl_seconds", "problems")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
@@ -306,6 +310,7 @@ class Node(_message.Message):
     JOBS_FIELD_NUMBER: _ClassVar[int]
     LOST_AT_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PROBLEMS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     state: str
     host: str
@@ -318,7 +323,8 @@ class Node(_message.Message):
     jobs: _containers.RepeatedScalarFieldContainer[str]
     lost_at: float
     lease_ttl_seconds: float
-    def __init__(self, node_id: _Optional[str] = ..., state: _Optional[str] = ..., host: _Optional[str] = ..., address: _Optional[str] = ..., slots: _Optional[int] = ..., slots_free: _Optional[int] = ..., version: _Optional[str] = ..., started_at: _Optional[float] = ..., heartbeat_age_seconds: _Optional[float] = ..., jobs: _Optional[_Iterable[str]] = ..., lost_at: _Optional[float] = ..., lease_ttl_seconds: _Optional[float] = ...) -> None: ...
+    problems: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, node_id: _Optional[str] = ..., state: _Optional[str] = ..., host: _Optional[str] = ..., address: _Optional[str] = ..., slots: _Optional[int] = ..., slots_free: _Optional[int] = ..., version: _Optional[str] = ..., started_at: _Optional[float] = ..., heartbeat_age_seconds: _Optional[float] = ..., jobs: _Optional[_Iterable[str]] = ..., lost_at: _Optional[float] = ..., lease_ttl_seconds: _Optional[float] = ..., problems: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SetNodeStateRequest(_message.Message):
     __slots__ = ("node_id", "state")

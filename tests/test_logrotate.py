@@ -1,0 +1,101 @@
+"""Bounded rank logs (logrotate.py) and reading across their rotation (logfiles.py),
+on real files in a temp dir; the daemon-level case is in test_limits_privacy.py."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from elasticd import errors, logfiles, logrotate
+from elasticd.streamgate import StreamGate
+
+CAP = 1 << 20
+
+
+def writer(path):
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    return lambda data: os.write(fd, data.encode())
+
+
+def text(reader, final=True) -> str:
+    return "".join(t for _, t in reader.read(final=final))
+
+
+def test_a_follower_sees_every_line_once_in_order_across_rotations(tmp_path):
+    path = str(tmp_path / "rank-0.log")
+    write = writer(path)
+    follower = logfiles.LogReader(str(tmp_path), None)
+    got, rotations = [], 0
+    for i in range(40_000):
+        if i % 10_000 == 0:
+            write(f"==== elasticd: job j rank 0 starting (restart {i // 10_000}) ====\n")
+        write(f"line {i:08d} {'x' * 40}\n")
+        if i % 2_000 == 0:
+            got.append(text(follower, final=False))
+        if os.path.getsize(path) > CAP // 2:
+            logrotate.rotate(path, CAP)
+            rotations += 1
+    got.append(text(follower))
+    lines = [ln for ln in "".join(got).splitlines() if ln.startswith("line")]
+    assert [int(ln.split()[1]) for ln in lines] == list(range(40_000))
+    assert rotations >= 3
+    assert os.path.getsize(path) + os.path.getsize(path + ".1") <= CAP
+    assert os.stat(path + ".1").st_mode & 0o777 == 0o600
+
+
+def test_the_whole_log_keeps_every_restart_marker_and_the_newest_output(tmp_path):
+    path = str(tmp_path / "rank-0.log")
+    write = writer(path)
+    for restart in range(4):
+        write(f"==== elasticd: job j rank 0 starting (restart {restart}) ====\n")
+        write("".join(f"r{restart} {i:06d} {'y' * 60}\n" for i in range(10_000)))
+        logrotate.rotate(path, CAP)
+    write("the end\n")
+    whole = text(logfiles.LogReader(str(tmp_path), None))
+    markers = [ln for ln in whole.splitlines() if "starting (restart" in ln]
+    assert [m.split("restart ")[1] for m in markers] == ["0) ====", "1) ====", "2) ====",
+                                                         "3) ===="]
+    assert whole.endswith("r3 009999 " + "y" * 60 + "\nthe end\n")
+    assert "r0 000000" not in whole  # the oldest output went first
+    assert "log rotated (generation 4)" in whole
+
+
+def test_tail_reads_into_the_rotated_part(tmp_path):
+    path = str(tmp_path / "rank-0.log")
+    write = writer(path)
+    write("".join(f"old {i}\n" for i in range(100)))
+    logrotate.rotate(path, CAP)
+    write("new 0\nnew 1\n")
+    assert text(logfiles.LogReader(str(tmp_path), None, 4)) == "old 98\nold 99\nnew 0\nnew 1\n"
+    assert text(logfiles.LogReader(str(tmp_path), [0], 1)) == "new 1\n"
+
+
+def test_a_forged_rotation_line_in_the_output_does_not_move_a_reader(tmp_path):
+    path = str(tmp_path / "rank-0.log")
+    write = writer(path)
+    write("==== elasticd: x ==== elasticd: log rotated (generation 9) at now: 0 bytes "
+          "dropped; what follows is from byte 0 of the log before ====\n"
+          "==== elasticd: log rotated (generation 9) at now: 0 bytes dropped; what follows "
+          "is from byte 0 of the log before ====\n" + "a\n" * 10)
+    reader = logfiles.LogReader(str(tmp_path), None)
+    assert text(reader, final=False).endswith("a\n")
+    logrotate.rotate(path, CAP)
+    write("b\n")
+    assert text(reader) == "b\n"
+
+
+def test_the_stream_gate_names_the_limit_and_frees_slots():
+    gate = StreamGate(total=3, per_user=2)
+    with gate.slot(1001, "logs"), gate.slot(1001, "logs"):
+        with pytest.raises(errors.ResourceExhausted,
+                           match=r"uid 1001 has 2 long-lived calls open "
+                                 r"\(limits.streams_per_user 2\)"):
+            with gate.slot(1001, "logs"):
+                pass
+        with gate.slot(1002, "wait"):
+            with pytest.raises(errors.ResourceExhausted, match="limits.streams_total 3"):
+                with gate.slot(1003, "events"):
+                    pass
+    assert gate.open == 0
+    with gate.slot(1001, "logs"):
+        assert gate.open == 1
