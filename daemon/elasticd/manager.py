@@ -77,8 +77,17 @@ def record_from_spec(spec: dict) -> JobRecord:
 
 
 class JobManager:
-    def __init__(self, cfg: Config, registry: JobRegistry, cluster, view, metrics=None):
+    def __init__(self, cfg: Config, registry: JobRegistry, cluster, view, metrics=None,
+                 codec=None, policy=None):
         self._cfg = cfg
+        # Seals every spec this node writes to the store (clusterspec.py); the
+        # daemon passes the cluster key's, a test without one gets a throwaway key.
+        if codec is None:
+            from .clusterkey import ephemeral
+            from .clusterspec import SpecCodec
+            codec = SpecCodec(ephemeral(), cfg.control)
+        self._codec = codec
+        self._policy = policy
         self._registry = registry
         self._cluster = cluster
         self._view = view
@@ -113,6 +122,7 @@ class JobManager:
             raise errors.ResourceExhausted(
                 f"this node already holds {self._cfg.control.max_live_jobs} unfinished jobs "
                 "(control.max_live_jobs); wait for some to finish or cancel some")
+        self._check_cluster_policy(req, caller)
         max_restarts = (self._cfg.agent.default_max_restarts if req.max_restarts < 0
                         else req.max_restarts)
         rec = JobRecord(
@@ -132,7 +142,8 @@ class JobManager:
                 f"a live job is already named {req.name!r}; pick another --name or cancel "
                 "that job") from None
         try:
-            create_job(self._cluster.store, rec.id, job_spec(rec, req.nodes), time.time())
+            create_job(self._cluster.store, rec.id, self._codec.seal(job_spec(rec, req.nodes)),
+                       time.time())
         except (StoreError, ValueError) as exc:
             self._registry.discard(rec.id)
             raise errors.Unavailable(f"etcd unavailable, the job was not submitted: {exc}") \
@@ -141,6 +152,20 @@ class JobManager:
                  rec.user, " ".join(rec.command)[:200])
         self.schedule()
         return self._registry.get(rec.id)
+
+    def _check_cluster_policy(self, req: JobRequest, caller: Caller) -> None:
+        """Refuse at once a job that cannot start because the other nodes will not run
+        it as this caller (clusterspec.ClusterPolicy): it needs nodes besides this one.
+        One that may also run here alone is taken; only this node runs it."""
+        if self._policy is None or self._cfg.daemon.standalone:
+            return
+        why = self._policy.refusal(caller.uid, caller.gid)
+        me = self._cfg.daemon.node_id
+        if why and (req.min_nodes > 1 or (req.nodes and me not in req.nodes)):
+            raise errors.FailedPrecondition(
+                f"the other nodes will not run this job: {why} (their cluster settings). "
+                "Submit it as a regular user, or run it on this node alone (--nnodes 1, "
+                "no --nodes), or set cluster.allow_root_jobs = true on every node")
 
     def get_for(self, key: str, caller: Caller) -> JobRecord:
         try:
@@ -291,7 +316,7 @@ class JobManager:
                        f"({job.restarts} of {job.max_restarts} used)", exit_code=1)
             return
         try:
-            create_job(self._cluster.store, job.id, job_spec(job), time.time(),
+            create_job(self._cluster.store, job.id, self._codec.seal(job_spec(job)), time.time(),
                        round=job.round + 1, restarts=restarts)
         except (StoreError, ValueError) as exc:
             log.error("%s: cannot resume: %s", ctx(job=job.id), exc)
