@@ -86,9 +86,11 @@ def etcd_options(conf: dict, env=os.environ) -> dict:
 
 
 def _endpoints(endpoint: str, tls: bool) -> list[str]:
-    urls = endpoints_from(endpoint)
-    return [u.replace("http://", "https://", 1) if tls and "://" not in p else u
-            for u, p in zip(urls, filter(None, (p.strip() for p in endpoint.split(",")))))]
+    """As ``endpoints_from``, but a bare host:port means https when TLS is configured."""
+    parts = [p.strip() for p in endpoint.split(",") if p.strip()]
+    if tls:
+        parts = [p if "://" in p else f"https://{p}" for p in parts]
+    return endpoints_from(",".join(parts))
 
 
 class _LeaseKeeper(threading.Thread):
