@@ -199,7 +199,9 @@ def test_a_path_like_job_id_touches_no_path(cluster, alice):
     user, work = alice
     target = short_tmpdir("ed-victim-")
     try:
-        spec = forged(target, user.pw_uid, marker_cmd(work), work, inprocess=True,
+        # `python SCRIPT` and in-process: the daemon would host a job store for it,
+        # preparing its run dir (state/run/<id>: the target itself) first.
+        spec = forged(target, user.pw_uid, ["python3", "train.py"], work, inprocess=True,
                       nodes=["n1", "n2"])
         cluster.put("pathid", spec)
         for d in cluster.nodes:
