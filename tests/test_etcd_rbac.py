@@ -16,7 +16,7 @@ import pytest
 
 from elasticd.store import StoreAuthError, StoreError
 from elasticd.store.etcd3 import Etcd3Store
-from etcd_server import EtcdServer, etcd_binary
+from etcd_server import EtcdServer, etcd_binary, make_certs
 
 pytestmark = [
     pytest.mark.skipif(etcd_binary() is None or shutil.which("etcdctl") is None
@@ -50,6 +50,47 @@ def auth_etcd(tmp_short):
 
 def login(etcd, user: str) -> Etcd3Store:
     return Etcd3Store(etcd.endpoints, timeout=5, username=user, password=PASSWORDS[user])
+
+
+def two_node_torchrun(etcd, run_id: str, tmp_path, env: dict, conf: str = "") -> list:
+    """Two torchrun agents of one 2-node job on ``etcd``; asserts both trained.
+    Returns the command line."""
+    cmd = ["torchrun", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "elasticd",
+           "--rdzv-endpoint", etcd.url.split("://")[1], "--rdzv-id", run_id,
+           *(["--rdzv-conf", conf] if conf else []),
+           "--monitor-interval", "0.1", "-m", "elasticd.examples.train", "--steps", "5"]
+    logs = [open(tmp_path / f"{run_id}-{i}.log", "w+") for i in range(2)]
+    procs = [subprocess.Popen(cmd, stdout=logs[i], stderr=subprocess.STDOUT, cwd=tmp_path,
+                              env=env, start_new_session=True) for i in range(2)]
+    try:
+        codes = [p.wait(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+    text = "".join(open(tmp_path / f"{run_id}-{i}.log").read() for i in range(2))
+    assert codes == [0, 0], text[-4000:]
+    assert "world size 2" in text, text[-2000:]
+    return cmd
+
+
+def test_torchrun_reaches_a_tls_etcd_with_a_client_certificate(tmp_path):
+    certs = make_certs(str(tmp_path / "pki"))
+    with EtcdServer(certs=certs, client_cert_auth=True) as etcd:
+        # From rdzv-conf keys; a bare host:port means https once TLS is configured.
+        two_node_torchrun(etcd, "tls-job", tmp_path, dict(os.environ),
+                          conf=f"ca_cert={certs.ca},cert={certs.client_cert},"
+                               f"key={certs.client_key}")
+        # The wrong CA: torchrun fails instead of talking to an unverified etcd.
+        bad = subprocess.run(
+            ["torchrun", "--nnodes", "1", "--nproc-per-node", "1", "--rdzv-backend",
+             "elasticd", "--rdzv-endpoint", etcd.url.split("://")[1], "--rdzv-id", "tls-bad",
+             "-m", "elasticd.examples.train", "--steps", "1"], capture_output=True, text=True,
+            timeout=120, cwd=tmp_path, env=dict(os.environ, ELASTICD_ETCD_CA_CERT=certs.other_ca,
+                                                ELASTICD_ETCD_CERT=certs.client_cert,
+                                                ELASTICD_ETCD_KEY=certs.client_key))
+        assert bad.returncode != 0, bad.stdout[-2000:]
+        assert "certificate" in (bad.stdout + bad.stderr).lower()
 
 
 def test_etcd_roles_prints_the_etcdctl_setup():
@@ -95,21 +136,7 @@ def test_daemons_and_torchrun_users_each_reach_only_their_prefix(auth_etcd, daem
     # ... and a 2-node torchrun job with those credentials, from the environment.
     env = dict(os.environ, ELASTICD_ETCD_USERNAME="h14a-trainer",
                ELASTICD_ETCD_PASSWORD_FILE=pw["h14a-trainer"])
-    cmd = ["torchrun", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "elasticd",
-           "--rdzv-endpoint", etcd.url.replace("http://", ""), "--rdzv-id", "rbac-job",
-           "--monitor-interval", "0.1", "-m", "elasticd.examples.train", "--steps", "5"]
-    logs = [open(tmp_path / f"agent{i}.log", "w+") for i in range(2)]
-    procs = [subprocess.Popen(cmd, stdout=logs[i], stderr=subprocess.STDOUT, cwd=tmp_path,
-                              env=env, start_new_session=True) for i in range(2)]
-    try:
-        codes = [p.wait(timeout=240) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, 9)
-    text = "".join(open(tmp_path / f"agent{i}.log").read() for i in range(2))
-    assert codes == [0, 0], text[-4000:]
-    assert "world size 2" in text, text[-2000:]
+    cmd = two_node_torchrun(etcd, "rbac-job", tmp_path, env)
 
     # Without credentials, torchrun cannot even start a round.
     bare_cmd = ["torchrun", "--nnodes", "1", *cmd[3:10], "rbac-none", "-m",
