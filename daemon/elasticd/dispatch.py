@@ -103,19 +103,18 @@ class Dispatcher:
             del self._reported[gone]
         for job_id in ids:
             keys = self._view.job(job_id)
-            if keys is not None and keys.rejection is not None:
-                if job_id not in known:
-                    self._report(keys.rejection)
-                continue
-            if keys is None or keys.spec is None or keys.state is None:
+            if keys is None:
                 continue
             local = known.get(job_id)
-            if local is not None:
-                if keys.state.final and local.live:
+            if local is not None:  # ours: its round state is all that matters here
+                if keys.state is not None and keys.state.final and local.live:
                     self._manager.end_from_cluster(job_id, keys.state)
                     done.append(f"job {job_id} ended elsewhere: {keys.state.status}")
                 continue
-            if keys.state.final:
+            if keys.rejection is not None:
+                self._report(keys.rejection)
+                continue
+            if keys.spec is None or keys.state is None or keys.state.final:
                 continue
             if draining is None:
                 draining = me in self._cluster.drain_states()
@@ -123,29 +122,22 @@ class Dispatcher:
                           if j.live and j.id not in self._manager.active_jobs())
             free = self._manager.slots_total - self._manager.slots_used() - pending
             joined = len(keys.joins.get(keys.state.round, {}))
-            refused = self._refusal(job_id, keys.spec)
-            if refused is not None:
-                self._report(refused)
-                continue
             ok, why = eligible(keys.spec, keys.state, joined, me, free, draining, os.geteuid())
             if not ok:
                 log.debug("%s: not joining: %s", ctx(job=job_id, node=me), why)
+                continue
+            refused = self._refusal(job_id, keys.spec)  # it would join, but may it?
+            if refused is not None:
+                self._report(refused)
                 continue
             if self._manager.adopt(keys.spec) is not None:
                 known = {j.id: j for j in self._registry.list()}
                 done.append(f"adopted job {job_id}")
         return done
 
-    def refused(self, job_id: str) -> Rejection | None:
-        """Why this node did not take the job, if it refused it by policy."""
-        return self._reported.get(job_id)
-
     def _refusal(self, job_id: str, spec: dict) -> Rejection | None:
         if self._policy is None:
             return None
-        known = self._reported.get(job_id)
-        if known is not None:
-            return known
         why = self._policy.refusal(spec["uid"], spec["gid"])
         return Rejection(job_id, RejectReason.UID_NOT_ALLOWED, why, time.time(),
                          spec["uid"]) if why else None
