@@ -298,6 +298,11 @@ def test_root_jobs_stay_on_their_node_and_users_jobs_span_nodes(cluster, alice):
     assert scrape(n2.metrics_port)[
         'elasticd_cluster_specs_rejected_total{reason="uid_not_allowed"}'] >= 1
 
+
+def test_a_users_secrets_are_not_in_etcd_in_clear_yet_reach_every_node(cluster, alice):
+    """Issue 15: `etcdctl get --prefix` printed every job's environment."""
+    user, work = alice
+    n1 = cluster.nodes[0]
     # alice's 2-node job runs on both; n2 decrypted her environment to run it.
     out = os.path.join(work, "secret-seen")
     r = n1.ctl("submit", "--nnodes", "2", "--", "/bin/sh", "-c",
