@@ -39,6 +39,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, _HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(_HERE), "tests"))
 from common import BenchDaemon, machine, median, percentile, revision, secs, table  # noqa: E402
+from daemons import cluster_key_args  # noqa: E402
 from etcd_server import EtcdServer, etcd_binary, free_port  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
@@ -63,6 +64,7 @@ class ClusterDaemon(BenchDaemon):
         self.node_id = node_id
         self.args[self.args.index("--standalone")] = "--etcd"
         self.args.insert(1, etcd_url)
+        self.args += cluster_key_args()  # a daemon on etcd needs the cluster key
 
     def states(self) -> dict[str, str]:
         resp = self.client().call("ListNodes", pb.ListNodesRequest())

@@ -7,6 +7,7 @@ bytes) and talks to it with the real elasticctl. Tests import from here
 """
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import signal
@@ -32,7 +33,7 @@ class DaemonProc:
         self.socket = os.path.join(root, "run", "control.sock")
         self.state_dir = os.path.join(root, "state")
         self.log_path = os.path.join(root, f"daemon-{node_id}.log")
-        where = ["--etcd", etcd] if etcd else ["--standalone"]
+        where = ["--etcd", etcd, *cluster_key_args()] if etcd else ["--standalone"]
         self.args = [*where, "--node-id", node_id, "--socket", self.socket,
                      "--state-dir", self.state_dir, "--metrics-port", "0",
                      "--slots", str(slots), *extra_args]
@@ -149,6 +150,31 @@ class DaemonProc:
     def events(self, job_id: str) -> list[pb.Event]:
         with self.client() as c:
             return list(c.stream("Events", pb.EventsRequest(id=job_id)))
+
+
+_cluster_key: list = []
+
+
+def cluster_key_path() -> str:
+    """One cluster key for every cluster daemon this test process starts (the daemons
+    of a cluster must share one), made with the real `elasticd keygen`, removed at exit."""
+    if not _cluster_key:
+        directory = tempfile.mkdtemp(prefix="ed-key-", dir="/tmp")
+        path = os.path.join(directory, "cluster.key")
+        subprocess.run([sys.executable, "-m", "elasticd", "keygen", "--out", path],
+                       check=True, capture_output=True)
+        atexit.register(shutil.rmtree, directory, True)
+        _cluster_key.append(path)
+    return _cluster_key[0]
+
+
+def cluster_key_args() -> list[str]:
+    """What a daemon on etcd is started with in the tests: the shared cluster key, and
+    cluster.allow_root_jobs on, because the test process is root and so are the jobs
+    most cluster tests submit and expect other nodes to run. The tests of the
+    refusal itself (test_cluster_trust.py) turn it off again with a later --set."""
+    return ["--set", f"cluster.key_file={cluster_key_path()}",
+            "--set", "cluster.allow_root_jobs=true"]
 
 
 def short_tmpdir(prefix: str = "ed-") -> str:

@@ -174,7 +174,8 @@ def test_labels_stay_bounded(faulted):
     """No label carries a job id, rank or round; no *_created noise."""
     text, _, _ = faulted
     allowed = {"to_state", "state", "layer", "cause", "operation", "error", "method", "code",
-               "le", "version", "node_id", "store"}
+               "le", "version", "node_id", "store",
+               "reason"}  # elasticd_cluster_specs_rejected_total: one of RejectReason
     for family in text_string_to_metric_families(text):
         assert family.name.startswith("elasticd_"), family.name
         for s in family.samples:

@@ -24,7 +24,9 @@ from elasticd.v1 import control_pb2
 FORMATS = ("table", "json")
 TRACEBACK_LINES = 10
 _UNSPECIFIED = control_pb2.JobState.Name(control_pb2.JOB_STATE_UNSPECIFIED)
-TERMINAL = frozenset({control_pb2.SUCCEEDED, control_pb2.FAILED, control_pb2.CANCELLED})
+# REJECTED: a spec from etcd the node refused; it never runs there.
+TERMINAL = frozenset({control_pb2.SUCCEEDED, control_pb2.FAILED, control_pb2.CANCELLED,
+                      control_pb2.REJECTED})
 
 
 # ---------------------------------------------------------------- plain data

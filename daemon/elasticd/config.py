@@ -77,6 +77,24 @@ class EtcdSettings:
 
 
 @dataclass(frozen=True)
+class ClusterSettings:
+    """Who may run what from etcd (clusterspec.py): every job spec a daemon writes is
+    signed and its secrets encrypted with keys derived from the cluster key; adopting
+    daemons verify, validate and check the job's uid before they run anything."""
+    key_file: str = _setting("/etc/elasticd/cluster.key", "the cluster key, the same file on "
+                                                           "every node, root-owned, mode 0600 "
+                                                           "(`elasticd keygen` makes one); "
+                                                           "not needed when standalone")
+    allow_root_jobs: bool = _setting(False, "adopt cluster jobs that run as uid 0 (or gid 0) "
+                                            "when another node submitted them; off: root's "
+                                            "jobs run only on the node they were submitted on")
+    min_uid: int = _setting(1000, "lowest uid (other than 0, see allow_root_jobs) whose cluster "
+                                  "jobs this node adopts", min=0, max=2**32 - 2)
+    allowed_uids: list = _setting([], "if not empty, the only uids whose cluster jobs this "
+                                      "node adopts, as strings: [\"1001\", \"1002\"]")
+
+
+@dataclass(frozen=True)
 class MembershipSettings:
     lease_ttl: int = _setting(3, "seconds after a daemon's last refresh that its node counts "
                                  "as lost", min=1, max=3600)
@@ -285,6 +303,7 @@ class EventsSettings:
 SECTIONS: dict[str, type] = {
     "daemon": DaemonSettings,
     "etcd": EtcdSettings,
+    "cluster": ClusterSettings,
     "membership": MembershipSettings,
     "rendezvous": RendezvousSettings,
     "agent": AgentSettings,
@@ -300,6 +319,7 @@ SECTIONS: dict[str, type] = {
 class Config:
     daemon: DaemonSettings = field(default_factory=DaemonSettings)
     etcd: EtcdSettings = field(default_factory=EtcdSettings)
+    cluster: ClusterSettings = field(default_factory=ClusterSettings)
     membership: MembershipSettings = field(default_factory=MembershipSettings)
     rendezvous: RendezvousSettings = field(default_factory=RendezvousSettings)
     agent: AgentSettings = field(default_factory=AgentSettings)
@@ -438,6 +458,11 @@ def _check_relations(cfg: Config, errors: list[str]) -> None:
             errors.append(f"etcd.{name}: file {path} does not exist")
     if bool(cfg.etcd.cert) != bool(cfg.etcd.key):
         errors.append("etcd.cert: etcd.cert and etcd.key go together")
+    bad = [u for u in cfg.cluster.allowed_uids if not (u.isdigit() and int(u) < 2**32 - 1)]
+    if bad:
+        errors.append(f"cluster.allowed_uids: must be uids (numbers), got {bad!r}")
+    if not os.path.isabs(cfg.cluster.key_file):
+        errors.append(f"cluster.key_file: must be an absolute path, got {cfg.cluster.key_file!r}")
     if not d.standalone and not cfg.etcd.endpoints:
         errors.append("etcd.endpoints: at least one URL is needed unless daemon.standalone is set")
 

@@ -24,7 +24,7 @@ from .config import Config
 from .jobs import JobNotFound, JobRecord, JobRegistry
 from .logfiles import LogReader
 from .manager import JobManager, check_access
-from .messages import event_to_proto, job_to_proto, node_to_proto
+from .messages import event_to_proto, job_to_proto, node_to_proto, rejection_to_proto
 from .store import StoreError
 from .streamgate import StreamGate
 from .states import TERMINAL_STATES
@@ -212,6 +212,18 @@ class ControlServicer(pb_grpc.ControlServicer):
         raise errors.NotFound(f"no job {key!r} on this node or in the cluster; "
                               "`elasticctl list` shows this node's jobs")
 
+    def _find_or_rejected(self, key: str, caller):
+        """(record, here, None) as ``_find``; for an id only known as a spec this node
+        refused, (None, False, its Rejection) if the caller may see it."""
+        try:
+            return (*self._find(key, caller), None)
+        except errors.NotFound:
+            keys = self._view.job(key) if self._view is not None else None
+            rej = keys.rejection if keys is not None else None
+            if rej is None or not (caller.is_root or rej.uid == caller.uid):
+                raise
+            return None, False, rej
+
     def _remote(self, key: str, caller) -> JobRecord | None:
         if self._view is None:
             return None
@@ -249,7 +261,9 @@ class ControlServicer(pb_grpc.ControlServicer):
 
     @_handle
     def GetJob(self, request, context, caller):
-        job, here = self._find(request.id, caller)
+        job, here, rejected = self._find_or_rejected(request.id, caller)
+        if rejected is not None:
+            return rejection_to_proto(rejected, self._cfg.daemon.node_id)
         return self._fit(self._with_cluster(job) if here else job_to_proto(job))
 
     @_handle
@@ -274,10 +288,12 @@ class ControlServicer(pb_grpc.ControlServicer):
 
     @_handle
     def WaitJob(self, request, context, caller):
-        job, here = self._find(request.id, caller)
+        job, here, rejected = self._find_or_rejected(request.id, caller)
         timeout = request.timeout_seconds
         if timeout < 0 or timeout != timeout:
             raise errors.InvalidArgument(f"timeout_seconds: must be >= 0, got {timeout}")
+        if rejected is not None:  # it will never run here
+            return rejection_to_proto(rejected, self._cfg.daemon.node_id)
         gone = self._gone(context)
         with self._streams.slot(caller.uid, "wait"):  # long-lived: a stream's thread
             job = self._wait_until(job, here, lambda j: j.state in TERMINAL_STATES,
@@ -336,12 +352,17 @@ class ControlServicer(pb_grpc.ControlServicer):
 
     @_handle
     def Events(self, request, context, caller):
-        job_id = self._find(request.id, caller)[0].id if request.id else ""
+        job_id = ""
+        if request.id:
+            job, _, rejected = self._find_or_rejected(request.id, caller)
+            job_id = job.id if job is not None else rejected.job_id
         owners: dict[str, int] = {}
 
         def visible(ev: dict) -> bool:
             if caller.is_root:
                 return True
+            if ev["kind"] == "rejected":  # its uid only if the signature vouched for it
+                return ev.get("uid") == caller.uid
             if ev["job_id"] not in owners:
                 uid = self._owner(ev["job_id"])
                 if uid is None:

@@ -23,6 +23,8 @@ import time
 from . import __version__, statedir
 from .auth import CredentialServer, TokenIssuer
 from .cluster import Cluster, ClusterStartError, open_cluster_store
+from .clusterkey import ClusterKeyError
+from .clusterspec import ClusterPolicy, codec_for
 from .config import Config, socket_gid
 from .control import ControlServer, ControlServicer
 from .jobs import JobRegistry
@@ -65,6 +67,11 @@ class Daemon:
                       "(--state-dir)", d.state_dir)
             return 1
         try:
+            self.codec = codec_for(cfg)
+        except ClusterKeyError as exc:
+            log.error("%s", exc)
+            return 1
+        try:
             store = open_cluster_store(cfg)
         except ClusterStartError as exc:
             log.error("%s", exc)
@@ -93,11 +100,15 @@ class Daemon:
         stops.callback(registry.close)
         metrics = Metrics(d.node_id)
         store = metrics.timed_store(store)  # metrics: store request latency and errors
-        view = JobsView(store, retry=cfg.membership.watch_retry)
+        # Every spec read from etcd is verified, decrypted and checked as it
+        # enters the view (clusterspec.py); a refused one never reads as a job.
+        view = JobsView(store, retry=cfg.membership.watch_retry, open_spec=self.codec.open)
+        policy = ClusterPolicy.from_settings(cfg.cluster)
         holder: dict = {}
         cluster = Cluster(cfg, store, lambda: (holder["m"].slots_total - holder["m"].slots_used(),
                                                holder["m"].active_jobs()))
-        manager = holder["m"] = JobManager(cfg, registry, cluster, view, metrics)
+        manager = holder["m"] = JobManager(cfg, registry, cluster, view, metrics,
+                                           codec=self.codec, policy=policy)
         self.cluster = cluster
         metrics.attach(registry, manager)
         metrics.attach_cluster(cluster)  # metrics: the node lease
@@ -143,7 +154,8 @@ class Daemon:
         stops.callback(cluster.keeper.stop)
         stops.callback(manager.shutdown, d.shutdown_timeout)
         manager.resume()
-        dispatcher = Dispatcher(cfg, view, registry, manager, cluster)
+        dispatcher = Dispatcher(cfg, view, registry, manager, cluster, policy=policy,
+                                metrics=metrics)
         dispatcher.start()
         stops.callback(dispatcher.stop)
 

@@ -6,14 +6,23 @@ can run it: not draining, named by the job (or the job names no nodes),
 enough free slots, and the job's round not already at its max nodes. It
 also ends the local record of a job that ended elsewhere while it waited
 here. ``eligible()`` decides without I/O.
+
+It also reports, once each, the specs this node refuses: those the jobs
+view could not verify or validate (``JobKeys.rejection``) and those whose
+user this node does not run from the cluster (``ClusterPolicy``): a log
+line, ``elasticd_cluster_specs_rejected_total{reason}``, and a ``rejected``
+event in the local registry (``elasticctl events``); ``status`` reads the
+rejection from the view.
 """
 from __future__ import annotations
 
 import logging
 import os
 import threading
+import time
 
 from .logsetup import ctx
+from .rejections import RejectReason, Rejection
 from .rendezvous.protocol import CLOSED, OPEN
 from .store import StoreError
 
@@ -47,8 +56,12 @@ def eligible(spec: dict, state, joined: int, node_id: str, free_slots: int, drai
 
 
 class Dispatcher:
-    def __init__(self, cfg, view, registry, manager, cluster, interval: float = 1.0):
+    def __init__(self, cfg, view, registry, manager, cluster, interval: float = 1.0,
+                 policy=None, metrics=None):
         self._cfg = cfg
+        self._policy = policy
+        self._metrics = metrics
+        self._reported: dict[str, Rejection] = {}   # job id -> what was reported
         self._view = view
         self._registry = registry
         self._manager = manager
@@ -85,17 +98,23 @@ class Dispatcher:
         known = {j.id: j for j in self._registry.list()}
         me = self._cfg.daemon.node_id
         draining = None
-        for job_id in self._view.job_ids():
+        ids = self._view.job_ids()
+        for gone in set(self._reported) - set(ids):  # its keys were deleted
+            del self._reported[gone]
+        for job_id in ids:
             keys = self._view.job(job_id)
-            if keys is None or keys.spec is None or keys.state is None:
+            if keys is None:
                 continue
             local = known.get(job_id)
-            if local is not None:
-                if keys.state.final and local.live:
+            if local is not None:  # ours: its round state is all that matters here
+                if keys.state is not None and keys.state.final and local.live:
                     self._manager.end_from_cluster(job_id, keys.state)
                     done.append(f"job {job_id} ended elsewhere: {keys.state.status}")
                 continue
-            if keys.state.final:
+            if keys.rejection is not None:
+                self._report(keys.rejection)
+                continue
+            if keys.spec is None or keys.state is None or keys.state.final:
                 continue
             if draining is None:
                 draining = me in self._cluster.drain_states()
@@ -107,7 +126,34 @@ class Dispatcher:
             if not ok:
                 log.debug("%s: not joining: %s", ctx(job=job_id, node=me), why)
                 continue
+            refused = self._refusal(job_id, keys.spec)  # it would join, but may it?
+            if refused is not None:
+                self._report(refused)
+                continue
             if self._manager.adopt(keys.spec) is not None:
                 known = {j.id: j for j in self._registry.list()}
                 done.append(f"adopted job {job_id}")
         return done
+
+    def _refusal(self, job_id: str, spec: dict) -> Rejection | None:
+        if self._policy is None:
+            return None
+        why = self._policy.refusal(spec["uid"], spec["gid"])
+        return Rejection(job_id, RejectReason.UID_NOT_ALLOWED, why, time.time(),
+                         spec["uid"]) if why else None
+
+    def _report(self, rej: Rejection) -> None:
+        """Log, count and record a refused spec, once per job id and reason (the
+        registry remembers across restarts: no second event after one)."""
+        seen = self._reported.get(rej.job_id)
+        if seen is not None and seen.reason is rej.reason:
+            return
+        self._reported[rej.job_id] = rej
+        me = self._cfg.daemon.node_id
+        if self._registry.has_rejection(rej.job_id, rej.reason.value):
+            return
+        log.warning("%s: refused a job spec from etcd: %s", ctx(job=rej.job_id[:80], node=me),
+                    rej.message)
+        if self._metrics is not None:
+            self._metrics.spec_rejected(rej.reason.value)
+        self._registry.record_rejection(rej)

@@ -92,8 +92,10 @@ def parse_event(key: str, value: str | None) -> dict:
 
 
 def shared(ev: dict, node_id: str) -> bool:
-    """Whether the writer publishes this registry event: this node's own, not imported."""
-    return ev.get("node_id") == node_id and "origin_seq" not in ev
+    """Whether the writer publishes this registry event: this node's own, not imported,
+    and about a job (a refused spec's id is not one: each node keeps its own refusal)."""
+    return ev.get("node_id") == node_id and "origin_seq" not in ev \
+        and ev.get("kind") != "rejected"
 
 
 class EventLog:

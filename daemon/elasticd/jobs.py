@@ -307,6 +307,27 @@ class JobRegistry:
             rec = self._require(job_id)
             self._append_event(rec, kind, reason, rank=rank, layer=layer, duration=duration)
 
+    def record_rejection(self, rej) -> None:
+        """An event for a job spec from etcd this node refused (rejections.Rejection):
+        there is no record of that job here, only this event, kind ``rejected``."""
+        ev = {"job_id": rej.job_id, "time": rej.time, "kind": "rejected", "from_state": "",
+              "to_state": "", "reason": rej.message, "node_id": self._node_id, "round": 0,
+              "rank": -1, "restart": 0, "rejected_reason": rej.reason.value}
+        if rej.uid is not None:
+            ev["uid"] = rej.uid  # vouched for by the signature: its user may see the event
+        with self._lock:
+            cur = self._db.execute("INSERT INTO events (job_id, data) VALUES (?, ?)",
+                                   (rej.job_id, json.dumps(ev)))
+            self.last_seq = cur.lastrowid
+            self.changed.notify_all()
+
+    def has_rejection(self, job_id: str, reason: str) -> bool:
+        with self._lock:
+            return self._db.execute(
+                "SELECT 1 FROM events WHERE job_id=? AND json_extract(data, '$.kind')='rejected' "
+                "AND json_extract(data, '$.rejected_reason')=? LIMIT 1",
+                (job_id, reason)).fetchone() is not None
+
     def close(self) -> None:
         with self._lock:
             self._db.close()

@@ -78,8 +78,17 @@ def record_from_spec(spec: dict) -> JobRecord:
 
 
 class JobManager:
-    def __init__(self, cfg: Config, registry: JobRegistry, cluster, view, metrics=None):
+    def __init__(self, cfg: Config, registry: JobRegistry, cluster, view, metrics=None,
+                 codec=None, policy=None):
         self._cfg = cfg
+        # Seals every spec this node writes to the store (clusterspec.py); the
+        # daemon passes the cluster key's, a test without one gets a throwaway key.
+        if codec is None:
+            from .clusterkey import ephemeral
+            from .clusterspec import SpecCodec
+            codec = SpecCodec(ephemeral(), cfg.control)
+        self._codec = codec
+        self._policy = policy
         self._registry = registry
         self._cluster = cluster
         self._view = view
@@ -111,6 +120,7 @@ class JobManager:
             raise errors.FailedPrecondition(
                 f"the job needs {req.nproc_per_node} worker slots but this node has "
                 f"{self.slots_total} (elasticd --slots); lower --nproc-per-node")
+        self._check_cluster_policy(req, caller)
         max_restarts = (self._cfg.agent.default_max_restarts if req.max_restarts < 0
                         else req.max_restarts)
         rec = JobRecord(
@@ -138,7 +148,8 @@ class JobManager:
                         "submitted (nothing of it was kept); free some space there") from None
                 raise errors.Unavailable(f"{exc}; the job was not submitted") from None
         try:
-            create_job(self._cluster.store, rec.id, job_spec(rec, req.nodes), time.time())
+            create_job(self._cluster.store, rec.id, self._codec.seal(job_spec(rec, req.nodes)),
+                       time.time())
         except (StoreError, ValueError) as exc:
             self._registry.discard(rec.id)
             raise errors.Unavailable(f"etcd unavailable, the job was not submitted: {exc}") \
@@ -172,6 +183,20 @@ class JobManager:
             raise errors.ResourceExhausted(
                 f"this node holds {total} bytes of job specs and this one adds {size} "
                 f"(limits.spec_bytes_total {lim.spec_bytes_total}); wait for jobs to finish")
+
+    def _check_cluster_policy(self, req: JobRequest, caller: Caller) -> None:
+        """Refuse at once a job that cannot start because the other nodes will not run
+        it as this caller (clusterspec.ClusterPolicy): it needs nodes besides this one.
+        One that may also run here alone is taken; only this node runs it."""
+        if self._policy is None or self._cfg.daemon.standalone:
+            return
+        why = self._policy.refusal(caller.uid, caller.gid)
+        me = self._cfg.daemon.node_id
+        if why and (req.min_nodes > 1 or (req.nodes and me not in req.nodes)):
+            raise errors.FailedPrecondition(
+                f"the other nodes will not run this job: {why} (their cluster settings). "
+                "Submit it as a regular user, or run it on this node alone (--nnodes 1, "
+                "no --nodes), or set cluster.allow_root_jobs = true on every node")
 
     def get_for(self, key: str, caller: Caller) -> JobRecord:
         try:
@@ -326,7 +351,7 @@ class JobManager:
                        f"({job.restarts} of {job.max_restarts} used)", exit_code=1)
             return
         try:
-            create_job(self._cluster.store, job.id, job_spec(job), time.time(),
+            create_job(self._cluster.store, job.id, self._codec.seal(job_spec(job)), time.time(),
                        round=job.round + 1, restarts=restarts)
         except (StoreError, ValueError) as exc:
             log.error("%s: cannot resume: %s", ctx(job=job.id), exc)

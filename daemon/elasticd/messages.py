@@ -51,7 +51,15 @@ def event_to_proto(ev: dict) -> pb.Event:
                     from_state=state(ev["from_state"]), to_state=state(ev["to_state"]),
                     reason=ev["reason"], node_id=ev["node_id"], round=ev["round"],
                     rank=ev["rank"], restart=ev["restart"], layer=ev.get("layer", ""),
-                    duration_seconds=ev.get("duration_seconds", 0.0))
+                    duration_seconds=ev.get("duration_seconds", 0.0),
+                    rejected_reason=ev.get("rejected_reason", ""))
+
+
+def rejection_to_proto(rej, node_id: str) -> pb.Job:
+    """A job spec this node refused (rejections.Rejection), as ``status`` shows it."""
+    return pb.Job(id=rej.job_id, state=pb.REJECTED, reason=rej.message,
+                  rejected_reason=rej.reason.value, uid=rej.uid or 0, node_id=node_id,
+                  created_at=rej.time, finished_at=rej.time, exit_code=1)
 
 
 def node_to_proto(rec: dict, state: str, age: float) -> pb.Node:

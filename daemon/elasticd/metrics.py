@@ -33,6 +33,7 @@ from prometheus_client.exposition import start_http_server
 
 from . import __version__, statedir
 from .jobs import JobNotFound
+from .rejections import RejectReason
 from .states import LIVE_STATES, TERMINAL_STATES, JobState
 from .store import (KV, CompareFailed, KeyExists, Lease, LeaseNotFound, Store,
                     StoreAuthError, StoreCorrupt, StoreError, StoreUnavailable,
@@ -106,6 +107,13 @@ class Metrics:
             "elasticd_node_lease_refresh_duration_seconds",
             "Latency of refreshing this node's lease in the store", registry=r,
             buckets=_FAST_BUCKETS)
+        self.specs_rejected = Counter(
+            "elasticd_cluster_specs_rejected_total",
+            "Job specs read from etcd that this node refused to run, by reason (unsigned, "
+            "bad_signature, id_mismatch, undecryptable, malformed, invalid, uid_not_allowed)",
+            ["reason"], registry=r)
+        for reason in RejectReason:
+            self.specs_rejected.labels(reason.value)
         # Series that alerts use exist from the start, so increase() sees the first one.
         for layer in LAYERS:
             for cause in CAUSES:
@@ -153,6 +161,9 @@ class Metrics:
         return TimedStore(store, self)
 
     # -- registry events (called under the registry's lock) --------------------
+    def spec_rejected(self, reason: str) -> None:
+        self.specs_rejected.labels(RejectReason(reason).value).inc()
+
     def _on_event(self, ev: dict) -> None:
         if ev["kind"] != "state" or not ev["to_state"]:
             return

@@ -44,36 +44,14 @@ def job_key(value: str) -> str:
 
 
 def submit_request(req, limits: ControlSettings) -> JobRequest:
-    command = list(req.command)
-    if not command or not command[0].strip():
-        raise InvalidArgument("command: empty; give the program to run after `--`, e.g. "
-                              "elasticctl submit -- python train.py")
-    if len(command) > limits.max_command_args:
-        raise InvalidArgument(f"command: {len(command)} arguments, at most "
-                              f"{limits.max_command_args} (control.max_command_args)")
-    for i, arg in enumerate(command):
-        _text(f"command[{i}]", arg, limits)
+    command = _command(list(req.command), limits)
 
-    cwd = _text("cwd", req.cwd, limits)
-    if not os.path.isabs(cwd):
-        raise InvalidArgument(f"cwd: must be an absolute path, got {cwd[:200]!r}")
+    cwd = _cwd_path(req.cwd, limits)
     if not os.path.isdir(cwd):
         raise InvalidArgument(f"cwd: directory {cwd[:200]} does not exist on this node")
 
-    if len(req.env) > limits.max_env_entries:
-        raise InvalidArgument(f"env: {len(req.env)} variables, at most {limits.max_env_entries} "
-                              "(control.max_env_entries)")
-    env = {}
-    for key, value in req.env.items():
-        if not _ENV_NAME.match(key):
-            raise InvalidArgument(f"env: {key[:80]!r} is not a valid variable name "
-                                  "(letters, digits and '_', not starting with a digit)")
-        env[key] = _text(f"env[{key}]", value, limits)
-
-    name = req.name
-    if name and not _JOB_NAME.match(name):
-        raise InvalidArgument(f"name: {name[:80]!r} is not a valid job name (letters, digits, "
-                              "'.', '_', '-'; at most 63; starting with a letter or digit)")
+    env = _env(req.env, limits)
+    name = _name(req.name)
 
     min_nodes = _count("min_nodes", req.min_nodes or 1, 1, limits.max_nodes, "control.max_nodes")
     max_nodes = _count("max_nodes", req.max_nodes or min_nodes, 1, limits.max_nodes,
@@ -84,12 +62,7 @@ def submit_request(req, limits: ControlSettings) -> JobRequest:
                    "control.max_nproc_per_node")
     max_restarts = _count("max_restarts", req.max_restarts, -1, limits.max_restarts_limit,
                           "control.max_restarts_limit; -1 means the daemon's default")
-    nodes = tuple(req.nodes)
-    if len(nodes) > limits.max_nodes:
-        raise InvalidArgument(f"nodes: {len(nodes)} named, at most {limits.max_nodes}")
-    for node in nodes:
-        if not _JOB_KEY.match(node):
-            raise InvalidArgument(f"nodes: {node[:80]!r} is not a node id")
+    nodes = _nodes(tuple(req.nodes), limits)
     if nodes and len(set(nodes)) < min_nodes:
         raise InvalidArgument(f"nodes: {len(set(nodes))} node(s) named but the job needs at "
                               f"least {min_nodes}")
@@ -97,3 +70,104 @@ def submit_request(req, limits: ControlSettings) -> JobRequest:
                       min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc,
                       max_restarts=max_restarts, nodes=tuple(sorted(set(nodes))),
                       inprocess=bool(req.inprocess))
+
+
+# -- the pieces a submission and a cluster spec share ------------------------------
+def _command(command: list, limits: ControlSettings) -> list:
+    if not command or not command[0].strip():
+        raise InvalidArgument("command: empty; give the program to run after `--`, e.g. "
+                              "elasticctl submit -- python train.py")
+    if len(command) > limits.max_command_args:
+        raise InvalidArgument(f"command: {len(command)} arguments, at most "
+                              f"{limits.max_command_args} (control.max_command_args)")
+    for i, arg in enumerate(command):
+        _text(f"command[{i}]", arg, limits)
+    return command
+
+
+def _cwd_path(cwd: str, limits: ControlSettings) -> str:
+    cwd = _text("cwd", cwd, limits)
+    if not os.path.isabs(cwd):
+        raise InvalidArgument(f"cwd: must be an absolute path, got {cwd[:200]!r}")
+    return cwd
+
+
+def _env(env, limits: ControlSettings) -> dict:
+    if len(env) > limits.max_env_entries:
+        raise InvalidArgument(f"env: {len(env)} variables, at most {limits.max_env_entries} "
+                              "(control.max_env_entries)")
+    out = {}
+    for key, value in env.items():
+        if not _ENV_NAME.match(key):
+            raise InvalidArgument(f"env: {key[:80]!r} is not a valid variable name "
+                                  "(letters, digits and '_', not starting with a digit)")
+        out[key] = _text(f"env[{key}]", value, limits)
+    return out
+
+
+def _name(name: str) -> str:
+    if name and not _JOB_NAME.match(name):
+        raise InvalidArgument(f"name: {name[:80]!r} is not a valid job name (letters, digits, "
+                              "'.', '_', '-'; at most 63; starting with a letter or digit)")
+    return name
+
+
+def _nodes(nodes: tuple, limits: ControlSettings) -> tuple:
+    if len(nodes) > limits.max_nodes:
+        raise InvalidArgument(f"nodes: {len(nodes)} named, at most {limits.max_nodes}")
+    for node in nodes:
+        if not _JOB_KEY.match(node):
+            raise InvalidArgument(f"nodes: {node[:80]!r} is not a node id")
+    return nodes
+
+
+# -- a job spec read from etcd (clusterspec.py) --------------------------------------
+_SPEC_TYPES = {"id": str, "name": str, "command": list, "cwd": str, "env": dict, "uid": int,
+               "gid": int, "user": str, "min_nodes": int, "max_nodes": int,
+               "nproc_per_node": int, "max_restarts": int, "nodes": list,
+               "created_at": float, "submitted_on": str, "inprocess": bool}
+_MAX_ID = 2**32 - 2
+
+
+def cluster_spec(spec: dict, limits: ControlSettings) -> dict:
+    """A job spec another daemon wrote to etcd (already verified and decrypted), checked
+    with the same rules as a submission, plus the fields a submission does not carry
+    (id, uid, gid, user, submitting node, time). Returns it as the record's fields."""
+    for field, kind in _SPEC_TYPES.items():
+        value = spec.get(field)
+        ok = (type(value) in (int, float) if kind is float else type(value) is kind)
+        if not ok:
+            raise InvalidArgument(f"{field}: expected {kind.__name__}, got "
+                                  f"{type(value).__name__}")
+    if not all(isinstance(a, str) for a in spec["command"]) or \
+            not all(isinstance(n, str) for n in spec["nodes"]) or \
+            not all(isinstance(k, str) and isinstance(v, str) for k, v in spec["env"].items()):
+        raise InvalidArgument("command, nodes and env: must hold strings")
+    job_id = spec["id"]
+    if not _JOB_KEY.match(job_id):
+        raise InvalidArgument(f"id: {job_id[:80]!r} is not a job id (letters, digits, '.', "
+                              "'_', '-'; at most 63; starting with a letter or digit)")
+    for field in ("uid", "gid"):
+        if not 0 <= spec[field] <= _MAX_ID:
+            raise InvalidArgument(f"{field}: {spec[field]} is not a valid id")
+    user = _text("user", spec["user"], limits)
+    submitted_on = spec["submitted_on"]
+    if not _JOB_KEY.match(submitted_on):
+        raise InvalidArgument(f"submitted_on: {submitted_on[:80]!r} is not a node id")
+    created = float(spec["created_at"])
+    if not 0 <= created < float("inf"):
+        raise InvalidArgument(f"created_at: {created!r} is not a time")
+    min_nodes = _count("min_nodes", spec["min_nodes"], 1, limits.max_nodes, "control.max_nodes")
+    max_nodes = _count("max_nodes", spec["max_nodes"], min_nodes, limits.max_nodes,
+                       "control.max_nodes")
+    return {"id": job_id, "name": _name(spec["name"]),
+            "command": _command(list(spec["command"]), limits),
+            "cwd": _cwd_path(spec["cwd"], limits), "env": _env(spec["env"], limits),
+            "uid": spec["uid"], "gid": spec["gid"], "user": user,
+            "min_nodes": min_nodes, "max_nodes": max_nodes,
+            "nproc_per_node": _count("nproc_per_node", spec["nproc_per_node"], 1,
+                                     limits.max_nproc_per_node, "control.max_nproc_per_node"),
+            "max_restarts": _count("max_restarts", spec["max_restarts"], 0,
+                                   limits.max_restarts_limit, "control.max_restarts_limit"),
+            "nodes": list(_nodes(tuple(spec["nodes"]), limits)), "created_at": created,
+            "submitted_on": submitted_on, "inprocess": spec["inprocess"]}

@@ -12,6 +12,13 @@ rank 0 agent hosts the TCPStore the agents and workers bootstrap from
 
 This is the only daemon-side module that imports torch; it is registered
 under the ``torchrun.handlers`` entry point and never imported by elasticd.
+
+Its keys live under their own prefix (``/elasticd-torchrun``, ``--rdzv-conf
+prefix=...``), never the daemons': with etcd's RBAC (``elasticd etcd-roles``)
+a torchrun user gets the ``elasticd-torchrun`` role and no access to the
+daemons' keys. TLS and credentials come from ``--rdzv-conf`` keys or, better
+(``ps`` shows the command line), ``ELASTICD_ETCD_*`` variables, the same
+names as the daemon's etcd settings (``etcd_options``).
 """
 from __future__ import annotations
 
@@ -46,6 +53,44 @@ def endpoints_from(endpoint: str) -> list[str]:
     if not out:
         raise ValueError("--rdzv-endpoint must name etcd, e.g. 10.0.0.5:2379")
     return out
+
+
+# rdzv-conf key -> environment variable; a conf key wins.
+_ETCD_OPTIONS = {"ca_cert": "ELASTICD_ETCD_CA_CERT", "cert": "ELASTICD_ETCD_CERT",
+                 "key": "ELASTICD_ETCD_KEY", "username": "ELASTICD_ETCD_USERNAME",
+                 "password": "ELASTICD_ETCD_PASSWORD",
+                 "password_file": "ELASTICD_ETCD_PASSWORD_FILE"}
+
+
+def etcd_options(conf: dict, env=os.environ) -> dict:
+    """TLS and login for open_store from rdzv-conf keys / ELASTICD_ETCD_* variables:
+    ``ca_cert``, ``cert`` + ``key`` (client TLS), ``username`` (or ``user``) with
+    ``password`` or ``password_file``. ValueError names what is wrong."""
+    got = {name: str(conf.get(name) or env.get(var) or "") for name, var in _ETCD_OPTIONS.items()}
+    if conf.get("user") and not conf.get("username"):
+        got["username"] = str(conf["user"])
+    for name in ("ca_cert", "cert", "key", "password_file"):
+        if got[name] and not os.path.isfile(got[name]):
+            raise ValueError(f"etcd {name} {got[name]}: no such file")
+    if bool(got["cert"]) != bool(got["key"]):
+        raise ValueError("etcd client TLS needs both cert and key")
+    password = got["password"]
+    if got["password_file"]:
+        with open(got["password_file"]) as fh:
+            password = fh.read().strip()
+    if password and not got["username"]:
+        raise ValueError("an etcd password needs a username")
+    return {"ca_cert": got["ca_cert"] or None, "cert": got["cert"] or None,
+            "key": got["key"] or None, "username": got["username"] or None,
+            "password": password or None}
+
+
+def _endpoints(endpoint: str, tls: bool) -> list[str]:
+    """As ``endpoints_from``, but a bare host:port means https when TLS is configured."""
+    parts = [p.strip() for p in endpoint.split(",") if p.strip()]
+    if tls:
+        parts = [p if "://" in p else f"https://{p}" for p in parts]
+    return endpoints_from(",".join(parts))
 
 
 class _LeaseKeeper(threading.Thread):
@@ -83,10 +128,15 @@ class ElasticdRendezvousHandler(RendezvousHandler):
     def __init__(self, params: RendezvousParameters):
         api = params.get("api", "v3")
         self._run_id = params.run_id
+        try:
+            opts = etcd_options(params.config)
+        except (ValueError, OSError) as exc:
+            raise ValueError(f"elasticd rendezvous: {exc}") from None
+        tls = bool(opts["ca_cert"] or opts["cert"])
         self._store = open_store({"v3": "etcd3", "v2": "etcd2", "auto": "auto"}[api],
-                                 endpoints_from(params.endpoint),
+                                 _endpoints(params.endpoint, tls),
                                  prefix=params.get("prefix", DEFAULT_PREFIX),
-                                 timeout=float(params.get("request_timeout", 5)))
+                                 timeout=float(params.get("request_timeout", 5)), **opts)
         self._addr = params.local_addr or socket.getfqdn()
         self._node_id = f"{socket.gethostname()}-{os.getpid()}-{id(self) & 0xffff:x}"
         self._lease = _LeaseKeeper(self._store, int(params.get("lease_ttl", 10)))

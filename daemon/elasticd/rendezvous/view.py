@@ -4,6 +4,12 @@ The daemon runs one ``JobsView`` (one watch stream, however many jobs);
 rendezvous participants and the job dispatcher read it and wait on its
 condition instead of polling etcd. Records that do not parse are logged
 once and skipped: garbage under the prefix never stops a round.
+
+A spec goes through ``open_spec(job_id, text)`` as it enters the view. The
+daemon's verifies, decrypts and checks it (clusterspec.SpecCodec.open); a
+spec it refuses is kept as ``JobKeys.rejection`` (``spec`` stays None), so
+nothing reads it as a job, and the dispatcher can report it. The torchrun
+adapter's specs are plain JSON (``plain_spec``).
 """
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ import logging
 import threading
 from dataclasses import dataclass, field
 
+from ..rejections import Rejection, SpecRejected
 from ..store import EVENT_PUT, Store
 from ..store.follow import Follower
 from .protocol import Join, RoundState
@@ -30,11 +37,22 @@ class JobKeys:
     done: dict = field(default_factory=dict)      # round -> set(node)
     workers: dict = field(default_factory=dict)   # node -> list of worker rows
     summaries: dict = field(default_factory=dict)  # node -> its recovery summary (a dict)
+    rejection: Rejection | None = None             # the spec was refused (spec is None)
+
+
+def plain_spec(job_id: str, text: str) -> dict:
+    """A spec as plain JSON, unchecked (the torchrun adapter's own prefix)."""
+    spec = json.loads(text)
+    if not isinstance(spec, dict):
+        raise ValueError("spec is not an object")
+    return spec
 
 
 class JobsView:
-    def __init__(self, store: Store, retry: float = 1.0, prefix: str = JOBS):
+    def __init__(self, store: Store, retry: float = 1.0, prefix: str = JOBS,
+                 open_spec=plain_spec):
         self._prefix = prefix
+        self._open_spec = open_spec
         self._jobs: dict[str, JobKeys] = {}
         self.changed = threading.Condition()
         self.revision = 0
@@ -51,7 +69,8 @@ class JobsView:
             return JobKeys(spec=keys.spec, state=keys.state, state_revision=keys.state_revision,
                            joins={r: dict(v) for r, v in keys.joins.items()},
                            done={r: set(v) for r, v in keys.done.items()},
-                           workers=dict(keys.workers), summaries=dict(keys.summaries))
+                           workers=dict(keys.workers), summaries=dict(keys.summaries),
+                           rejection=keys.rejection)
 
     def job_ids(self) -> list[str]:
         with self.changed:
@@ -104,10 +123,12 @@ class JobsView:
         keys = self._jobs.setdefault(job_id, JobKeys())
         try:
             if kind == "spec" and len(parts) == 2:
-                keys.spec = json.loads(value) if value is not None else None
-                if keys.spec is not None and not isinstance(keys.spec, dict):
-                    keys.spec = None
-                    raise ValueError("spec is not an object")
+                keys.spec, keys.rejection = None, None
+                if value is not None:
+                    try:
+                        keys.spec = self._open_spec(job_id, value)
+                    except SpecRejected as exc:
+                        keys.rejection = exc.rejection
             elif kind == "state" and len(parts) == 2:
                 keys.state = RoundState.from_json(value) if value is not None else None
                 keys.state_revision = revision if value is not None else 0
@@ -141,7 +162,8 @@ class JobsView:
                 self._garbage(key, "unknown key")
         except (ValueError, KeyError, TypeError) as exc:
             self._garbage(key, str(exc))
-        if keys.spec is None and keys.state is None and not keys.joins and not keys.workers:
+        if keys.spec is None and keys.state is None and not keys.joins and not keys.workers \
+                and keys.rejection is None:
             self._jobs.pop(job_id, None)
 
     def _garbage(self, key: str, why: str) -> None:

@@ -17,6 +17,7 @@ class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SUCCEEDED: _ClassVar[JobState]
     FAILED: _ClassVar[JobState]
     CANCELLED: _ClassVar[JobState]
+    REJECTED: _ClassVar[JobState]
 JOB_STATE_UNSPECIFIED: JobState
 PENDING: JobState
 RENDEZVOUS: JobState
@@ -25,6 +26,7 @@ RESTARTING: JobState
 SUCCEEDED: JobState
 FAILED: JobState
 CANCELLED: JobState
+REJECTED: JobState
 
 class SubmitRequest(_message.Message):
     __slots__ = ("name", "command", "cwd", "env", "min_nodes", "max_nodes", "nproc_per_node", "max_restarts", "inprocess", "nodes")
@@ -136,7 +138,7 @@ class Worker(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., state: _Optional[str] = ..., exit_code: _Optional[int] = ..., node_id: _Optional[str] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("id", "name", "state", "reason", "command", "cwd", "uid", "gid", "user", "min_nodes", "max_nodes", "nproc_per_node", "max_restarts", "restarts", "round", "created_at", "started_at", "finished_at", "exit_code", "last_failure", "workers", "node_id", "seconds_in_state", "inprocess", "restarts_by_layer", "restart_budget", "attempts")
+    __slots__ = ("id", "name", "state", "reason", "command", "cwd", "uid", "gid", "user", "min_nodes", "max_nodes", "nproc_per_node", "max_restarts", "restarts", "round", "created_at", "started_at", "finished_at", "exit_code", "last_failure", "workers", "node_id", "seconds_in_state", "inprocess", "restarts_by_layer", "restart_budget", "attempts", "rejected_reason")
     class SecondsInStateEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -185,6 +187,7 @@ class Job(_message.Message):
     RESTARTS_BY_LAYER_FIELD_NUMBER: _ClassVar[int]
     RESTART_BUDGET_FIELD_NUMBER: _ClassVar[int]
     ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_REASON_FIELD_NUMBER: _ClassVar[int]
     id: str
     name: str
     state: JobState
@@ -212,7 +215,8 @@ class Job(_message.Message):
     restarts_by_layer: _containers.ScalarMap[str, int]
     restart_budget: _containers.ScalarMap[str, int]
     attempts: _containers.RepeatedCompositeFieldContainer[RestartAttempt]
-    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., cwd: _Optional[str] = ..., uid: _Optional[int] = ..., gid: _Optional[int] = ..., user: _Optional[str] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., nproc_per_node: _Optional[int] = ..., max_restarts: _Optional[int] = ..., restarts: _Optional[int] = ..., round: _Optional[int] = ..., created_at: _Optional[float] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., exit_code: _Optional[int] = ..., last_failure: _Optional[_Union[Failure, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., node_id: _Optional[str] = ..., seconds_in_state: _Optional[_Mapping[str, float]] = ..., inprocess: _Optional[bool] = ..., restarts_by_layer: _Optional[_Mapping[str, int]] = ..., restart_budget: _Optional[_Mapping[str, int]] = ..., attempts: _Optional[_Iterable[_Union[RestartAttempt, _Mapping]]] = ...) -> None: ...
+    rejected_reason: str
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., cwd: _Optional[str] = ..., uid: _Optional[int] = ..., gid: _Optional[int] = ..., user: _Optional[str] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., nproc_per_node: _Optional[int] = ..., max_restarts: _Optional[int] = ..., restarts: _Optional[int] = ..., round: _Optional[int] = ..., created_at: _Optional[float] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., exit_code: _Optional[int] = ..., last_failure: _Optional[_Union[Failure, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., node_id: _Optional[str] = ..., seconds_in_state: _Optional[_Mapping[str, float]] = ..., inprocess: _Optional[bool] = ..., restarts_by_layer: _Optional[_Mapping[str, int]] = ..., restart_budget: _Optional[_Mapping[str, int]] = ..., attempts: _Optional[_Iterable[_Union[RestartAttempt, _Mapping]]] = ..., rejected_reason: _Optional[str] = ...) -> None: ...
 
 class RestartAttempt(_message.Message):
     __slots__ = ("layer", "cause", "time", "duration_seconds", "outcome", "rank", "node_id")
@@ -263,7 +267,7 @@ class EventsRequest(_message.Message):
     def __init__(self, id: _Optional[str] = ..., follow: _Optional[bool] = ..., after_seq: _Optional[int] = ...) -> None: ...
 
 class Event(_message.Message):
-    __slots__ = ("seq", "job_id", "time", "kind", "from_state", "to_state", "reason", "node_id", "round", "rank", "restart", "layer", "duration_seconds")
+    __slots__ = ("seq", "job_id", "time", "kind", "from_state", "to_state", "reason", "node_id", "round", "rank", "restart", "layer", "duration_seconds", "rejected_reason")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     TIME_FIELD_NUMBER: _ClassVar[int]
@@ -277,6 +281,7 @@ class Event(_message.Message):
     RESTART_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
     DURATION_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_REASON_FIELD_NUMBER: _ClassVar[int]
     seq: int
     job_id: str
     time: float
@@ -290,7 +295,8 @@ class Event(_message.Message):
     restart: int
     layer: str
     duration_seconds: float
-    def __init__(self, seq: _Optional[int] = ..., job_id: _Optional[str] = ..., time: _Optional[float] = ..., kind: _Optional[str] = ..., from_state: _Optional[_Union[JobState, str]] = ..., to_state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., node_id: _Optional[str] = ..., round: _Optional[int] = ..., rank: _Optional[int] = ..., restart: _Optional[int] = ..., layer: _Optional[str] = ..., duration_seconds: _Optional[float] = ...) -> None: ...
+    rejected_reason: str
+    def __init__(self, seq: _Optional[int] = ..., job_id: _Optional[str] = ..., time: _Optional[float] = ..., kind: _Optional[str] = ..., from_state: _Optional[_Union[JobState, str]] = ..., to_state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., node_id: _Optional[str] = ..., round: _Optional[int] = ..., rank: _Optional[int] = ..., restart: _Optional[int] = ..., layer: _Optional[str] = ..., duration_seconds: _Optional[float] = ..., rejected_reason: _Optional[str] = ...) -> None: ...
 
 class ListNodesRequest(_message.Message):
     __slots__ = ()
