@@ -49,7 +49,9 @@ class Daemon:
     def run(self) -> int:
         cfg, d = self.cfg, self.cfg.daemon
         t0 = time.monotonic()
-        os.makedirs(os.path.dirname(d.socket), mode=0o755, exist_ok=True)
+        # Root's socket dir must let group elasticd through; a user's is theirs alone.
+        os.makedirs(os.path.dirname(d.socket), mode=0o755 if os.geteuid() == 0 else 0o700,
+                    exist_ok=True)
         os.makedirs(cfg.logs_dir, mode=0o755, exist_ok=True)
         lock = _lock_state_dir(d.state_dir)
         if lock is None:

@@ -11,6 +11,7 @@ import re
 from .config import ControlSettings
 from .errors import InvalidArgument
 from .manager import JobRequest
+from .workers import can_enter, cwd_unusable
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}\Z")
@@ -43,6 +44,13 @@ def job_key(value: str) -> str:
     return value
 
 
+def caller_can_enter(cwd: str, uid: int, gid: int, timeout: float) -> None:
+    """The submitted cwd, checked as the caller: one message whether it is missing or
+    only hidden from them, so a check run by root tells nobody what exists."""
+    if not can_enter(cwd, uid, gid, timeout):
+        raise InvalidArgument(f"cwd: {cwd_unusable(cwd, uid)} on this node")
+
+
 def submit_request(req, limits: ControlSettings) -> JobRequest:
     command = list(req.command)
     if not command or not command[0].strip():
@@ -57,8 +65,6 @@ def submit_request(req, limits: ControlSettings) -> JobRequest:
     cwd = _text("cwd", req.cwd, limits)
     if not os.path.isabs(cwd):
         raise InvalidArgument(f"cwd: must be an absolute path, got {cwd[:200]!r}")
-    if not os.path.isdir(cwd):
-        raise InvalidArgument(f"cwd: directory {cwd[:200]} does not exist on this node")
 
     if len(req.env) > limits.max_env_entries:
         raise InvalidArgument(f"env: {len(req.env)} variables, at most {limits.max_env_entries} "
