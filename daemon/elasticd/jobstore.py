@@ -42,9 +42,10 @@ def main(argv=None):
     sock = listen(args.host, args.port)
     port = sock.getsockname()[1]
     from torch.distributed import TCPStore
-    store = TCPStore(args.host, port,  # noqa: F841 (serves while it lives) world_size=None, is_master=True,
-             timeout=datetime.timedelta(seconds=30), wait_for_workers=False,
-             master_listen_fd=sock.fileno())
+    # It serves while this name holds it.
+    store = TCPStore(args.host, port, world_size=None, is_master=True,  # noqa: F841
+                     timeout=datetime.timedelta(seconds=30), wait_for_workers=False,
+                     master_listen_fd=sock.fileno())
     sys.stdout.write("ELASTICD_STORE %s %d\n" % (args.advertise or args.host, port))
     sys.stdout.flush()
     sys.stdin.read()  # EOF: the daemon closed our stdin or is gone
