@@ -1,7 +1,8 @@
 """Checking control requests before anything acts on them.
 
 Pure functions: a request message and the limits in, a clean value out, or
-``InvalidArgument`` naming the field and what would be accepted.
+``InvalidArgument`` naming the field and what would be accepted; and one
+check that asks the system (``caller_can_enter``: can the caller enter the cwd).
 """
 from __future__ import annotations
 

@@ -1,9 +1,11 @@
 """Spawning, watching and stopping one job's local worker processes.
 
-Each worker is started as the submitting user, in its own process group,
-with PR_SET_PDEATHSIG=SIGKILL (so it dies with the thread that started it
-even if the daemon is SIGKILLed), with the torchrun environment, and with
-stdout/stderr appended to its per-rank log file. Stopping is SIGTERM to each
+Each worker is started as the submitting user (uid, gid and groups switched
+before it enters the job's cwd, so it never runs where that user could not
+go), in its own process group, with PR_SET_PDEATHSIG=SIGKILL (so it dies
+with the thread that started it even if the daemon is SIGKILLed), with the
+torchrun environment, and with stdout/stderr appended to its per-rank log
+file. Stopping is SIGTERM to each
 process group, a grace period, then SIGKILL to whatever is left.
 """
 from __future__ import annotations
