@@ -147,7 +147,7 @@ def test_reads_the_error_file_torch_record_writes(tmp_path):
     proc = subprocess.run([sys.executable, "-c", RECORDING_WORKER], capture_output=True, text=True,
                           env=dict(os.environ, TORCHELASTIC_ERROR_FILE=str(path)), timeout=120)
     assert proc.returncode == 1, proc.stderr
-    message, tb, mtime = read_error_file(str(path))
+    message, tb, mtime, _ = read_error_file(str(path))
     assert message == "ValueError: boom from the worker"
     assert tb.startswith("Traceback (most recent call last)")
     assert "in inner" in tb and tb.rstrip().endswith("ValueError: boom from the worker")
@@ -161,7 +161,7 @@ def _torch_format(message: str, callstack: str) -> dict:
 
 
 def test_missing_error_file_gives_blanks(tmp_path):
-    assert read_error_file(str(tmp_path / "nope.json")) == ("", "", 0.0)
+    assert read_error_file(str(tmp_path / "nope.json")) == ("", "", 0.0, None)
 
 
 @pytest.mark.parametrize("content", [b"", b"not json", b"{", b"\xff\xfe\x00garbage", b"[]",
@@ -172,18 +172,19 @@ def test_missing_error_file_gives_blanks(tmp_path):
 def test_unreadable_or_odd_error_file_never_raises(tmp_path, content):
     path = tmp_path / "error.json"
     path.write_bytes(content)
-    message, tb, mtime = read_error_file(str(path))
+    message, tb, mtime, _ = read_error_file(str(path))
     assert isinstance(message, str) and isinstance(tb, str) and isinstance(mtime, float)
 
 
 def test_error_file_that_is_a_directory_gives_blanks(tmp_path):
-    assert read_error_file(str(tmp_path)) == ("", "", 0.0)
+    message, tb, _, problem = read_error_file(str(tmp_path))
+    assert (message, tb) == ("", "") and problem is not None
 
 
 def test_error_file_with_a_plain_string_message(tmp_path):
     path = tmp_path / "error.json"
     path.write_text(json.dumps({"message": "Signal 6 (SIGABRT) received by PID 42"}))
-    message, tb, mtime = read_error_file(str(path))
+    message, tb, mtime, _ = read_error_file(str(path))
     assert message == "Signal 6 (SIGABRT) received by PID 42"
     assert tb == "" and mtime > 0
 
@@ -192,7 +193,7 @@ def test_long_message_keeps_its_start_and_long_traceback_keeps_its_end(tmp_path)
     path = tmp_path / "error.json"
     callstack = "Traceback (most recent call last):\n" + "  frame\n" * 5000 + "KeyError: 'x'\n"
     path.write_text(json.dumps(_torch_format("RuntimeError: " + "m" * 50_000, callstack)))
-    message, tb, _ = read_error_file(str(path), limit=1000)
+    message, tb, _, _ = read_error_file(str(path), limit=1000)
     assert len(message) == 1000 and message.startswith("RuntimeError: ")
     assert len(tb) == 1000 and tb.endswith("KeyError: 'x'\n")
 
@@ -200,5 +201,5 @@ def test_long_message_keeps_its_start_and_long_traceback_keeps_its_end(tmp_path)
 def test_deeply_nested_error_file_gives_blanks(tmp_path):
     path = tmp_path / "error.json"
     path.write_text('{"message": ' + "[" * 100_000 + "]" * 100_000 + "}")
-    message, tb, _ = read_error_file(str(path))
+    message, tb, _, _ = read_error_file(str(path))
     assert (message, tb) == ("", "")

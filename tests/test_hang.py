@@ -78,7 +78,7 @@ class FakeOps:
     def beat_mark(self, path):
         return self.marks.get(path)
 
-    def read_beat(self, path):
+    def read_beat(self, path, uid):
         return self.pids.get(path), path in self.exiting
 
     def pgid(self, pid):
@@ -101,7 +101,7 @@ class FakeWorker:
 
 class FakeGroup:
     def __init__(self, pids):
-        self.spec = type("Spec", (), {"run_dir": "/run/j"})()
+        self.spec = type("Spec", (), {"run_dir": "/run/j", "uid": 0})()
         self.workers = [FakeWorker(r, p) for r, p in enumerate(pids)]
 
 

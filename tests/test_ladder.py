@@ -172,7 +172,8 @@ def test_inprocess_reports_become_events_a_ladder_record_and_metrics(tmp_path):
     rec.start_attempt(job, inprocess_on=True)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    group = SimpleNamespace(spec=SimpleNamespace(run_dir=str(run_dir), restart_count=0),
+    group = SimpleNamespace(spec=SimpleNamespace(run_dir=str(run_dir), restart_count=0,
+                                                 uid=os.geteuid()),
                             workers=[SimpleNamespace(rank=0), SimpleNamespace(rank=1)])
     line = {"kind": "restart", "iteration": 1, "fault": "rank 1: RuntimeError: boom",
             "fault_time": 100.0, "ready_time": 100.25}

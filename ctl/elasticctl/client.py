@@ -70,7 +70,7 @@ def resolve_socket(explicit: str | None = None) -> str:
     if env:
         return os.path.abspath(env)
     default = config.default_socket_path()
-    if not os.path.exists(default) and os.path.exists(SYSTEM_SOCKET) and \
+    if not os.path.lexists(default) and os.path.exists(SYSTEM_SOCKET) and \
             "ELASTICD_DAEMON_SOCKET" not in os.environ:
         return SYSTEM_SOCKET
     return default
@@ -91,14 +91,49 @@ def _os_reason(exc: OSError, what: str) -> str:
     return f"{exc.strerror or exc} — {_RUNNING_HINT}"
 
 
+class UntrustedSocket(DaemonUnreachable):
+    """The socket, or its directory, could belong to someone else; exit code 3."""
+
+
+def _trusted(path: str, what: str, want_socket: bool) -> os.stat_result:
+    """lstat ``path`` and refuse it unless root or we own it (as ssh and gpg-agent
+    do): a socket anyone else made could collect what we send it."""
+    st = os.lstat(path)
+    me = os.geteuid()
+    if stat.S_ISLNK(st.st_mode):
+        raise UntrustedSocket(path, f"the {what} is a symbolic link; refusing to follow it "
+                                    "(give --socket the real path)")
+    if want_socket and not stat.S_ISSOCK(st.st_mode):
+        raise UntrustedSocket(path, f"the {what} is not a socket — point --socket at "
+                                    "elasticd's control socket")
+    if not want_socket and not stat.S_ISDIR(st.st_mode):
+        raise UntrustedSocket(path, f"the {what} is not a directory")
+    if st.st_uid not in (0, me):
+        raise UntrustedSocket(path, f"the {what} belongs to uid {st.st_uid}, neither root nor "
+                                    f"you (uid {me}); refusing to send it anything (someone "
+                                    "may be impersonating elasticd)")
+    return st
+
+
 def check_socket(path: str) -> None:
-    """Raise DaemonUnreachable unless ``path`` is a socket this user may connect to."""
+    """Raise DaemonUnreachable unless ``path`` is a socket this user may connect to
+    and can trust: the socket, its credential socket and their directory owned
+    by root or by us, none a link, and the directory writable by nobody else
+    (or sticky), so nobody else can put a socket there in its place."""
+    directory = os.path.dirname(path) or "."
     try:
-        st = os.stat(path)
+        st = _trusted(directory, f"socket's directory {directory}", want_socket=False)
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+            raise UntrustedSocket(path, f"the socket's directory {directory} is writable by "
+                                        "others; refusing to trust a socket there")
+        _trusted(path, "socket", want_socket=True)
+        cred = path + CRED_SUFFIX
+        if os.path.lexists(cred):
+            _trusted(cred, f"credential socket {cred}", want_socket=True)
+    except UntrustedSocket:
+        raise
     except OSError as exc:
         raise DaemonUnreachable(path, _os_reason(exc, "socket")) from None
-    if not stat.S_ISSOCK(st.st_mode):
-        raise DaemonUnreachable(path, "not a socket — point --socket at elasticd's control socket")
     if not os.access(path, os.R_OK | os.W_OK):
         raise DaemonUnreachable(path, _GROUP_HINT)
 

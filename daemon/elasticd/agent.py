@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from . import failures
+from . import failures, jobstore_env
 from .config import Config
 from .jobs import JobRecord, JobRegistry
 from .ladder import Layer, round_layer
@@ -127,6 +127,7 @@ class Agent:
         self.shutting_down = False
         self._spares = SparePool()
         self._store_host = JobStoreHost()
+        self._store_secret = jobstore_env.new_secret()
         self._group: WorkerGroup | None = None    # the running attempt's workers
         self._recovery = Recovery(job_id, cfg, registry, metrics)  # the ladder's record
         self._progress = ProgressTracker(
@@ -202,7 +203,7 @@ class Agent:
             job = self._registry.update(self.job_id, round=result.round,
                                         restarts=state.restarts if state else job.restarts)
             spec = self._with_job_store(job, self._group_spec(job, result), result)
-            self._recovery.start_attempt(job, "ELASTICD_STORE_ADDR" in spec.extra_env)
+            self._recovery.start_attempt(job, jobstore_env.ADDR in spec.extra_env)
             group = self._group = WorkerGroup(spec)
             try:
                 group.start(self._spares)
@@ -413,8 +414,9 @@ class Agent:
         for w in list(group.workers):
             if w.outcome in (None, 0):
                 continue
-            message, tb, _ = failures.read_error_file(w.error_file)
-            failure = self._explain(self._worker_failure(job, w, message, tb))
+            report = failures.read_error_file(w.error_file, job.uid,
+                                              self._cfg.agent.error_file_max_bytes)
+            failure = self._explain(self._worker_failure(job, w, report))
             self._progress.forget(w.rank)
             cause = failure["cause"]
             try:
@@ -466,7 +468,7 @@ class Agent:
                                             world_size=job.nproc_per_node, rank_offset=0,
                                             master_addr=address, master_port=0))
         try:
-            _, port = self._store_host.ensure(spec, bind="127.0.0.1" if local else "0.0.0.0",
+            _, port = self._store_host.ensure(spec, bind="127.0.0.1" if local else address,
                                               advertise=address, timeout=120.0)
             return port
         except SpawnError as exc:
@@ -484,12 +486,17 @@ class Agent:
         settings = {f"ELASTICD_INPROCESS_{name.upper()}": str(value)
                     for name, value in dataclasses.asdict(self._cfg.inprocess).items()}
         defaults = {k: v for k, v in settings.items() if k not in job.env}  # --env wins
+        # The secret came with the job (made at submit); a job from a daemon that did not
+        # make one gets this agent's own (every rank of a single-node round shares it).
+        secret = job.env.get(jobstore_env.SECRET) or self._store_secret
         return dataclasses.replace(spec, extra_env={**spec.extra_env, **defaults,
-                                                    "ELASTICD_STORE_ADDR": rdzv.store_addr,
-                                                    "ELASTICD_STORE_PORT": str(rdzv.store_port)})
+                                                    jobstore_env.ADDR: rdzv.store_addr,
+                                                    jobstore_env.PORT: str(rdzv.store_port),
+                                                    jobstore_env.SECRET: secret})
 
     def _first_failure(self, job: JobRecord, group: WorkerGroup) -> dict:
-        blamed = failures.most_to_blame(group.workers)
+        blamed = failures.most_to_blame(group.workers, job.uid,
+                                        self._cfg.agent.error_file_max_bytes)
         if blamed is None:
             return self._failure(job, -1, 1, 0, "worker failed")
         return self._worker_failure(job, *blamed)
@@ -499,14 +506,18 @@ class Agent:
         detection (progress.py), or ended by its own wrapper as stuck (recovery.py)."""
         return self._recovery.explain(self._progress.explain(failure))
 
-    def _worker_failure(self, job: JobRecord, w, message: str, tb: str) -> dict:
+    def _worker_failure(self, job: JobRecord, w, report: failures.ErrorReport) -> dict:
         """The failure record of one failed worker, logged and recorded as an event."""
-        exit_code, sig, cause = failures.describe(w, message)
+        exit_code, sig, cause = failures.describe(w, report.message, report.problem)
+        tb = report.traceback
         log.warning("%s: worker pid %d failed: %s",
                     ctx(job=job.id, node=self._cfg.daemon.node_id, round=job.round, rank=w.rank),
                     w.pid, cause)
         self._registry.event(job.id, "worker_exit", cause, rank=w.rank)
-        return self._failure(job, w.rank, exit_code, sig, cause, tb)
+        failure = self._failure(job, w.rank, exit_code, sig, cause, tb)
+        if report.problem is not None:  # typed, for whoever decides on it (not the sentence)
+            failure["kind"] = failures.UNREADABLE_KIND
+        return failure
 
     def _failure(self, job: JobRecord, rank: int, exit_code: int, sig: int, cause: str,
                  traceback: str = "") -> dict:

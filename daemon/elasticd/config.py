@@ -45,7 +45,8 @@ class DaemonSettings:
     node_id: str = _setting("", "this node's id, unique in the cluster (default: hostname)")
     standalone: bool = _setting(False, "run one node with an in-memory store, no etcd")
     socket: str = _setting("", "control socket path (default: /run/elasticd/control.sock as root, "
-                               "$XDG_RUNTIME_DIR/elasticd/control.sock otherwise)")
+                               "$XDG_RUNTIME_DIR/elasticd/control.sock otherwise, or "
+                               "<state_dir>/control.sock without XDG_RUNTIME_DIR)")
     socket_group: str = _setting("elasticd", "group given access (0660) to the control socket; "
                                              "a name or a number; ignored if it does not exist")
     state_dir: str = _setting("", "where job records and logs live (default: /var/lib/elasticd "
@@ -147,6 +148,10 @@ class AgentSettings:
     warm_spare_delay: float = _setting(3.0, "seconds after workers start before their spares "
                                             "are started (keeps the import off the start-up path)",
                                        min=0, max=3600)
+    error_file_max_bytes: int = _setting(1 << 20, "largest worker error file "
+                                                  "(TORCHELASTIC_ERROR_FILE) the daemon reads; "
+                                                  "a larger one is an unreadable error file",
+                                         min=1024, max=1 << 30)
     # -- hang detection (progress.py) --
     hang_detection: bool = _setting(True, "watch each rank's progress beats (every optimizer "
                                           "step, or elasticd_heartbeat.heartbeat()); dump the "
@@ -229,6 +234,9 @@ class ControlSettings:
                                        max=1 << 30)
     max_live_jobs: int = _setting(1000, "most unfinished jobs this daemon holds", min=1,
                                   max=1_000_000)
+    cwd_check_timeout: float = _setting(10.0, "seconds the check that a submitter can enter "
+                                              "the job's cwd may take (as that user)",
+                                        min=0, exclusive_min=True, max=600)
     log_follow_interval: float = _setting(0.1, "seconds between reads when following logs",
                                           min=0.01, max=10)
 
@@ -468,11 +476,18 @@ def _check_relations(cfg: Config, errors: list[str]) -> None:
 
 
 def _default_paths(uid: int) -> tuple[str, str]:
+    """(socket, state dir) by default. Not root: $XDG_RUNTIME_DIR/elasticd/control.sock,
+    else (no runtime dir, as under ``su``) the socket in the state dir under the
+    user's home; never a shared directory such as /tmp, where anyone could
+    create the path first."""
     if uid == 0:
         return "/run/elasticd/control.sock", "/var/lib/elasticd"
-    runtime = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/elasticd-{uid}"
     state_home = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
-    return os.path.join(runtime, "elasticd", "control.sock"), os.path.join(state_home, "elasticd")
+    state = os.path.join(state_home, "elasticd")
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    sock = (os.path.join(runtime, "elasticd", "control.sock") if runtime
+            else os.path.join(state, "control.sock"))
+    return sock, state
 
 
 def default_socket_path() -> str:

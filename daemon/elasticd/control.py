@@ -159,6 +159,8 @@ class ControlServicer(pb_grpc.ControlServicer):
     @_handle
     def Submit(self, request, context, caller):
         req = validation.submit_request(request, self._cfg.control)
+        validation.caller_can_enter(req.cwd, caller.uid, caller.gid,
+                                    self._cfg.control.cwd_check_timeout)
         return pb.SubmitResponse(job=self._fit(job_to_proto(self._manager.submit(req, caller))))
 
     @_handle

@@ -55,7 +55,9 @@ class Daemon:
         cfg, d = self.cfg, self.cfg.daemon
         t0 = time.monotonic()
         _fit_open_files(cfg)
-        os.makedirs(os.path.dirname(d.socket), mode=0o755, exist_ok=True)
+        # Root's socket dir must let group elasticd through; a user's is theirs alone.
+        os.makedirs(os.path.dirname(d.socket), mode=0o755 if os.geteuid() == 0 else 0o700,
+                    exist_ok=True)
         try:
             _private_state(cfg)
         except OSError as exc:

@@ -11,11 +11,17 @@ import json
 import os
 import signal
 import time
+from typing import NamedTuple
 
 import psutil
 
+from . import workerfiles
 from .states import WorkerState
 from .workers import Worker, describe_exit
+
+DEFAULT_MAX_BYTES = 1 << 20   # agent.error_file_max_bytes
+UNREADABLE = "unreadable error file"
+UNREADABLE_KIND = "unreadable_error_file"   # a failure record's ``kind`` for it
 
 # Signals that mean "we or a peer's teardown stopped it", not a fault of its own.
 _STOP_SIGNALS = {-signal.SIGTERM, -signal.SIGINT, -signal.SIGPIPE}
@@ -34,42 +40,63 @@ def blame_order(outcome: int, error_file_mtime: float) -> int:
     return 1 if error_file_mtime else 2
 
 
-def read_error_file(path: str, limit: int = 16 * 1024) -> tuple[str, str, float]:
-    """(message, traceback, mtime) from a torch ``@record`` error file, or blanks."""
+class ErrorReport(NamedTuple):
+    """What a worker's error file said: blanks when it wrote none; ``problem`` when
+    the file is there but not safe to read (a link, a FIFO, another owner, too big)."""
+    message: str
+    traceback: str
+    mtime: float
+    problem: workerfiles.Problem | None = None
+
+
+def read_error_file(path: str, uid: int | None = None, max_bytes: int = DEFAULT_MAX_BYTES,
+                    limit: int = 16 * 1024) -> ErrorReport:
+    """What a torch ``@record`` error file says (``limit`` characters of each part).
+
+    The worker wrote it, as ``uid`` (default: ours): read with
+    ``workerfiles.read`` (no links, no blocking, at most ``max_bytes``)."""
+    got = workerfiles.read(path, os.geteuid() if uid is None else uid, max_bytes)
+    if got.problem is workerfiles.Problem.MISSING:
+        return ErrorReport("", "", 0.0)
+    if got.problem is not None:
+        return ErrorReport("", "", got.mtime, got.problem)
     try:
-        mtime = os.stat(path).st_mtime
-        with open(path, "rb") as fh:
-            data = json.loads(fh.read(1 << 20))
+        data = json.loads(got.data)
         msg = data.get("message", {})
         if isinstance(msg, str):
-            return msg[:limit], "", mtime
+            return ErrorReport(msg[:limit], "", got.mtime)
         text = str(msg.get("message", ""))
         tb = str(msg.get("extraInfo", {}).get("py_callstack", ""))
-        return text[:limit], tb[-limit:], mtime
-    except (OSError, ValueError, AttributeError, TypeError, RecursionError):
+        return ErrorReport(text[:limit], tb[-limit:], got.mtime)
+    except (ValueError, AttributeError, TypeError, RecursionError):
         # Whatever a worker left there, a bad file must not stop the restart loop.
-        return "", "", 0.0
+        return ErrorReport("", "", 0.0)
 
 
-def most_to_blame(workers: list[Worker]) -> tuple[Worker, str, str] | None:
-    """(worker, error message, traceback) of the failed worker to blame, or None."""
+def most_to_blame(workers: list[Worker], uid: int | None = None,
+                  max_bytes: int = DEFAULT_MAX_BYTES) -> tuple[Worker, ErrorReport] | None:
+    """(worker, its error report) of the failed worker to blame, or None."""
     candidates = []
     for w in workers:
         if w.outcome not in (None, 0) and (w.reported_error or not w.stopped_by_us):
-            message, tb, mtime = read_error_file(w.error_file)
-            candidates.append((blame_order(w.outcome, mtime), mtime, w.rank, w, message, tb))
+            report = read_error_file(w.error_file, uid, max_bytes)
+            candidates.append((blame_order(w.outcome, report.mtime), report.mtime, w.rank, w,
+                               report))
     if not candidates:
         return None
     candidates.sort(key=lambda c: c[:3])
-    _, _, _, w, message, tb = candidates[0]
-    return w, message, tb
+    _, _, _, w, report = candidates[0]
+    return w, report
 
 
-def describe(w: Worker, message: str) -> tuple[int, int, str]:
+def describe(w: Worker, message: str,
+             problem: workerfiles.Problem | None = None) -> tuple[int, int, str]:
     """(exit_code, signal, cause) of a failed worker: ``rank 1 exited with exit code 3: ...``."""
     exit_code, sig, text = describe_exit(w.outcome)
     cause = f"rank {w.rank} {'exited with ' if not sig else ''}{text}"
-    if message:
+    if problem is not None:
+        cause += f" ({UNREADABLE}: {problem.value})"
+    elif message:
         cause += f": {message.splitlines()[0] if message.strip() else message}"
     return exit_code, sig, cause
 

@@ -14,15 +14,17 @@ in the job's run dir, and ``elasticd.inprocess.Wrapper`` appends to it:
 
 The agent reads new lines once per monitor tick (a stat per rank when nothing
 changed). The files are written by the job's user, so they are untrusted:
-opened without following links, read at most ``MAX_READ`` bytes per tick,
-and any line that is not such an object is skipped.
+read with ``workerfiles.read`` (no links, no FIFOs, owned by the job's
+user), at most ``MAX_READ`` bytes per tick, and any line that is not such an
+object is skipped.
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
-import stat
+
+from . import workerfiles
 
 log = logging.getLogger("elasticd.inprocess_reports")
 
@@ -68,35 +70,27 @@ class ReportReader:
         self._offsets.clear()
         self._partial.clear()
 
-    def poll(self, paths: dict[int, str]) -> list[tuple[int, dict]]:
-        """New reports as (rank, report), from ``{rank: path}``."""
+    def poll(self, paths: dict[int, str], uid: int | None = None) -> list[tuple[int, dict]]:
+        """New reports as (rank, report), from ``{rank: path}``; the files must be
+        regular files owned by ``uid`` (the job's user; default: ours)."""
+        owner = os.geteuid() if uid is None else uid
         out = []
         for rank, path in paths.items():
-            for line in self._new_lines(path):
+            for line in self._new_lines(path, owner):
                 rec = parse_line(line)
                 if rec is not None:
                     out.append((rank, rec))
         return out
 
-    def _new_lines(self, path: str) -> list[bytes]:
+    def _new_lines(self, path: str, uid: int) -> list[bytes]:
         offset = self._offsets.get(path, 0)
-        try:
-            st = os.lstat(path)
-        except OSError:
+        size = workerfiles.regular_size(path)  # a stat per tick when nothing changed
+        if size is None or size <= offset:
             return []
-        if not stat.S_ISREG(st.st_mode) or st.st_size <= offset:
+        got = workerfiles.read(path, uid, MAX_READ, offset=offset, whole=False)
+        if not got.ok:
             return []
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except OSError:
-            return []
-        try:
-            os.lseek(fd, offset, os.SEEK_SET)
-            data = os.read(fd, MAX_READ)
-        except OSError:
-            return []
-        finally:
-            os.close(fd)
+        data = got.data
         self._offsets[path] = offset + len(data)
         data = self._partial.pop(path, b"") + data
         lines = data.split(b"\n")

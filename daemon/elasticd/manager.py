@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import psutil
 
-from . import errors
+from . import errors, jobstore_env
 from .agent import Agent
 from .auth import Caller
 from .config import Config
@@ -123,9 +123,12 @@ class JobManager:
         self._check_cluster_policy(req, caller)
         max_restarts = (self._cfg.agent.default_max_restarts if req.max_restarts < 0
                         else req.max_restarts)
+        env = dict(req.env)
+        if req.inprocess:  # the ranks' key prefix in the job store; every node needs it
+            env[jobstore_env.SECRET] = jobstore_env.new_secret()
         rec = JobRecord(
             id=new_job_id(), name=req.name, command=list(req.command), cwd=req.cwd,
-            env=dict(req.env), uid=caller.uid, gid=caller.gid, user=caller.user,
+            env=env, uid=caller.uid, gid=caller.gid, user=caller.user,
             min_nodes=req.min_nodes, max_nodes=req.max_nodes,
             nproc_per_node=req.nproc_per_node, max_restarts=max_restarts,
             reason="waiting for free slots", node_id=self._cfg.daemon.node_id,

@@ -42,6 +42,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
+from . import workerfiles
 from .logsetup import ctx
 
 log = logging.getLogger("elasticd.progress")
@@ -133,23 +134,16 @@ class ProcessOps:
         return st.st_mtime_ns if stat.S_ISREG(st.st_mode) else None
 
     @staticmethod
-    def read_beat(path: str) -> tuple[int | None, bool]:
+    def read_beat(path: str, uid: int) -> tuple[int | None, bool]:
         """(pid, exiting) from a heartbeat file: ``PID`` or ``PID exiting``.
 
-        The worker wrote it, so it is untrusted: the pid is checked by the caller.
+        The worker (as ``uid``) wrote it, so it is untrusted: read with
+        ``workerfiles.read``; the pid is checked by the caller.
         """
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except OSError:
+        got = workerfiles.read(path, uid, 64, whole=False)
+        if not got.ok:
             return None, False
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                return None, False
-            words = os.read(fd, 64).decode("ascii", "replace").split()
-        except OSError:
-            return None, False
-        finally:
-            os.close(fd)
+        words = got.data.decode("ascii", "replace").split()
         pid = int(words[0]) if words and words[0].isdigit() and len(words[0]) < 9 else None
         return pid, words[1:2] == ["exiting"]
 
@@ -240,7 +234,7 @@ class ProgressTracker:
                 r = self._ranks[w.rank] = _Rank(pid=w.pid, started=now, mark=mark)
             elif mark is not None and mark != r.mark:
                 r.mark, r.last_beat, r.dumped = mark, now, False
-                r.exiting = self.ops.read_beat(path)[1]
+                r.exiting = self.ops.read_beat(path, group.spec.uid)[1]
                 self._job_beats = True
                 if self.on_beat is not None:
                     self.on_beat()
@@ -253,7 +247,7 @@ class ProgressTracker:
             verdict = judge(now, r.started, r.last_beat, watched, r.dumped, limits, r.exiting)
             if verdict.action is HangAction.DUMP_STACKS:
                 r.dumped = True
-                done.append(self._dump(w, path, verdict.idle, _since(r)))
+                done.append(self._dump(w, path, group.spec.uid, verdict.idle, _since(r)))
             elif verdict.action is HangAction.KILL:
                 self.ops.killpg(w.pid, signal.SIGKILL)
                 self._killed[w.rank] = _Killed(w.rank, verdict.idle, now)
@@ -281,8 +275,8 @@ class ProgressTracker:
                     else failure.get("traceback", ""))
 
     # -- actions -------------------------------------------------------------
-    def _dump(self, w, path: str, idle: float, since: str) -> str:
-        target = self.ops.read_beat(path)[0]
+    def _dump(self, w, path: str, uid: int, idle: float, since: str) -> str:
+        target = self.ops.read_beat(path, uid)[0]
         if target is None or self.ops.pgid(target) != w.pid:
             target = w.pid  # only a process of this rank's own group is ever signalled
         what = f"rank {w.rank}: no progress for {idle:.0f}s{since}"

@@ -101,7 +101,7 @@ class Recovery:
         spec = group.spec
         paths = {w.rank: report_path(spec.run_dir, w.rank, spec.restart_count)
                  for w in group.workers}
-        for rank, rep in self._reports.poll(paths):
+        for rank, rep in self._reports.poll(paths, spec.uid):
             if rep["kind"] == "stuck":
                 self._stuck[rank] = rep["reason"]
                 self._registry.event(self.job_id, "hang", rep["reason"], rank=rank,

@@ -32,9 +32,9 @@ class JobStoreHost:
                timeout: float) -> tuple[str, int]:
         """The running store's (addr, port), starting it if need be.
 
-        ``bind``: the address it listens on (loopback for a single node, all
-        addresses when ranks on other nodes use it); ``advertise``: the
-        address the ranks are told. Its errors go to ``<job logs>/jobstore.log``.
+        ``bind``: the one address it listens on (loopback for a single node,
+        this node's address when ranks on other nodes use it); ``advertise``:
+        the address the ranks are told. Its errors go to ``<job logs>/jobstore.log``.
         """
         if self._proc is not None and self._proc.poll() is None and self.address:
             return self.address

@@ -1,7 +1,8 @@
 """Checking control requests before anything acts on them.
 
 Pure functions: a request message and the limits in, a clean value out, or
-``InvalidArgument`` naming the field and what would be accepted.
+``InvalidArgument`` naming the field and what would be accepted; and one
+check that asks the system (``caller_can_enter``: can the caller enter the cwd).
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import re
 from .config import ControlSettings
 from .errors import InvalidArgument
 from .manager import JobRequest
+from .workers import can_enter, cwd_unusable
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}\Z")
@@ -43,12 +45,17 @@ def job_key(value: str) -> str:
     return value
 
 
+def caller_can_enter(cwd: str, uid: int, gid: int, timeout: float) -> None:
+    """The submitted cwd, checked as the caller: one message whether it is missing or
+    only hidden from them, so a check run by root tells nobody what exists."""
+    if not can_enter(cwd, uid, gid, timeout):
+        raise InvalidArgument(f"cwd: {cwd_unusable(cwd, uid)} on this node")
+
+
 def submit_request(req, limits: ControlSettings) -> JobRequest:
     command = _command(list(req.command), limits)
 
     cwd = _cwd_path(req.cwd, limits)
-    if not os.path.isdir(cwd):
-        raise InvalidArgument(f"cwd: directory {cwd[:200]} does not exist on this node")
 
     env = _env(req.env, limits)
     name = _name(req.name)

@@ -1,9 +1,11 @@
 """Spawning, watching and stopping one job's local worker processes.
 
-Each worker is started as the submitting user, in its own process group,
-with PR_SET_PDEATHSIG=SIGKILL (so it dies with the thread that started it
-even if the daemon is SIGKILLed), with the torchrun environment, and with
-stdout/stderr appended to its per-rank log file. Stopping is SIGTERM to each
+Each worker is started as the submitting user (uid, gid and groups switched
+before it enters the job's cwd, so it never runs where that user could not
+go), in its own process group, with PR_SET_PDEATHSIG=SIGKILL (so it dies
+with the thread that started it even if the daemon is SIGKILLed), with the
+torchrun environment, and with stdout/stderr appended to its per-rank log
+file. Stopping is SIGTERM to each
 process group, a grace period, then SIGKILL to whatever is left.
 """
 from __future__ import annotations
@@ -21,7 +23,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 
-from . import inprocess_reports, progress, statedir
+from . import inprocess_reports, jobstore_env, progress, statedir, workerfiles
 from .logsetup import ctx
 
 log = logging.getLogger("elasticd.workers")
@@ -35,8 +37,26 @@ _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True
 _prctl = _libc.prctl
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+def _child_setup(cwd: bytes):
+    """What the child runs between fork and exec, after subprocess switched it to
+    the job's uid/gid/groups (it does so before calling this): die with the
+    thread that started it, then enter the job's directory as the job's user.
+
+    Popen's own ``cwd=`` would chdir while still root, before the switch, so
+    a user could run in (and learn about) directories she cannot enter.
+    Only syscall wrappers on a ready-made bytes path run here: the daemon is
+    multi-threaded and this runs in a forked copy of it.
+    """
+    def setup() -> None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        os.chdir(cwd)
+    return setup
+
+
+def cwd_unusable(cwd: str, uid: int) -> str:
+    """The one message for a working directory a job cannot use: missing and not
+    accessible read the same, so nobody learns which hidden paths exist."""
+    return f"working directory {cwd[:200]} does not exist or is not accessible to uid {uid}"
 
 
 class SpawnError(Exception):
@@ -108,7 +128,7 @@ def worker_env(spec: GroupSpec, local_rank: int) -> dict[str, str]:
     })
     env.update(progress.rank_env(spec.run_dir, rank))  # hang detection: where it beats
     env.update(spec.extra_env)
-    if "ELASTICD_STORE_ADDR" in spec.extra_env:  # in-process restart: where it reports
+    if jobstore_env.ADDR in spec.extra_env:  # in-process restart: where it reports
         env[inprocess_reports.ENV] = inprocess_reports.report_path(spec.run_dir, rank,
                                                                    spec.restart_count)
     return env
@@ -155,8 +175,6 @@ class WorkerGroup:
 
     def start(self, spares: "SparePool | None" = None) -> None:
         spec = self.spec
-        if not os.path.isdir(spec.cwd):
-            raise SpawnError(f"working directory {spec.cwd} does not exist")
         user_kwargs = _user_kwargs(spec.uid, spec.gid)
         prepare_dirs(spec)
         try:
@@ -206,10 +224,8 @@ class WorkerGroup:
             if w.returncode is None:
                 w.returncode = w.proc.poll()
             if w.returncode is None and not w.reported_error:
-                try:
-                    w.reported_error = os.stat(w.error_file).st_size > 0
-                except OSError:
-                    pass
+                # lstat only: a link or FIFO there is never followed nor opened here.
+                w.reported_error = (workerfiles.regular_size(w.error_file) or 0) > 0
         return self.workers
 
     def stop(self, grace: float) -> None:
@@ -261,16 +277,20 @@ def _popen(spec: GroupSpec, argv: list, rank: int, env: dict, user_kwargs: dict,
     """Start one process of the job: its user, its own process group, dies with us.
 
     Its output goes to the rank's log, or ``log_path`` (stderr always; stdout
-    unless given)."""
+    unless given). It enters ``spec.cwd`` only once it is the job's user; a
+    directory that user cannot enter fails the start (``cwd_unusable``)."""
     with _open_log(log_path or log_file_path(spec.log_dir, rank)) as logf:
         try:
             return subprocess.Popen(
-                argv, cwd=spec.cwd, env=env,
+                argv, env=env,
                 stdin=subprocess.DEVNULL if stdin is None else stdin,
                 stdout=logf if stdout is None else stdout,
                 stderr=logf if stdout is not None else subprocess.STDOUT, close_fds=True,
-                process_group=0, preexec_fn=_die_with_parent, umask=WORKER_UMASK,
-                **user_kwargs)
+                process_group=0, preexec_fn=_child_setup(os.fsencode(spec.cwd)),
+                umask=WORKER_UMASK, **user_kwargs)
+        except subprocess.SubprocessError:
+            # The only step of _child_setup that can fail is the chdir.
+            raise SpawnError(cwd_unusable(spec.cwd, spec.uid)) from None
         except FileNotFoundError:
             raise SpawnError(f"command not found: {argv[0]}") from None
         except PermissionError as exc:
@@ -343,8 +363,8 @@ class SparePool:
                 continue
             try:
                 self._ranks[local_rank] = spec.rank_offset + local_rank
-                self._spares[local_rank] = _popen(
-                    spec, [spec.command[0], WARMSTART], spec.rank_offset + local_rank,
+                self._spares[local_rank] = _popen(  # it sets sys.path[0] from args
+                    spec, [spec.command[0], WARMSTART, *args], spec.rank_offset + local_rank,
                     env, user_kwargs, stdin=subprocess.PIPE)
                 started += 1
             except SpawnError as exc:
@@ -401,6 +421,23 @@ def _user_kwargs(uid: int, gid: int) -> dict:
     except KeyError:
         groups = [gid]
     return {"user": uid, "group": gid, "extra_groups": groups}
+
+
+def can_enter(cwd: str, uid: int, gid: int, timeout: float) -> bool:
+    """Whether uid/gid (with uid's groups) can enter ``cwd``: asked of the kernel by a
+    shell that is that user and ``cd``s there (this process cannot switch: it has
+    threads). A shell that does not answer within ``timeout`` counts as no."""
+    try:
+        kwargs = _user_kwargs(uid, gid)
+    except SpawnError:
+        return False
+    try:
+        return subprocess.run(["/bin/sh", "-c", 'cd -- "$1"', "sh", cwd], env={},
+                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, close_fds=True, timeout=timeout,
+                              **kwargs).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
 
 
 def prepare_dirs(spec: GroupSpec) -> None:

@@ -1,7 +1,8 @@
 """What the ranks agree on through the job's store, one restart iteration at a time.
 
 All keys of iteration N live under ``it<N>/`` of the job's in-process prefix
-(``elasticd/inprocess/r<round>a<process restart count>/``), so an iteration never
+(``<job secret>/elasticd/inprocess/r<round>a<process restart count>/``, see
+``elasticd.jobstore_env``), so an iteration never
 reads another's leftovers and a process restart of the whole group starts
 clean. Keys:
 

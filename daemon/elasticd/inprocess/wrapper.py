@@ -85,7 +85,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from .. import inprocess_reports
+from .. import inprocess_reports, jobstore_env
 from ._beat import heartbeat, last_beat
 from .coord import BarrierTimeout, IterationStore, _text
 
@@ -193,7 +193,7 @@ class _Run:
         if dist.is_initialized():
             raise RuntimeError("elasticd.inprocess.Wrapper builds the process group itself; "
                                "do not call init_process_group before the wrapped function")
-        addr = os.environ.get("ELASTICD_STORE_ADDR")
+        addr = os.environ.get(jobstore_env.ADDR)
         if not addr:
             log.warning("rank %d: no ELASTICD_STORE_ADDR (not submitted with --inprocess): "
                         "running once, faults restart the processes", self.rank)
@@ -203,13 +203,15 @@ class _Run:
             finally:
                 _teardown()
         _import_before_any_group()
-        base = dist.TCPStore(addr, int(os.environ["ELASTICD_STORE_PORT"]), is_master=False,
+        base = dist.TCPStore(addr, int(os.environ[jobstore_env.PORT]), is_master=False,
                              timeout=_td(self.s.barrier_timeout), wait_for_workers=False)
         # One prefix per round and process attempt: a store that outlives a round (its
         # node stays the first member) never hands a new group an old group's keys.
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         rnd = os.environ.get("ELASTICD_ROUND", "0")
-        root = dist.PrefixStore(f"elasticd/inprocess/r{rnd}a{attempt}/", base)
+        # ... under the job's secret: a user who can connect cannot name its keys.
+        secret = os.environ.get(jobstore_env.SECRET, "")
+        root = dist.PrefixStore(jobstore_env.key_prefix(secret, rnd, attempt), base)
         iteration, fault, fault_time = 0, "", 0.0
         replaces = os.environ.get("ELASTICD_INPROCESS_REPLACES", "")
         if replaces:
