@@ -36,6 +36,12 @@ import psutil
 import pytest
 
 from daemons import REPO, short_tmpdir
+
+# What a user's own python needs to import this checkout's elasticd: the
+# caller's PYTHONPATH if the run has one, then the checkout itself.
+_PYTHONPATH = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH", ""),
+                                           os.path.join(REPO, "daemon"),
+                                           os.path.join(REPO, "ctl")) if p)
 from elasticd.v1 import control_pb2 as pb
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0,
@@ -221,7 +227,7 @@ def _submit_with_cwd(d, user: User, cwd: str) -> subprocess.CompletedProcess:
     path = os.path.join(d.root, f"submit-{user.name}.py")
     with open(path, "w") as fh:
         fh.write(code)
-    return user.run(["env", f"HOME={user.home}", f"PYTHONPATH={os.environ['PYTHONPATH']}",
+    return user.run(["env", f"HOME={user.home}", f"PYTHONPATH={_PYTHONPATH}",
                      PY, path], cwd="/", timeout=120)
 
 
@@ -337,7 +343,7 @@ def test_the_job_store_listens_on_loopback_and_another_user_cannot_fail_the_job(
     with open(script, "w") as fh:
         fh.write(ATTACK)
     os.chmod(script, 0o644)
-    r = mallory.run(["env", f"PYTHONPATH={os.environ['PYTHONPATH']}", PY, script,
+    r = mallory.run(["env", f"PYTHONPATH={_PYTHONPATH}", PY, script,
                      "127.0.0.1", str(port)], cwd="/", timeout=120)
     assert "planted" in r.stdout, r.stderr
     assert status(node, job_id)["state"] == "RUNNING"  # planted while it trains
