@@ -322,3 +322,25 @@ def test_the_worker_site_beats_on_forward_passes_checkpoints_and_sections(tmp_pa
         "step ['train', '1']", "eval ['forward', '1']", "inside checkpoint", "after save forward",
         "section section:data", "after section forward", "dcp wrapped True True"]
     assert hb.read_text().split()[1] == "exiting"
+
+
+def test_peers_waiting_for_a_checkpoint_keep_its_allowance_until_they_beat_again():
+    tr, ops, reg = tracker()
+    group = FakeGroup([100, 101])
+    ops.catching = {100, 101}
+    tr.check(group)
+    t = steady(tr, ops, group, 0.0, 2.0, ranks=(0, 1))
+    beat(ops, 0, t + 0.05, phase="checkpoint", steps=0)  # rank 0 saves, rank 1 waits
+    tr.check(group)
+    ops.now = t + 20.0
+    assert tr.check(group) == []  # rank 1 silent 20 s in train: its peer is in a checkpoint
+    beat(ops, 0, t + 20.05)  # rank 0 left it; rank 1's collective has not returned yet
+    assert tr.check(group) == []
+    beat(ops, 1, t + 20.1)
+    beat(ops, 0, t + 20.1)
+    tr.check(group)
+    table = {p.phase: p for p in tr.learned()}
+    assert table["train"].longest < 1  # rank 1's wait was not learned as a training gap
+    steady(tr, ops, group, t + 20.1, t + 25.3)  # later, rank 1 silent on its own
+    assert [e[2] for e in reg.events] == ["rank 1: no progress for 5s; stacks dumped to its "
+                                          "log (pid 101)"]

@@ -218,6 +218,7 @@ class _Rank:
     exiting: bool = False       # its process said it is shutting down
     phase: str = contract.TRAIN  # the phase its latest beat said it is in
     stepped: bool = False       # it made its first step in this attempt
+    waits_for: PhaseLimit | None = None  # a peer's checkpoint/section limits, until it beats
 
 
 @dataclass
@@ -314,9 +315,10 @@ class ProgressTracker:
 
     def _rank_limits(self, live: list, learn: LearnSettings,
                      now: float) -> dict[int, PhaseLimit]:
-        """Each stepped rank's limits: its phase's, or, while a rank of the job on this
-        node is in a checkpoint or a section, that phase's if longer: its peers wait
-        for it in their next collective, silent in their own phase."""
+        """Each stepped rank's limits: its phase's, or, once a rank of the job on this
+        node was in a checkpoint or a section during the rank's silence, that phase's
+        if longer: its peers wait for it in their next collective, silent in their
+        own phase, until it has left and reached that collective too."""
         out, widest = {}, None
         for w, r, _ in live:
             if not r.stepped or r.exiting or r.last_beat is None:
@@ -326,10 +328,15 @@ class ProgressTracker:
                 self._bracket_seen = now
                 if widest is None or limit.hard > widest.hard:
                     widest = limit
-        if widest is not None:
-            for rank, limit in out.items():
-                if limit.hard < widest.hard:
-                    out[rank] = widest
+        for w, r, _ in live:
+            if w.rank not in out:
+                continue
+            # What a peer's checkpoint allowed stays until the rank beats again: its
+            # collective returns only after the peer has left the checkpoint.
+            if widest is not None and (r.waits_for is None or widest.hard > r.waits_for.hard):
+                r.waits_for = widest
+            if r.waits_for is not None and r.waits_for.hard > out[w.rank].hard:
+                out[w.rank] = r.waits_for
         return out
 
     def _beat(self, rank: int, r: _Rank, rec: BeatRecord | None, now: float) -> None:
@@ -340,7 +347,7 @@ class ProgressTracker:
                 and self._killed_seen < r.last_beat
                 and (bracketed(r.phase) or self._bracket_seen < r.last_beat)):
             self._learn(r.phase, now - r.last_beat)
-        r.last_beat, r.dumped = now, False
+        r.last_beat, r.dumped, r.waits_for = now, False, None
         if rec is not None:
             r.exiting = rec.exiting
             if not rec.exiting:
