@@ -5,7 +5,6 @@ the real daemon with real torch workers is in test_hang_acceptance.py.
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -18,12 +17,10 @@ from elasticd import config
 from elasticd.hang_timeouts import (HangLimits, LearnSettings, PhaseRecord, decode_limits,
                                     encode_limits, limits_table, observe, phase_limit,
                                     read_limits_file, write_limits_file)
-from elasticd.progress import WORKER_SITE, BeatRecord, HEARTBEAT_ENV, heartbeat_file
+from elasticd.progress import HEARTBEAT_ENV, WORKER_SITE, BeatRecord, ProgressTracker
 from elasticd.stragglers import RankSamples, Straggler, crossed, find_straggler
 from elasticd.worker_contract import beats as contract
-
 from test_hang import FakeGroup, FakeOps, FakeRegistry, beat
-from elasticd.progress import ProgressTracker
 
 PY = sys.executable
 FIXED = HangLimits(soft=60, hard=180, first_step=600)

@@ -9,7 +9,9 @@ worker contract, worker_site/elasticd_heartbeat.py) and makes SIGUSR1 dump
 all Python stacks into the rank's log. Scripts may also call
 ``elasticd_heartbeat.heartbeat()`` and ``elasticd_section(name)``.
 
-The agent calls ``ProgressTracker.check(group)`` once per monitor tick. A
+Where each rank beats, how its records are read and the OS calls on ranks
+are beat_channel.py's. The agent calls ``ProgressTracker.check(group)`` once
+per monitor tick. A
 beat is a change of the heartbeat file's mtime seen by the daemon, timed on
 the daemon's monotonic clock (the worker's clock and wall-clock steps do not
 matter); the record then read says the rank's phase, steps and busy time.
@@ -43,65 +45,18 @@ from __future__ import annotations
 
 import enum
 import logging
-import os
 import signal
-import stat
-import time
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 from . import stragglers
-from .hang_timeouts import (LIMITS_FILE_ENV, MAX_PHASES, HangLimits, LearnSettings, PhaseLimit,
-                            PhaseRecord, bracketed, encode_limits, limits_table, observe,
-                            phase_limit, read_capped, write_limits_file)
+from .beat_channel import (HEARTBEAT_ENV, WORKER_SITE, BeatRecord, ProcessOps,  # noqa: F401
+                           contract, heartbeat_file, limits_file, rank_env, site_env)
+from .hang_timeouts import (MAX_PHASES, HangLimits, LearnSettings, PhaseLimit, PhaseRecord,
+                            bracketed, encode_limits, limits_table, observe, phase_limit)
 from .logsetup import ctx
-from .worker_contract import beats as contract
 
 log = logging.getLogger("elasticd.progress")
-
-WORKER_SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker_site")
-HEARTBEAT_ENV = "ELASTICD_HEARTBEAT_FILE"
-
-
-# ---------------------------------------------------------------- worker env
-
-def site_env(env: dict) -> dict[str, str]:
-    """PYTHONPATH with worker_site/ first: what every worker (and spare) gets."""
-    rest = env.get("PYTHONPATH", "")
-    parts = [WORKER_SITE] + [p for p in rest.split(os.pathsep) if p and p != WORKER_SITE]
-    return {"PYTHONPATH": os.pathsep.join(parts)}
-
-
-def heartbeat_file(run_dir: str, rank: int) -> str:
-    return os.path.join(run_dir, f"heartbeat-rank{rank}")
-
-
-def limits_file(run_dir: str) -> str:
-    return os.path.join(run_dir, "hang-limits.json")
-
-
-def rank_env(run_dir: str, rank: int) -> dict[str, str]:
-    """What one rank's environment adds: where it beats, where its learned limits are."""
-    return {HEARTBEAT_ENV: heartbeat_file(run_dir, rank), LIMITS_FILE_ENV: limits_file(run_dir)}
-
-
-@dataclass(frozen=True)
-class BeatRecord:
-    """One record of a rank's heartbeat file (worker contract), checked."""
-    pid: int
-    phase: str
-    steps: int
-    busy_us: int
-
-    @property
-    def exiting(self) -> bool:
-        return self.phase == contract.EXITING
-
-    @classmethod
-    def parse(cls, data: bytes | None) -> "BeatRecord | None":
-        fields = contract.parse_record(data) if data else None
-        return cls(*fields) if fields else None
-
 
 # ---------------------------------------------------------------- the decision
 
@@ -141,69 +96,6 @@ def judge(now: float, started: float, last_beat: float | None, watched: bool,
     if not dumped:
         return Verdict(HangAction.DUMP_STACKS, idle)
     return Verdict(HangAction.NONE, idle)
-
-
-# ---------------------------------------------------------------- OS calls
-
-class ProcessOps:
-    """The OS calls the tracker makes; tests swap in a fake."""
-
-    clock: Callable[[], float] = staticmethod(time.monotonic)
-
-    @staticmethod
-    def beat_mark(path: str) -> int | None:
-        """The heartbeat file's mtime in ns, or None; never follows a link."""
-        try:
-            st = os.lstat(path)
-        except OSError:
-            return None
-        return st.st_mtime_ns if stat.S_ISREG(st.st_mode) else None
-
-    @staticmethod
-    def read_beat(path: str) -> BeatRecord | None:
-        """The record in a heartbeat file, or None (missing, not a file, malformed).
-
-        The worker wrote it, so it is untrusted: read capped, no link followed,
-        every field checked (contract.parse_record); the pid is checked by the caller.
-        """
-        return BeatRecord.parse(read_capped(path, contract.RECORD_BYTES))
-
-    @staticmethod
-    def write_limits(path: str, data: bytes) -> None:
-        write_limits_file(path, data)
-
-    @staticmethod
-    def pgid(pid: int) -> int | None:
-        try:
-            return os.getpgid(pid)
-        except OSError:
-            return None
-
-    @staticmethod
-    def catches(pid: int, sig: int) -> bool:
-        """Whether ``pid`` has a handler for ``sig`` (SigCgt in /proc/PID/status)."""
-        try:
-            with open(f"/proc/{pid}/status") as fh:
-                for line in fh:
-                    if line.startswith("SigCgt:"):
-                        return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
-        except (OSError, ValueError, IndexError):
-            pass
-        return False
-
-    @staticmethod
-    def kill(pid: int, sig: int) -> None:
-        try:
-            os.kill(pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-    @staticmethod
-    def killpg(pgid: int, sig: int) -> None:
-        try:
-            os.killpg(pgid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
 
 
 # ---------------------------------------------------------------- the tracker
