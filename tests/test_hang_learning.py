@@ -341,3 +341,21 @@ def test_peers_waiting_for_a_checkpoint_keep_its_allowance_until_they_beat_again
     steady(tr, ops, group, t + 20.1, t + 25.3)  # later, rank 1 silent on its own
     assert [e[2] for e in reg.events] == ["rank 1: no progress for 5s; stacks dumped to its "
                                           "log (pid 101)"]
+
+
+def test_a_rank_that_waited_for_an_inprocess_restart_has_the_first_step_allowance_again():
+    tr, ops, reg = tracker()
+    group = FakeGroup([100])
+    ops.catching = {100}
+    tr.check(group)
+    t = steady(tr, ops, group, 0.0, 2.0)
+    beat(ops, 0, t + 0.1, phase="wait", steps=0)  # at the restart barrier
+    tr.check(group)
+    beat(ops, 0, t + 0.2, phase="train", steps=0)  # back in the function, no step yet
+    tr.check(group)
+    ops.now = t + 60.0
+    assert tr.check(group) == []  # building the new process group: not the 10 s limit
+    beat(ops, 0, t + 60.1)  # its first step
+    tr.check(group)
+    assert {p.phase for p in tr.learned()} == {"train"}
+    assert max(p.longest for p in tr.learned()) < 1

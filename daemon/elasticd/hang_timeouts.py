@@ -48,9 +48,10 @@ MAX_PHASES = 64     # per job: beyond that, new section names are not learned (b
 
 
 def bracketed(phase: str) -> bool:
-    """A phase with an entry and an exit (a checkpoint, a section, a wait between
-    in-process restarts): usually one long gap, known after one."""
-    return phase in ("checkpoint", "wait") or phase.startswith("section:")
+    """A phase with an entry and an exit (a checkpoint, a section): usually one long
+    gap, known after one. (``wait``, between in-process restarts, is not learned: a
+    rank that waited has the first-step allowance again until its next step.)"""
+    return phase == "checkpoint" or phase.startswith("section:")
 
 
 @dataclass(frozen=True)

@@ -111,6 +111,7 @@ class _Rank:
     phase: str = contract.TRAIN  # the phase its latest beat said it is in
     stepped: bool = False       # it made its first step in this attempt
     waits_for: PhaseLimit | None = None  # a peer's checkpoint/section limits, until it beats
+    step_base: int = 0          # its step count when it last began waiting (in-process restart)
 
 
 @dataclass
@@ -216,7 +217,7 @@ class ProgressTracker:
             if not r.stepped or r.exiting or r.last_beat is None:
                 continue
             limit = out[w.rank] = phase_limit(r.phase, self._phases.get(r.phase), learn)
-            if bracketed(r.phase) and r.phase != contract.WAIT:  # a wait waits for others
+            if bracketed(r.phase):
                 self._bracket_seen = now
                 if widest is None or limit.hard > widest.hard:
                     widest = limit
@@ -242,9 +243,13 @@ class ProgressTracker:
         r.last_beat, r.dumped, r.waits_for = now, False, None
         if rec is not None:
             r.exiting = rec.exiting
-            if not rec.exiting:
+            if rec.phase == contract.WAIT:
+                # Waiting to re-enter the training function (an in-process restart): its
+                # next first step (a new process group, maybe a reload) has the allowance.
+                r.stepped, r.step_base = False, rec.steps
+            elif not rec.exiting:
                 r.phase = rec.phase
-                r.stepped = r.stepped or rec.steps > 0
+                r.stepped = r.stepped or rec.steps > r.step_base
                 samples = self._samples.setdefault(rank, stragglers.RankSamples())
                 samples.add(now, rec.steps, rec.busy_us)
         self._job_beats = True
