@@ -126,7 +126,9 @@ def test_a_rank_asleep_in_its_step_loop_is_killed_at_the_learned_timeout_at_defa
     assert any(r == 1 and "stacks dumped to its log" in why for r, why in hangs), hangs
     kills = [why for _, why in hangs if "killed" in why]
     assert kills and "(learned train: agent.hang_learn_floor 10s)" in kills[0], hangs
-    assert "rank 1 hang" in job.last_failure.cause, job.last_failure.cause
+    # Rank 0, blocked in the all_reduce with rank 1, falls silent within a step of it:
+    # either may be killed (and blamed) first; both stacks are in their logs.
+    assert "hang: no progress for 10s" in job.last_failure.cause, job.last_failure.cause
     # The learned timeouts are in status.
     status = json.loads(d.ctl("-o", "json", "status", job_id).stdout)
     train = [p for p in status["hang_timeouts"] if p["phase"] == "train"]
