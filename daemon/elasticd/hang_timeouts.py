@@ -25,13 +25,15 @@ The rule (``phase_limit``), for a rank that made its first step:
 
 A gap only ever grows the learned value, and only a gap that ended in
 progress is learned: not one ended by the rank exiting or waiting (an
-in-process restart after a fault), nor one during which a rank of the job
-was killed for a hang (its peers waited for it), nor, for a steady phase,
-one during which a peer was in a checkpoint or section (the rank waited for
-that peer in a collective: while a peer is in one, the rank gets that
-phase's limits too). A rank killed for a silence never reports it as a gap. The same function serves the daemon
-(progress.py) and the in-process wrapper, which reads the learned limits the
-daemon writes for it (``write_limits_file`` / ``read_limits_file``).
+in-process restart after a fault: the rank then has the first-step
+allowance again), nor one during which a rank of the job was killed for a
+hang (its peers waited for it), nor, for a steady phase, one during which a
+peer was in a checkpoint or section (the rank waited for that peer in a
+collective: such a rank gets that phase's limits too, until it beats
+again). A rank killed for a silence never reports it as a gap. The same
+function serves the daemon (progress.py) and the in-process wrapper, which
+reads the learned limits the daemon writes for it (``write_limits_file`` /
+``read_limits_file``).
 """
 from __future__ import annotations
 

@@ -20,7 +20,8 @@ loaded on first use, as it needs torch.
 """
 from ._beat import elasticd_section, heartbeat, last_beat
 
-__all__ = ["Wrapper", "heartbeat", "last_beat", "elasticd_section", "InProcessSettings", "RestartAbandoned"]
+__all__ = ["Wrapper", "heartbeat", "last_beat", "elasticd_section", "InProcessSettings",
+           "RestartAbandoned"]
 
 
 def __getattr__(name):

@@ -434,7 +434,8 @@ def _exit_stuck(rank: int, main_tid: int, grace: float, fault: str, report: "_Re
     cause text and the main thread's stack in ``elasticctl status``).
     """
     why = (f"rank {rank}: hang: not back in Python {grace:g}s after the fault stopped its "
-           f"function (stuck in C code or a blocked collective; hard - soft timeout); ending the process so elasticd replaces it. The fault: {fault}")
+           f"function (stuck in C code or a blocked collective; hard - soft timeout); "
+           f"ending the process so elasticd replaces it. The fault: {fault}")
     _say(why)
     try:
         faulthandler.dump_traceback(all_threads=True)  # stderr: the rank's log
