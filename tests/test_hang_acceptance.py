@@ -30,10 +30,18 @@ from elasticd.v1 import control_pb2 as pb
 
 PY = sys.executable
 
+# Before its first step the job waits this long: the daemon's warm spares (started
+# agent.warm_spare_delay after the workers) finish importing torch, as they have in any
+# job that ran for more than a few seconds. Without it, on a loaded CI machine, the
+# measured recovery could include a cold torch import (seen once: 32 s at load 20).
+SPARES_WARM = 12
+
 HANG_PROCESS = textwrap.dedent("""
     import os, time
     import torch
     import torch.distributed as dist
+
+    WARM = float(os.environ["WARM"])
 
     def asleep_forever():
         print(f"HANG {time.time():.3f}", flush=True)
@@ -41,6 +49,8 @@ HANG_PROCESS = textwrap.dedent("""
 
     rank = int(os.environ["RANK"])
     attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    if attempt == 0:
+        time.sleep(WARM)  # see SPARES_WARM
     dist.init_process_group("gloo")
     model = torch.nn.Linear(8, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -67,11 +77,15 @@ HANG_INPROCESS = textwrap.dedent("""
     import torch.distributed as dist
     from elasticd.inprocess import Wrapper
 
+    WARM = float(os.environ["WARM"])
+
     def asleep_forever():
         print(f"HANG {time.time():.3f}", flush=True)
         time.sleep(3600)
 
     replaced = bool(os.environ.get("ELASTICD_INPROCESS_REPLACES"))
+    if not replaced:
+        time.sleep(WARM)  # see SPARES_WARM
 
     @Wrapper(backend="gloo")
     def train(iteration):
@@ -121,7 +135,8 @@ def _hang_events(d: DaemonProc, job_id: str) -> list[tuple[int, str]]:
 def test_a_rank_asleep_in_its_step_loop_is_killed_at_the_learned_timeout_at_defaults(
         daemon_factory):
     d = daemon_factory().start()  # the defaults: nothing shrunk
-    job_id = d.submit(PY, _script(d, "hang.py", HANG_PROCESS), nproc=2, max_restarts=2)
+    job_id = d.submit(PY, _script(d, "hang.py", HANG_PROCESS), nproc=2, max_restarts=2,
+                      env={"WARM": str(SPARES_WARM)})
     job = d.wait_job(job_id, timeout=400)
     hangs = _hang_events(d, job_id)
     assert pb.JobState.Name(job.state) == "SUCCEEDED", (job.reason, hangs, d.log()[-3000:])
@@ -151,7 +166,8 @@ def test_inprocess_a_rank_asleep_in_its_step_loop_is_replaced_at_the_learned_tim
         daemon_factory):
     d = daemon_factory().start()  # the defaults
     r = d.ctl("-o", "json", "submit", "--inprocess", "--nproc-per-node", "2",
-              "--max-restarts", "2", "--", PY, _script(d, "hang_inprocess.py", HANG_INPROCESS))
+              "--max-restarts", "2", "--env", f"WARM={SPARES_WARM}", "--", PY,
+              _script(d, "hang_inprocess.py", HANG_INPROCESS))
     assert r.returncode == 0, r.stderr
     job_id = json.loads(r.stdout)["id"]
     job = d.wait_job(job_id, timeout=400)
