@@ -359,3 +359,33 @@ def test_a_rank_that_waited_for_an_inprocess_restart_has_the_first_step_allowanc
     tr.check(group)
     assert {p.phase for p in tr.learned()} == {"train"}
     assert max(p.longest for p in tr.learned()) < 1
+
+
+CHILDREN = textwrap.dedent("""
+    import multiprocessing as mp, os, sys, time
+    import torch
+
+    def child(path):
+        torch.save({"x": 1}, path)    # would say "checkpoint" for the rank
+        torch.nn.Linear(2, 1)(torch.ones(2))
+
+    if __name__ == "__main__":
+        hb = os.environ["ELASTICD_HEARTBEAT_FILE"]
+        for method in ("fork", "spawn"):
+            p = mp.get_context(method).Process(target=child, args=(hb + "." + method,))
+            p.start()
+            p.join()
+            assert p.exitcode == 0, method
+        print("exists", os.path.exists(hb))
+""")
+
+
+def test_children_of_a_rank_never_write_its_beats(tmp_path):
+    hb = tmp_path / "hb"
+    script = tmp_path / "children.py"
+    script.write_text(CHILDREN)
+    env = dict(os.environ, PYTHONPATH=WORKER_SITE, **{HEARTBEAT_ENV: str(hb)})
+    out = subprocess.run([PY, str(script)], env=env, capture_output=True, text=True,
+                         timeout=180)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["exists", "False"]

@@ -39,7 +39,9 @@ bytes, rewritten in place (never truncated, so a reader never sees it empty)::
   with the most work per step is the straggler even when every rank steps
   at the same pace.
 
-A beat is a new record; every write also sets the file's mtime to a value
+Only the rank's own process writes: a child it forks or spawns (DataLoader
+workers, which may call torch.load) inherits this module or its
+environment, but never writes. A beat is a new record; every write also sets the file's mtime to a value
 above the previous one, so the daemon's cheap ``lstat`` sees each write,
 even two within one tick of a coarse filesystem clock. Writes in the same
 phase are rate-limited to one per ``MIN_INTERVAL`` seconds (a call in
@@ -52,6 +54,7 @@ loaded at start-up of every worker process, torch or not.
 import atexit
 import functools
 import os
+import sys
 import time
 
 ENV_VAR = "ELASTICD_HEARTBEAT_FILE"
@@ -81,6 +84,8 @@ _step_end = 0.0     # monotonic end of the latest step (0: none yet)
 _forward_end = 0.0  # monotonic end of the latest forward pass
 _steady = TRAIN     # what the rank does between bracketed phases: train or forward
 _stack = []         # bracketed phases entered and not yet left, innermost last
+_import_pid = os.getpid()  # the rank's own process; a forked child (a DataLoader worker)
+                           # inherits this value and must not speak for the rank
 
 
 # ---------------------------------------------------------------- the record
@@ -254,11 +259,13 @@ def _write_current(now):
 def _write_record(now, phase):
     global _last, _owner_pid, _path, _exit_hooked, _written_phase, _written_ns
     _last = now
+    pid = os.getpid()
+    if pid != _import_pid:
+        return  # a forked child (DataLoader worker, ...): only the rank's process beats
     if _path is None:
-        _path = os.environ.get(ENV_VAR, "")
+        _path = "" if _spawned_child() else os.environ.get(ENV_VAR, "")
     if not _path:
         return
-    pid = os.getpid()
     try:
         fd = os.open(_path, os.O_WRONLY | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
         try:
@@ -277,6 +284,15 @@ def _write_record(now, phase):
         if not _exit_hooked:
             atexit.register(_at_exit)
             _exit_hooked = True
+
+
+def _spawned_child():
+    """A process a rank started with multiprocessing (spawn or forkserver): not the rank."""
+    mp = sys.modules.get("multiprocessing")
+    try:
+        return mp is not None and mp.parent_process() is not None
+    except Exception:
+        return False
 
 
 def _at_exit():
