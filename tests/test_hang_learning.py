@@ -66,6 +66,7 @@ def test_the_fixed_timeouts_stay_the_upper_bound():
 def test_a_bracketed_phase_gets_the_fixed_bound_first_then_learns_from_one_run():
     assert phase_limit("checkpoint", None, LEARN).hard == 180
     assert phase_limit("section:data", None, LEARN).hard == 180
+    assert phase_limit("barrier", None, LEARN).hard == 180
     rec = observe(None, "checkpoint", 21.0)
     limit = phase_limit("checkpoint", rec, LEARN)
     assert (limit.hard, limit.learned) == (105.0, True)
@@ -303,9 +304,11 @@ WORKER = textwrap.dedent("""
         print("section", record()[1])
     print("after section", record()[1])
     torch.load(os.environ["CKPT"], weights_only=False)
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    print("dcp wrapped", getattr(dcp.save, "__elasticd_checkpoint__", False),
-          getattr(dcp.load, "__elasticd_checkpoint__", False))
+    print("dcp wrapped", getattr(dcp.save, "__elasticd_phase__", ""),
+          getattr(dcp.load, "__elasticd_phase__", ""))
+    print("barrier wrapped", getattr(dist.barrier, "__elasticd_phase__", ""))
 """)
 
 
@@ -317,7 +320,8 @@ def test_the_worker_site_beats_on_forward_passes_checkpoints_and_sections(tmp_pa
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == [
         "step ['train', '1']", "eval ['forward', '1']", "inside checkpoint", "after save forward",
-        "section section:data", "after section forward", "dcp wrapped True True"]
+        "section section:data", "after section forward", "dcp wrapped checkpoint checkpoint",
+        "barrier wrapped barrier"]
     assert hb.read_text().split()[1] == "exiting"
 
 
@@ -389,3 +393,21 @@ def test_children_of_a_rank_never_write_its_beats(tmp_path):
                          timeout=180)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["exists", "False"]
+
+
+def test_a_rank_in_a_barrier_has_the_barriers_limits_and_never_widens_its_peers():
+    """Ranks on other nodes waiting in dist.barrier for rank 0's checkpoint: the
+    barrier's first wait gets the fixed bound, later ones the learned one; a rank
+    silent outside the barrier (the one the others wait for) keeps its own limits."""
+    tr, ops, reg = tracker()
+    group = FakeGroup([100, 101])
+    ops.catching = {100, 101}
+    tr.check(group)
+    t = steady(tr, ops, group, 0.0, 2.0, ranks=(0, 1))
+    beat(ops, 0, t + 0.05, phase="barrier", steps=0)
+    tr.check(group)
+    steady(tr, ops, group, t + 0.05, t + 9.0, ranks=(1,))
+    ops.now = t + 30.0  # rank 0 waits in the barrier 30 s: not known yet, fixed bound
+    assert all("rank 0" not in e[2] for e in reg.events)
+    assert "rank 1: no progress for" in tr.check(group)[0]  # rank 1 silent 21 s: its own 10 s
+    assert {p.phase for p in tr.learned() if p.learned} == {"train"}

@@ -3,8 +3,10 @@
 A rank's beats (worker_site/elasticd_heartbeat.py, the worker contract) say
 which phase it is in: ``train`` (optimizer steps, ``heartbeat()``),
 ``forward`` (forward passes with no step between them: evaluation),
-``checkpoint`` (inside torch.save/load or torch.distributed.checkpoint) or
-``section:<name>`` (inside ``elasticd_section(name)``). The silence between
+``checkpoint`` (inside torch.save/load or torch.distributed.checkpoint),
+``barrier`` (inside torch.distributed.barrier: e.g. waiting on other nodes
+for a checkpoint that rank 0 writes) or ``section:<name>`` (inside
+``elasticd_section(name)``). The silence between
 two beats of a rank is a *gap* of the phase the rank was in during it; the
 job keeps, per phase, how many gaps it saw and the longest (across its ranks
 and its attempts: the agent carries them across restarts and the job record
@@ -50,9 +52,15 @@ MAX_PHASES = 64     # per job: beyond that, new section names are not learned (b
 
 
 def bracketed(phase: str) -> bool:
-    """A phase with an entry and an exit (a checkpoint, a section): usually one long
-    gap, known after one. (``wait``, between in-process restarts, is not learned: a
-    rank that waited has the first-step allowance again until its next step.)"""
+    """A phase with an entry and an exit (a checkpoint, a section, a barrier): usually
+    one long gap, known after one. (``wait``, between in-process restarts, is not
+    learned: a rank that waited has the first-step allowance again until its next step.)"""
+    return phase in ("checkpoint", "barrier") or phase.startswith("section:")
+
+
+def others_wait_for(phase: str) -> bool:
+    """While a rank is in this phase, its peers wait for it in their next collective
+    (a checkpoint or a section it runs alone); not a barrier, where it waits for them."""
     return phase == "checkpoint" or phase.startswith("section:")
 
 

@@ -53,7 +53,8 @@ from . import stragglers
 from .beat_channel import (HEARTBEAT_ENV, WORKER_SITE, BeatRecord, ProcessOps,  # noqa: F401
                            contract, heartbeat_file, limits_file, rank_env, site_env)
 from .hang_timeouts import (MAX_PHASES, HangLimits, LearnSettings, PhaseLimit, PhaseRecord,
-                            bracketed, encode_limits, limits_table, observe, phase_limit)
+                            bracketed, encode_limits, limits_table, observe,
+                            others_wait_for, phase_limit)
 from .logsetup import ctx
 
 log = logging.getLogger("elasticd.progress")
@@ -217,7 +218,7 @@ class ProgressTracker:
             if not r.stepped or r.exiting or r.last_beat is None:
                 continue
             limit = out[w.rank] = phase_limit(r.phase, self._phases.get(r.phase), learn)
-            if bracketed(r.phase):
+            if others_wait_for(r.phase):
                 self._bracket_seen = now
                 if widest is None or limit.hard > widest.hard:
                     widest = limit

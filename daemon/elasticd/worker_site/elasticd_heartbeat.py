@@ -28,7 +28,9 @@ bytes, rewritten in place (never truncated, so a reader never sees it empty)::
 * ``phase``: ``train``, ``forward``, ``checkpoint``, ``section:<name>``
   (name: letters, digits, ``_ . -``, at most ``NAME_MAX``), ``wait``
   (``keepalive()``: waiting on other ranks, e.g. at an in-process restart's
-  barrier: alive, not progressing), or ``exiting``
+  barrier: alive, not progressing), ``barrier`` (inside
+  ``torch.distributed.barrier``: waiting for every rank, e.g. for the one
+  that writes a checkpoint), or ``exiting``
   (written at exit, after the non-daemon threads ended: the silence that
   follows is interpreter shutdown);
 * ``steps``: optimizer steps plus ``heartbeat()`` calls of this process;
@@ -68,6 +70,7 @@ CHECKPOINT = "checkpoint"
 SECTION_PREFIX = "section:"
 EXITING = "exiting"
 WAIT = "wait"
+BARRIER = "barrier"
 _NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
 
 _mono = time.monotonic
@@ -97,7 +100,7 @@ def format_record(pid, phase, steps, busy_us):
 
 
 def valid_phase(phase):
-    if phase in (TRAIN, FORWARD, CHECKPOINT, EXITING, WAIT):
+    if phase in (TRAIN, FORWARD, CHECKPOINT, EXITING, WAIT, BARRIER):
         return True
     name = phase[len(SECTION_PREFIX):] if phase.startswith(SECTION_PREFIX) else ""
     return 0 < len(name) <= NAME_MAX and all(c in _NAME_CHARS for c in name)
@@ -234,19 +237,19 @@ class elasticd_section(object):
         return False
 
 
-def checkpoint_phase(fn):
-    """Wrap a save/load function so that its run is the ``checkpoint`` phase."""
-    if getattr(fn, "__elasticd_checkpoint__", False):
+def in_phase(phase, fn):
+    """Wrap ``fn`` so that its run is ``phase`` (a beat on entry, one at exit)."""
+    if getattr(fn, "__elasticd_phase__", None) == phase:
         return fn
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
-        _enter(CHECKPOINT)
+        _enter(phase)
         try:
             return fn(*args, **kwargs)
         finally:
-            _leave(CHECKPOINT)
-    wrapped.__elasticd_checkpoint__ = True
+            _leave(phase)
+    wrapped.__elasticd_phase__ = phase
     return wrapped
 
 

@@ -7,6 +7,7 @@ PYTHONPATH. Without any change to the training script it:
 * makes every ``torch.optim`` optimizer step and every module forward pass
   a progress beat, and ``torch.save`` / ``torch.load`` /
   ``torch.distributed.checkpoint`` save and load the ``checkpoint`` phase
+  and ``torch.distributed.barrier`` the ``barrier`` phase
   (see elasticd_heartbeat.py), by registering torch's global optimizer step
   post-hook and module forward hook, and wrapping those functions, the
   moment the torch module defining each is imported (before ``torch``
@@ -99,24 +100,27 @@ def _register_forward_hook(module_module):
         register(_forward_hook)
 
 
-def _wrapper_of(*names):
-    """A hook that makes the module's functions ``names`` the checkpoint phase."""
+def _wrapper_of(phase, *names):
+    """A hook that makes the module's functions ``names`` run as ``phase``."""
     def wrap(module):
-        from elasticd_heartbeat import checkpoint_phase
+        from elasticd_heartbeat import in_phase
         for name in names:
             fn = getattr(module, name, None)
             if callable(fn):
-                setattr(module, name, checkpoint_phase(fn))
+                setattr(module, name, in_phase(phase, fn))
     return wrap
 
 
 _HOOKS = {
     "torch.optim.optimizer": _register_step_hook,
     "torch.nn.modules.module": _register_forward_hook,
-    "torch.serialization": _wrapper_of("save", "load"),
-    "torch.distributed.checkpoint.state_dict_saver": _wrapper_of("save", "save_state_dict",
-                                                                 "async_save"),
-    "torch.distributed.checkpoint.state_dict_loader": _wrapper_of("load", "load_state_dict"),
+    "torch.serialization": _wrapper_of("checkpoint", "save", "load"),
+    "torch.distributed.checkpoint.state_dict_saver": _wrapper_of(
+        "checkpoint", "save", "save_state_dict", "async_save"),
+    "torch.distributed.checkpoint.state_dict_loader": _wrapper_of(
+        "checkpoint", "load", "load_state_dict"),
+    "torch.distributed.distributed_c10d": _wrapper_of("barrier", "barrier",
+                                                      "monitored_barrier"),
 }
 
 
