@@ -10,14 +10,16 @@ step 160 rank 1 prints ``CRASH <unix time>`` and sleeps for an hour in C
 (``time.sleep``), so rank 0 blocks in its next all_reduce. Under:
 
   inprocess  ``elasticctl submit --inprocess`` on a standalone elasticd. The
-             daemon's hang detection (agent.hang_soft_timeout, default 60 s,
-             dumps the rank's Python stacks; agent.hang_hard_timeout, default
-             180 s, kills it) and the in-process wrapper's own stall check
-             (inprocess.soft_timeout, default 60 s: stops the iteration;
-             inprocess.hard_timeout, default 90 s: a rank not back in Python
-             by then ends itself) both watch; the ended rank is replaced by
-             a new process that joins the survivor's next in-process
-             iteration.
+             daemon's hang detection and the in-process wrapper's own stall
+             check both watch, with the timeouts the daemon learned from the
+             job's 0.05 s steps (at defaults: max(agent.hang_learn_floor 10 s,
+             5 x the longest gap): dump at 5 s, kill at 10 s; the wrapper
+             stops the iteration at 5 s and a rank not back in Python ends
+             itself 5 s later); the fixed ones (agent.hang_soft_timeout 60 s /
+             hang_hard_timeout 180 s, inprocess.soft_timeout 60 s /
+             hard_timeout 90 s) are only the upper bound now. The ended rank
+             is replaced by a new process that joins the survivor's next
+             in-process iteration.
   process    the same script submitted without --inprocess (the wrapper then
              just calls the function): after the kill the daemon restarts the
              worker group (process restart, warm spares).
@@ -25,7 +27,14 @@ step 160 rank 1 prints ``CRASH <unix time>`` and sleeps for an hour in C
              torchrun has no hang detection: a rank asleep in C is alive to it,
              and the blocked gloo collective only fails at its timeout. The run
              is watched for ``--torchrun-window`` seconds (240) after CRASH,
-             then killed: "no recovery within N s".
+             then killed: "no recovery within N s"; its bound is the collective timeout.
+
+Before this change (tree fd83a09 and earlier) the same defaults meant a
+fixed 180 s kill (process restart: first step 180.47 s after CRASH, tree
+9d9e8d1) and 90 s in-process (rank 1 ends itself at inprocess.hard_timeout:
+90.14 s, tree 2aafa7f): bench/README.md. The report prints the ratios
+against those and against NVIDIA's in-process wrapper defaults (60 s soft /
+90 s hard: a hang is not even noticed before 60 s).
 
 The collective timeout: without --inprocess the sample's wrapper builds the
 process group with ``inprocess.hard_timeout`` (90 s) as its timeout, so rank
@@ -62,9 +71,15 @@ from elasticd import config  # noqa: E402
 from elasticd.v1 import control_pb2 as pb  # noqa: E402
 
 MODES = ("inprocess", "process", "torchrun")
+# Before the learned timeouts, same defaults and script (bench/README.md): seconds from
+# CRASH to the first step after recovery.
+BEFORE = {"process": (180.47, "tree 9d9e8d1, agent.hang_hard_timeout 180 s"),
+          "inprocess": (90.14, "tree 2aafa7f, inprocess.hard_timeout 90 s")}
+NVRX_SOFT = 60.0  # NVIDIA resiliency-ext in-process wrapper: default soft timeout (s)
 SCRIPT = ["-m", "elasticd.examples.train_inprocess"]
 QUICK = ("agent.hang_soft_timeout=5", "agent.hang_hard_timeout=15", "inprocess.soft_timeout=5")
-WATCHED = ("agent.hang_soft_timeout", "agent.hang_hard_timeout", "agent.first_step_timeout",
+WATCHED = ("agent.hang_learn_floor", "agent.hang_learn_factor", "agent.hang_learn_warmup",
+           "agent.hang_soft_timeout", "agent.hang_hard_timeout", "agent.first_step_timeout",
            "inprocess.soft_timeout", "inprocess.hard_timeout", "inprocess.barrier_timeout")
 
 
@@ -78,6 +93,7 @@ class Run:
         self.invalid = ""
         self.note = ""
         self.busy = None
+        self.learned = ""  # the job's learned timeouts at the end (elasticctl status)
 
     def rel(self, t):
         return None if t is None or self.crash is None else t - self.crash
@@ -97,7 +113,7 @@ class Run:
         return (f"{self.mode:10s} rep {self.rep}: {head}CRASH -> stacks dumped "
                 f"{secs(self.rel(self.dumped))} -> killed {secs(self.rel(self.killed))} -> "
                 f"{self.recovery_text()} -> "
-                f"first step {secs(self.total)}{busy}")
+                f"first step {secs(self.total)}; learned: {self.learned or '-'}{busy}")
 
 
 def script_args(a) -> list[str]:
@@ -157,6 +173,9 @@ def run_daemon(d: BenchDaemon, run: Run, a, work: str) -> None:
                                         f"iteration={run.iteration} (rank 0)"))
     run.timeline.sort()
     layers = dict(job.restarts_by_layer)
+    run.learned = ", ".join(f"{p.phase} kill {p.hard_seconds:g}s (dump {p.soft_seconds:g}s, "
+                            f"longest gap {p.longest_gap_seconds:.2f}s)"
+                            for p in job.hang_timeouts if p.learned)
     why = [run.invalid] if run.invalid else []
     state = pb.JobState.Name(job.state)
     if state != "SUCCEEDED" and not why:
@@ -230,6 +249,20 @@ def report(runs: list[Run], a, settings: dict) -> None:
     print(table(rows, ["mode", "rep", "stacks dumped", "killed/ended", "recovery events",
                        "first step", "check"]))
     print("  all times from rank 1's CRASH line (the start of the hang).")
+    print("\n== against before this change and NVIDIA's wrapper defaults ==")
+    for mode in ("process", "inprocess"):
+        valid = sorted(r.total for r in runs if r.mode == mode and not r.invalid and r.first)
+        if not valid:
+            continue
+        now = valid[len(valid) // 2]
+        before, where = BEFORE[mode]
+        print(f"  {mode:10s} first step {now:.2f} s after the hang (median of {len(valid)}); "
+              f"before {before:.2f} s ({where}): {before / now:.1f}x faster; "
+              f"NVIDIA wrapper's soft timeout alone {NVRX_SOFT:g} s: {NVRX_SOFT / now:.1f}x")
+    for r in runs:
+        if r.mode == "torchrun":
+            print(f"  torchrun   {r.note}; no hang detection: its bound is the collective "
+                  f"timeout ({a.collective_timeout:g} s here; gloo's default 1800 s)")
 
 
 def main(argv=None) -> int:

@@ -115,6 +115,27 @@ def test_status_table_names_signal():
     assert "rank 1 killed by signal SIGKILL" in output.job_detail(job)
 
 
+def test_status_shows_learned_hang_timeouts_and_the_straggler():
+    job = failed_job()
+    job.hang_timeouts.add(phase="train", soft_seconds=5, hard_seconds=10, learned=True,
+                          longest_gap_seconds=0.21, gaps=120)
+    job.hang_timeouts.add(phase="checkpoint", soft_seconds=60, hard_seconds=180,
+                          longest_gap_seconds=0, gaps=0)
+    job.straggler.CopyFrom(pb.Straggler(rank=3, ratio=3.04, step_seconds=0.152,
+                                        median_step_seconds=0.05, ranks=4, node_id="n1"))
+    lines = output.job_detail(job).splitlines()
+    at = lines.index("hang timeouts:")
+    assert lines[at + 1].split() == ["PHASE", "KILL", "AFTER", "DUMP", "AFTER", "SOURCE",
+                                     "LONGEST", "GAP", "GAPS"]
+    assert lines[at + 2].split() == ["train", "10s", "5s", "learned", "0.21s", "120"]
+    assert lines[at + 3].split()[:4] == ["checkpoint", "180s", "60s", "fixed"]
+    assert ("straggler:    rank 3: 3.04x the median rank's work per step (0.152s vs 0.050s, "
+            "4 ranks on node n1)") in lines
+    data = output.job_dict(job)
+    assert data["hang_timeouts"][0]["hard_seconds"] == 10
+    assert data["straggler"]["rank"] == 3
+
+
 def test_status_json_has_state_string_and_failure():
     buf = io.StringIO()
     output.Printer("json", buf).job(failed_job())

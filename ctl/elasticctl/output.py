@@ -195,6 +195,19 @@ def job_detail(job: control_pb2.Job, now: float | None = None) -> str:
                                          if len(shown) < len(job.attempts) else "")
                      + "oldest first")
         lines += ["    " + attempt_line(a) for a in shown]
+    if job.hang_timeouts:
+        rows = [[p.phase, f"{p.hard_seconds:g}s", f"{p.soft_seconds:g}s",
+                 "learned" if p.learned else "fixed (not learned yet)",
+                 f"{p.longest_gap_seconds:.2f}s", p.gaps] for p in job.hang_timeouts]
+        lines += ["hang timeouts:"] + ["  " + r for r in table(
+            rows, ["PHASE", "KILL AFTER", "DUMP AFTER", "SOURCE", "LONGEST GAP",
+                   "GAPS"]).splitlines()]
+    if job.HasField("straggler"):
+        st = job.straggler
+        lines.append(f"straggler:    rank {st.rank}: {st.ratio:.2f}x the median rank's work per "
+                     f"step ({st.step_seconds:.3f}s vs {st.median_step_seconds:.3f}s, "
+                     f"{st.ranks} ranks" + (f" on node {st.node_id}" if st.node_id else "")
+                     + ")")
     if job.workers:
         rows = [[w.rank, w.local_rank, w.node_id or "-", w.pid or "-", w.state,
                  w.exit_code if w.state in ("failed", "succeeded") else "-"]
@@ -242,7 +255,7 @@ def event_line(ev: control_pb2.Event) -> str:
         what = f"{state_name(ev.from_state)} -> {state_name(ev.to_state)}"
     else:
         what = ev.kind + (f" rank {ev.rank}" if ev.rank >= 0 and ev.kind in (
-            "worker_exit", "replace", "hang") else "")
+            "worker_exit", "replace", "hang", "straggler") else "")
         if ev.layer:
             what += f" ({LAYER_NAMES.get(ev.layer, ev.layer)}" + (
                 f", {ev.duration_seconds:.2f}s)" if ev.duration_seconds else ")")

@@ -130,9 +130,10 @@ class Agent:
         self._store_secret = jobstore_env.new_secret()
         self._group: WorkerGroup | None = None    # the running attempt's workers
         self._recovery = Recovery(job_id, cfg, registry, metrics)  # the ladder's record
-        self._progress = ProgressTracker(
+        self._progress = ProgressTracker(  # seeded with the hang timeouts learned before
             job_id, cfg.agent, registry, cfg.daemon.node_id,
-            on_beat=(lambda: metrics.progress_beat(job_id)) if metrics else None)
+            on_beat=(lambda: metrics.progress_beat(job_id)) if metrics else None,
+            seed=registry.get(job_id).hang_timeouts)
         self._thread = threading.Thread(target=self._run, name=f"agent-{job_id}", daemon=True)
 
     def start(self) -> None:

@@ -163,7 +163,8 @@ class AgentSettings:
                                                "as hung and the job recovers",
                                         min=0, exclusive_min=True, max=86400)
     first_step_timeout: float = _setting(600.0, "seconds a rank of a job that beats may take "
-                                                "from its start to its first beat",
+                                                "from its start to its first step (optimizer "
+                                                "step or heartbeat()), and to exit",
                                          min=0, exclusive_min=True, max=7 * 86400)
     # -- bounded logs (logfiles.LogKeeper) --
     log_max_bytes: int = _setting(256 * 1024 * 1024, "bytes one rank's log may take on disk, "
@@ -175,6 +176,30 @@ class AgentSettings:
                                               "jobs' logs (a log may pass log_max_bytes by "
                                               "what a rank writes in this time)",
                                          min=0.05, max=3600)
+    # -- learned hang timeouts (hang_timeouts.py); the two above stay the upper bound --
+    hang_learn_floor: float = _setting(10.0, "the shortest learned hang timeout: a phase's "
+                                             "timeout is max(floor, factor x the longest gap "
+                                             "between beats seen in that phase)",
+                                       min=0, exclusive_min=True, max=86400)
+    hang_learn_factor: float = _setting(5.0, "learned hang timeout = max(floor, factor x the "
+                                             "longest gap between beats seen in the phase)",
+                                        min=1, max=1000)
+    hang_learn_warmup: int = _setting(10, "gaps between beats a steady phase (train, forward) "
+                                          "must show before its timeout is learned; checkpoint "
+                                          "and named sections need one",
+                                      min=1, max=1_000_000)
+    hang_learn_dump_fraction: float = _setting(0.5, "a learned timeout dumps a silent rank's "
+                                                    "stacks at this fraction of it",
+                                               min=0, exclusive_min=True, max=0.95)
+    hang_learn_persist_interval: float = _setting(5.0, "seconds between writes of what was "
+                                                       "learned into the job record",
+                                                  min=0, max=3600)
+    # -- stragglers (stragglers.py) --
+    straggler_threshold: float = _setting(2.0, "a rank whose work per step is this many times "
+                                               "the median rank's is named a straggler (an "
+                                               "event)", min=1, exclusive_min=True, max=1000)
+    straggler_window: float = _setting(60.0, "seconds of beats the per-rank step times are "
+                                             "computed over", min=1, max=86400)
 
 
 @dataclass(frozen=True)

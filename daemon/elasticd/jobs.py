@@ -91,6 +91,11 @@ class JobRecord:
     restarts_by_layer: dict = field(default_factory=dict)
     restart_budget: dict = field(default_factory=dict)
     attempts: list = field(default_factory=list)
+    # Hang detection on this node (progress.py): the limits per phase, learned from
+    # the job's gaps between beats (hang_timeouts.PhaseLimit dicts), which also seed
+    # the learning after a daemon restart; the slowest rank (stragglers.Straggler dict).
+    hang_timeouts: list = field(default_factory=list)
+    straggler: dict | None = None
 
     @property
     def live(self) -> bool:

@@ -38,6 +38,17 @@ def job_to_proto(job: JobRecord) -> pb.Job:
                          time=a.get("time", 0.0), duration_seconds=a.get("duration", 0.0),
                          outcome=a.get("outcome", ""), rank=a.get("rank", -1),
                          node_id=a.get("node_id", ""))
+    for p in job.hang_timeouts:
+        msg.hang_timeouts.add(phase=p.get("phase", ""), soft_seconds=p.get("soft", 0.0),
+                              hard_seconds=p.get("hard", 0.0), learned=p.get("learned", False),
+                              longest_gap_seconds=p.get("longest", 0.0), gaps=p.get("gaps", 0))
+    if job.straggler:
+        s = job.straggler
+        msg.straggler.CopyFrom(pb.Straggler(
+            rank=s.get("rank", -1), ratio=s.get("ratio", 0.0),
+            step_seconds=s.get("step_seconds", 0.0),
+            median_step_seconds=s.get("median_step_seconds", 0.0), ranks=s.get("ranks", 0),
+            node_id=s.get("node_id", "")))
     for w in job.workers:
         msg.workers.add(rank=w["rank"], local_rank=w["local_rank"], pid=w["pid"],
                         state=w["state"], exit_code=w["exit_code"], node_id=w["node_id"])

@@ -15,7 +15,10 @@ Where each number comes from:
 - Gauges (jobs by state, workers, slots, the node lease) are read from
   the live objects at scrape time, so they are never stale.
 
-Labels stay bounded: no label takes a job id, job name, rank or round.
+Labels stay bounded: no label takes a job name, rank or round; only the
+per-job straggler gauges take the job id (label ``job_id``: ``job`` is
+Prometheus's own), for live jobs on this node (as
+many as its slots at most), and a rank is a value, never a label.
 ``elasticd_job_progress_beat_max_age_seconds`` has a sample only once
 something calls ``progress_beat`` (the hang detector, when it sees a beat);
 until then it is declared with no sample.
@@ -378,6 +381,7 @@ class _JobCollector:
         oldest = {s.value: 0.0 for s in JobState if s in LIVE_STATES}
         workers = 0
         budget_used = 0.0
+        stragglers: list[tuple[str, dict]] = []
         for job_id in live:
             try:
                 job = self._jobs.get(job_id)
@@ -390,6 +394,8 @@ class _JobCollector:
                 if job.max_restarts > 0:
                     budget_used = max(budget_used, job.restarts / job.max_restarts)
             workers += sum(1 for w in job.workers if w["state"] == "running")
+            if job.straggler and job.state is JobState.RUNNING:
+                stragglers.append((job.id, job.straggler))
         g = GaugeMetricFamily("elasticd_jobs", "Jobs known to this node, by state",
                               labels=["state"])
         for state, n in by_state.items():
@@ -414,6 +420,18 @@ class _JobCollector:
         if ages:
             g.add_metric([], max(ages))
         yield g
+        ratio = GaugeMetricFamily(
+            "elasticd_job_straggler_ratio",
+            "Work per step of the job's slowest rank on this node over the median rank's "
+            "(live jobs with two or more ranks here that stepped enough)", labels=["job_id"])
+        slowest = GaugeMetricFamily(
+            "elasticd_job_slowest_rank", "The global rank of the job's slowest rank on this "
+            "node (see elasticd_job_straggler_ratio)", labels=["job_id"])
+        for job_id, straggler in stragglers:
+            ratio.add_metric([job_id], straggler.get("ratio", 0.0))
+            slowest.add_metric([job_id], straggler.get("rank", -1))
+        yield ratio
+        yield slowest
         yield GaugeMetricFamily("elasticd_workers_running", "Worker processes running",
                                 value=workers)
         yield GaugeMetricFamily("elasticd_slots", "Worker slots of this node",

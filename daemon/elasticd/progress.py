@@ -2,28 +2,38 @@
 
 Workers beat without any change to the training script: elasticd puts
 ``worker_site/`` first on their PYTHONPATH, whose ``sitecustomize`` makes
-every ``torch.optim`` optimizer step touch the rank's heartbeat file
-(``ELASTICD_HEARTBEAT_FILE``) and makes SIGUSR1 dump all Python stacks into
-the rank's log. Scripts without an optimizer call
-``elasticd_heartbeat.heartbeat()`` (or ``elasticd.inprocess.heartbeat()``).
+every ``torch.optim`` optimizer step, every module forward pass and every
+torch.save/load or distributed checkpoint write a record into the rank's
+heartbeat file (``ELASTICD_HEARTBEAT_FILE``; the record's format is the
+worker contract, worker_site/elasticd_heartbeat.py) and makes SIGUSR1 dump
+all Python stacks into the rank's log. Scripts may also call
+``elasticd_heartbeat.heartbeat()`` and ``elasticd_section(name)``.
 
-The agent calls ``ProgressTracker.check(group)`` once per monitor tick. A
+Where each rank beats, how its records are read and the OS calls on ranks
+are beat_channel.py's. The agent calls ``ProgressTracker.check(group)`` once
+per monitor tick. A
 beat is a change of the heartbeat file's mtime seen by the daemon, timed on
 the daemon's monotonic clock (the worker's clock and wall-clock steps do not
-matter). Per rank, ``judge()`` decides:
+matter); the record then read says the rank's phase, steps and busy time.
+The limits a rank gets come from hang_timeouts.py: learned per phase from
+the job's own gaps between beats (carried across attempts, and across
+daemon restarts in the job record), the fixed settings as the upper bound.
+The tracker also feeds the ranks' busy time per step to stragglers.py and
+names the slowest rank. Per rank, ``judge()`` decides:
 
 * A job is only watched once it has shown that it beats: some rank beat in
   this attempt, or in an earlier attempt of the same job. A script that
   never beats (no optimizer, no ``heartbeat()``; ``python -I``; not Python
   at all) is never killed for hanging.
-* A watched rank that has beaten in this attempt: no beat for
-  ``agent.hang_soft_timeout`` -> SIGUSR1 once (stacks into its log, an event);
-  for ``agent.hang_hard_timeout`` -> SIGKILL of its process group, and the
-  failure's cause says ``hang``.
-* A watched rank with no beat yet in this attempt (starting up, loading a
+* A watched rank that made its first step in this attempt: no beat for its
+  phase's soft limit -> SIGUSR1 once (stacks into its log, an event); for its
+  hard limit -> SIGKILL of its process group, and the failure's cause says
+  ``hang``.
+* A watched rank with no step yet in this attempt (starting up, loading a
   checkpoint, compiling, or stuck in ``init_process_group``): the same,
-  measured from its start, with ``agent.first_step_timeout`` as the hard
-  limit and the dump the same margin (hard - soft) before it.
+  measured from its start or its latest beat, with
+  ``agent.first_step_timeout`` as the hard limit and the dump the fixed
+  margin (hard - soft) before it.
 * A rank whose process said it is exiting (the heartbeat module's atexit
   hook, run once its non-daemon threads have ended): the same long
   allowance, measured from that word, for the interpreter's shutdown.
@@ -35,39 +45,19 @@ from __future__ import annotations
 
 import enum
 import logging
-import os
 import signal
-import stat
-import time
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
-from . import workerfiles
+from . import stragglers
+from .beat_channel import (HEARTBEAT_ENV, WORKER_SITE, BeatRecord, ProcessOps,  # noqa: F401
+                           contract, heartbeat_file, limits_file, rank_env, site_env)
+from .hang_timeouts import (MAX_PHASES, HangLimits, LearnSettings, PhaseLimit, PhaseRecord,
+                            bracketed, encode_limits, limits_table, observe,
+                            others_wait_for, phase_limit)
 from .logsetup import ctx
 
 log = logging.getLogger("elasticd.progress")
-
-WORKER_SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker_site")
-HEARTBEAT_ENV = "ELASTICD_HEARTBEAT_FILE"
-
-
-# ---------------------------------------------------------------- worker env
-
-def site_env(env: dict) -> dict[str, str]:
-    """PYTHONPATH with worker_site/ first: what every worker (and spare) gets."""
-    rest = env.get("PYTHONPATH", "")
-    parts = [WORKER_SITE] + [p for p in rest.split(os.pathsep) if p and p != WORKER_SITE]
-    return {"PYTHONPATH": os.pathsep.join(parts)}
-
-
-def heartbeat_file(run_dir: str, rank: int) -> str:
-    return os.path.join(run_dir, f"heartbeat-rank{rank}")
-
-
-def rank_env(run_dir: str, rank: int) -> dict[str, str]:
-    """What one rank's environment adds: where it beats."""
-    return {HEARTBEAT_ENV: heartbeat_file(run_dir, rank)}
-
 
 # ---------------------------------------------------------------- the decision
 
@@ -77,33 +67,25 @@ class HangAction(enum.Enum):
     KILL = "kill"                # hard limit passed: SIGKILL the rank
 
 
-@dataclass(frozen=True)
-class HangLimits:
-    soft: float
-    hard: float
-    first_step: float
-
-    @classmethod
-    def from_settings(cls, agent_settings) -> "HangLimits":
-        a = agent_settings
-        return cls(a.hang_soft_timeout, a.hang_hard_timeout, a.first_step_timeout)
-
-
 class Verdict(NamedTuple):
     action: HangAction
     idle: float   # seconds since the last beat (or since the start, before one)
 
 
 def judge(now: float, started: float, last_beat: float | None, watched: bool,
-          dumped: bool, limits: HangLimits, exiting: bool = False) -> Verdict:
+          dumped: bool, limits: HangLimits, exiting: bool = False,
+          stepped: bool = True) -> Verdict:
     """What to do about one live rank, from its times (no I/O).
 
+    ``limits``: its phase's (hang_timeouts.phase_limit) soft and hard limits.
     ``dumped``: its stacks were already dumped in this idle spell; a kill
     needs that first, so the stacks are in the log before the process dies.
     ``exiting``: its last beat said the process is shutting down.
+    ``stepped``: it made its first step in this attempt; until then (and
+    while exiting) it has the first-step allowance.
     """
     idle = now - (started if last_beat is None else last_beat)
-    if last_beat is None or exiting:
+    if last_beat is None or exiting or not stepped:
         hard = limits.first_step
         soft = limits.first_step - (limits.hard - limits.soft)
     else:
@@ -117,70 +99,6 @@ def judge(now: float, started: float, last_beat: float | None, watched: bool,
     return Verdict(HangAction.NONE, idle)
 
 
-# ---------------------------------------------------------------- OS calls
-
-class ProcessOps:
-    """The OS calls the tracker makes; tests swap in a fake."""
-
-    clock: Callable[[], float] = staticmethod(time.monotonic)
-
-    @staticmethod
-    def beat_mark(path: str) -> int | None:
-        """The heartbeat file's mtime in ns, or None; never follows a link."""
-        try:
-            st = os.lstat(path)
-        except OSError:
-            return None
-        return st.st_mtime_ns if stat.S_ISREG(st.st_mode) else None
-
-    @staticmethod
-    def read_beat(path: str, uid: int) -> tuple[int | None, bool]:
-        """(pid, exiting) from a heartbeat file: ``PID`` or ``PID exiting``.
-
-        The worker (as ``uid``) wrote it, so it is untrusted: read with
-        ``workerfiles.read``; the pid is checked by the caller.
-        """
-        got = workerfiles.read(path, uid, 64, whole=False)
-        if not got.ok:
-            return None, False
-        words = got.data.decode("ascii", "replace").split()
-        pid = int(words[0]) if words and words[0].isdigit() and len(words[0]) < 9 else None
-        return pid, words[1:2] == ["exiting"]
-
-    @staticmethod
-    def pgid(pid: int) -> int | None:
-        try:
-            return os.getpgid(pid)
-        except OSError:
-            return None
-
-    @staticmethod
-    def catches(pid: int, sig: int) -> bool:
-        """Whether ``pid`` has a handler for ``sig`` (SigCgt in /proc/PID/status)."""
-        try:
-            with open(f"/proc/{pid}/status") as fh:
-                for line in fh:
-                    if line.startswith("SigCgt:"):
-                        return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
-        except (OSError, ValueError, IndexError):
-            pass
-        return False
-
-    @staticmethod
-    def kill(pid: int, sig: int) -> None:
-        try:
-            os.kill(pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-    @staticmethod
-    def killpg(pgid: int, sig: int) -> None:
-        try:
-            os.killpg(pgid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
 # ---------------------------------------------------------------- the tracker
 
 @dataclass
@@ -191,6 +109,10 @@ class _Rank:
     last_beat: float | None = None
     dumped: bool = False
     exiting: bool = False       # its process said it is shutting down
+    phase: str = contract.TRAIN  # the phase its latest beat said it is in
+    stepped: bool = False       # it made its first step in this attempt
+    waits_for: PhaseLimit | None = None  # a peer's checkpoint/section limits, until it beats
+    step_base: int = 0          # its step count when it last began waiting (in-process restart)
 
 
 @dataclass
@@ -202,26 +124,46 @@ class _Killed:
 
 @dataclass
 class ProgressTracker:
-    """Per job, owned by its agent thread: watches beats, dumps stacks, kills hung ranks."""
+    """Per job, owned by its agent thread: watches beats, dumps stacks, kills hung ranks,
+    learns the job's timeouts per phase and names its straggler."""
     job_id: str
     settings: object            # AgentSettings
-    registry: object            # JobRegistry: .event(job_id, kind, reason, rank=)
+    registry: object            # JobRegistry: .event(job_id, kind, reason, rank=), .update()
     node_id: str = ""
     ops: ProcessOps = field(default_factory=ProcessOps)
     on_beat: object = None      # called (no arguments) when any rank beats: metrics
+    seed: list = field(default_factory=list)  # the job record's hang_timeouts: what was learned
     _group: object = None
     _ranks: dict = field(default_factory=dict)
     _killed: dict = field(default_factory=dict)
     _job_beats: bool = False    # some rank beat in some attempt: the job uses beats
+    _phases: dict = field(default_factory=dict)    # phase -> PhaseRecord, job-wide
+    _samples: dict = field(default_factory=dict)   # rank -> stragglers.RankSamples
+    _straggler: object = None   # stragglers.Straggler last found
+    _announced: object = None   # the straggler the latest event was about
+    _dirty: bool = False        # learned something not yet in the job record / limits file
+    _saved_at: float = float("-inf")
+    _table: tuple = ()          # the limits last written to the group's limits file
+    _bracket_seen: float = float("-inf")  # latest look that saw a rank in a bracketed phase
+    _killed_seen: float = float("-inf")   # latest kill of a hung rank of this job
+
+    def __post_init__(self):
+        for item in self.seed or []:
+            rec = PhaseRecord.from_dict(item)
+            if rec is not None and len(self._phases) < MAX_PHASES:
+                self._phases[rec.phase] = rec
+        if self._phases:
+            self._job_beats = True  # it beat in an earlier life of this daemon
 
     def check(self, group) -> list[str]:
         """Look at every live rank of ``group`` once; returns what was done (sentences)."""
         if not self.settings.hang_detection:
             return []
         if group is not self._group:
-            self._group, self._ranks, self._killed = group, {}, {}
+            self._group, self._ranks, self._killed, self._table = group, {}, {}, ()
         now = self.ops.clock()
-        limits = HangLimits.from_settings(self.settings)
+        learn = LearnSettings.from_settings(self.settings)
+        fixed = learn.fixed
         run_dir = group.spec.run_dir
         live = []
         for w in group.workers:
@@ -233,28 +175,102 @@ class ProgressTracker:
             if r is None or r.pid != w.pid:  # new, or respawned alone: a fresh start
                 r = self._ranks[w.rank] = _Rank(pid=w.pid, started=now, mark=mark)
             elif mark is not None and mark != r.mark:
-                r.mark, r.last_beat, r.dumped = mark, now, False
-                r.exiting = self.ops.read_beat(path, group.spec.uid)[1]
-                self._job_beats = True
-                if self.on_beat is not None:
-                    self.on_beat()
+                r.mark = mark
+                self._beat(w.rank, r, self.ops.read_beat(path, group.spec.uid), now)
             live.append((w, r, path))
         watched = self._job_beats
-        done = []
+        limits_of = self._rank_limits(live, learn, now)
+        done, kill = [], None
         for w, r, path in live:
             if w.rank in self._killed:
                 continue
-            verdict = judge(now, r.started, r.last_beat, watched, r.dumped, limits, r.exiting)
+            limit = limits_of.get(w.rank)
+            limits = fixed if limit is None else HangLimits(limit.soft, limit.hard,
+                                                            fixed.first_step)
+            verdict = judge(now, r.started, r.last_beat, watched, r.dumped, limits, r.exiting,
+                            r.stepped)
             if verdict.action is HangAction.DUMP_STACKS:
                 r.dumped = True
                 done.append(self._dump(w, path, group.spec.uid, verdict.idle, _since(r)))
-            elif verdict.action is HangAction.KILL:
-                self.ops.killpg(w.pid, signal.SIGKILL)
-                self._killed[w.rank] = _Killed(w.rank, verdict.idle, now)
-                done.append(self._record(w.rank, f"rank {w.rank}: no progress for "
-                                         f"{verdict.idle:.0f}s{_since(r)}; killed "
-                                         f"(agent.{_hard_name(r)} {_hard(r, limits):g}s)"))
+            elif verdict.action is HangAction.KILL and (kill is None or verdict.idle > kill[2]):
+                kill = (w, r, verdict.idle, limit)
+        if kill is not None:  # one per look: a hung rank's peers usually fail by themselves
+            w, r, idle, limit = kill
+            self.ops.killpg(w.pid, signal.SIGKILL)
+            self._killed[w.rank] = _Killed(w.rank, idle, now)
+            self._killed_seen = now
+            why = (f"agent.first_step_timeout {fixed.first_step:g}s" if limit is None
+                   else limit.source(learn))
+            done.append(self._record(w.rank, f"rank {w.rank}: no progress for "
+                                     f"{idle:.0f}s{_since(r)}; killed ({why})"))
+        self._name_straggler(now)
+        self._save(now, learn, run_dir)
         return done
+
+    def _rank_limits(self, live: list, learn: LearnSettings,
+                     now: float) -> dict[int, PhaseLimit]:
+        """Each stepped rank's limits: its phase's, or, once a rank of the job on this
+        node was in a checkpoint or a section during the rank's silence, that phase's
+        if longer: its peers wait for it in their next collective, silent in their
+        own phase, until it has left and reached that collective too."""
+        out, widest = {}, None
+        for w, r, _ in live:
+            if not r.stepped or r.exiting or r.last_beat is None:
+                continue
+            limit = out[w.rank] = phase_limit(r.phase, self._phases.get(r.phase), learn)
+            if others_wait_for(r.phase):
+                self._bracket_seen = now
+                if widest is None or limit.hard > widest.hard:
+                    widest = limit
+        for w, r, _ in live:
+            if w.rank not in out:
+                continue
+            # What a peer's checkpoint allowed stays until the rank beats again: its
+            # collective returns only after the peer has left the checkpoint.
+            if widest is not None and (r.waits_for is None or widest.hard > r.waits_for.hard):
+                r.waits_for = widest
+            if r.waits_for is not None and r.waits_for.hard > out[w.rank].hard:
+                out[w.rank] = r.waits_for
+        return out
+
+    def _beat(self, rank: int, r: _Rank, rec: BeatRecord | None, now: float) -> None:
+        """A new record from the rank: learn the gap it ends (if hang_timeouts.py's
+        rule says it counts), take its phase and steps."""
+        progress = rec is not None and rec.phase not in (contract.EXITING, contract.WAIT)
+        if (progress and r.stepped and r.last_beat is not None and not r.exiting
+                and self._killed_seen < r.last_beat
+                and (bracketed(r.phase) or self._bracket_seen < r.last_beat)):
+            self._learn(r.phase, now - r.last_beat)
+        r.last_beat, r.dumped, r.waits_for = now, False, None
+        if rec is not None:
+            r.exiting = rec.exiting
+            if rec.phase == contract.WAIT:
+                # Waiting to re-enter the training function (an in-process restart): its
+                # next first step (a new process group, maybe a reload) has the allowance.
+                r.stepped, r.step_base = False, rec.steps
+            elif not rec.exiting:
+                r.phase = rec.phase
+                r.stepped = r.stepped or rec.steps > r.step_base
+                samples = self._samples.setdefault(rank, stragglers.RankSamples())
+                samples.add(now, rec.steps, rec.busy_us)
+        self._job_beats = True
+        if self.on_beat is not None:
+            self.on_beat()
+
+    def _learn(self, phase: str, gap: float) -> None:
+        rec = self._phases.get(phase)
+        if rec is None and len(self._phases) >= MAX_PHASES:
+            return  # bounded: a script that names sections without end learns no more
+        new = self._phases[phase] = observe(rec, phase, gap)
+        if rec is None or new.longest > rec.longest or rec.gaps < self.settings.hang_learn_warmup:
+            self._dirty = True
+
+    def learned(self) -> list[PhaseLimit]:
+        """The limits per phase now: what ``elasticctl status`` shows."""
+        return limits_table(self._phases, LearnSettings.from_settings(self.settings))
+
+    def straggler(self) -> stragglers.Straggler | None:
+        return self._straggler
 
     def forget(self, rank: int) -> None:
         """The rank's process was replaced: watch its successor from its start."""
@@ -266,17 +282,65 @@ class ProgressTracker:
         if not self._killed:
             return failure
         k = self._killed.get(failure.get("rank"))
-        if k is None:  # a peer failed first as a consequence; blame the hung rank
-            k = min(self._killed.values(), key=lambda k: (k.at, k.rank))
+        first = min(self._killed.values(), key=lambda k: (k.at, -k.idle, k.rank))
+        if k is None or k.at > first.at:  # a peer failed as a consequence: blame the first
+            k = first
         cause = (f"rank {k.rank} hang: no progress for {k.idle:.0f}s; killed by elasticd "
                  f"(its Python stacks are in its log)")
         return dict(failure, rank=k.rank, exit_code=-1, signal=int(signal.SIGKILL),
                     cause=cause, kind="hang", traceback="" if k.rank != failure.get("rank")
                     else failure.get("traceback", ""))
 
+    # -- stragglers and what was learned ----------------------------------------
+    def _name_straggler(self, now: float) -> None:
+        a = self.settings
+        times = {}
+        for rank, samples in self._samples.items():
+            samples.drop_older_than(now - a.straggler_window)
+            times[rank] = samples.step_seconds()
+        found = stragglers.find_straggler(times)
+        if found != self._straggler:
+            self._straggler, self._dirty = found, True
+        move = stragglers.crossed(self._announced, found, a.straggler_threshold)
+        if move == "above":
+            self._announced = found
+            self._record(found.rank, f"rank {found.rank} is a straggler: {found.ratio:.1f}x the "
+                                     f"median rank's work per step ({found.step_seconds:.3f}s "
+                                     f"vs {found.median_step_seconds:.3f}s, {found.ranks} ranks "
+                                     f"on node {self.node_id or '-'}; agent.straggler_threshold "
+                                     f"{a.straggler_threshold:g})", kind="straggler")
+        elif move == "below":
+            was, self._announced = self._announced, found
+            ratio = f"{found.ratio:.1f}x" if found else "unknown"
+            self._record(was.rank, f"rank {was.rank} no longer a straggler (slowest rank now "
+                                   f"{ratio} the median)", kind="straggler")
+
+    def _save(self, now: float, learn: LearnSettings, run_dir: str) -> None:
+        """Put what was learned in the job record, and the learned limits where the
+        group's in-process wrappers read them: at most once per persist interval."""
+        table = limits_table(self._phases, learn)
+        wanted = tuple((p.phase, p.soft, p.hard) for p in table if p.learned)
+        if wanted != self._table:
+            try:
+                self.ops.write_limits(limits_file(run_dir), encode_limits(table))
+            except OSError as exc:
+                log.warning("%s: cannot write the learned limits for the in-process wrapper: "
+                            "%s", ctx(job=self.job_id), exc)
+            self._table = wanted  # tried: again only when they change
+        if not self._dirty or now - self._saved_at < self.settings.hang_learn_persist_interval:
+            return
+        self._dirty, self._saved_at = False, now
+        s = self._straggler
+        try:
+            self.registry.update(self.job_id, hang_timeouts=[p.to_dict() for p in table],
+                                 straggler=dict(s.to_dict(), node_id=self.node_id) if s else None)
+        except Exception:  # a record that cannot be written must not stop the watch
+            log.exception("%s: could not record learned hang timeouts", ctx(job=self.job_id))
+
     # -- actions -------------------------------------------------------------
     def _dump(self, w, path: str, uid: int, idle: float, since: str) -> str:
-        target = self.ops.read_beat(path, uid)[0]
+        rec = self.ops.read_beat(path, uid)
+        target = rec.pid if rec is not None else None
         if target is None or self.ops.pgid(target) != w.pid:
             target = w.pid  # only a process of this rank's own group is ever signalled
         what = f"rank {w.rank}: no progress for {idle:.0f}s{since}"
@@ -288,24 +352,20 @@ class ProgressTracker:
                                     "handler (started without elasticd's sitecustomize, or "
                                     "shutting down)")
 
-    def _record(self, rank: int, sentence: str) -> str:
+    def _record(self, rank: int, sentence: str, kind: str = "hang") -> str:
         log.warning("%s: %s", ctx(job=self.job_id, node=self.node_id, rank=rank), sentence)
         try:
-            self.registry.event(self.job_id, "hang", sentence, rank=rank)
+            self.registry.event(self.job_id, kind, sentence, rank=rank)
         except Exception:  # an event that cannot be written must not stop the watch
-            log.exception("%s: could not record hang event", ctx(job=self.job_id))
+            log.exception("%s: could not record %s event", ctx(job=self.job_id), kind)
         return sentence
 
 
 def _since(r: _Rank) -> str:
     if r.last_beat is None:
         return " since it started (no first step yet)"
-    return " since it began to exit" if r.exiting else ""
-
-
-def _hard_name(r: _Rank) -> str:
-    return "first_step_timeout" if r.last_beat is None or r.exiting else "hang_hard_timeout"
-
-
-def _hard(r: _Rank, limits: HangLimits) -> float:
-    return limits.first_step if r.last_beat is None or r.exiting else limits.hard
+    if r.exiting:
+        return " since it began to exit"
+    if not r.stepped:
+        return " (no first step yet)"
+    return f" in phase {r.phase}" if r.phase != contract.TRAIN else ""

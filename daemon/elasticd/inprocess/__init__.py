@@ -14,12 +14,14 @@ again, in the same processes: no respawn, no re-import of torch. See
 wrapper.py for the rules, settings and fallbacks.
 
 ``heartbeat()`` tells the daemon this rank made progress (optimizer steps do
-so by themselves); importing it does not import torch. ``Wrapper`` is
+so by themselves), ``elasticd_section(name)`` marks a long phase the daemon
+times on its own; importing them does not import torch. ``Wrapper`` is
 loaded on first use, as it needs torch.
 """
-from ._beat import heartbeat, last_beat
+from ._beat import elasticd_section, heartbeat, last_beat
 
-__all__ = ["Wrapper", "heartbeat", "last_beat", "InProcessSettings", "RestartAbandoned"]
+__all__ = ["Wrapper", "heartbeat", "last_beat", "elasticd_section", "InProcessSettings",
+           "RestartAbandoned"]
 
 
 def __getattr__(name):

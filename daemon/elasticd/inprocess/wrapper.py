@@ -13,7 +13,12 @@ One restart iteration, on every rank:
    fault anywhere: tear down the group and go round again, N + 1.
 
 A fault is: the function raised on some rank; or, after this rank's first
-beat of the iteration, no beat for the soft timeout. The rank that hits it
+step of the iteration, no beat for the soft timeout. The soft timeout, and
+the grace (hard - soft) below, are those the daemon learned for the phase
+the rank is in (train, forward, checkpoint, a section: see
+elasticd/hang_timeouts.py), read from the file ELASTICD_HANG_LIMITS_FILE
+names about once a second, when it learned them; else the settings below,
+which always bound them. The rank that hits it
 reports it to the store, then aborts its process group, which closes its
 connections, so peers blocked in a collective with it fail at once (a gloo
 collective is not interrupted by a local abort: the peer's closing is what
@@ -85,14 +90,15 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from .. import inprocess_reports, jobstore_env
-from ._beat import heartbeat, last_beat
+from .. import hang_timeouts, inprocess_reports, jobstore_env
+from ._beat import current_phase, keepalive, last_beat, steps
 from .coord import BarrierTimeout, IterationStore, _text
 
 log = logging.getLogger("elasticd.inprocess")
 
 ENV_PREFIX = "ELASTICD_INPROCESS_"
 STUCK_EXIT_CODE = 75  # a rank stuck outside Python ends itself with this code
+LIMITS_REREAD = 1.0   # seconds between reads of the daemon's learned limits
 
 
 class RestartRequested(Exception):
@@ -224,7 +230,7 @@ class _Run:
             root.set("latest", str(iteration))
             store = dist.PrefixStore(f"it{iteration}/", root)
             coord = IterationStore(store, self.rank, self.world_size,
-                                   poll=min(0.02, self.s.monitor_interval), beat=heartbeat)
+                                   poll=min(0.02, self.s.monitor_interval), beat=keepalive)
             try:
                 outcome = self._iteration(coord, store, iteration, args, kwargs,
                                           (fault, fault_time))
@@ -252,7 +258,7 @@ class _Run:
         current = dist.PrefixStore(f"it{latest}/", root)
         if not current.check(["start/go"]):
             return latest, fault
-        coord = IterationStore(current, self.rank, self.world_size, poll=0.02, beat=heartbeat)
+        coord = IterationStore(current, self.rank, self.world_size, poll=0.02, beat=keepalive)
         return latest + 1, coord.report_fault(fault[:500])
 
     def _count_fault(self, outcome: "_Outcome") -> None:
@@ -343,7 +349,24 @@ class _Monitor:
 
     def start(self) -> None:
         self._started = time.monotonic()
+        self._steps_at_start = steps()
+        self._learned: dict[str, tuple[float, float]] = {}
+        self._learned_at = float("-inf")
         self._thread.start()
+
+    def limits(self) -> tuple[float, float]:
+        """(soft, hard) for the phase this rank is in: the daemon's learned ones, bounded
+        by the settings; the settings where it learned none."""
+        now = time.monotonic()
+        if now - self._learned_at >= LIMITS_REREAD:
+            self._learned_at = now
+            self._learned = hang_timeouts.read_limits_file(
+                os.environ.get(hang_timeouts.LIMITS_FILE_ENV, ""))
+        learned = self._learned.get(current_phase())
+        if learned is None:
+            return self.s.soft_timeout, self.s.hard_timeout
+        soft = min(self.s.soft_timeout, learned[0])
+        return soft, soft + min(self.s.hard_timeout - self.s.soft_timeout, learned[1] - learned[0])
 
     def quiesce(self) -> None:
         """Stop watching; afterwards no RestartRequested is pending or can arrive."""
@@ -375,19 +398,23 @@ class _Monitor:
 
     def _await_return(self, fault: str) -> None:
         """The main thread has hard - soft seconds to get back to Python (quiesce)."""
-        grace = self.s.hard_timeout - self.s.soft_timeout
+        soft, hard = self.limits()
+        grace = hard - soft
         if not self._stop.wait(grace):
             _exit_stuck(self.rank, self.main_tid, grace, fault, self.report)
 
     def _own_stall(self) -> str | None:
         beat = last_beat()
-        if beat < self._started:
-            return None  # no beat yet this iteration: the first step has no limit here
+        if beat < self._started or steps() <= self._steps_at_start:
+            return None  # no step yet this iteration: the first step has no limit here
         idle = time.monotonic() - beat
-        if idle < self.s.soft_timeout:
+        soft, _ = self.limits()
+        if idle < soft:
             return None
+        how = "learned" if soft < self.s.soft_timeout else "inprocess.soft_timeout"
         return self.coord.report_fault(f"rank {self.rank}: no progress for {idle:.0f}s "
-                                       f"(soft timeout {self.s.soft_timeout:g}s)")
+                                       f"(soft timeout {soft:g}s, {how}, phase "
+                                       f"{current_phase()})")
 
     def _interrupt(self, fault: str) -> bool:
         """Abort the group and stop the function; False if it is already leaving."""
@@ -409,8 +436,8 @@ def _exit_stuck(rank: int, main_tid: int, grace: float, fault: str, report: "_Re
     cause text and the main thread's stack in ``elasticctl status``).
     """
     why = (f"rank {rank}: hang: not back in Python {grace:g}s after the fault stopped its "
-           f"function (stuck in C code or a blocked collective; inprocess.hard_timeout - "
-           f"soft_timeout); ending the process so elasticd replaces it. The fault: {fault}")
+           f"function (stuck in C code or a blocked collective; hard - soft timeout); "
+           f"ending the process so elasticd replaces it. The fault: {fault}")
     _say(why)
     try:
         faulthandler.dump_traceback(all_threads=True)  # stderr: the rank's log
@@ -459,7 +486,7 @@ def _pause(seconds: float) -> None:
     """Wait between iterations, still beating (the daemon must not take us for hung)."""
     end = time.monotonic() + seconds
     while (left := end - time.monotonic()) > 0:
-        heartbeat()
+        keepalive()
         time.sleep(min(left, 1.0))
 
 

@@ -138,7 +138,7 @@ class Worker(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., state: _Optional[str] = ..., exit_code: _Optional[int] = ..., node_id: _Optional[str] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("id", "name", "state", "reason", "command", "cwd", "uid", "gid", "user", "min_nodes", "max_nodes", "nproc_per_node", "max_restarts", "restarts", "round", "created_at", "started_at", "finished_at", "exit_code", "last_failure", "workers", "node_id", "seconds_in_state", "inprocess", "restarts_by_layer", "restart_budget", "attempts", "rejected_reason")
+    __slots__ = ("id", "name", "state", "reason", "command", "cwd", "uid", "gid", "user", "min_nodes", "max_nodes", "nproc_per_node", "max_restarts", "restarts", "round", "created_at", "started_at", "finished_at", "exit_code", "last_failure", "workers", "node_id", "seconds_in_state", "inprocess", "restarts_by_layer", "restart_budget", "attempts", "rejected_reason", "hang_timeouts", "straggler")
     class SecondsInStateEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -188,6 +188,8 @@ class Job(_message.Message):
     RESTART_BUDGET_FIELD_NUMBER: _ClassVar[int]
     ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
     REJECTED_REASON_FIELD_NUMBER: _ClassVar[int]
+    HANG_TIMEOUTS_FIELD_NUMBER: _ClassVar[int]
+    STRAGGLER_FIELD_NUMBER: _ClassVar[int]
     id: str
     name: str
     state: JobState
@@ -216,7 +218,41 @@ class Job(_message.Message):
     restart_budget: _containers.ScalarMap[str, int]
     attempts: _containers.RepeatedCompositeFieldContainer[RestartAttempt]
     rejected_reason: str
-    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., cwd: _Optional[str] = ..., uid: _Optional[int] = ..., gid: _Optional[int] = ..., user: _Optional[str] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., nproc_per_node: _Optional[int] = ..., max_restarts: _Optional[int] = ..., restarts: _Optional[int] = ..., round: _Optional[int] = ..., created_at: _Optional[float] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., exit_code: _Optional[int] = ..., last_failure: _Optional[_Union[Failure, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., node_id: _Optional[str] = ..., seconds_in_state: _Optional[_Mapping[str, float]] = ..., inprocess: _Optional[bool] = ..., restarts_by_layer: _Optional[_Mapping[str, int]] = ..., restart_budget: _Optional[_Mapping[str, int]] = ..., attempts: _Optional[_Iterable[_Union[RestartAttempt, _Mapping]]] = ..., rejected_reason: _Optional[str] = ...) -> None: ...
+    hang_timeouts: _containers.RepeatedCompositeFieldContainer[PhaseTimeout]
+    straggler: Straggler
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., cwd: _Optional[str] = ..., uid: _Optional[int] = ..., gid: _Optional[int] = ..., user: _Optional[str] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., nproc_per_node: _Optional[int] = ..., max_restarts: _Optional[int] = ..., restarts: _Optional[int] = ..., round: _Optional[int] = ..., created_at: _Optional[float] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., exit_code: _Optional[int] = ..., last_failure: _Optional[_Union[Failure, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., node_id: _Optional[str] = ..., seconds_in_state: _Optional[_Mapping[str, float]] = ..., inprocess: _Optional[bool] = ..., restarts_by_layer: _Optional[_Mapping[str, int]] = ..., restart_budget: _Optional[_Mapping[str, int]] = ..., attempts: _Optional[_Iterable[_Union[RestartAttempt, _Mapping]]] = ..., rejected_reason: _Optional[str] = ..., hang_timeouts: _Optional[_Iterable[_Union[PhaseTimeout, _Mapping]]] = ..., straggler: _Optional[_Union[Straggler, _Mapping]] = ...) -> None: ...
+
+class PhaseTimeout(_message.Message):
+    __slots__ = ("phase", "soft_seconds", "hard_seconds", "learned", "longest_gap_seconds", "gaps")
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    SOFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    HARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LEARNED_FIELD_NUMBER: _ClassVar[int]
+    LONGEST_GAP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    GAPS_FIELD_NUMBER: _ClassVar[int]
+    phase: str
+    soft_seconds: float
+    hard_seconds: float
+    learned: bool
+    longest_gap_seconds: float
+    gaps: int
+    def __init__(self, phase: _Optional[str] = ..., soft_seconds: _Optional[float] = ..., hard_seconds: _Optional[float] = ..., learned: _Optional[bool] = ..., longest_gap_seconds: _Optional[float] = ..., gaps: _Optional[int] = ...) -> None: ...
+
+class Straggler(_message.Message):
+    __slots__ = ("rank", "ratio", "step_seconds", "median_step_seconds", "ranks", "node_id")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    RATIO_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MEDIAN_STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    ratio: float
+    step_seconds: float
+    median_step_seconds: float
+    ranks: int
+    node_id: str
+    def __init__(self, rank: _Optional[int] = ..., ratio: _Optional[float] = ..., step_seconds: _Optional[float] = ..., median_step_seconds: _Optional[float] = ..., ranks: _Optional[int] = ..., node_id: _Optional[str] = ...) -> None: ...
 
 class RestartAttempt(_message.Message):
     __slots__ = ("layer", "cause", "time", "duration_seconds", "outcome", "rank", "node_id")

@@ -4,10 +4,15 @@ Python imports ``sitecustomize`` at start-up from the first directory on
 sys.path that has one; elasticd puts this directory first on every worker's
 PYTHONPATH. Without any change to the training script it:
 
-* makes every ``torch.optim`` optimizer step a progress beat (see
-  elasticd_heartbeat.py), by registering torch's global optimizer step
-  post-hook the moment ``torch.optim.optimizer`` is imported: torch itself
-  is never imported from here, so non-torch processes pay nothing for it;
+* makes every ``torch.optim`` optimizer step and every module forward pass
+  a progress beat, and ``torch.save`` / ``torch.load`` /
+  ``torch.distributed.checkpoint`` save and load the ``checkpoint`` phase
+  and ``torch.distributed.barrier`` the ``barrier`` phase
+  (see elasticd_heartbeat.py), by registering torch's global optimizer step
+  post-hook and module forward hook, and wrapping those functions, the
+  moment the torch module defining each is imported (before ``torch``
+  binds ``torch.save``): torch itself is never imported from here, so
+  non-torch processes pay nothing for it;
 * makes SIGUSR1 dump every thread's Python stack to stderr (the rank's log),
   which is what the daemon sends a rank that stopped making progress;
 * then runs the ``sitecustomize`` this one shadows (the next one on
@@ -28,18 +33,15 @@ def _install_fault_handler():
             pass
 
 
-_TARGET = "torch.optim.optimizer"
+class _ImportHookFinder(object):
+    """A meta-path finder that watches for a few modules and runs a hook after each loads."""
 
-
-class _OptimizerHookFinder(object):
-    """A meta-path finder that only watches for one module and wraps its loader."""
-
-    def __init__(self, on_loaded):
-        self._on_loaded = on_loaded
+    def __init__(self, hooks):
+        self._hooks = dict(hooks)  # module name -> callable(module)
         self._busy = False
 
     def find_spec(self, name, path=None, target=None):
-        if name != _TARGET or self._busy:
+        if name not in self._hooks or self._busy:
             return None
         self._busy = True
         try:
@@ -56,15 +58,19 @@ class _OptimizerHookFinder(object):
         loader = getattr(spec, "loader", None)
         if loader is None or not hasattr(loader, "exec_module"):
             return spec
-        spec.loader = _LoaderThenHook(loader, self._on_loaded, self)
+        spec.loader = _LoaderThenHook(loader, self._hooks.pop(name))
+        if not self._hooks:
+            try:
+                sys.meta_path.remove(self)
+            except ValueError:
+                pass
         return spec
 
 
 class _LoaderThenHook(object):
-    def __init__(self, loader, on_loaded, finder):
+    def __init__(self, loader, on_loaded):
         self._loader = loader
         self._on_loaded = on_loaded
-        self._finder = finder
 
     def __getattr__(self, name):  # get_source, is_package, ... as the real loader has them
         return getattr(self._loader, name)
@@ -75,10 +81,6 @@ class _LoaderThenHook(object):
     def exec_module(self, module):
         self._loader.exec_module(module)
         try:
-            sys.meta_path.remove(self._finder)
-        except ValueError:
-            pass
-        try:
             self._on_loaded(module)
         except Exception:  # a broken hook must not break importing torch
             pass
@@ -86,17 +88,51 @@ class _LoaderThenHook(object):
 
 def _register_step_hook(optimizer_module):
     register = getattr(optimizer_module, "register_optimizer_step_post_hook", None)
-    if register is None:
-        return
-    from elasticd_heartbeat import _optimizer_step_hook
-    register(_optimizer_step_hook)
+    if register is not None:
+        from elasticd_heartbeat import _optimizer_step_hook
+        register(_optimizer_step_hook)
 
 
-def _install_optimizer_hook():
-    if _TARGET in sys.modules:  # cannot happen at start-up, but be exact
-        _register_step_hook(sys.modules[_TARGET])
-        return
-    sys.meta_path.insert(0, _OptimizerHookFinder(_register_step_hook))
+def _register_forward_hook(module_module):
+    register = getattr(module_module, "register_module_forward_hook", None)
+    if register is not None:
+        from elasticd_heartbeat import _forward_hook
+        register(_forward_hook)
+
+
+def _wrapper_of(phase, *names):
+    """A hook that makes the module's functions ``names`` run as ``phase``."""
+    def wrap(module):
+        from elasticd_heartbeat import in_phase
+        for name in names:
+            fn = getattr(module, name, None)
+            if callable(fn):
+                setattr(module, name, in_phase(phase, fn))
+    return wrap
+
+
+_HOOKS = {
+    "torch.optim.optimizer": _register_step_hook,
+    "torch.nn.modules.module": _register_forward_hook,
+    "torch.serialization": _wrapper_of("checkpoint", "save", "load"),
+    "torch.distributed.checkpoint.state_dict_saver": _wrapper_of(
+        "checkpoint", "save", "save_state_dict", "async_save"),
+    "torch.distributed.checkpoint.state_dict_loader": _wrapper_of(
+        "checkpoint", "load", "load_state_dict"),
+    "torch.distributed.distributed_c10d": _wrapper_of("barrier", "barrier",
+                                                      "monitored_barrier"),
+}
+
+
+def _install_torch_hooks():
+    pending = {}
+    for name, hook in _HOOKS.items():
+        if name in sys.modules:  # cannot happen at start-up, but be exact
+            hook(sys.modules[name])
+        else:
+            pending[name] = hook
+    if pending:
+        sys.meta_path.insert(0, _ImportHookFinder(pending))
 
 
 def _run_shadowed_sitecustomize():
@@ -119,7 +155,7 @@ def _run_shadowed_sitecustomize():
         traceback.print_exc()
 
 
-for _step in (_install_fault_handler, _install_optimizer_hook):
+for _step in (_install_fault_handler, _install_torch_hooks):
     try:
         _step()
     except Exception:
