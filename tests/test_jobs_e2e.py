@@ -250,13 +250,23 @@ SLEEP = [PY, "-c", "import time; time.sleep(1.5)"]
 
 def test_second_job_waits_pending_until_slots_free_up(daemon_factory):
     d = daemon_factory(slots=2).start()
-    first = submit(d, "--nproc-per-node", "2", "--", *SLEEP)
+    # The first job holds both slots until the test lets it go (a file), not
+    # for a fixed time: on a loaded machine the second submit alone can take
+    # longer than any sleep the first would do.
+    release = os.path.join(d.root, "release-first")
+    hold = f"import os, time\nwhile not os.path.exists({release!r}): time.sleep(0.05)"
+    first = submit(d, "--nproc-per-node", "2", "--", PY, "-c", hold)
     second = submit(d, "--nproc-per-node", "2", "--", *SLEEP)
 
     d.wait_state(first, "RUNNING")
     # While the first holds both slots, the second must not start.
-    while pb.JobState.Name(d.job(first).state) == "RUNNING":
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline:
+        assert pb.JobState.Name(d.job(first).state) == "RUNNING"
         assert pb.JobState.Name(d.job(second).state) == "PENDING"
+        time.sleep(0.05)
+    open(release, "w").close()
+    while pb.JobState.Name(d.job(first).state) == "RUNNING":
         time.sleep(0.05)
     assert status_json(d, first)["state"] == "SUCCEEDED"
 
