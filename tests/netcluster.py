@@ -410,6 +410,29 @@ class NetCluster:
             m.start(wait=30)
         return t
 
+    def isolate_from_etcd(self, host: str) -> float:
+        """Cut ``host`` off from every etcd member (its peers still reach it)."""
+        t = self.note(f"{host} cut off from etcd")
+        self.net.partition([host], self.etcd_names)
+        return t
+
+    def isolate_from_peers(self, host: str) -> float:
+        """Cut ``host`` off from the other hosts (it still reaches etcd)."""
+        t = self.note(f"{host} cut off from its peers")
+        self.net.partition([host], [h for h in self.host_names if h != host])
+        return t
+
+    def isolate(self, name: str) -> float:
+        """Cut a host or etcd member off from everyone."""
+        t = self.note(f"{name} cut off from everyone")
+        self.net.partition([name], [n for n in self.net.ip if n != name])
+        return t
+
+    def heal(self) -> float:
+        t = self.note("healed")
+        self.net.heal()
+        return t
+
     def latency(self, ms: int) -> None:
         """Delay every byte through the etcd relays by ``ms`` each way (needs etcd_relay)."""
         assert self.etcd_relay, "latency needs NetCluster(etcd_relay=True)"

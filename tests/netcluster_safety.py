@@ -8,7 +8,8 @@ late and counted dead at its last sighting), so an overlap it finds is real.
 
 ``check()`` asserts, for every job the test submitted:
 1. no two rounds at once: workers of different rounds on different hosts
-   with the same rank were never alive together (split brain);
+   with the same rank were never alive together (split brain), and no host
+   started a round it had already run (a stale rank beside the next round);
 2. no rank held twice: two live processes never had the same rank;
 3. sums right: every step's all_reduce was right, and a SUCCEEDED job's last
    round ended with "done" on every rank at the full step count;
@@ -131,6 +132,7 @@ class Safety:
             problems += self._overlaps(job_id, lives)
             problems += self._sums(job_id, on, steps, lives)
             own = self._own_events(job_id, settle)
+            problems += self._rounds_once(job_id, own)
             problems += self._stopped_in_time(job_id, lives, own)
             problems += self._nothing_lost(job_id, on, own, settle)
             stats[job_id] = self._numbers(job_id, lives, own)
@@ -180,6 +182,19 @@ class Safety:
                 own[host] = []
         return own
 
+    def _rounds_once(self, job_id: str, own: dict) -> list[str]:
+        """(1) also: a host never starts workers for a round it already ran (its
+        peers have moved on: that rank would run beside the next round)."""
+        out = []
+        for host, evs in own.items():
+            ran = [e.round for e in evs if e.kind == "state"
+                   and pb.JobState.Name(e.to_state) == "RUNNING"]
+            again = [r for i, r in enumerate(ran) if any(r <= p for p in ran[:i])]
+            if again:
+                out.append(f"(1) job {job_id}: {host} ran round(s) {again} again after "
+                           f"running rounds {ran}")
+        return out
+
     def _stopped_in_time(self, job_id: str, lives: list[Life], own: dict) -> list[str]:
         grace = float(self.cluster.settings["agent.stop_grace_period"])
         out = []
@@ -205,8 +220,13 @@ class Safety:
                     out.append(f"(5) job {job_id} on {host}: state events jump from "
                                f"{pb.JobState.Name(prev.to_state)} to a move out of "
                                f"{pb.JobState.Name(nxt.from_state)}: an event is missing")
-            if states:
-                got = pb.JobState.Name(self.cluster.daemons[host].job(job_id).state)
+            if states:  # every host that took part ends in the same state (give it time)
+                deadline = time.monotonic() + settle
+                while True:
+                    got = pb.JobState.Name(self.cluster.daemons[host].job(job_id).state)
+                    if got == want or time.monotonic() >= deadline:
+                        break
+                    time.sleep(0.2)
                 if got != want:
                     out.append(f"(5) job {job_id}: {host} says {got}, {on} says {want}")
         # Every host's own events end up on every other host (mirrored via etcd).
@@ -244,4 +264,14 @@ class Safety:
     def first_step_after(self, job_id: str, t: float) -> float | None:
         """Seconds from ``t`` to the first rank-0 step after it (None if none)."""
         later = [r["t"] for r in self.records(job_id, "step") if r["rank"] == 0 and r["t"] > t]
+        return (min(later) - t) if later else None
+
+    def first_new_round_step(self, job_id: str, t: float) -> float | None:
+        """Seconds from ``t`` to the first step of a round later than the one
+        training at ``t`` (None if no later round trained)."""
+        steps = self.records(job_id, "step")
+        before = [r["round"] for r in steps if r["t"] <= t]
+        if not before:
+            return None
+        later = [r["t"] for r in steps if r["round"] > max(before)]
         return (min(later) - t) if later else None
