@@ -489,7 +489,9 @@ class NetCluster:
                      if r["rank"] == 0 and r["t"] > after]
             if len(steps) >= count:
                 return min(steps)
-            time.sleep(0.1)
+            if pb.JobState.Name(self.job(job_id).state) in ("SUCCEEDED", "FAILED", "CANCELLED"):
+                break
+            time.sleep(0.2)
         raise AssertionError(f"job {job_id}: no training step within {timeout:g}s after the "
                              f"fault; {self.describe(job_id)}")
 

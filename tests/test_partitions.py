@@ -134,8 +134,8 @@ def test_minority_etcd_member_cut_off_no_restart(netcluster):
     is cut off from everyone: the daemons go on through e1/e2 and training is
     never restarted."""
     c = netcluster(hosts=3)
-    job, _ = training(c, steps=200)
     _leader_away_from(c, "e0")
+    job, _ = training(c, steps=200)
     t = c.isolate("e0")
     c.wait_steps(job, after=t + 2 * LEASE_TTL, count=3, timeout=60)
     c.heal()
