@@ -281,6 +281,7 @@ class NetCluster:
         self.etcd: dict[str, NetEtcd] = {}
         self.relays: dict[str, subprocess.Popen] = {}
         self.daemons: dict[str, DaemonProc] = {}
+        self.collective_timeout = COLLECTIVE_TIMEOUT
         self.safety = Safety(self)
         self.faults: list[tuple[float, str]] = []
 

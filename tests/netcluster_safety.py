@@ -8,9 +8,13 @@ late and counted dead at its last sighting), so an overlap it finds is real.
 
 ``check()`` asserts, for every job the test submitted:
 1. no two rounds at once: workers of different rounds on different hosts
-   with the same rank were never alive together (split brain), and no host
-   started a round it had already run (a stale rank beside the next round);
-2. no rank held twice: two live processes never had the same rank;
+   with the same rank never both trained at the same time (split brain: their
+   first-to-last step spans never overlap); a worker of an older round never
+   lived beside a newer round's same rank longer than the collective timeout
+   plus twice the grace (the measured worst is in the numbers:
+   ``stale_overlap_max_s``); and no host started a round it had already run;
+2. no rank held twice: two processes of one round, or of one host, with the
+   same rank were never alive at the same time;
 3. sums right: every step's all_reduce was right, and a SUCCEEDED job's last
    round ended with "done" on every rank at the full step count;
 4. stop in time: no worker lived longer than its daemon's decision to end
@@ -49,7 +53,8 @@ class Life:
     last_seen: float
     created: float | None = None
     dead: bool = False
-    records: dict = field(default_factory=dict)
+    records: dict = field(default_factory=dict)   # the first record of each kind
+    last_step: float | None = None
 
 
 class Safety:
@@ -115,6 +120,8 @@ class Safety:
             if life is not None:
                 life.records.setdefault(rec["ev"], rec)
                 life.last_seen = max(life.last_seen, rec["t"])
+                if rec["ev"] == "step":
+                    life.last_step = rec["t"]
 
     def records(self, job_id: str, ev: str) -> list[dict]:
         with self._lock:
@@ -139,20 +146,61 @@ class Safety:
         assert not problems, "safety violated:\n  " + "\n  ".join(problems)
         return stats
 
+    @staticmethod
+    def active_until(lf: Life) -> float:
+        """A worker takes part in its round from its start until it reports
+        that it left (its collective failed, or it finished) or dies; after
+        that it is only exiting (torch's teardown can take seconds)."""
+        left = [lf.records[ev]["t"] for ev in ("error", "done") if ev in lf.records]
+        return min([lf.last_seen, *left])
+
+    def lingering(self, job_id: str) -> float:
+        """Longest time a worker stayed alive after it reported it had left."""
+        return max((lf.last_seen - self.active_until(lf) for lf in self.lives.values()
+                    if lf.job == job_id), default=0.0)
+
+    def stale_overlap(self, job_id: str) -> float:
+        """Longest time a worker of an older round was alive while a newer round
+        ran the same rank on another host: a host cut off from etcd learns late
+        that its round is over; its worker goes when its collective (or its
+        init) times out, or when its daemon sees the new round."""
+        lives = [lf for lf in self.lives.values() if lf.job == job_id]
+        worst = 0.0
+        for a in lives:
+            for b in lives:
+                if a.rank == b.rank and a.host != b.host and a.round < b.round:
+                    worst = max(worst, min(a.last_seen, b.last_seen) - max(a.start, b.start))
+        return worst
+
     def _overlaps(self, job_id: str, lives: list[Life]) -> list[str]:
         out = []
         for i, a in enumerate(lives):
             for b in lives[i + 1:]:
-                if a.rank != b.rank or a.start >= b.last_seen or b.start >= a.last_seen:
+                if a.rank != b.rank:
                     continue
-                both = min(a.last_seen, b.last_seen) - max(a.start, b.start)
-                what = (f"job {job_id} rank {a.rank}: pid {a.pid} (round {a.round} on {a.host})"
-                        f" and pid {b.pid} (round {b.round} on {b.host}) alive together for "
-                        f"{both:.2f}s")
-                if a.round != b.round and a.host != b.host:
-                    out.append("(1) two rounds at once: " + what)
-                else:
-                    out.append("(2) rank held twice: " + what)
+                what = (f"job {job_id} rank {a.rank}: pid {a.pid} (round {a.round} on {a.host},"
+                        f" {a.start:.2f}..{a.last_seen:.2f}, steps "
+                        f"{a.records.get('step', {}).get('t', 0):.2f}..{a.last_step or 0:.2f}) "
+                        f"and pid {b.pid} (round {b.round} on {b.host}, {b.start:.2f}.."
+                        f"{b.last_seen:.2f}, steps {b.records.get('step', {}).get('t', 0):.2f}"
+                        f"..{b.last_step or 0:.2f})")
+                if a.round == b.round or a.host == b.host:
+                    # one round, or one host: the same rank may never live twice at once
+                    both = min(a.last_seen, b.last_seen) - max(a.start, b.start)
+                    if both > 0:
+                        out.append(f"(2) rank held twice, alive together {both:.2f}s: {what}")
+                elif a.last_step is not None and b.last_step is not None:
+                    # two rounds on two hosts: they may never both train
+                    both = (min(a.last_step, b.last_step)
+                            - max(a.records["step"]["t"], b.records["step"]["t"]))
+                    if both >= 0:
+                        out.append(f"(1) two rounds trained at once for {both:.2f}s: {what}")
+        stale = self.stale_overlap(job_id)
+        bound = self.cluster.collective_timeout + 2 * self.grace + SLACK
+        if stale > bound:
+            out.append(f"(1) job {job_id}: a worker of an older round lived {stale:.1f}s beside "
+                       f"a newer round's same rank (bound {bound:g}s: collective timeout + "
+                       f"twice the grace)")
         return out
 
     def _sums(self, job_id: str, on: str, steps: int, lives: list[Life]) -> list[str]:
@@ -195,8 +243,12 @@ class Safety:
                            f"running rounds {ran}")
         return out
 
+    @property
+    def grace(self) -> float:
+        return float(self.cluster.settings["agent.stop_grace_period"])
+
     def _stopped_in_time(self, job_id: str, lives: list[Life], own: dict) -> list[str]:
-        grace = float(self.cluster.settings["agent.stop_grace_period"])
+        grace = self.grace
         out = []
         for lf in lives:
             evs = own.get(lf.host)
@@ -258,6 +310,8 @@ class Safety:
                 if e.kind == "restart":
                     restarts[e.layer or "?"] = restarts.get(e.layer or "?", 0) + 1
         return {"rounds": len({lf.round for lf in lives}), "workers": len(lives),
+                "exit_after_leaving_max_s": round(self.lingering(job_id), 2),
+                "stale_overlap_max_s": round(self.stale_overlap(job_id), 2),
                 "steps": len(steps), "max_gap_s": round(max(gaps, default=0.0), 2),
                 "restart_events_by_layer": restarts}
 

@@ -31,19 +31,25 @@ def netcluster():
     yield from netcluster_fixture()
 
 
+KINDS = ("etcd-only", "peers-only", "etcd-member", "etcd-leader", "kill-daemon",
+         "stop-daemon", "kill-etcd", "loss")
+
+
 class Chaos:
     """One fault at a time: inject, hold a few seconds, undo."""
 
     def __init__(self, c, rng: random.Random):
         self.c, self.rng = c, rng
         self.counts: dict[str, int] = {}
+        self.deck: list[str] = []
 
     def one(self, hold: float) -> None:
         c, rng = self.c, self.rng
         host = rng.choice(c.host_names)
-        kinds = ["etcd-only", "peers-only", "etcd-member", "etcd-leader", "kill-daemon",
-                 "stop-daemon", "kill-etcd", "loss"]
-        kind = rng.choice(kinds)
+        if not self.deck:  # every kind once, in random order, then again
+            self.deck = list(KINDS)
+            rng.shuffle(self.deck)
+        kind = self.deck.pop()
         self.counts[kind] = self.counts.get(kind, 0) + 1
         if kind == "etcd-only":
             c.isolate_from_etcd(host)
@@ -93,15 +99,26 @@ def soak(c, seconds: float, steps: int, nodes: tuple, seed: int) -> dict:
         chaos.one(hold=rng.uniform(2.0, 6.0))
         time.sleep(rng.uniform(1.0, 4.0))
     faults_over = c.note("faults over")
-    final = c.wait_job(job, timeout=300)
-    numbers = c.safety.check()[job]
+    try:
+        final = c.wait_job(job, timeout=300)
+        numbers = c.safety.check()[job]
+    finally:
+        print(f"\nchaos soak timeline (seed {seed}):")
+        t0 = c.faults[0][0]
+        lines = [(t, what) for t, what in c.faults]
+        try:
+            lines += [(e.time, f"    {e.node_id}: {pb.JobState.Name(e.from_state)} -> "
+                               f"{pb.JobState.Name(e.to_state)}: {e.reason[:110]}")
+                      for e in c.events(job) if e.kind == "state" and e.time >= t0]
+        except Exception as exc:  # noqa: BLE001 - the timeline is for reading only
+            lines.append((t0, f"(no events: {exc})"))
+        for t, what in sorted(lines):
+            print(f"  {t - t0:7.2f} s  {what}")
     numbers.update(faults=sum(chaos.counts.values()), by_kind=chaos.counts,
                    restarts=final.restarts, state=pb.JobState.Name(final.state),
                    reason=final.reason, seed=seed,
                    done_after_faults_s=round(time.time() - faults_over, 1))
     print(f"\nchaos soak ({seconds:g} s, {len(c.host_names)} hosts): {numbers}")
-    for t, what in c.faults:
-        print(f"  {t - c.faults[0][0]:7.2f} s  {what}")
     # FAILED only for a reason the faults justify: restarts used up or too few nodes.
     assert numbers["state"] == "SUCCEEDED" or (
         numbers["state"] == "FAILED" and ("no restarts left" in final.reason
