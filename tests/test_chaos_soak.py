@@ -89,7 +89,7 @@ class Chaos:
 
 def soak(c, seconds: float, steps: int, nodes: tuple, seed: int) -> dict:
     rng = random.Random(seed)
-    job = c.submit_training(nodes=nodes, steps=steps, max_restarts=100)
+    job = c.submit_training(nodes=nodes, steps=steps, step_seconds=0.05, max_restarts=100)
     c.wait_steps(job, after=0, count=3, timeout=STARTUP)
     chaos = Chaos(c, rng)
     end = time.monotonic() + seconds
@@ -132,10 +132,10 @@ def _seed() -> int:
 
 def test_chaos_soak_short(netcluster):
     c = netcluster(hosts=3)
-    soak(c, seconds=25, steps=250, nodes=(2, 3), seed=_seed())
+    soak(c, seconds=20, steps=300, nodes=(2, 3), seed=_seed())
 
 
 @pytest.mark.slow
 def test_chaos_soak_long(netcluster):
     c = netcluster(hosts=4)
-    soak(c, seconds=150, steps=1200, nodes=(2, 4), seed=_seed())
+    soak(c, seconds=90, steps=400, nodes=(2, 4), seed=_seed())

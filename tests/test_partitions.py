@@ -14,13 +14,14 @@ import time
 import pytest
 
 from elasticd.v1 import control_pb2 as pb
-from netcluster import STOP_GRACE, netcluster_fixture, netns_unavailable
+from netcluster import COLLECTIVE_TIMEOUT, STOP_GRACE, netcluster_fixture, netns_unavailable
 
 REASON = netns_unavailable()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"needs network namespaces: {REASON}")
 
 LEASE_TTL = 3.0       # membership.lease_ttl's default, which these daemons keep
 STARTUP = 120.0       # submit -> first step: torch imports on a loaded 2-core machine
+STEP = 0.05           # seconds a training step sleeps
 
 
 @pytest.fixture
@@ -30,7 +31,7 @@ def netcluster():
 
 def training(c, steps: int, nodes=(2, 3)) -> tuple[str, float]:
     """Submit a 3-host training job and wait for its first few steps."""
-    job = c.submit_training(nodes=nodes, steps=steps)
+    job = c.submit_training(nodes=nodes, steps=steps, step_seconds=STEP)
     first = c.wait_steps(job, after=0, count=5, timeout=STARTUP)
     return job, first
 
@@ -72,7 +73,7 @@ def test_host_cut_off_from_etcd_only(netcluster):
     the grace; after the heal h3 registers again and rejoins (scale-up
     policy: immediate)."""
     c = netcluster(hosts=3)
-    job, _ = training(c, steps=250)
+    job, _ = training(c, steps=160)
     before = {lf.pid for lf in lives_on(c, job, "h3")}
     t = c.isolate_from_etcd("h3")
     c.wait_steps(job, after=t + LEASE_TTL, count=3, timeout=60)
@@ -94,11 +95,11 @@ def test_host_cut_off_from_peers_only(netcluster):
     collectives tell; each round fails within the collective timeout (no
     hang), new rounds form, and after the heal the job finishes."""
     c = netcluster(hosts=3)
-    job, _ = training(c, steps=250)
+    job, _ = training(c, steps=160)
     t = c.isolate_from_peers("h3")
     # the collective fails and a new round opens: no rank trains for ever in a dead round
     c.safety.poll()
-    time.sleep(15)
+    time.sleep(COLLECTIVE_TIMEOUT + 2)
     healed = c.heal()
     final = c.wait_job(job, timeout=240)
     numbers = c.safety.check()
@@ -135,7 +136,7 @@ def test_minority_etcd_member_cut_off_no_restart(netcluster):
     never restarted."""
     c = netcluster(hosts=3)
     _leader_away_from(c, "e0")
-    job, _ = training(c, steps=200)
+    job, _ = training(c, steps=150)
     t = c.isolate("e0")
     c.wait_steps(job, after=t + 2 * LEASE_TTL, count=3, timeout=60)
     c.heal()
@@ -152,7 +153,7 @@ def test_etcd_leader_cut_off(netcluster):
     """The etcd leader is cut off from everyone: a new leader is elected; at
     most one round change, the job is not lost."""
     c = netcluster(hosts=3)
-    job, _ = training(c, steps=200)
+    job, _ = training(c, steps=150)
     leader = c.etcd_leader()
     t = c.isolate(leader)
     c.wait_steps(job, after=t + 2 * LEASE_TTL, count=3, timeout=90)
@@ -173,7 +174,7 @@ def test_latency_and_loss_on_every_etcd_link(netcluster):
     c.latency(200)
     c.net.loss(c.etcd_names, 5)
     t = c.note("200 ms + 5 % loss on every etcd link")
-    job, _ = training(c, steps=150, nodes=(3, 3))
+    job, _ = training(c, steps=120, nodes=(3, 3))
     final = c.wait_job(job, timeout=240)
     numbers = c.safety.check()
     report("200 ms latency + 5 % loss on etcd links", c, job, t, numbers)
@@ -190,7 +191,7 @@ def test_daemon_stopped_10s_is_replaced_and_runs_nothing_stale(netcluster):
     when it resumes it runs no worker of the old round next to the new one
     (the safety checker's property 1)."""
     c = netcluster(hosts=3)
-    job, _ = training(c, steps=250)
+    job, _ = training(c, steps=220)
     t = c.freeze("h3")
     c.wait_steps(job, after=t + LEASE_TTL, count=3, timeout=60)
     time.sleep(max(0.0, t + 10 - time.time()))
