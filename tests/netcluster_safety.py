@@ -304,11 +304,11 @@ class Safety:
         steps = sorted(r["t"] for r in self.all if r["job"] == job_id and r["ev"] == "step"
                        and r["rank"] == 0)
         gaps = [b - a for a, b in zip(steps, steps[1:])]
-        restarts = {}
-        for evs in own.values():
-            for e in evs:
-                if e.kind == "restart":
-                    restarts[e.layer or "?"] = restarts.get(e.layer or "?", 0) + 1
+        recoveries = {(e.round, e.layer or "?") for evs in own.values() for e in evs
+                      if e.kind == "restart"}   # each node reports a recovery: count it once
+        restarts: dict[str, int] = {}
+        for _, layer in recoveries:
+            restarts[layer] = restarts.get(layer, 0) + 1
         return {"rounds": len({lf.round for lf in lives}), "workers": len(lives),
                 "exit_after_leaving_max_s": round(self.lingering(job_id), 2),
                 "stale_overlap_max_s": round(self.stale_overlap(job_id), 2),
