@@ -132,7 +132,7 @@ def _seed() -> int:
 
 def test_chaos_soak_short(netcluster):
     c = netcluster(hosts=3)
-    soak(c, seconds=20, steps=300, nodes=(2, 3), seed=_seed())
+    soak(c, seconds=15, steps=250, nodes=(2, 3), seed=_seed())
 
 
 @pytest.mark.slow
