@@ -88,6 +88,12 @@ apt_install() {
 # for `promtool check metrics/rules` in the metrics tests.
 install_etcd() { apt_install etcd etcd etcd-server etcd-client; }
 install_promtool() { apt_install promtool prometheus prometheus; }
+# ip/tc and nft for the network-namespace cluster tests (tests/netcluster.py);
+# nftables.service stays disabled: it would replace the machine's ruleset.
+install_netns_tools() {
+    apt_install ip iproute2 iproute2
+    apt_install nft nftables nftables
+}
 
 # make_venv: .venv/ from the base python3, installing python3-venv first when
 # the base interpreter cannot make one (Debian splits ensurepip out).
@@ -141,4 +147,5 @@ install_python_packages() {
 
 install_etcd
 install_promtool
+install_netns_tools
 install_python_packages

@@ -39,11 +39,14 @@ class DaemonProc:
                      "--slots", str(slots), *extra_args]
         self.env = dict(os.environ, **(env or {}))
         self.proc: subprocess.Popen | None = None
+        # Argv put before the daemon's own (e.g. ``ip netns exec NS``, which
+        # execs, so ``proc.pid`` is still the daemon's).
+        self.wrap: list[str] = []
 
     # -- life cycle ----------------------------------------------------------
     def start(self, timeout: float = 15.0) -> "DaemonProc":
         logf = open(self.log_path, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "elasticd", *self.args],
+        self.proc = subprocess.Popen([*self.wrap, sys.executable, "-m", "elasticd", *self.args],
                                      stdout=logf, stderr=subprocess.STDOUT, env=self.env,
                                      cwd=self.root)
         logf.close()

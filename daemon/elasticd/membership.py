@@ -93,6 +93,7 @@ class LeaseKeeper:
         self.refreshes = 0
         self.reregistrations = 0
         self.errors = 0
+        self._retry_at_once = False   # see _next_wait
 
     # -- registration ----------------------------------------------------------
     def register(self) -> None:
@@ -145,9 +146,23 @@ class LeaseKeeper:
         self._written = None
 
     def _run(self) -> None:
-        while not self._stop.wait(self._interval if self.health == "ok" else
-                                  min(self._interval, 0.5)):
+        while not self._stop.wait(self._next_wait()):
             self.tick()
+
+    def _next_wait(self) -> float:
+        """Seconds before the next tick. After the first failure following a
+        refresh, none: a refresh that hung on an unreachable member took up to
+        a request timeout of the lease's TTL (config checks refresh interval +
+        request timeout <= TTL), and the store already points at the next
+        endpoint; waiting any longer lets the lease expire under a healthy
+        cluster (a minority etcd member partitioned). Later failures: every
+        half second at most, so a dead cluster is not hammered."""
+        if self.health == "ok":
+            return self._interval
+        if self._retry_at_once:
+            self._retry_at_once = False
+            return 0.0
+        return min(self._interval, 0.5)
 
     def tick(self) -> str:
         """One refresh cycle; returns what it did, in one sentence."""
@@ -180,6 +195,7 @@ class LeaseKeeper:
         except StoreError as exc:
             self.errors += 1
             if self.health == "ok":
+                self._retry_at_once = True
                 log.warning("%s: etcd unavailable: %s; jobs keep running, retrying",
                             ctx(node=self._node_id), exc)
             self.health = f"unavailable: {exc}"

@@ -60,6 +60,10 @@ class ClusterRendezvous:
         self._written = 0                    # revision of our last state write
         self.prev_rank = -1
         self.last_state: RoundState | None = None
+        # The last round next_round returned, and a new round we asked for that
+        # may not have reached etcd: a round is never run twice (see next_round).
+        self._ran: Result | None = None
+        self._wanted: tuple[str, bool] | None = None   # reopen's (reason, count_restart)
         # This node's job store for in-process restart (the agent starts it before
         # joining; 0: none). The round's first member's is the one its ranks share.
         self.store_port = 0
@@ -113,7 +117,18 @@ class ClusterRendezvous:
                         log.info("%s: %s", self._where(state.round), why)
             elif state.status == CLOSED:
                 result = result_for(state, self.node_id)
+                if result is not None and self._ran is not None \
+                        and state.round <= self._ran.round:
+                    # The view still shows a round we already ran: our ask for the next
+                    # one has not got through (etcd unreachable) or the view lags it.
+                    # Running it again would start a stale rank beside the round the
+                    # others may have formed meanwhile: ask again, then wait.
+                    if self._wanted is not None:
+                        self.reopen(self._ran, *self._wanted)
+                    self._view.wait(self._poll, seen)
+                    continue
                 if result is not None:
+                    self._ran, self._wanted = result, None
                     self.prev_rank = result.group_rank
                     self._forget_old_joins(state.round)
                     return result
@@ -168,13 +183,16 @@ class ClusterRendezvous:
         return "current", ""
 
     def reopen(self, result: Result, reason: str, count_restart: bool) -> RoundState:
-        """Open the next round (once, cluster-wide); returns the state that then holds."""
+        """Open the next round (once, cluster-wide); returns the state that then holds.
+        A StoreError leaves the ask pending: next_round makes it again."""
+        self._wanted = (reason, count_restart)
         while True:
             seen = self._view.revision
             keys = self._view.job(self.job_id)
             state = keys.state if keys else None
             if state is None or state.final or state.round != result.round \
                     or state.status != CLOSED:
+                self._wanted = None
                 return state
             alive = [n for n in state.member_ids() if n in keys.joins.get(state.round, {})]
             waiting = list(keys.joins.get(state.round + 1, {}))
@@ -182,6 +200,7 @@ class ClusterRendezvous:
                               expected=tuple(set(alive) | set(waiting)))
             if self._cas_state(new, keys.state_revision):
                 log.info("%s: %s", self._where(state.round), why)
+                self._wanted = None
                 return new
             self._view.wait(self._poll, seen)  # someone else moved it; look again
 
