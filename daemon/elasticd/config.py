@@ -112,14 +112,33 @@ class AgentSettings:
                                        min=0.005, max=60)
     stop_grace_period: float = _setting(5.0, "seconds workers get after SIGTERM before SIGKILL",
                                         min=0, max=3600)
-    default_max_restarts: int = _setting(3, "restarts a job gets when its submission names none",
-                                         min=0, max=1_000_000)
-    restart_backoff_initial: float = _setting(0.0, "seconds before the first restart of a job",
+    default_max_restarts: int = _setting(-1, "restarts a job gets over its whole life when its "
+                                             "submission names none (-1: no lifetime limit; "
+                                             "the budget over agent.restart_window ends a job "
+                                             "that keeps failing)", min=-1, max=1_000_000)
+    default_max_restarts_per_window: int = _setting(
+        10, "restarts a job gets within any agent.restart_window when its submission names "
+            "none (-1: no such budget, then agent.default_max_restarts must be set)",
+        min=-1, max=1_000_000)
+    restart_window: float = _setting(3600.0, "seconds over which the restart budget of "
+                                             "--max-restarts-per-window is counted",
+                                     min=0, exclusive_min=True, max=365 * 86400)
+    restart_backoff_initial: float = _setting(0.0, "seconds before the first restart after "
+                                                   "an attempt without progress",
                                               min=0, max=3600)
     restart_backoff_step: float = _setting(0.5, "seconds added to the wait before each further "
-                                                "restart (doubling)", min=0, max=3600)
+                                                "restart without progress in between (doubling)",
+                                           min=0, max=3600)
     restart_backoff_max: float = _setting(30.0, "longest wait between two restarts",
                                           min=0, max=86400)
+    progress_min_beats: int = _setting(2, "progress beats (optimizer steps, heartbeat() calls) "
+                                          "of a failed attempt that show it made progress: it "
+                                          "restarts at once and the backoff starts over",
+                                       min=1, max=1_000_000)
+    progress_min_runtime: float = _setting(600.0, "seconds a failed attempt must have run to "
+                                                  "count as progress without beats (scripts "
+                                                  "that never beat)",
+                                           min=0, exclusive_min=True, max=30 * 86400)
     warm_spares: bool = _setting(True, "keep one pre-started Python interpreter per local rank, "
                                        "torch imported, to take over at the next restart "
                                        "(only for `python SCRIPT` / `python -m MODULE` jobs)")
@@ -129,6 +148,11 @@ class AgentSettings:
     warm_spare_delay: float = _setting(3.0, "seconds after workers start before their spares "
                                             "are started (keeps the import off the start-up path)",
                                        min=0, max=3600)
+    warm_spare_restart_delay: float = _setting(0.5, "seconds after the workers of a restart "
+                                                    "start before the spares they used are "
+                                                    "refilled (those workers start warm, so "
+                                                    "the refill need not wait as long as at "
+                                                    "first start)", min=0, max=3600)
     # -- hang detection (progress.py) --
     hang_detection: bool = _setting(True, "watch each rank's progress beats (every optimizer "
                                           "step, or elasticd_heartbeat.heartbeat()); dump the "
@@ -198,6 +222,9 @@ class ControlSettings:
     max_nodes: int = _setting(4096, "largest --nnodes accepted", min=1, max=1 << 20)
     max_restarts_limit: int = _setting(100_000, "largest --max-restarts accepted", min=0,
                                        max=1 << 30)
+    max_restarts_per_window_limit: int = _setting(
+        1000, "largest --max-restarts-per-window accepted (the restart times within the "
+              "window travel in the job's round state)", min=0, max=10_000)
     max_live_jobs: int = _setting(1000, "most unfinished jobs this daemon holds", min=1,
                                   max=1_000_000)
     log_follow_interval: float = _setting(0.1, "seconds between reads when following logs",
@@ -319,6 +346,9 @@ def _check_relations(cfg: Config, errors: list[str]) -> None:
     if a.restart_backoff_initial > a.restart_backoff_max:
         errors.append("agent.restart_backoff_initial: must not exceed agent.restart_backoff_max "
                       f"({a.restart_backoff_initial} > {a.restart_backoff_max})")
+    if a.default_max_restarts < 0 and a.default_max_restarts_per_window < 0:
+        errors.append("agent.default_max_restarts: a job needs a restart budget: set it, or "
+                      "agent.default_max_restarts_per_window (both are -1)")
     if a.hang_soft_timeout >= a.hang_hard_timeout:
         errors.append("agent.hang_soft_timeout: must be below agent.hang_hard_timeout "
                       f"({a.hang_soft_timeout} >= {a.hang_hard_timeout})")

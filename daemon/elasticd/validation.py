@@ -84,6 +84,12 @@ def submit_request(req, limits: ControlSettings) -> JobRequest:
                    "control.max_nproc_per_node")
     max_restarts = _count("max_restarts", req.max_restarts, -1, limits.max_restarts_limit,
                           "control.max_restarts_limit; -1 means the daemon's default")
+    per_window = None
+    if req.HasField("max_restarts_per_window"):
+        per_window = _count("max_restarts_per_window", req.max_restarts_per_window, -1,
+                            limits.max_restarts_per_window_limit,
+                            "control.max_restarts_per_window_limit; -1 means no budget over "
+                            "a window")
     nodes = tuple(req.nodes)
     if len(nodes) > limits.max_nodes:
         raise InvalidArgument(f"nodes: {len(nodes)} named, at most {limits.max_nodes}")
@@ -95,5 +101,6 @@ def submit_request(req, limits: ControlSettings) -> JobRequest:
                               f"least {min_nodes}")
     return JobRequest(command=tuple(command), cwd=cwd, env=env, name=name,
                       min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc,
-                      max_restarts=max_restarts, nodes=tuple(sorted(set(nodes))),
+                      max_restarts=max_restarts, max_restarts_per_window=per_window,
+                      nodes=tuple(sorted(set(nodes))),
                       inprocess=bool(req.inprocess))

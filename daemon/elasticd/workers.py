@@ -340,6 +340,10 @@ class SparePool:
                 return started
         return started
 
+    def ready(self) -> int:
+        """How many spares are alive, waiting for a worker's identity."""
+        return sum(1 for spare in self._spares.values() if spare.poll() is None)
+
     def take(self, local_rank: int, rank: int) -> subprocess.Popen | None:
         """The spare for a local rank, if alive and its output goes to ``rank``'s log.
 

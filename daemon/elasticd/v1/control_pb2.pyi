@@ -27,7 +27,7 @@ FAILED: JobState
 CANCELLED: JobState
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("name", "command", "cwd", "env", "min_nodes", "max_nodes", "nproc_per_node", "max_restarts", "inprocess", "nodes")
+    __slots__ = ("name", "command", "cwd", "env", "min_nodes", "max_nodes", "nproc_per_node", "max_restarts", "inprocess", "nodes", "max_restarts_per_window")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,7 @@ class SubmitRequest(_message.Message):
     MAX_RESTARTS_FIELD_NUMBER: _ClassVar[int]
     INPROCESS_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
+    MAX_RESTARTS_PER_WINDOW_FIELD_NUMBER: _ClassVar[int]
     name: str
     command: _containers.RepeatedScalarFieldContainer[str]
     cwd: str
@@ -55,7 +56,8 @@ class SubmitRequest(_message.Message):
     max_restarts: int
     inprocess: bool
     nodes: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, name: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., cwd: _Optional[str] = ..., env: _Optional[_Mapping[str, str]] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., nproc_per_node: _Optional[int] = ..., max_restarts: _Optional[int] = ..., inprocess: _Optional[bool] = ..., nodes: _Optional[_Iterable[str]] = ...) -> None: ...
+    max_restarts_per_window: int
+    def __init__(self, name: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., cwd: _Optional[str] = ..., env: _Optional[_Mapping[str, str]] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., nproc_per_node: _Optional[int] = ..., max_restarts: _Optional[int] = ..., inprocess: _Optional[bool] = ..., nodes: _Optional[_Iterable[str]] = ..., max_restarts_per_window: _Optional[int] = ...) -> None: ...
 
 class SubmitResponse(_message.Message):
     __slots__ = ("job",)
@@ -132,7 +134,7 @@ class Worker(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., state: _Optional[str] = ..., exit_code: _Optional[int] = ..., node_id: _Optional[str] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("id", "name", "state", "reason", "command", "cwd", "uid", "gid", "user", "min_nodes", "max_nodes", "nproc_per_node", "max_restarts", "restarts", "round", "created_at", "started_at", "finished_at", "exit_code", "last_failure", "workers", "node_id", "seconds_in_state", "inprocess", "restarts_by_layer", "restart_budget", "attempts")
+    __slots__ = ("id", "name", "state", "reason", "command", "cwd", "uid", "gid", "user", "min_nodes", "max_nodes", "nproc_per_node", "max_restarts", "restarts", "round", "created_at", "started_at", "finished_at", "exit_code", "last_failure", "workers", "node_id", "seconds_in_state", "inprocess", "restarts_by_layer", "restart_budget", "attempts", "max_restarts_per_window", "restart_window_seconds", "restarts_in_window", "last_restart_plan")
     class SecondsInStateEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -181,6 +183,10 @@ class Job(_message.Message):
     RESTARTS_BY_LAYER_FIELD_NUMBER: _ClassVar[int]
     RESTART_BUDGET_FIELD_NUMBER: _ClassVar[int]
     ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_RESTARTS_PER_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    RESTART_WINDOW_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RESTARTS_IN_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    LAST_RESTART_PLAN_FIELD_NUMBER: _ClassVar[int]
     id: str
     name: str
     state: JobState
@@ -208,7 +214,31 @@ class Job(_message.Message):
     restarts_by_layer: _containers.ScalarMap[str, int]
     restart_budget: _containers.ScalarMap[str, int]
     attempts: _containers.RepeatedCompositeFieldContainer[RestartAttempt]
-    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., cwd: _Optional[str] = ..., uid: _Optional[int] = ..., gid: _Optional[int] = ..., user: _Optional[str] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., nproc_per_node: _Optional[int] = ..., max_restarts: _Optional[int] = ..., restarts: _Optional[int] = ..., round: _Optional[int] = ..., created_at: _Optional[float] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., exit_code: _Optional[int] = ..., last_failure: _Optional[_Union[Failure, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., node_id: _Optional[str] = ..., seconds_in_state: _Optional[_Mapping[str, float]] = ..., inprocess: _Optional[bool] = ..., restarts_by_layer: _Optional[_Mapping[str, int]] = ..., restart_budget: _Optional[_Mapping[str, int]] = ..., attempts: _Optional[_Iterable[_Union[RestartAttempt, _Mapping]]] = ...) -> None: ...
+    max_restarts_per_window: int
+    restart_window_seconds: float
+    restarts_in_window: int
+    last_restart_plan: RestartPlan
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., cwd: _Optional[str] = ..., uid: _Optional[int] = ..., gid: _Optional[int] = ..., user: _Optional[str] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., nproc_per_node: _Optional[int] = ..., max_restarts: _Optional[int] = ..., restarts: _Optional[int] = ..., round: _Optional[int] = ..., created_at: _Optional[float] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., exit_code: _Optional[int] = ..., last_failure: _Optional[_Union[Failure, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., node_id: _Optional[str] = ..., seconds_in_state: _Optional[_Mapping[str, float]] = ..., inprocess: _Optional[bool] = ..., restarts_by_layer: _Optional[_Mapping[str, int]] = ..., restart_budget: _Optional[_Mapping[str, int]] = ..., attempts: _Optional[_Iterable[_Union[RestartAttempt, _Mapping]]] = ..., max_restarts_per_window: _Optional[int] = ..., restart_window_seconds: _Optional[float] = ..., restarts_in_window: _Optional[int] = ..., last_restart_plan: _Optional[_Union[RestartPlan, _Mapping]] = ...) -> None: ...
+
+class RestartPlan(_message.Message):
+    __slots__ = ("rule", "delay_seconds", "no_progress_streak", "beats", "ran_seconds", "summary", "node_id", "time")
+    RULE_FIELD_NUMBER: _ClassVar[int]
+    DELAY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NO_PROGRESS_STREAK_FIELD_NUMBER: _ClassVar[int]
+    BEATS_FIELD_NUMBER: _ClassVar[int]
+    RAN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    rule: str
+    delay_seconds: float
+    no_progress_streak: int
+    beats: int
+    ran_seconds: float
+    summary: str
+    node_id: str
+    time: float
+    def __init__(self, rule: _Optional[str] = ..., delay_seconds: _Optional[float] = ..., no_progress_streak: _Optional[int] = ..., beats: _Optional[int] = ..., ran_seconds: _Optional[float] = ..., summary: _Optional[str] = ..., node_id: _Optional[str] = ..., time: _Optional[float] = ...) -> None: ...
 
 class RestartAttempt(_message.Message):
     __slots__ = ("layer", "cause", "time", "duration_seconds", "outcome", "rank", "node_id")
@@ -259,7 +289,7 @@ class EventsRequest(_message.Message):
     def __init__(self, id: _Optional[str] = ..., follow: _Optional[bool] = ..., after_seq: _Optional[int] = ...) -> None: ...
 
 class Event(_message.Message):
-    __slots__ = ("seq", "job_id", "time", "kind", "from_state", "to_state", "reason", "node_id", "round", "rank", "restart", "layer", "duration_seconds")
+    __slots__ = ("seq", "job_id", "time", "kind", "from_state", "to_state", "reason", "node_id", "round", "rank", "restart", "layer", "duration_seconds", "restart_rule", "restart_delay_seconds")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     TIME_FIELD_NUMBER: _ClassVar[int]
@@ -273,6 +303,8 @@ class Event(_message.Message):
     RESTART_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
     DURATION_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RESTART_RULE_FIELD_NUMBER: _ClassVar[int]
+    RESTART_DELAY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     seq: int
     job_id: str
     time: float
@@ -286,7 +318,9 @@ class Event(_message.Message):
     restart: int
     layer: str
     duration_seconds: float
-    def __init__(self, seq: _Optional[int] = ..., job_id: _Optional[str] = ..., time: _Optional[float] = ..., kind: _Optional[str] = ..., from_state: _Optional[_Union[JobState, str]] = ..., to_state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., node_id: _Optional[str] = ..., round: _Optional[int] = ..., rank: _Optional[int] = ..., restart: _Optional[int] = ..., layer: _Optional[str] = ..., duration_seconds: _Optional[float] = ...) -> None: ...
+    restart_rule: str
+    restart_delay_seconds: float
+    def __init__(self, seq: _Optional[int] = ..., job_id: _Optional[str] = ..., time: _Optional[float] = ..., kind: _Optional[str] = ..., from_state: _Optional[_Union[JobState, str]] = ..., to_state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., node_id: _Optional[str] = ..., round: _Optional[int] = ..., rank: _Optional[int] = ..., restart: _Optional[int] = ..., layer: _Optional[str] = ..., duration_seconds: _Optional[float] = ..., restart_rule: _Optional[str] = ..., restart_delay_seconds: _Optional[float] = ...) -> None: ...
 
 class ListNodesRequest(_message.Message):
     __slots__ = ()
