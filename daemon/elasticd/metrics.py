@@ -33,6 +33,7 @@ from prometheus_client.exposition import start_http_server
 
 from . import __version__
 from .jobs import JobNotFound
+from .restartpolicy import RestartWindow
 from .states import LIVE_STATES, TERMINAL_STATES, JobState
 from .store import (KV, CompareFailed, KeyExists, Lease, LeaseNotFound, Store,
                     StoreAuthError, StoreCorrupt, StoreError, StoreUnavailable,
@@ -374,6 +375,10 @@ class _JobCollector:
                 oldest[state] = max(oldest[state], now - job.state_since)
                 if job.max_restarts > 0:
                     budget_used = max(budget_used, job.restarts / job.max_restarts)
+                window = RestartWindow(job.max_restarts_per_window, job.restart_window)
+                if window.limit > 0:
+                    in_window = len(window.recent(job.restart_times, time.time()))
+                    budget_used = max(budget_used, in_window / window.limit)
             workers += sum(1 for w in job.workers if w["state"] == "running")
         g = GaugeMetricFamily("elasticd_jobs", "Jobs known to this node, by state",
                               labels=["state"])
@@ -389,7 +394,8 @@ class _JobCollector:
         yield g
         yield GaugeMetricFamily(
             "elasticd_job_restart_budget_used_ratio",
-            "Restarts used over restarts allowed, for the live job that used the most",
+            "Restarts used over restarts allowed, for the live job that used the most "
+            "(of its lifetime budget or of its budget over the restart window)",
             value=min(budget_used, 1.0))
         ages = self._metrics.progress_beat_ages()
         g = GaugeMetricFamily(
