@@ -16,8 +16,10 @@ The job, under each launcher, 2 ranks on this node, gloo:
 Each launcher runs it twice in the same invocation, ``--duration`` seconds
 from launch each: once with no faults, once while a random worker (seeded,
 the same sequence for every launcher) is SIGKILLed every ``--fault-every``
-seconds. A kill that finds no running worker (a restart under way) waits for
-one, at most ``--fault-every`` seconds.
+seconds, the first that long after the job's first training step (so a slow
+cold start on a busy machine is not hit while it imports torch). A kill that
+finds no running worker (a restart under way) waits for one, at most
+``--fault-every`` seconds.
 
 Launchers:
   torchrun      torchrun --standalone --nnodes 1 --nproc-per-node 2
@@ -121,13 +123,14 @@ class Faults:
         self.every = every
         self.rng = random.Random(seed)
 
-    def drive(self, run: Run, t0: float, duration: float, workers, on_tick=None) -> None:
-        """Until t0 + duration: kill one of ``workers()`` (pids) at each fault time."""
-        next_at = t0 + self.every
+    def drive(self, run: Run, t0: float, duration: float, workers, log_path: str) -> None:
+        """Until t0 + duration: kill one of ``workers()`` (pids) at each fault time,
+        the first ``every`` seconds after rank 0 wrote its first FIRST_STEP line."""
+        next_at = None
         while time.time() < t0 + duration:
-            if on_tick:
-                on_tick()
-            if not run.faults or time.time() < next_at:
+            if next_at is None and run.faults and "FIRST_STEP" in read_text(log_path):
+                next_at = time.time() + self.every
+            if next_at is None or time.time() < next_at:
                 time.sleep(0.05)
                 continue
             pids = workers()
@@ -170,7 +173,7 @@ def run_torchrun(run: Run, a, work: str, faults: Faults) -> None:
                 pass
         return out
 
-    faults.drive(run, t0, a.duration, workers)
+    faults.drive(run, t0, a.duration, workers, base + ".out")
     stop_torchrun(proc)
     parse(run, read_text(base + ".out"))
     if run.final_step == 0:
@@ -197,7 +200,8 @@ def run_elasticd(run: Run, a, work: str, faults: Faults) -> None:
                 return []
             return [w.pid for w in job.workers if w.state == "running" and w.pid]
 
-        faults.drive(run, t0, a.duration, workers)
+        log0 = os.path.join(d.state_dir, "logs", job_id, "rank-0.log")
+        faults.drive(run, t0, a.duration, workers, log0)
         job = d.get_job(job_id)
         run.restarts = job.restarts
         if pb.JobState.Name(job.state) in ("FAILED", "SUCCEEDED"):
@@ -262,7 +266,9 @@ def main(argv=None) -> int:
                 run.error = f"{type(exc).__name__}: {exc}"
             print(f"  {L:13s} {'faults' if with_faults else 'no faults':9s}: step "
                   f"{run.final_step}, {len(run.kills)} kills, restarts {run.restarts}, "
-                  f"lost {run.lost}  ({time.time() - started:.0f} s)"
+                  f"lost {run.lost}, fault -> training "
+                  f"[{', '.join(f'{t:.1f}' for t in run.recover)}] s  "
+                  f"({time.time() - started:.0f} s)"
                   + (f"  ERROR {run.error}" if run.error else ""), flush=True)
             runs.append(run)
     report(runs, launchers, a)

@@ -147,3 +147,52 @@ def test_a_round_state_carries_its_window_through_json():
     assert RoundState.from_json(state.to_json()) == state
     old = '{"round": 2, "status": "open", "restarts": 1}'   # written before the window
     assert RoundState.from_json(old).restart_times == ()
+
+
+# ---------------------------------------------------------------- cluster-wide
+
+def test_the_window_is_counted_cluster_wide_whichever_node_restarts(tmp_path):
+    """Two nodes' rendezvous on one store: each one's faults land in the same round
+    state, so the budget over the window is the job's, not a node's."""
+    import time
+    from dataclasses import replace
+
+    from elasticd.rendezvous.cluster import ClusterRendezvous, create_job
+    from elasticd.rendezvous.protocol import CLOSED, Member, Result
+    from elasticd.rendezvous.view import JobsView
+    from elasticd.store import MemoryStore
+
+    store = MemoryStore()
+    view = JobsView(store, retry=0.2)
+    view.start()
+    limits = JobLimits(min_nodes=2, max_nodes=2, max_restarts=-1, last_call=0.0,
+                       join_timeout=30.0, max_restarts_in_window=2, restart_window=3600.0)
+    key = "/v1/jobs/w1/state"
+    try:
+        create_job(store, "w1", {"id": "w1", "nodes": []}, time.time())
+        nodes = {n: ClusterRendezvous(store, view, "w1", n, "127.0.0.1", 1, lambda: None,
+                                      limits) for n in ("n1", "n2")}
+
+        def closed_round() -> Result:
+            """What the round's decider does: close the open round with both nodes."""
+            kv = store.get(key)
+            state = RoundState.from_json(kv.value)
+            members = (Member("n1", "127.0.0.1", 1, 1), Member("n2", "127.0.0.1", 1, 2))
+            rev = store.compare_and_swap(key, replace(state, status=CLOSED,
+                                                      members=members).to_json(), kv.revision)
+            deadline = time.monotonic() + 10
+            while view.revision < rev and time.monotonic() < deadline:
+                view.wait(0.1)
+            return Result(round=state.round, group_rank=0, group_world_size=2, world_size=2,
+                          rank_offset=0, master_addr="127.0.0.1", master_port=1)
+
+        first = nodes["n1"].reopen(closed_round(), "rank 0 exited 1", True)
+        second = nodes["n2"].reopen(closed_round(), "rank 1 exited 1", True)
+        assert (first.status, len(first.restart_times)) == (OPEN, 1)
+        assert (second.status, second.restarts, len(second.restart_times)) == (OPEN, 2, 2)
+        third = nodes["n1"].reopen(closed_round(), "rank 0 exited 1", True)
+        assert third.status == FAILED
+        assert third.reason.endswith("no restarts left in the window "
+                                     "(2 in the last hour of 2 allowed)")
+    finally:
+        view.stop()

@@ -131,9 +131,10 @@ class AgentSettings:
                                            min=0, max=3600)
     restart_backoff_max: float = _setting(30.0, "longest wait between two restarts",
                                           min=0, max=86400)
-    progress_min_beats: int = _setting(2, "progress beats (optimizer steps, heartbeat() calls) "
-                                          "of a failed attempt that show it made progress: it "
-                                          "restarts at once and the backoff starts over",
+    progress_min_beats: int = _setting(2, "progress beats (optimizer steps, heartbeat() calls; "
+                                          "seen while agent.hang_detection is on) of a failed "
+                                          "attempt that show it made progress: it restarts at "
+                                          "once and the backoff starts over",
                                        min=1, max=1_000_000)
     progress_min_runtime: float = _setting(600.0, "seconds a failed attempt must have run to "
                                                   "count as progress without beats (scripts "
