@@ -33,8 +33,24 @@ Launchers:
                 policy before issue 22: agent.progress_min_beats and
                 agent.progress_min_runtime at their maxima (no attempt counts
                 as progress, so the backoff grows with every restart: 0, 0.5,
-                1, 2, ... 30 s) and agent.warm_spare_restart_delay = 3
-                (spares refilled 3 s after every start)
+                1, 2, ... 30 s) and agent.warm_spare_restart_delay at its
+                maximum (spares refilled agent.warm_spare_delay = 3 s after
+                every start)
+
+``--nodes 3``: three "nodes" on this machine, one etcd (loopback), the job
+``--nnodes 2:3`` with one worker per node (3 ranks); every ``--node-every``
+(4th) fault kills a node instead of a worker, and it comes back
+``--node-down`` (3) seconds later:
+  elasticd       3 daemons (python -m elasticd --etcd URL, defaults), the job
+                 submitted on n1 with --max-restarts-per-window 100; the node
+                 fault is a kill -9 of the daemon of n2 or n3 (its workers die
+                 with it), started again on the same state dir
+  torchrun-c10d  3 x torchrun --nnodes 2:3 --nproc-per-node 1 --rdzv-backend
+                 c10d --max-restarts 100 --monitor-interval 0.1 (defaults
+                 otherwise); the node fault is a kill -9 of agent 1 or 2 and
+                 everything under it (never agent 0: it hosts the c10d store),
+                 started again with the same command
+Rank 0 stays on n1 / agent 0 throughout, whose log is read.
 
 Printed per launcher: steps without and with faults, goodput, restarts,
 faults injected, the mean time from a kill to the first training step after
@@ -50,6 +66,7 @@ import os
 import random
 import re
 import signal
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -57,13 +74,17 @@ from dataclasses import dataclass, field
 import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (BenchDaemon, machine, read_text, revision, start_torchrun,  # noqa: E402
-                    stop_torchrun, table, tempdir, torchrun_env)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "tests"))
+from common import (BenchDaemon, kill_owned, kill_procs, machine, read_text,  # noqa: E402
+                    revision, start_torchrun, stop_torchrun, table, tempdir, torchrun_bin,
+                    torchrun_env, tree)
 
 LAUNCHERS = ("torchrun", "elasticd", "elasticd-old")
+LAUNCHERS3 = ("torchrun-c10d", "elasticd")
 OLD_POLICY = {"ELASTICD_AGENT_PROGRESS_MIN_BEATS": "1000000",
               "ELASTICD_AGENT_PROGRESS_MIN_RUNTIME": str(30 * 86400),
-              "ELASTICD_AGENT_WARM_SPARE_RESTART_DELAY": "3.0"}
+              "ELASTICD_AGENT_WARM_SPARE_RESTART_DELAY": "3600"}
 ATTEMPT_RE = re.compile(r"^attempt (\d+): world size \d+, starting at step (\d+)$")
 FIRST_RE = re.compile(r"^FIRST_STEP (\d+\.\d+) attempt=(\d+) step=(\d+)")
 STEP_RE = re.compile(r"^step (\d+)/\d+ loss")
@@ -75,6 +96,7 @@ class Run:
     faults: bool
     kills: list = field(default_factory=list)      # unix times of the SIGKILLs
     skipped: int = 0                               # kills that found no worker in time
+    node_kills: int = 0                            # of which a node's daemon / agent
     final_step: int = 0
     restarts: int = 0
     lost: int = 0                                  # steps rolled back
@@ -119,19 +141,31 @@ def parse(run: Run, text: str) -> None:
 class Faults:
     """SIGKILL a random running worker every ``every`` seconds."""
 
-    def __init__(self, every: float, seed: int):
+    def __init__(self, every: float, seed: int, node_every: int = 0):
         self.every = every
+        self.node_every = node_every
         self.rng = random.Random(seed)
 
-    def drive(self, run: Run, t0: float, duration: float, workers, log_path: str) -> None:
+    def drive(self, run: Run, t0: float, duration: float, workers, log_path: str,
+              node_fault=None, on_tick=None) -> None:
         """Until t0 + duration: kill one of ``workers()`` (pids) at each fault time,
-        the first ``every`` seconds after rank 0 wrote its first FIRST_STEP line."""
+        the first ``every`` seconds after rank 0 wrote its first FIRST_STEP line.
+        With ``node_fault``, every ``node_every``-th fault calls it instead (a
+        node's daemon or agent killed); ``on_tick`` runs every 50 ms (bring it back)."""
         next_at = None
         while time.time() < t0 + duration:
+            if on_tick is not None:
+                on_tick()
             if next_at is None and run.faults and "FIRST_STEP" in read_text(log_path):
                 next_at = time.time() + self.every
             if next_at is None or time.time() < next_at:
                 time.sleep(0.05)
+                continue
+            if node_fault is not None and (len(run.kills) + 1) % self.node_every == 0:
+                node_fault(self.rng)
+                run.kills.append(time.time())
+                run.node_kills += 1
+                next_at += self.every
                 continue
             pids = workers()
             if pids:
@@ -213,9 +247,143 @@ def run_elasticd(run: Run, a, work: str, faults: Faults) -> None:
         d.stop()
 
 
+# -- 3 nodes on one etcd (loopback) ---------------------------------------------------
+class NodeBack:
+    """Restart what a node fault killed, ``down`` seconds later (one at a time)."""
+
+    def __init__(self, down: float):
+        self.down = down
+        self.pending: list = []     # (when, start callable)
+
+    def later(self, start) -> None:
+        self.pending.append((time.time() + self.down, start))
+
+    def tick(self) -> None:
+        due = [p for p in self.pending if p[0] <= time.time()]
+        for p in due:
+            self.pending.remove(p)
+            p[1]()
+
+
+def run_elasticd3(run: Run, a, work: str, faults: Faults, etcd) -> None:
+    from daemons import DaemonProc
+    from common import own, own_tree
+    root = tempdir("edg3-")
+    prefix = f"/goodput-{os.getpid()}-{time.monotonic_ns()}"
+    nodes = [DaemonProc(os.path.join(root, n), node_id=n, etcd=etcd.url, slots=2,
+                        extra_args=("--etcd-prefix", prefix)) for n in ("n1", "n2", "n3")]
+    back = NodeBack(a.node_down)
+    for d in nodes:
+        os.makedirs(d.root, exist_ok=True)
+        d.start()
+        own(d.proc)
+    n1 = nodes[0]
+    try:
+        ckpt = os.path.join(work, f"ckpt-{run.launcher}-{int(run.faults)}")
+        t0 = time.time()
+        res = n1.ctl("submit", "--nnodes", "2:3", "--max-restarts-per-window", "100", "--",
+                     sys.executable, "-m", "elasticd.examples.train", *train_args(ckpt),
+                     env=torchrun_env())
+        if res.returncode != 0:
+            raise RuntimeError(f"submit failed: {res.stderr}")
+        job_id = res.stdout.strip()
+        log0 = os.path.join(n1.state_dir, "logs", job_id, "rank-0.log")
+
+        def workers():
+            try:
+                job = n1.job(job_id)
+            except Exception:  # n1 busy: try at the next tick
+                return []
+            return [w.pid for w in job.workers if w.state == "running" and w.pid > 0]
+
+        def node_fault(rng) -> None:
+            d = rng.choice([d for d in nodes[1:] if d.proc and d.proc.poll() is None])
+            own_tree(d.proc.pid)
+            d.kill()
+            back.later(lambda: own(d.start().proc))
+
+        faults.drive(run, t0, a.duration, workers, log0, node_fault, back.tick)
+        job = n1.job(job_id)
+        run.restarts = job.restarts
+        parse(run, read_text(log0))
+        run.restarts = job.restarts
+    finally:
+        for d in nodes:
+            if d.proc and d.proc.poll() is None:
+                own_tree(d.proc.pid)
+        for d in nodes:
+            d.stop(timeout=15)
+        kill_owned()
+
+
+def run_torchrun3(run: Run, a, work: str, faults: Faults, etcd) -> None:
+    from etcd_server import free_port
+    from common import own, own_tree
+    root = tempdir("tdg3-")
+    ckpt = os.path.join(work, f"ckpt-{run.launcher}-{int(run.faults)}")
+    port = free_port()
+    run_id = f"gp{os.getpid()}{time.monotonic_ns() % 10**8}"
+    cmd = [*torchrun_bin(), "--nnodes", "2:3", "--nproc-per-node", "1", "--rdzv-backend",
+           "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id,
+           "--max-restarts", "100", "--monitor-interval", "0.1",
+           "-m", "elasticd.examples.train", *train_args(ckpt)]
+    env = dict(torchrun_env(), PYTHONUNBUFFERED="1")
+    agents: list = [None, None, None]
+    logs = [os.path.join(root, f"agent{i}.log") for i in range(3)]
+    back = NodeBack(a.node_down)
+
+    def start(i: int) -> None:
+        with open(logs[i], "ab") as fh:
+            agents[i] = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env,
+                                         cwd=root, start_new_session=True)
+        own(agents[i])
+
+    t0 = time.time()
+    try:
+        for i in range(3):
+            start(i)
+            if i == 0:  # the first agent hosts the c10d store: let it bind
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline and not any(
+                        c.laddr.port == port and c.status == "LISTEN"
+                        for c in psutil.net_connections("tcp")):
+                    time.sleep(0.05)
+
+        def trainers(i):
+            try:
+                return [p.pid for p in psutil.Process(agents[i].pid).children(recursive=True)
+                        if "elasticd.examples.train" in " ".join(p.cmdline())
+                        and p.status() != "zombie"]
+            except psutil.Error:
+                return []
+
+        def workers():
+            return [pid for i in range(3) if agents[i].poll() is None for pid in trainers(i)]
+
+        def node_fault(rng) -> None:
+            # Never agent 0: it hosts the c10d store (without it torchrun cannot go on).
+            i = rng.choice([i for i in (1, 2) if agents[i].poll() is None])
+            own_tree(agents[i].pid)
+            doomed = tree(agents[i].pid)
+            kill_procs(doomed)
+            back.later(lambda: start(i))
+
+        # Rank 0 stays with agent 0: c10d orders a round's nodes by (host, pid).
+        faults.drive(run, t0, a.duration, workers, logs[0], node_fault, back.tick)
+        parse(run, read_text(logs[0]))
+    finally:
+        for p in agents:
+            if p is not None:
+                own_tree(p.pid)
+        kill_owned()
+
+
 def report(runs: list[Run], launchers: list[str], a) -> None:
+    where = ("1 node" if a.nodes == 1 else
+             f"3 nodes, every {a.node_every}th fault a node's daemon/agent (back after "
+             f"{a.node_down:g} s)")
     print(f"\n== goodput: {a.duration:g} s per run, a random worker SIGKILLed every "
-          f"{a.fault_every:g} s ==")
+          f"{a.fault_every:g} s; {where} ==")
     rows = []
     for L in launchers:
         base = next((r for r in runs if r.launcher == L and not r.faults), None)
@@ -233,11 +401,16 @@ def report(runs: list[Run], launchers: list[str], a) -> None:
                        "restarts", "faults", "fault -> training", "steps lost to rollback",
                        "error"]))
     good = {r[0]: float(r[3].rstrip(" %")) for r in rows}
+    torch_name = "torchrun" if a.nodes == 1 else "torchrun-c10d"
+    goal, ahead = (90, 0) if a.nodes == 1 else (85, 20)
     if "elasticd" in good:
-        print(f"\ngoal: elasticd >= 90 %: {'PASS' if good['elasticd'] >= 90 else 'MISS'}"
-              + (f"; torchrun {good['torchrun']:.0f} %, elasticd ahead by "
-                 f"{good['elasticd'] - good['torchrun']:.0f} points" if "torchrun" in good
-                 else ""))
+        lead = good["elasticd"] - good[torch_name] if torch_name in good else None
+        ok = good["elasticd"] >= goal and (lead is None or lead >= ahead)
+        print(f"\ngoal ({a.nodes} node(s)): elasticd >= {goal} %"
+              + (f" and ahead of {torch_name} by >= {ahead} points" if ahead else "")
+              + f": {'PASS' if ok else 'MISS'}"
+              + (f"  ({torch_name} {good[torch_name]:.0f} %, elasticd ahead by {lead:.0f} "
+                 "points)" if lead is not None else ""))
 
 
 def main(argv=None) -> int:
@@ -245,32 +418,54 @@ def main(argv=None) -> int:
     ap.add_argument("--duration", type=float, default=90.0, help="seconds per run (90)")
     ap.add_argument("--fault-every", type=float, default=10.0, help="seconds between kills")
     ap.add_argument("--seed", type=int, default=22)
-    ap.add_argument("--launchers", default=",".join(LAUNCHERS))
+    ap.add_argument("--nodes", type=int, choices=(1, 3), default=1,
+                    help="1: one node; 3: three daemons / torchrun agents on one etcd")
+    ap.add_argument("--node-every", type=int, default=4,
+                    help="with --nodes 3: every N-th fault kills a node's daemon (agent) "
+                         "instead of a worker (4)")
+    ap.add_argument("--node-down", type=float, default=3.0,
+                    help="with --nodes 3: seconds before a killed node comes back (3)")
+    ap.add_argument("--launchers", default=None,
+                    help=f"default {','.join(LAUNCHERS)} (3 nodes: {','.join(LAUNCHERS3)})")
     a = ap.parse_args(argv)
-    launchers = [L for L in a.launchers.split(",") if L]
-    bad = [L for L in launchers if L not in LAUNCHERS]
+    known = LAUNCHERS if a.nodes == 1 else LAUNCHERS3
+    launchers = [L for L in (a.launchers or ",".join(known)).split(",") if L]
+    bad = [L for L in launchers if L not in known]
     if bad:
-        ap.error(f"unknown launcher(s) {bad}; pick from {LAUNCHERS}")
-    print(f"goodput.py  {datetime.datetime.now():%Y-%m-%d %H:%M}  rev {revision()}  "
-          f"{machine()}")
+        ap.error(f"unknown launcher(s) {bad}; pick from {known}")
+    print(f"goodput.py --nodes {a.nodes}  {datetime.datetime.now():%Y-%m-%d %H:%M}  "
+          f"rev {revision()}  {machine()}")
     work = tempdir("goodput-")
     runs = []
-    for L in launchers:
-        for with_faults in (False, True):
-            run = Run(L, with_faults)
-            faults = Faults(a.fault_every, a.seed)
-            started = time.time()
-            try:
-                (run_torchrun if L == "torchrun" else run_elasticd)(run, a, work, faults)
-            except Exception as exc:  # report it, go on with the others
-                run.error = f"{type(exc).__name__}: {exc}"
-            print(f"  {L:13s} {'faults' if with_faults else 'no faults':9s}: step "
-                  f"{run.final_step}, {len(run.kills)} kills, restarts {run.restarts}, "
-                  f"lost {run.lost}, fault -> training "
-                  f"[{', '.join(f'{t:.1f}' for t in run.recover)}] s  "
-                  f"({time.time() - started:.0f} s)"
-                  + (f"  ERROR {run.error}" if run.error else ""), flush=True)
-            runs.append(run)
+    etcd = None
+    if a.nodes == 3:
+        from etcd_server import EtcdServer
+        etcd = EtcdServer().__enter__()
+    try:
+        for L in launchers:
+            for with_faults in (False, True):
+                run = Run(L, with_faults)
+                faults = Faults(a.fault_every, a.seed, a.node_every if a.nodes == 3 else 0)
+                started = time.time()
+                try:
+                    if a.nodes == 3:
+                        (run_torchrun3 if L.startswith("torchrun") else run_elasticd3)(
+                            run, a, work, faults, etcd)
+                    else:
+                        (run_torchrun if L == "torchrun" else run_elasticd)(run, a, work,
+                                                                            faults)
+                except Exception as exc:  # report it, go on with the others
+                    run.error = f"{type(exc).__name__}: {exc}"
+                print(f"  {L:13s} {'faults' if with_faults else 'no faults':9s}: step "
+                      f"{run.final_step}, {len(run.kills)} faults ({run.node_kills} nodes), "
+                      f"restarts {run.restarts}, lost {run.lost}, fault -> training "
+                      f"[{', '.join(f'{t:.1f}' for t in run.recover)}] s  "
+                      f"({time.time() - started:.0f} s)"
+                      + (f"  ERROR {run.error}" if run.error else ""), flush=True)
+                runs.append(run)
+    finally:
+        if etcd is not None:
+            etcd.__exit__(None, None, None)
     report(runs, launchers, a)
     return 0
 

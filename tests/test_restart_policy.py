@@ -5,7 +5,7 @@ import pytest
 from elasticd.config import AgentSettings
 from elasticd.rendezvous.protocol import FAILED, OPEN, JobLimits, RoundState, reopen
 from elasticd.restartpolicy import (AttemptProgress, BackoffSettings, RestartPlan, RestartRule,
-                                    RestartWindow, plan_restart, spare_refill_delay, window_text)
+                                    RestartWindow, plan_restart, spares_due, window_text)
 
 S = BackoffSettings(initial=0.0, step=0.5, maximum=30.0, min_beats=2, min_runtime=600.0)
 
@@ -65,9 +65,15 @@ def test_a_plan_survives_its_record_form():
     assert RestartPlan.from_dict(plan.to_dict()) == plan
 
 
-def test_spares_come_back_promptly_only_after_a_warm_start():
-    assert spare_refill_delay(True, 3.0, 0.5) == 0.5
-    assert spare_refill_delay(False, 3.0, 0.5) == 3.0
+def test_spares_come_back_at_the_first_beat_of_a_warm_start():
+    # (now, started, first beat, started warm) with warm_spare_delay 3, restart delay 0
+    assert spares_due(10.4, 10.0, 10.3, True, 3.0, 0.0)        # trained: refill now
+    assert not spares_due(10.4, 10.0, None, True, 3.0, 0.0)    # still starting up
+    assert spares_due(13.0, 10.0, None, True, 3.0, 0.0)        # never beats: as at first start
+    assert not spares_due(10.4, 10.0, 10.3, False, 3.0, 0.0)   # cold start: its own imports
+    assert spares_due(13.0, 10.0, 10.3, False, 3.0, 0.0)
+    assert not spares_due(10.4, 10.0, 10.3, True, 3.0, 0.5)    # a delay after the beat
+    assert spares_due(10.8, 10.0, 10.3, True, 3.0, 0.5)
 
 
 # ---------------------------------------------------------------- the window

@@ -34,7 +34,7 @@ from .logsetup import ctx
 from .progress import ProgressTracker
 from .recovery import Recovery
 from .restartpolicy import (AttemptProgress, BackoffSettings, made_progress, plan_restart,
-                            restart_delay, spare_refill_delay)  # noqa: F401 (re-exported)
+                            restart_delay, spares_due)  # noqa: F401 (re-exported)
 from .rendezvous.cluster import ClusterRendezvous, RendezvousStopped, RoundFinal
 from .rendezvous.protocol import CANCELLED, FAILED, SUCCEEDED, Result, RoundState
 from .states import TERMINAL_STATES, JobState
@@ -133,6 +133,7 @@ class Agent:
         # and how many attempts in a row before it made no progress.
         self._beats = 0
         self._attempt_started = time.monotonic()
+        self._first_beat: float | None = None
         self._no_progress_streak = 0
         self._progress = ProgressTracker(
             job_id, cfg.agent, registry, cfg.daemon.node_id, on_beat=self._on_beat)
@@ -149,6 +150,8 @@ class Agent:
         self.wake.set()
 
     def _on_beat(self) -> None:
+        if not self._beats:
+            self._first_beat = time.monotonic()
         self._beats += 1
         if self._metrics:
             self._metrics.progress_beat(self.job_id)
@@ -219,7 +222,8 @@ class Agent:
             self._recovery.start_attempt(job, "ELASTICD_STORE_ADDR" in spec.extra_env)
             group = self._group = WorkerGroup(spec)
             started_warm = self._spares.ready() > 0
-            self._beats, self._attempt_started = 0, time.monotonic()
+            self._beats, self._first_beat = 0, None
+            self._attempt_started = time.monotonic()
             try:
                 group.start(self._spares)
             except SpawnError as exc:
@@ -249,8 +253,8 @@ class Agent:
     def _monitor(self, group: WorkerGroup, result: Result, started_warm: bool) -> Decision:
         a = self._cfg.agent
         interval = a.monitor_interval
-        refill = spare_refill_delay(started_warm, a.warm_spare_delay, a.warm_spare_restart_delay)
-        spares_at = time.monotonic() + refill if a.warm_spares else None
+        # Spares still to start for this attempt, from when, after a warm start or not.
+        refill, refill_from, warm = a.warm_spares, self._attempt_started, started_warm
         marked_done = scale_requested = False
         while True:
             workers = group.poll()
@@ -281,16 +285,16 @@ class Agent:
                               remote_ranks=result.group_world_size > 1)
             if decision.action is Action.REPLACE:
                 self._replace_dead(group)
-                if a.warm_spares:
-                    spares_at = time.monotonic() + a.warm_spare_delay
+                refill, refill_from, warm = a.warm_spares, time.monotonic(), False
             elif decision.action is Action.SCALE_UP:
                 if result.group_rank == 0 and not scale_requested:
                     scale_requested = True
                     self._try(lambda: self._rdzv.reopen(result, decision.reason, False))
             elif decision.action is not Action.CONTINUE:
                 return decision
-            if spares_at is not None and time.monotonic() >= spares_at:
-                spares_at = None
+            if refill and spares_due(time.monotonic(), refill_from, self._first_beat, warm,
+                                     a.warm_spare_delay, a.warm_spare_restart_delay):
+                refill = False
                 if (max_restarts < 0 or restarts < max_restarts) \
                         and self._spares.fill(group.spec, a.warm_preload):
                     log.info("%s: warm spares started for the next restart",

@@ -149,11 +149,11 @@ class AgentSettings:
     warm_spare_delay: float = _setting(3.0, "seconds after workers start before their spares "
                                             "are started (keeps the import off the start-up path)",
                                        min=0, max=3600)
-    warm_spare_restart_delay: float = _setting(0.5, "seconds after the workers of a restart "
-                                                    "start before the spares they used are "
-                                                    "refilled (those workers start warm, so "
-                                                    "the refill need not wait as long as at "
-                                                    "first start)", min=0, max=3600)
+    warm_spare_restart_delay: float = _setting(0.0, "seconds after the first progress beat of "
+                                                    "workers that started from spares before "
+                                                    "the spares are started again (workers "
+                                                    "that never beat: warm_spare_delay after "
+                                                    "their start)", min=0, max=3600)
     # -- hang detection (progress.py) --
     hang_detection: bool = _setting(True, "watch each rank's progress beats (every optimizer "
                                           "step, or elasticd_heartbeat.heartbeat()); dump the "

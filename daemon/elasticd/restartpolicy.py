@@ -102,15 +102,20 @@ def plan_restart(progress: AttemptProgress, streak_before: int,
                        streak, progress.beats, progress.ran_for)
 
 
-def spare_refill_delay(started_warm: bool, first_start_delay: float,
-                       restart_delay_: float) -> float:
-    """Seconds after an attempt's workers started before their spares are refilled.
+def spares_due(now: float, started: float, first_beat: float | None, started_warm: bool,
+               first_start_delay: float, after_beat_delay: float) -> bool:
+    """Whether to refill an attempt's spares now (monotonic times; no I/O).
 
-    Workers that started cold import torch themselves: the spares' imports wait
-    ``agent.warm_spare_delay`` so as not to slow that start. Workers that took
-    spares start without that import, so the spares come back after
-    ``agent.warm_spare_restart_delay``: the next fault finds the warm path ready."""
-    return restart_delay_ if started_warm else first_start_delay
+    Spares import torch: started while the attempt's workers start up, they
+    slow that start. Workers that started cold import torch themselves, so
+    their spares wait ``agent.warm_spare_delay`` after the start. Workers that
+    took spares start without that import; their spares come back
+    ``agent.warm_spare_restart_delay`` after the attempt's first progress beat
+    (its start-up done), so the next fault finds the warm path ready, however
+    soon it comes; an attempt that never beats waits ``warm_spare_delay``."""
+    if started_warm and first_beat is not None and now >= first_beat + after_beat_delay:
+        return True
+    return now >= started + first_start_delay
 
 
 # ---------------------------------------------------------------- the window budget
