@@ -13,12 +13,13 @@ The job, under each launcher, 2 ranks on this node, gloo:
         --checkpoint-every 20 --log-every 1 --checkpoint-dir DIR
 
 (0.05 s steps, a disk checkpoint every 20 steps, resumed at every start).
-Each launcher runs it twice in the same invocation, ``--duration`` seconds
-from launch each: once with no faults, once while a random worker (seeded,
-the same sequence for every launcher) is SIGKILLed every ``--fault-every``
-seconds, the first that long after the job's first training step (so a slow
-cold start on a busy machine is not hit while it imports torch). A kill that
-finds no running worker (a restart under way) waits for one, at most
+Each launcher runs it twice in the same invocation, for ``--duration``
+seconds from the job's first training step each (the cold start before it,
+the same with or without faults, is left out: on a busy machine its length
+varies more than a fault costs): once with no faults, once while a random
+worker (seeded, the same sequence for every launcher) is SIGKILLed every
+``--fault-every`` seconds, the first that long after the first step. A kill
+that finds no running worker (a restart under way) waits for one, at most
 ``--fault-every`` seconds.
 
 Launchers:
@@ -147,18 +148,24 @@ class Faults:
         self.rng = random.Random(seed)
 
     def drive(self, run: Run, t0: float, duration: float, workers, log_path: str,
-              node_fault=None, on_tick=None) -> None:
-        """Until t0 + duration: kill one of ``workers()`` (pids) at each fault time,
-        the first ``every`` seconds after rank 0 wrote its first FIRST_STEP line.
-        With ``node_fault``, every ``node_every``-th fault calls it instead (a
+              node_fault=None, on_tick=None, start_timeout: float = 300.0) -> None:
+        """For ``duration`` seconds from rank 0's first FIRST_STEP line (the run's
+        window; at most ``start_timeout`` s of start-up before it): kill one of
+        ``workers()`` (pids) every ``every`` seconds, the first ``every`` seconds
+        in. With ``node_fault``, every ``node_every``-th fault calls it instead (a
         node's daemon or agent killed); ``on_tick`` runs every 50 ms (bring it back)."""
-        next_at = None
-        while time.time() < t0 + duration:
+        next_at = end = None
+        while time.time() < (end or t0 + start_timeout):
             if on_tick is not None:
                 on_tick()
-            if next_at is None and run.faults and "FIRST_STEP" in read_text(log_path):
-                next_at = time.time() + self.every
-            if next_at is None or time.time() < next_at:
+            if end is None:
+                if "FIRST_STEP" in read_text(log_path):
+                    end = time.time() + duration
+                    next_at = time.time() + self.every
+                else:
+                    time.sleep(0.05)
+                    continue
+            if not run.faults or time.time() < next_at:
                 time.sleep(0.05)
                 continue
             if node_fault is not None and (len(run.kills) + 1) % self.node_every == 0:
@@ -208,8 +215,9 @@ def run_torchrun(run: Run, a, work: str, faults: Faults) -> None:
         return out
 
     faults.drive(run, t0, a.duration, workers, base + ".out")
+    text = read_text(base + ".out")   # the window's end: what is printed after is not counted
     stop_torchrun(proc)
-    parse(run, read_text(base + ".out"))
+    parse(run, text)
     if run.final_step == 0:
         run.error = "no step reached: " + read_text(base + ".err")[-500:]
 
@@ -236,12 +244,15 @@ def run_elasticd(run: Run, a, work: str, faults: Faults) -> None:
 
         log0 = os.path.join(d.state_dir, "logs", job_id, "rank-0.log")
         faults.drive(run, t0, a.duration, workers, log0)
+        text = read_text(log0)   # the window's end: what is printed after is not counted
         job = d.get_job(job_id)
         run.restarts = job.restarts
+        if a.verbose and run.faults:
+            show_timeline(t0, run, d.events(job_id), text, pb)
         if pb.JobState.Name(job.state) in ("FAILED", "SUCCEEDED"):
             run.error = f"job ended {pb.JobState.Name(job.state)}: {job.reason}"
         d.cancel(job_id)
-        parse(run, d.rank_log(job_id, 0))
+        parse(run, text)
         run.restarts = job.restarts
     finally:
         d.stop()
@@ -303,9 +314,10 @@ def run_elasticd3(run: Run, a, work: str, faults: Faults, etcd) -> None:
             back.later(lambda: own(d.start().proc))
 
         faults.drive(run, t0, a.duration, workers, log0, node_fault, back.tick)
+        text = read_text(log0)
         job = n1.job(job_id)
         run.restarts = job.restarts
-        parse(run, read_text(log0))
+        parse(run, text)
         run.restarts = job.restarts
     finally:
         for d in nodes:
@@ -370,12 +382,26 @@ def run_torchrun3(run: Run, a, work: str, faults: Faults, etcd) -> None:
 
         # Rank 0 stays with agent 0: c10d orders a round's nodes by (host, pid).
         faults.drive(run, t0, a.duration, workers, logs[0], node_fault, back.tick)
-        parse(run, read_text(logs[0]))
+        parse(run, read_text(logs[0]))  # (read before the agents are stopped)
     finally:
         for p in agents:
             if p is not None:
                 own_tree(p.pid)
         kill_owned()
+
+
+def show_timeline(t0: float, run: Run, events, log0: str, pb) -> None:
+    """--verbose: the job's events, the kills and rank 0's attempts, seconds from launch."""
+    rows = [(e.time, f"{e.kind:11s} {pb.JobState.Name(e.to_state) if e.to_state else '':10s} "
+                     f"{e.reason[:140]}") for e in events]
+    rows += [(k, "KILL") for k in run.kills]
+    for line in log0.splitlines():
+        m = FIRST_RE.match(line)
+        if m:
+            rows.append((float(m.group(1)), f"first step of attempt {m.group(2)} at step "
+                                             f"{m.group(3)}"))
+    for t, what in sorted(rows):
+        print(f"    {t - t0:7.2f}  {what}")
 
 
 def report(runs: list[Run], launchers: list[str], a) -> None:
@@ -425,6 +451,8 @@ def main(argv=None) -> int:
                          "instead of a worker (4)")
     ap.add_argument("--node-down", type=float, default=3.0,
                     help="with --nodes 3: seconds before a killed node comes back (3)")
+    ap.add_argument("--verbose", action="store_true",
+                    help="print each elasticd run with faults as a timeline")
     ap.add_argument("--launchers", default=None,
                     help=f"default {','.join(LAUNCHERS)} (3 nodes: {','.join(LAUNCHERS3)})")
     a = ap.parse_args(argv)
