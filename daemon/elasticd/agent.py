@@ -296,7 +296,7 @@ class Agent:
                                      a.warm_spare_delay, a.warm_spare_restart_delay):
                 refill = False
                 if (max_restarts < 0 or restarts < max_restarts) \
-                        and self._spares.fill(group.spec, a.warm_preload):
+                        and self._spares.fill(group.spec, a.warm_preload, a.warm_spare_nice):
                     log.info("%s: warm spares started for the next restart",
                              self._where(result.round))
             self.wake.wait(interval)
