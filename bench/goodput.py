@@ -317,6 +317,9 @@ def run_elasticd3(run: Run, a, work: str, faults: Faults, etcd) -> None:
         text = read_text(log0)
         job = n1.job(job_id)
         run.restarts = job.restarts
+        if a.verbose and run.faults:
+            from elasticd.v1 import control_pb2 as pb
+            show_timeline(t0, run, n1.events(job_id), text, pb)
         parse(run, text)
         run.restarts = job.restarts
     finally:
