@@ -154,10 +154,12 @@ class AgentSettings:
                                                     "the spares are started again (workers "
                                                     "that never beat: warm_spare_delay after "
                                                     "their start)", min=0, max=3600)
-    warm_spare_nice: int = _setting(10, "niceness of warm spares until they become workers "
+    warm_spare_nice: int = _setting(0, "niceness of warm spares until they become workers "
                                         "(set back to 0 then), so that their torch import "
                                         "yields the CPU to the running workers; only a daemon "
-                                        "running as root sets it (it alone can set it back)",
+                                        "running as root sets it (it alone can set it back); "
+                                        "0: off (under a sustained load from elsewhere, "
+                                        "niced spares may not be ready by the next fault)",
                                     min=0, max=19)
     # -- hang detection (progress.py) --
     hang_detection: bool = _setting(True, "watch each rank's progress beats (every optimizer "
