@@ -203,3 +203,8 @@ def test_deeply_nested_error_file_gives_blanks(tmp_path):
     path.write_text('{"message": ' + "[" * 100_000 + "]" * 100_000 + "}")
     message, tb, _, _ = read_error_file(str(path))
     assert (message, tb) == ("", "")
+
+
+def test_no_lifetime_limit_always_restarts_and_leaves_the_window_to_the_round():
+    d = act([None, 1], restarts=10_000, max_restarts=-1)
+    assert d.action is Action.RESTART and d.reason == "restart 10001 (no lifetime limit)"

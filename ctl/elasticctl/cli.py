@@ -183,7 +183,8 @@ def cmd_submit(ctx: Context) -> int:
                            min_nodes=lo, max_nodes=hi, nproc_per_node=a.nproc_per_node,
                            nodes=[n for n in a.nodes.split(",") if n],
                            inprocess=a.inprocess,
-                           max_restarts=a.max_restarts)
+                           max_restarts=a.max_restarts,
+                           max_restarts_per_window=a.max_restarts_per_window)
     job = ctx.client.call("Submit", req).job
     if not a.wait:
         ctx.printer.submitted(job)
@@ -311,8 +312,15 @@ def _add_arguments(name: str, sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--nproc-per-node", type=_int_at_least(1, "--nproc-per-node"),
                         default=1, metavar="K", help="worker processes per node (default 1)")
         sp.add_argument("--max-restarts", type=_int_at_least(-1, "--max-restarts"), default=-1,
-                        metavar="R", help="restarts allowed before the job fails "
-                                          "(default -1: the daemon's default)")
+                        metavar="R", help="restarts allowed over the job's whole life "
+                                          "(default -1: the daemon's default, "
+                                          "agent.default_max_restarts: no lifetime limit)")
+        sp.add_argument("--max-restarts-per-window", default=None,
+                        type=_int_at_least(-1, "--max-restarts-per-window"), metavar="N",
+                        help="restarts allowed within any agent.restart_window (default 1 "
+                             "hour): the budget that ends a job failing over and over, while "
+                             "one failing now and then runs on (default: the daemon's, "
+                             "agent.default_max_restarts_per_window = 10; -1: none)")
         sp.add_argument("--env", type=parse_env, action="append", default=[], metavar="K=V",
                         help="set an environment variable for the workers (repeatable); the "
                              "rest of your environment is passed as it is")

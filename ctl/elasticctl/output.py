@@ -96,8 +96,28 @@ def describe_failure(f: control_pb2.Failure) -> str:
 
 
 def restarts_text(job: control_pb2.Job) -> str:
-    allowed = "default" if job.max_restarts < 0 else str(job.max_restarts)
-    return f"{job.restarts}/{allowed}"
+    """``1/3`` (used/allowed over the job's life), or ``1`` with no lifetime limit."""
+    return f"{job.restarts}/{job.max_restarts}" if job.max_restarts >= 0 else str(job.restarts)
+
+
+def window_text(seconds: float) -> str:
+    """``hour``, ``2 hours``, ``10 min``, ``30 s``."""
+    for unit, name, plural in ((86400, "day", "days"), (3600, "hour", "hours"),
+                               (60, "min", "min")):
+        if seconds >= unit and seconds % unit == 0:
+            n = int(seconds // unit)
+            return name if n == 1 and name != "min" else f"{n} {plural}"
+    return f"{seconds:g} s"
+
+
+def budget_text(job: control_pb2.Job) -> str:
+    """``41 in total, 2 in the last hour of 10 allowed`` (+ the lifetime limit, if any)."""
+    total = (f"{job.restarts}/{job.max_restarts} used/allowed in total" if job.max_restarts >= 0
+             else f"{job.restarts} in total (no lifetime limit)")
+    if job.max_restarts_per_window < 0 or not job.restart_window_seconds:
+        return f"{total}, no budget over a window"
+    return (f"{total}, {job.restarts_in_window} in the last "
+            f"{window_text(job.restart_window_seconds)} of {job.max_restarts_per_window} allowed")
 
 
 LAYER_NAMES = {"inprocess": "in-process", "process": "process", "rendezvous": "rendezvous"}
@@ -112,8 +132,9 @@ def layers_text(job: control_pb2.Job) -> str:
         cap = budget.get("inprocess", 0)
         parts.append(f"in-process {used.get('inprocess', 0)}"
                      + (f" (up to {cap} per process attempt)" if cap else " (off)"))
-    allowed = "default" if job.max_restarts < 0 else str(job.max_restarts)
-    parts.append(f"process {used.get('process', 0)}/{allowed}")
+    process = used.get('process', 0)
+    parts.append(f"process {process}/{job.max_restarts}" if job.max_restarts >= 0
+                 else f"process {process}")
     parts.append(f"rendezvous {used.get('rendezvous', 0)} (shares the process budget)")
     return ", ".join(parts)
 
@@ -162,7 +183,7 @@ def job_detail(job: control_pb2.Job, now: float | None = None) -> str:
     if job.state in TERMINAL:
         lines.append(f"exit code:    {job.exit_code}")
     lines += [
-        f"restarts:     {restarts_text(job)} used/allowed",
+        f"restarts:     {budget_text(job)}",
         f"  by layer:   {layers_text(job)}",
         f"nodes:        {nodes_text(job)} x {job.nproc_per_node or 1} ranks/node, round {job.round}"
         + (f", submitted on {job.node_id}" if job.node_id else ""),
@@ -176,6 +197,9 @@ def job_detail(job: control_pb2.Job, now: float | None = None) -> str:
     if job.seconds_in_state:
         spent = ", ".join(f"{k} {fmt_age(v)}" for k, v in job.seconds_in_state.items())
         lines.append(f"time spent:   {spent}")
+    if job.HasField("last_restart_plan"):
+        p = job.last_restart_plan
+        lines.append(f"  last wait:  {p.summary}" + (f" (node {p.node_id})" if p.node_id else ""))
     if job.HasField("last_failure"):
         f = job.last_failure
         where = [f"restart {f.restart}"] + ([f"node {f.node_id}"] if f.node_id else [])

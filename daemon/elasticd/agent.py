@@ -3,7 +3,10 @@
 One ``Agent`` thread per active job on this node: rendezvous (join the
 job's next round, see rendezvous/cluster.py) -> start workers -> monitor ->
 on a fault stop the group and open a new round (counted against the job's
-cluster-wide max_restarts, with backoff) -> re-rendezvous; when a peer opens
+cluster-wide budgets: max_restarts over its life, max_restarts_per_window
+over a window; see restartpolicy.py) -> wait as ``plan_restart()`` decides
+(at once after an attempt that made progress, a growing backoff after
+attempts that made none) -> re-rendezvous; when a peer opens
 a new round (its fault, a lost node, a node waiting to join) stop and
 rejoin; when every node's workers succeeded, finish. A standalone daemon
 runs the same loop on the in-memory store, one node per round.
@@ -30,6 +33,8 @@ from .ladder import Layer, round_layer
 from .logsetup import ctx
 from .progress import ProgressTracker
 from .recovery import Recovery
+from .restartpolicy import (AttemptProgress, BackoffSettings, made_progress, plan_restart,
+                            restart_delay, spares_due)  # noqa: F401 (re-exported)
 from .rendezvous.cluster import ClusterRendezvous, RendezvousStopped, RoundFinal
 from .rendezvous.protocol import CANCELLED, FAILED, SUCCEEDED, Result, RoundState
 from .states import TERMINAL_STATES, JobState
@@ -94,6 +99,8 @@ def decide(returncodes: Sequence[int | None], restarts: int, max_restarts: int,
         finished = any(rc == 0 for rc in returncodes)
         if not gave_up and running and not finished and len(failed) <= inprocess_left:
             return Decision(Action.REPLACE, f"{len(failed)} rank(s) replaced in-process")
+        if max_restarts < 0:  # no lifetime limit: the budget over a window decides (reopen)
+            return Decision(Action.RESTART, f"restart {restarts + 1} (no lifetime limit)")
         if restarts < max_restarts:
             return Decision(Action.RESTART, f"restart {restarts + 1} of {max_restarts}")
         return Decision(Action.FAIL, f"no restarts left ({restarts} of {max_restarts} used)")
@@ -104,14 +111,6 @@ def decide(returncodes: Sequence[int | None], restarts: int, max_restarts: int,
     if round_status == "waiting":
         return Decision(Action.SCALE_UP, round_reason)
     return Decision(Action.CONTINUE, "workers running")
-
-
-def restart_delay(restart_number: int, initial: float, step: float, maximum: float) -> float:
-    """Wait before restart ``restart_number`` (1-based): initial, then +step doubling."""
-    if restart_number <= 1:
-        return min(initial, maximum)
-    # The exponent is capped: past 2**60 the maximum has long been reached.
-    return min(maximum, initial + step * 2.0 ** min(restart_number - 2, 60))
 
 
 class Agent:
@@ -130,10 +129,16 @@ class Agent:
         self._store_secret = jobstore_env.new_secret()
         self._group: WorkerGroup | None = None    # the running attempt's workers
         self._recovery = Recovery(job_id, cfg, registry, metrics)  # the ladder's record
-        self._progress = ProgressTracker(  # seeded with the hang timeouts learned before
-            job_id, cfg.agent, registry, cfg.daemon.node_id,
-            on_beat=(lambda: metrics.progress_beat(job_id)) if metrics else None,
-            seed=registry.get(job_id).hang_timeouts)
+        # What the running attempt did, for the wait before the next restart
+        # (restartpolicy.plan_restart): beats seen, when its workers started;
+        # and how many attempts in a row before it made no progress.
+        self._beats = 0
+        self._attempt_started = time.monotonic()
+        self._first_beat: float | None = None
+        self._no_progress_streak = 0
+        self._progress = ProgressTracker(
+            job_id, cfg.agent, registry, cfg.daemon.node_id, on_beat=self._on_beat,
+            seed=registry.get(job_id).hang_timeouts)  # the hang timeouts learned before
         self._thread = threading.Thread(target=self._run, name=f"agent-{job_id}", daemon=True)
 
     def start(self) -> None:
@@ -145,6 +150,16 @@ class Agent:
 
     def poke(self) -> None:
         self.wake.set()
+
+    def _on_beat(self) -> None:
+        if not self._beats:
+            self._first_beat = time.monotonic()
+        self._beats += 1
+        if self._metrics:
+            self._metrics.progress_beat(self.job_id)
+
+    def _attempt_progress(self) -> AttemptProgress:
+        return AttemptProgress(self._beats, time.monotonic() - self._attempt_started)
 
     def _where(self, rnd: int | None = None) -> str:
         return ctx(job=self.job_id, node=self._cfg.daemon.node_id, round=rnd)
@@ -201,11 +216,16 @@ class Agent:
                 self.wake.wait(self._cfg.membership.watch_retry)
                 continue
             state = self._rdzv.last_state
-            job = self._registry.update(self.job_id, round=result.round,
-                                        restarts=state.restarts if state else job.restarts)
+            job = self._registry.update(
+                self.job_id, round=result.round,
+                **({"restarts": state.restarts, "restart_times": list(state.restart_times)}
+                   if state else {}))
             spec = self._with_job_store(job, self._group_spec(job, result), result)
             self._recovery.start_attempt(job, jobstore_env.ADDR in spec.extra_env)
             group = self._group = WorkerGroup(spec)
+            started_warm = self._spares.ready() > 0
+            self._beats, self._first_beat = 0, None
+            self._attempt_started = time.monotonic()
             try:
                 group.start(self._spares)
             except SpawnError as exc:
@@ -224,7 +244,7 @@ class Agent:
             if self._metrics:
                 self._metrics.workers_started_n(len(group.workers))
                 self._metrics.round_nodes(result.group_world_size)  # metrics: participants
-            decision = self._monitor(group, result)
+            decision = self._monitor(group, result, started_warm)
             if not self._apply(decision, group, result):
                 return
 
@@ -232,10 +252,11 @@ class Agent:
         state = self._rdzv.last_state
         return (state.round + 1) if state and state.status != "open" else job.round + 1
 
-    def _monitor(self, group: WorkerGroup, result: Result) -> Decision:
+    def _monitor(self, group: WorkerGroup, result: Result, started_warm: bool) -> Decision:
         a = self._cfg.agent
         interval = a.monitor_interval
-        spares_at = time.monotonic() + a.warm_spare_delay if a.warm_spares else None
+        # Spares still to start for this attempt, from when, after a warm start or not.
+        refill, refill_from, warm = a.warm_spares, self._attempt_started, started_warm
         marked_done = scale_requested = False
         while True:
             workers = group.poll()
@@ -266,17 +287,18 @@ class Agent:
                               remote_ranks=result.group_world_size > 1)
             if decision.action is Action.REPLACE:
                 self._replace_dead(group)
-                if a.warm_spares:
-                    spares_at = time.monotonic() + a.warm_spare_delay
+                refill, refill_from, warm = a.warm_spares, time.monotonic(), False
             elif decision.action is Action.SCALE_UP:
                 if result.group_rank == 0 and not scale_requested:
                     scale_requested = True
                     self._try(lambda: self._rdzv.reopen(result, decision.reason, False))
             elif decision.action is not Action.CONTINUE:
                 return decision
-            if spares_at is not None and time.monotonic() >= spares_at:
-                spares_at = None
-                if restarts < max_restarts and self._spares.fill(group.spec, a.warm_preload):
+            if refill and spares_due(time.monotonic(), refill_from, self._first_beat, warm,
+                                     a.warm_spare_delay, a.warm_spare_restart_delay):
+                refill = False
+                if (max_restarts < 0 or restarts < max_restarts) \
+                        and self._spares.fill(group.spec, a.warm_preload, a.warm_spare_nice):
                     log.info("%s: warm spares started for the next restart",
                              self._where(result.round))
             self.wake.wait(interval)
@@ -311,6 +333,9 @@ class Agent:
                 self._end_as(self._rdzv.last_state, rows)
             return False
         if act in (Action.REJOIN, Action.NODE_LOST):
+            if made_progress(self._attempt_progress(),
+                             BackoffSettings.from_settings(self._cfg.agent)):
+                self._no_progress_streak = 0  # another node's fault ended a good attempt
             group.stop(grace)
             group.poll()
             self._publish(group)
@@ -330,9 +355,13 @@ class Agent:
             self._registry.transition(
                 self.job_id, JobState.RESTARTING, decision.reason or "a new round opened",
                 restarts=state.restarts if state else job.restarts,
+                restart_times=list(state.restart_times) if state else job.restart_times,
                 workers=self._worker_rows(group), **self._recovery.fields())
             return True
         # RESTART or FAIL: a local worker failed, or in-process restart gave up.
+        a = self._cfg.agent
+        plan = plan_restart(self._attempt_progress(), self._no_progress_streak,
+                            BackoffSettings.from_settings(a))
         ladder = self._recovery.ladder
         # Stop the rest of the group before recording: they would hang in collectives.
         # Blame only after the stop: a rank SIGKILLed by someone else (the OOM
@@ -353,7 +382,8 @@ class Agent:
             code = failure["exit_code"] if failure["exit_code"] > 0 else 128 + failure["signal"]
             chain = self._recovery.ladder.failed(Layer.PROCESS, failure["cause"],
                                                  failure["time"], failure["rank"])
-            why = f"{failure['cause']}; {decision.reason}"
+            why = (state.reason if act is Action.RESTART and state is not None and state.reason
+                   else f"{failure['cause']}; {decision.reason}")
             if len(self._recovery.ladder.attempts) > 1:
                 why += f"; cause chain: {chain}"
             self._finish_cluster(FAILED, why)
@@ -362,18 +392,19 @@ class Agent:
                                       workers=self._worker_rows(group), **self._recovery.fields())
             return False
         restart = state.restarts if state is not None else job.restarts + 1
-        a = self._cfg.agent
-        delay = restart_delay(restart, a.restart_backoff_initial, a.restart_backoff_step,
-                              a.restart_backoff_max)
+        times = list(state.restart_times) if state is not None else job.restart_times
+        self._no_progress_streak = plan.streak
+        record = dict(plan.to_dict(), node_id=self._cfg.daemon.node_id, time=time.time())
         climb = self._recovery.ladder.begin(Layer.PROCESS, failure["cause"], failure["time"],
                                             failure["rank"])
+        log.info("%s: %s", self._where(result.round), plan.sentence())
         self._registry.transition(self.job_id, JobState.RESTARTING,
-                                  f"{climb.cause}; {decision.reason}"
-                                  + (f" in {delay:.1f}s" if delay else ""),
-                                  restarts=restart, last_failure=failure,
+                                  f"{climb.cause}; {decision.reason}; {plan.sentence()}",
+                                  plan=record, restarts=restart, restart_times=times,
+                                  last_restart_plan=record, last_failure=failure,
                                   workers=self._worker_rows(group), **self._recovery.fields())
-        if delay:
-            self.wake.wait(delay)
+        if plan.delay:
+            self.wake.wait(plan.delay)
             self.wake.clear()
         return True
 

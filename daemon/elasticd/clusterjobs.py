@@ -143,6 +143,7 @@ def record_from_keys(keys: JobKeys, now: float) -> JobRecord | None:
     rec.reason = f"this node does not run it; {where}" + (f": {state.reason}"
                                                             if state.reason else "")
     rec.round, rec.restarts = state.round, state.restarts
+    rec.restart_times = list(state.restart_times)
     rec.workers = worker_rows(keys)
     for name, value in recovery_of(keys).items():
         setattr(rec, name, value)

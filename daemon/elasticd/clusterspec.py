@@ -51,8 +51,8 @@ _AAD_LABEL = b"elasticd/v1 job-spec secret\x00"
 _NONCE = 12
 # Stored in clear (signed); "sealed" holds the rest.
 CLEAR_FIELDS = ("id", "name", "cwd", "uid", "gid", "user", "min_nodes", "max_nodes",
-                "nproc_per_node", "max_restarts", "nodes", "created_at", "submitted_on",
-                "inprocess")
+                "nproc_per_node", "max_restarts", "max_restarts_per_window", "restart_window",
+                "nodes", "created_at", "submitted_on", "inprocess")
 SECRET_FIELDS = ("command", "env")
 SIGNED_FIELDS = ("format", *CLEAR_FIELDS, "sealed")
 _STORED = frozenset(SIGNED_FIELDS) | {"mac"}

@@ -131,14 +131,34 @@ class AgentSettings:
                                        min=0.005, max=60)
     stop_grace_period: float = _setting(5.0, "seconds workers get after SIGTERM before SIGKILL",
                                         min=0, max=3600)
-    default_max_restarts: int = _setting(3, "restarts a job gets when its submission names none",
-                                         min=0, max=1_000_000)
-    restart_backoff_initial: float = _setting(0.0, "seconds before the first restart of a job",
+    default_max_restarts: int = _setting(-1, "restarts a job gets over its whole life when its "
+                                             "submission names none (-1: no lifetime limit; "
+                                             "the budget over agent.restart_window ends a job "
+                                             "that keeps failing)", min=-1, max=1_000_000)
+    default_max_restarts_per_window: int = _setting(
+        10, "restarts a job gets within any agent.restart_window when its submission names "
+            "none (-1: no such budget, then agent.default_max_restarts must be set)",
+        min=-1, max=1_000_000)
+    restart_window: float = _setting(3600.0, "seconds over which the restart budget of "
+                                             "--max-restarts-per-window is counted",
+                                     min=0, exclusive_min=True, max=365 * 86400)
+    restart_backoff_initial: float = _setting(0.0, "seconds before the first restart after "
+                                                   "an attempt without progress",
                                               min=0, max=3600)
     restart_backoff_step: float = _setting(0.5, "seconds added to the wait before each further "
-                                                "restart (doubling)", min=0, max=3600)
+                                                "restart without progress in between (doubling)",
+                                           min=0, max=3600)
     restart_backoff_max: float = _setting(30.0, "longest wait between two restarts",
                                           min=0, max=86400)
+    progress_min_beats: int = _setting(2, "progress beats (optimizer steps, heartbeat() calls; "
+                                          "seen while agent.hang_detection is on) of a failed "
+                                          "attempt that show it made progress: it restarts at "
+                                          "once and the backoff starts over",
+                                       min=1, max=1_000_000)
+    progress_min_runtime: float = _setting(600.0, "seconds a failed attempt must have run to "
+                                                  "count as progress without beats (scripts "
+                                                  "that never beat)",
+                                           min=0, exclusive_min=True, max=30 * 86400)
     warm_spares: bool = _setting(True, "keep one pre-started Python interpreter per local rank, "
                                        "torch imported, to take over at the next restart "
                                        "(only for `python SCRIPT` / `python -m MODULE` jobs)")
@@ -152,6 +172,18 @@ class AgentSettings:
                                                   "(TORCHELASTIC_ERROR_FILE) the daemon reads; "
                                                   "a larger one is an unreadable error file",
                                          min=1024, max=1 << 30)
+    warm_spare_restart_delay: float = _setting(0.0, "seconds after the first progress beat of "
+                                                    "workers that started from spares before "
+                                                    "the spares are started again (workers "
+                                                    "that never beat: warm_spare_delay after "
+                                                    "their start)", min=0, max=3600)
+    warm_spare_nice: int = _setting(0, "niceness of warm spares until they become workers "
+                                        "(set back to 0 then), so that their torch import "
+                                        "yields the CPU to the running workers; only a daemon "
+                                        "running as root sets it (it alone can set it back); "
+                                        "0: off (under a sustained load from elsewhere, "
+                                        "niced spares may not be ready by the next fault)",
+                                    min=0, max=19)
     # -- hang detection (progress.py) --
     hang_detection: bool = _setting(True, "watch each rank's progress beats (every optimizer "
                                           "step, or elasticd_heartbeat.heartbeat()); dump the "
@@ -257,6 +289,9 @@ class ControlSettings:
     max_nodes: int = _setting(4096, "largest --nnodes accepted", min=1, max=1 << 20)
     max_restarts_limit: int = _setting(100_000, "largest --max-restarts accepted", min=0,
                                        max=1 << 30)
+    max_restarts_per_window_limit: int = _setting(
+        1000, "largest --max-restarts-per-window accepted (the restart times within the "
+              "window travel in the job's round state)", min=0, max=10_000)
     max_live_jobs: int = _setting(1000, "most unfinished jobs this daemon holds", min=1,
                                   max=1_000_000)
     cwd_check_timeout: float = _setting(10.0, "seconds the check that a submitter can enter "
@@ -439,6 +474,9 @@ def _check_relations(cfg: Config, errors: list[str]) -> None:
     if a.restart_backoff_initial > a.restart_backoff_max:
         errors.append("agent.restart_backoff_initial: must not exceed agent.restart_backoff_max "
                       f"({a.restart_backoff_initial} > {a.restart_backoff_max})")
+    if a.default_max_restarts < 0 and a.default_max_restarts_per_window < 0:
+        errors.append("agent.default_max_restarts: a job needs a restart budget: set it, or "
+                      "agent.default_max_restarts_per_window (both are -1)")
     if a.hang_soft_timeout >= a.hang_hard_timeout:
         errors.append("agent.hang_soft_timeout: must be below agent.hang_hard_timeout "
                       f"({a.hang_soft_timeout} >= {a.hang_hard_timeout})")

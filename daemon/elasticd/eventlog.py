@@ -34,6 +34,7 @@ import threading
 
 from . import statedir
 from .logsetup import ctx
+from .restartpolicy import RestartRule
 from .states import JobState
 from .store import EVENT_PUT, Store, StoreError
 from .store.follow import Follower
@@ -44,6 +45,7 @@ EVENTS = "/v1/events"
 _STATES = frozenset(s.value for s in JobState) | {""}
 _TEXT = ("job_id", "kind", "from_state", "to_state", "reason", "node_id")
 _INTS = ("round", "rank", "restart")
+_RULES = frozenset(r.value for r in RestartRule)
 
 
 def event_key(job_id: str, node_id: str, seq: int) -> str:
@@ -87,6 +89,12 @@ def parse_event(key: str, value: str | None) -> dict:
                 type(data.get("duration_seconds", 0.0)) not in (int, float):
             raise ValueError("event layer of the wrong type")
         ev["layer"], ev["duration_seconds"] = data["layer"], data.get("duration_seconds", 0.0)
+    if "restart_rule" in data:
+        if data["restart_rule"] not in _RULES or \
+                type(data.get("restart_delay_seconds", 0.0)) not in (int, float):
+            raise ValueError("event restart plan of the wrong type")
+        ev["restart_rule"] = data["restart_rule"]
+        ev["restart_delay_seconds"] = data.get("restart_delay_seconds", 0.0)
     ev["origin_seq"] = seq
     return ev
 

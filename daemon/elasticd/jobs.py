@@ -71,8 +71,17 @@ class JobRecord:
     min_nodes: int = 1
     max_nodes: int = 1
     nproc_per_node: int = 1
-    max_restarts: int = 3
+    max_restarts: int = 3                 # over the job's life; -1: no lifetime limit
     restarts: int = 0
+    # The budget over a window (restartpolicy.RestartWindow), counted cluster-wide:
+    # at most max_restarts_per_window (-1: none) within restart_window seconds;
+    # restart_times: the unix times of those in the latest window, oldest first.
+    max_restarts_per_window: int = -1
+    restart_window: float = 3600.0
+    restart_times: list = field(default_factory=list)
+    # The latest wait chosen before a process restart here (RestartPlan.to_dict()
+    # plus node_id and time), or None.
+    last_restart_plan: dict | None = None
     round: int = 0
     created_at: float = 0.0
     started_at: float = 0.0
@@ -253,7 +262,10 @@ class JobRegistry:
             self._announce(ev)
             return copy.deepcopy(rec)
 
-    def transition(self, job_id: str, new: JobState, reason: str, **changes: Any) -> JobRecord:
+    def transition(self, job_id: str, new: JobState, reason: str, *,
+                   plan: dict | None = None, **changes: Any) -> JobRecord:
+        """Move the job to ``new``; ``plan``: the restart plan (rule, delay) the
+        event carries, for the RESTARTING of a process restart."""
         with self._lock:
             rec = self._require(job_id)
             check_transition(rec.state, new)
@@ -268,7 +280,7 @@ class JobRegistry:
                 rec.finished_at = now
             self._apply(rec, changes)
             self._persist(rec)
-            self._append_event(rec, "state", reason, from_state=old, to_state=new)
+            self._append_event(rec, "state", reason, from_state=old, to_state=new, plan=plan)
             log.info("%s: %s -> %s: %s", ctx(job=rec.id, node=self._node_id, round=rec.round),
                      old.value, new.value, reason)
             return copy.deepcopy(rec)
@@ -368,14 +380,16 @@ class JobRegistry:
 
     def _append_event(self, rec: JobRecord, kind: str, reason: str, *,
                       from_state: JobState | None = None, to_state: JobState | None = None,
-                      rank: int = -1, layer: str = "", duration: float = 0.0) -> None:
+                      rank: int = -1, layer: str = "", duration: float = 0.0,
+                      plan: dict | None = None) -> None:
         self._announce(self._insert_event(rec, kind, reason, from_state=from_state,
                                           to_state=to_state, rank=rank, layer=layer,
-                                          duration=duration))
+                                          duration=duration, plan=plan))
 
     def _insert_event(self, rec: JobRecord, kind: str, reason: str, *,
                       from_state: JobState | None = None, to_state: JobState | None = None,
-                      rank: int = -1, layer: str = "", duration: float = 0.0) -> dict:
+                      rank: int = -1, layer: str = "", duration: float = 0.0,
+                      plan: dict | None = None) -> dict:
         ev = {"job_id": rec.id, "time": self._clock(), "kind": kind,
               "from_state": from_state.value if from_state else "",
               "to_state": to_state.value if to_state else "",
@@ -383,6 +397,8 @@ class JobRegistry:
               "rank": rank, "restart": rec.restarts}
         if layer:
             ev["layer"], ev["duration_seconds"] = layer, duration
+        if plan:
+            ev["restart_rule"], ev["restart_delay_seconds"] = plan["rule"], plan["delay"]
         cur = self._db.execute("INSERT INTO events (job_id, data) VALUES (?, ?)",
                                (rec.id, json.dumps(ev)))
         ev["seq"] = cur.lastrowid

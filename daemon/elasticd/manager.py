@@ -30,6 +30,7 @@ from .jobs import (JobExists, JobNotFound, JobRecord, JobRegistry, NameInUse, No
 from .logsetup import ctx
 from .rendezvous.cluster import ClusterRendezvous, create_job
 from .rendezvous.protocol import CANCELLED, SUCCEEDED, JobLimits
+from .restartpolicy import RestartWindow
 from .states import LIVE_STATES, TERMINAL_STATES, JobState
 from .store import StoreError
 
@@ -47,6 +48,7 @@ class JobRequest:
     max_nodes: int = 1
     nproc_per_node: int = 1
     max_restarts: int = -1
+    max_restarts_per_window: int | None = None   # None: the daemon's default; -1: none
     nodes: tuple = ()
     inprocess: bool = False
 
@@ -58,6 +60,8 @@ def job_spec(rec: JobRecord, nodes: tuple = ()) -> dict:
             "env": rec.env, "uid": rec.uid, "gid": rec.gid, "user": rec.user,
             "min_nodes": rec.min_nodes, "max_nodes": rec.max_nodes,
             "nproc_per_node": rec.nproc_per_node, "max_restarts": rec.max_restarts,
+            "max_restarts_per_window": rec.max_restarts_per_window,
+            "restart_window": rec.restart_window,
             "nodes": list(nodes), "created_at": rec.created_at, "submitted_on": rec.node_id,
             "inprocess": rec.inprocess}
 
@@ -71,6 +75,8 @@ def record_from_spec(spec: dict) -> JobRecord:
         uid=int(spec["uid"]), gid=int(spec["gid"]), user=str(spec.get("user", "")),
         min_nodes=int(spec["min_nodes"]), max_nodes=int(spec["max_nodes"]),
         nproc_per_node=int(spec["nproc_per_node"]), max_restarts=int(spec["max_restarts"]),
+        max_restarts_per_window=int(spec.get("max_restarts_per_window", -1)),
+        restart_window=_window(spec.get("restart_window", 3600.0)),
         created_at=float(spec.get("created_at", 0.0)), node_id=str(spec.get("submitted_on", "")),
         inprocess=bool(spec.get("inprocess", False)),
         nodes=[str(n) for n in spec.get("nodes") or []],
@@ -121,8 +127,15 @@ class JobManager:
                 f"the job needs {req.nproc_per_node} worker slots but this node has "
                 f"{self.slots_total} (elasticd --slots); lower --nproc-per-node")
         self._check_cluster_policy(req, caller)
-        max_restarts = (self._cfg.agent.default_max_restarts if req.max_restarts < 0
-                        else req.max_restarts)
+        a = self._cfg.agent
+        max_restarts = a.default_max_restarts if req.max_restarts < 0 else req.max_restarts
+        per_window = (a.default_max_restarts_per_window if req.max_restarts_per_window is None
+                      else req.max_restarts_per_window)
+        if max_restarts < 0 and per_window < 0:
+            raise errors.InvalidArgument(
+                "the job would have no restart budget: this daemon gives no lifetime limit by "
+                "default (agent.default_max_restarts = -1), so name --max-restarts, or keep a "
+                "budget over a window (--max-restarts-per-window)")
         env = dict(req.env)
         if req.inprocess:  # the ranks' key prefix in the job store; every node needs it
             env[jobstore_env.SECRET] = jobstore_env.new_secret()
@@ -131,6 +144,7 @@ class JobManager:
             env=env, uid=caller.uid, gid=caller.gid, user=caller.user,
             min_nodes=req.min_nodes, max_nodes=req.max_nodes,
             nproc_per_node=req.nproc_per_node, max_restarts=max_restarts,
+            max_restarts_per_window=per_window, restart_window=a.restart_window,
             reason="waiting for free slots", node_id=self._cfg.daemon.node_id,
             inprocess=req.inprocess, nodes=list(req.nodes),
             created_at=time.time())
@@ -268,7 +282,9 @@ class JobManager:
         r = self._cfg.rendezvous
         limits = JobLimits(min_nodes=job.min_nodes, max_nodes=job.max_nodes,
                            max_restarts=job.max_restarts, last_call=r.last_call,
-                           join_timeout=r.join_timeout)
+                           join_timeout=r.join_timeout,
+                           max_restarts_in_window=job.max_restarts_per_window,
+                           restart_window=job.restart_window)
         keeper = self._cluster.keeper
         return ClusterRendezvous(self._cluster.store, self._view, job.id,
                                  self._cfg.daemon.node_id, self._cluster.address,
@@ -311,6 +327,7 @@ class JobManager:
                 state.status, JobState.FAILED)
             self._registry.transition(job_id, target, state.reason or state.status,
                                       restarts=state.restarts,
+                                      restart_times=list(state.restart_times),
                                       exit_code=0 if target is not JobState.FAILED else 1)
 
     def _agent_exited(self, job_id: str) -> None:
@@ -349,19 +366,29 @@ class JobManager:
         """The store lost the job (standalone daemon restarted): start it again."""
         counted = job.state != JobState.PENDING
         restarts = job.restarts + (1 if counted else 0)
-        if counted and restarts > job.max_restarts:
+        now = time.time()
+        window = RestartWindow(job.max_restarts_per_window, job.restart_window)
+        fits, times = window.admit(job.restart_times, now) if counted else (True, ())
+        if counted and 0 <= job.max_restarts < restarts:
             self._move(job, JobState.FAILED, f"daemon restarted and no restarts are left "
                        f"({job.restarts} of {job.max_restarts} used)", exit_code=1)
             return
+        if not fits:
+            self._move(job, JobState.FAILED, "daemon restarted and no restarts are left in "
+                       f"the window ({window.describe(len(times) - 1)})", exit_code=1)
+            return
         try:
-            create_job(self._cluster.store, job.id, self._codec.seal(job_spec(job)), time.time(),
-                       round=job.round + 1, restarts=restarts)
+            create_job(self._cluster.store, job.id, self._codec.seal(job_spec(job)), now,
+                       round=job.round + 1, restarts=restarts,
+                       restart_times=times if counted else tuple(job.restart_times))
         except (StoreError, ValueError) as exc:
             log.error("%s: cannot resume: %s", ctx(job=job.id), exc)
             return
         if counted:
+            allowed = "unlimited" if job.max_restarts < 0 else str(job.max_restarts)
             self._move(job, JobState.RESTARTING, f"daemon restarted; resuming as restart "
-                       f"{restarts} of {job.max_restarts}", restarts=restarts)
+                       f"{restarts} of {allowed}", restarts=restarts,
+                       restart_times=list(times))
 
     def _move(self, job: JobRecord, state: JobState, reason: str, **changes) -> None:
         if job.state == state:
@@ -381,6 +408,14 @@ class JobManager:
         for agent in agents:
             if not agent.join(timeout):
                 log.error("%s: agent did not stop within %.0fs", ctx(job=agent.job_id), timeout)
+
+
+def _window(value) -> float:
+    """A job spec's restart window: a positive, finite number of seconds."""
+    seconds = float(value)
+    if not 0 < seconds < float("inf"):
+        raise ValueError(f"restart_window must be a positive number of seconds, got {value!r}")
+    return seconds
 
 
 def check_access(job: JobRecord, caller: Caller) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 
 from .jobs import JobRecord
+from .restartpolicy import RestartPlan, RestartWindow
 from .states import TERMINAL_STATES
 from .v1 import control_pb2 as pb
 
@@ -19,7 +20,21 @@ def job_to_proto(job: JobRecord) -> pb.Job:
         min_nodes=job.min_nodes, max_nodes=job.max_nodes, nproc_per_node=job.nproc_per_node,
         max_restarts=job.max_restarts, restarts=job.restarts, round=job.round,
         created_at=job.created_at, started_at=job.started_at, finished_at=job.finished_at,
-        exit_code=job.exit_code, node_id=job.node_id, inprocess=job.inprocess)
+        exit_code=job.exit_code, node_id=job.node_id, inprocess=job.inprocess,
+        max_restarts_per_window=job.max_restarts_per_window,
+        restart_window_seconds=job.restart_window,
+        restarts_in_window=len(RestartWindow(job.max_restarts_per_window, job.restart_window)
+                               .recent(job.restart_times, time.time())))
+    plan = job.last_restart_plan
+    if plan:
+        try:
+            p = RestartPlan.from_dict(plan)
+            msg.last_restart_plan.CopyFrom(pb.RestartPlan(
+                rule=p.rule.value, delay_seconds=p.delay, no_progress_streak=p.streak,
+                beats=p.beats, ran_seconds=p.ran_for, summary=p.sentence(),
+                node_id=str(plan.get("node_id", "")), time=float(plan.get("time", 0.0))))
+        except (KeyError, TypeError, ValueError):
+            pass  # a record from another version: leave it out
     seconds = dict(job.seconds_in_state)
     if job.state not in TERMINAL_STATES:
         seconds[job.state.value] = seconds.get(job.state.value, 0.0) + max(
@@ -63,7 +78,9 @@ def event_to_proto(ev: dict) -> pb.Event:
                     reason=ev["reason"], node_id=ev["node_id"], round=ev["round"],
                     rank=ev["rank"], restart=ev["restart"], layer=ev.get("layer", ""),
                     duration_seconds=ev.get("duration_seconds", 0.0),
-                    rejected_reason=ev.get("rejected_reason", ""))
+                    rejected_reason=ev.get("rejected_reason", ""),
+                    restart_rule=ev.get("restart_rule", ""),
+                    restart_delay_seconds=ev.get("restart_delay_seconds", 0.0))
 
 
 def rejection_to_proto(rej, node_id: str) -> pb.Job:

@@ -37,6 +37,7 @@ from prometheus_client.exposition import start_http_server
 from . import __version__, statedir
 from .jobs import JobNotFound
 from .rejections import RejectReason
+from .restartpolicy import RestartWindow
 from .states import LIVE_STATES, TERMINAL_STATES, JobState
 from .store import (KV, CompareFailed, KeyExists, Lease, LeaseNotFound, Store,
                     StoreAuthError, StoreCorrupt, StoreError, StoreUnavailable,
@@ -393,6 +394,10 @@ class _JobCollector:
                 oldest[state] = max(oldest[state], now - job.state_since)
                 if job.max_restarts > 0:
                     budget_used = max(budget_used, job.restarts / job.max_restarts)
+                window = RestartWindow(job.max_restarts_per_window, job.restart_window)
+                if window.limit > 0:
+                    in_window = len(window.recent(job.restart_times, time.time()))
+                    budget_used = max(budget_used, in_window / window.limit)
             workers += sum(1 for w in job.workers if w["state"] == "running")
             if job.straggler and job.state is JobState.RUNNING:
                 stragglers.append((job.id, job.straggler))
@@ -410,7 +415,8 @@ class _JobCollector:
         yield g
         yield GaugeMetricFamily(
             "elasticd_job_restart_budget_used_ratio",
-            "Restarts used over restarts allowed, for the live job that used the most",
+            "Restarts used over restarts allowed, for the live job that used the most "
+            "(of its lifetime budget or of its budget over the restart window)",
             value=min(budget_used, 1.0))
         ages = self._metrics.progress_beat_ages()
         g = GaugeMetricFamily(

@@ -69,13 +69,20 @@ def submit_request(req, limits: ControlSettings) -> JobRequest:
                    "control.max_nproc_per_node")
     max_restarts = _count("max_restarts", req.max_restarts, -1, limits.max_restarts_limit,
                           "control.max_restarts_limit; -1 means the daemon's default")
+    per_window = None
+    if req.HasField("max_restarts_per_window"):
+        per_window = _count("max_restarts_per_window", req.max_restarts_per_window, -1,
+                            limits.max_restarts_per_window_limit,
+                            "control.max_restarts_per_window_limit; -1 means no budget over "
+                            "a window")
     nodes = _nodes(tuple(req.nodes), limits)
     if nodes and len(set(nodes)) < min_nodes:
         raise InvalidArgument(f"nodes: {len(set(nodes))} node(s) named but the job needs at "
                               f"least {min_nodes}")
     return JobRequest(command=tuple(command), cwd=cwd, env=env, name=name,
                       min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc,
-                      max_restarts=max_restarts, nodes=tuple(sorted(set(nodes))),
+                      max_restarts=max_restarts, max_restarts_per_window=per_window,
+                      nodes=tuple(sorted(set(nodes))),
                       inprocess=bool(req.inprocess))
 
 
@@ -131,9 +138,11 @@ def _nodes(nodes: tuple, limits: ControlSettings) -> tuple:
 # -- a job spec read from etcd (clusterspec.py) --------------------------------------
 _SPEC_TYPES = {"id": str, "name": str, "command": list, "cwd": str, "env": dict, "uid": int,
                "gid": int, "user": str, "min_nodes": int, "max_nodes": int,
-               "nproc_per_node": int, "max_restarts": int, "nodes": list,
+               "nproc_per_node": int, "max_restarts": int, "max_restarts_per_window": int,
+               "restart_window": float, "nodes": list,
                "created_at": float, "submitted_on": str, "inprocess": bool}
 _MAX_ID = 2**32 - 2
+_MAX_RESTART_WINDOW = 365 * 86400.0  # agent.restart_window's own upper bound
 
 
 def cluster_spec(spec: dict, limits: ControlSettings) -> dict:
@@ -167,6 +176,20 @@ def cluster_spec(spec: dict, limits: ControlSettings) -> dict:
     min_nodes = _count("min_nodes", spec["min_nodes"], 1, limits.max_nodes, "control.max_nodes")
     max_nodes = _count("max_nodes", spec["max_nodes"], min_nodes, limits.max_nodes,
                        "control.max_nodes")
+    # The restart budgets, as a submission gives them (-1: none of that kind; a job
+    # needs at least one), and the window the second is counted over.
+    max_restarts = _count("max_restarts", spec["max_restarts"], -1, limits.max_restarts_limit,
+                          "control.max_restarts_limit; -1: no lifetime limit")
+    per_window = _count("max_restarts_per_window", spec["max_restarts_per_window"], -1,
+                        limits.max_restarts_per_window_limit,
+                        "control.max_restarts_per_window_limit; -1: no budget over a window")
+    if max_restarts < 0 and per_window < 0:
+        raise InvalidArgument("max_restarts, max_restarts_per_window: the job has no restart "
+                              "budget at all")
+    window = float(spec["restart_window"])
+    if not 0 < window <= _MAX_RESTART_WINDOW:
+        raise InvalidArgument(f"restart_window: {window!r} is not a number of seconds in "
+                              f"(0, {_MAX_RESTART_WINDOW:g}]")
     return {"id": job_id, "name": _name(spec["name"]),
             "command": _command(list(spec["command"]), limits),
             "cwd": _cwd_path(spec["cwd"], limits), "env": _env(spec["env"], limits),
@@ -174,7 +197,7 @@ def cluster_spec(spec: dict, limits: ControlSettings) -> dict:
             "min_nodes": min_nodes, "max_nodes": max_nodes,
             "nproc_per_node": _count("nproc_per_node", spec["nproc_per_node"], 1,
                                      limits.max_nproc_per_node, "control.max_nproc_per_node"),
-            "max_restarts": _count("max_restarts", spec["max_restarts"], 0,
-                                   limits.max_restarts_limit, "control.max_restarts_limit"),
+            "max_restarts": max_restarts, "max_restarts_per_window": per_window,
+            "restart_window": window,
             "nodes": list(_nodes(tuple(spec["nodes"]), limits)), "created_at": created,
             "submitted_on": submitted_on, "inprocess": spec["inprocess"]}

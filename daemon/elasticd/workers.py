@@ -337,6 +337,19 @@ def _hand_over(spare: subprocess.Popen, env: dict, cwd: str, args: list) -> \
         return None
 
 
+def _renice(pid: int, nice: int) -> None:
+    """Set the niceness of every thread of ``pid`` (Linux: setpriority is per thread)."""
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        tids = [pid]
+    for tid in tids:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+        except OSError:  # gone, or not ours to change
+            pass
+
+
 class SparePool:
     """Pre-started interpreters, one per local rank, with torch already imported.
 
@@ -349,8 +362,13 @@ class SparePool:
         self._spares: dict[int, subprocess.Popen] = {}
         self._ranks: dict[int, int] = {}     # local rank -> the global rank its log is
 
-    def fill(self, spec: GroupSpec, preload: list) -> int:
-        """Start a spare for each local rank that has none; returns how many started."""
+    def fill(self, spec: GroupSpec, preload: list, nice: int = 0) -> int:
+        """Start a spare for each local rank that has none; returns how many started.
+
+        ``nice``: the spares' niceness while they import and wait, so that their
+        imports yield the CPU to the running workers (agent.warm_spare_nice); set
+        back to 0 when one becomes a worker. Only a root daemon can set it back,
+        so only a root daemon sets it."""
         args = warm_args(spec.command)
         if args is None:
             return 0
@@ -366,11 +384,17 @@ class SparePool:
                 self._spares[local_rank] = _popen(  # it sets sys.path[0] from args
                     spec, [spec.command[0], WARMSTART, *args], spec.rank_offset + local_rank,
                     env, user_kwargs, stdin=subprocess.PIPE)
+                if nice and os.geteuid() == 0:
+                    _renice(self._spares[local_rank].pid, nice)
                 started += 1
             except SpawnError as exc:
                 log.warning("%s: no warm spare: %s", ctx(job=spec.job_id), exc)
                 return started
         return started
+
+    def ready(self) -> int:
+        """How many spares are alive, waiting for a worker's identity."""
+        return sum(1 for spare in self._spares.values() if spare.poll() is None)
 
     def take(self, local_rank: int, rank: int) -> subprocess.Popen | None:
         """The spare for a local rank, if alive and its output goes to ``rank``'s log.
@@ -385,6 +409,8 @@ class SparePool:
             return None
         if spare is not None and spare.poll() is not None:
             return None
+        if spare is not None and os.geteuid() == 0:
+            _renice(spare.pid, 0)
         return spare
 
     def clear(self) -> None:

@@ -214,7 +214,8 @@ class ClusterRendezvous:
             if state is None or state.final:
                 return
             new = RoundState(round=state.round, status=status, members=state.members,
-                             restarts=state.restarts, reason=reason, opened_at=state.opened_at,
+                             restarts=state.restarts, restart_times=state.restart_times,
+                             reason=reason, opened_at=state.opened_at,
                              closed_at=self._clock())
             if self._cas_state(new, keys.state_revision):
                 log.info("%s: job %s: %s", self._where(state.round), status, reason)
@@ -238,7 +239,7 @@ class ClusterRendezvous:
 
 
 def create_job(store: Store, job_id: str, spec: dict, now: float, round: int = 1,
-               restarts: int = 0) -> None:
+               restarts: int = 0, restart_times: tuple = ()) -> None:
     """Write a new job's spec and its first, open round."""
     prefix = job_prefix(job_id)
     try:
@@ -246,6 +247,7 @@ def create_job(store: Store, job_id: str, spec: dict, now: float, round: int = 1
     except KeyExists:
         raise ValueError(f"job id {job_id} already exists in the cluster") from None
     first = RoundState(round=round, status=OPEN, opened_at=now, restarts=restarts,
+                       restart_times=tuple(restart_times),
                        expected=tuple(sorted(spec.get("nodes") or ())),
                        reason="submitted")
     store.create(f"{prefix}/state", first.to_json())

@@ -27,9 +27,12 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, replace
 
+from ..restartpolicy import RestartWindow
+
 OPEN, CLOSED = "open", "closed"
 SUCCEEDED, FAILED, CANCELLED = "succeeded", "failed", "cancelled"
 FINAL = frozenset({SUCCEEDED, FAILED, CANCELLED})
+_MAX_TIMES = 10_001    # restart times a round state may carry (control's limit + 1)
 
 
 def job_prefix(job_id: str) -> str:
@@ -51,6 +54,9 @@ class RoundState:
     status: str = OPEN
     members: tuple = ()            # Member, in group-rank order (closed rounds)
     restarts: int = 0              # faults counted against max_restarts, cluster-wide
+    # unix times of the counted restarts inside the job's restart window, oldest
+    # first, at most its budget + 1 (restartpolicy.RestartWindow), cluster-wide
+    restart_times: tuple = ()
     expected: tuple = ()           # node ids an open round waits for before closing at once
     reason: str = ""
     opened_at: float = 0.0
@@ -59,6 +65,7 @@ class RoundState:
     def to_json(self) -> str:
         data = asdict(self)
         data["members"] = [asdict(m) for m in self.members]
+        data["restart_times"] = list(self.restart_times)
         return json.dumps(data, sort_keys=True)
 
     @classmethod
@@ -69,6 +76,8 @@ class RoundState:
         members = tuple(Member(**m) for m in data.get("members", ()))
         state = cls(round=int(data["round"]), status=str(data["status"]), members=members,
                     restarts=int(data.get("restarts", 0)),
+                    restart_times=tuple(float(t) for t in
+                                        (data.get("restart_times") or ())[:_MAX_TIMES]),
                     expected=tuple(str(n) for n in data.get("expected", ())),
                     reason=str(data.get("reason", "")),
                     opened_at=float(data.get("opened_at", 0.0)),
@@ -114,6 +123,12 @@ class JobLimits:
     max_restarts: int
     last_call: float               # seconds to wait for more nodes once min joined
     join_timeout: float            # seconds an open round may stay below min
+    max_restarts_in_window: int = -1   # restarts within restart_window (-1: no such budget)
+    restart_window: float = 3600.0
+
+    @property
+    def window(self) -> RestartWindow:
+        return RestartWindow(self.max_restarts_in_window, self.restart_window)
 
 
 @dataclass
@@ -187,13 +202,23 @@ def reopen(state: RoundState, reason: str, count_restart: bool, limits: JobLimit
     ``expected``: the nodes the new round can close as soon as they joined
     (the old members still alive, plus any waiting to join)."""
     restarts = state.restarts + (1 if count_restart else 0)
-    if count_restart and restarts > limits.max_restarts:
+    times = limits.window.recent(state.restart_times, now)
+    if count_restart and 0 <= limits.max_restarts < restarts:
         why = f"{reason}; no restarts left ({state.restarts} of {limits.max_restarts} used)"
         return replace(state, status=FAILED, reason=why), why
+    if count_restart:
+        fits, times = limits.window.admit(times, now)
+        if not fits:
+            why = (f"{reason}; no restarts left in the window "
+                   f"({limits.window.describe(len(times) - 1)})")
+            return replace(state, status=FAILED, reason=why), why
+    allowed = "unlimited" if limits.max_restarts < 0 else str(limits.max_restarts)
     why = (f"{reason}; round {state.round + 1} opened"
-           + (f" (restart {restarts} of {limits.max_restarts})" if count_restart else ""))
+           + (f" (restart {restarts} of {allowed}; {limits.window.describe(len(times))})"
+              if count_restart else ""))
     return RoundState(round=state.round + 1, status=OPEN, restarts=restarts, reason=why,
-                      expected=tuple(sorted(expected)), opened_at=now), why
+                      expected=tuple(sorted(expected)), opened_at=now,
+                      restart_times=times), why
 
 
 def result_for(state: RoundState, node_id: str) -> Result | None:

@@ -29,7 +29,7 @@ CANCELLED: JobState
 REJECTED: JobState
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("name", "command", "cwd", "env", "min_nodes", "max_nodes", "nproc_per_node", "max_restarts", "inprocess", "nodes")
+    __slots__ = ("name", "command", "cwd", "env", "min_nodes", "max_nodes", "nproc_per_node", "max_restarts", "inprocess", "nodes", "max_restarts_per_window")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,7 @@ class SubmitRequest(_message.Message):
     MAX_RESTARTS_FIELD_NUMBER: _ClassVar[int]
     INPROCESS_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
+    MAX_RESTARTS_PER_WINDOW_FIELD_NUMBER: _ClassVar[int]
     name: str
     command: _containers.RepeatedScalarFieldContainer[str]
     cwd: str
@@ -57,7 +58,8 @@ class SubmitRequest(_message.Message):
     max_restarts: int
     inprocess: bool
     nodes: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, name: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., cwd: _Optional[str] = ..., env: _Optional[_Mapping[str, str]] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., nproc_per_node: _Optional[int] = ..., max_restarts: _Optional[int] = ..., inprocess: _Optional[bool] = ..., nodes: _Optional[_Iterable[str]] = ...) -> None: ...
+    max_restarts_per_window: int
+    def __init__(self, name: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., cwd: _Optional[str] = ..., env: _Optional[_Mapping[str, str]] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., nproc_per_node: _Optional[int] = ..., max_restarts: _Optional[int] = ..., inprocess: _Optional[bool] = ..., nodes: _Optional[_Iterable[str]] = ..., max_restarts_per_window: _Optional[int] = ...) -> None: ...
 
 class SubmitResponse(_message.Message):
     __slots__ = ("job",)
@@ -138,7 +140,7 @@ class Worker(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., state: _Optional[str] = ..., exit_code: _Optional[int] = ..., node_id: _Optional[str] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("id", "name", "state", "reason", "command", "cwd", "uid", "gid", "user", "min_nodes", "max_nodes", "nproc_per_node", "max_restarts", "restarts", "round", "created_at", "started_at", "finished_at", "exit_code", "last_failure", "workers", "node_id", "seconds_in_state", "inprocess", "restarts_by_layer", "restart_budget", "attempts", "rejected_reason", "hang_timeouts", "straggler")
+    __slots__ = ("id", "name", "state", "reason", "command", "cwd", "uid", "gid", "user", "min_nodes", "max_nodes", "nproc_per_node", "max_restarts", "restarts", "round", "created_at", "started_at", "finished_at", "exit_code", "last_failure", "workers", "node_id", "seconds_in_state", "inprocess", "restarts_by_layer", "restart_budget", "attempts", "rejected_reason", "hang_timeouts", "straggler", "max_restarts_per_window", "restart_window_seconds", "restarts_in_window", "last_restart_plan")
     class SecondsInStateEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -190,6 +192,10 @@ class Job(_message.Message):
     REJECTED_REASON_FIELD_NUMBER: _ClassVar[int]
     HANG_TIMEOUTS_FIELD_NUMBER: _ClassVar[int]
     STRAGGLER_FIELD_NUMBER: _ClassVar[int]
+    MAX_RESTARTS_PER_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    RESTART_WINDOW_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RESTARTS_IN_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    LAST_RESTART_PLAN_FIELD_NUMBER: _ClassVar[int]
     id: str
     name: str
     state: JobState
@@ -220,7 +226,11 @@ class Job(_message.Message):
     rejected_reason: str
     hang_timeouts: _containers.RepeatedCompositeFieldContainer[PhaseTimeout]
     straggler: Straggler
-    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., cwd: _Optional[str] = ..., uid: _Optional[int] = ..., gid: _Optional[int] = ..., user: _Optional[str] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., nproc_per_node: _Optional[int] = ..., max_restarts: _Optional[int] = ..., restarts: _Optional[int] = ..., round: _Optional[int] = ..., created_at: _Optional[float] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., exit_code: _Optional[int] = ..., last_failure: _Optional[_Union[Failure, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., node_id: _Optional[str] = ..., seconds_in_state: _Optional[_Mapping[str, float]] = ..., inprocess: _Optional[bool] = ..., restarts_by_layer: _Optional[_Mapping[str, int]] = ..., restart_budget: _Optional[_Mapping[str, int]] = ..., attempts: _Optional[_Iterable[_Union[RestartAttempt, _Mapping]]] = ..., rejected_reason: _Optional[str] = ..., hang_timeouts: _Optional[_Iterable[_Union[PhaseTimeout, _Mapping]]] = ..., straggler: _Optional[_Union[Straggler, _Mapping]] = ...) -> None: ...
+    max_restarts_per_window: int
+    restart_window_seconds: float
+    restarts_in_window: int
+    last_restart_plan: RestartPlan
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., cwd: _Optional[str] = ..., uid: _Optional[int] = ..., gid: _Optional[int] = ..., user: _Optional[str] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., nproc_per_node: _Optional[int] = ..., max_restarts: _Optional[int] = ..., restarts: _Optional[int] = ..., round: _Optional[int] = ..., created_at: _Optional[float] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., exit_code: _Optional[int] = ..., last_failure: _Optional[_Union[Failure, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., node_id: _Optional[str] = ..., seconds_in_state: _Optional[_Mapping[str, float]] = ..., inprocess: _Optional[bool] = ..., restarts_by_layer: _Optional[_Mapping[str, int]] = ..., restart_budget: _Optional[_Mapping[str, int]] = ..., attempts: _Optional[_Iterable[_Union[RestartAttempt, _Mapping]]] = ..., rejected_reason: _Optional[str] = ..., hang_timeouts: _Optional[_Iterable[_Union[PhaseTimeout, _Mapping]]] = ..., straggler: _Optional[_Union[Straggler, _Mapping]] = ..., max_restarts_per_window: _Optional[int] = ..., restart_window_seconds: _Optional[float] = ..., restarts_in_window: _Optional[int] = ..., last_restart_plan: _Optional[_Union[RestartPlan, _Mapping]] = ...) -> None: ...
 
 class PhaseTimeout(_message.Message):
     __slots__ = ("phase", "soft_seconds", "hard_seconds", "learned", "longest_gap_seconds", "gaps")
@@ -253,6 +263,26 @@ class Straggler(_message.Message):
     ranks: int
     node_id: str
     def __init__(self, rank: _Optional[int] = ..., ratio: _Optional[float] = ..., step_seconds: _Optional[float] = ..., median_step_seconds: _Optional[float] = ..., ranks: _Optional[int] = ..., node_id: _Optional[str] = ...) -> None: ...
+
+class RestartPlan(_message.Message):
+    __slots__ = ("rule", "delay_seconds", "no_progress_streak", "beats", "ran_seconds", "summary", "node_id", "time")
+    RULE_FIELD_NUMBER: _ClassVar[int]
+    DELAY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NO_PROGRESS_STREAK_FIELD_NUMBER: _ClassVar[int]
+    BEATS_FIELD_NUMBER: _ClassVar[int]
+    RAN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    rule: str
+    delay_seconds: float
+    no_progress_streak: int
+    beats: int
+    ran_seconds: float
+    summary: str
+    node_id: str
+    time: float
+    def __init__(self, rule: _Optional[str] = ..., delay_seconds: _Optional[float] = ..., no_progress_streak: _Optional[int] = ..., beats: _Optional[int] = ..., ran_seconds: _Optional[float] = ..., summary: _Optional[str] = ..., node_id: _Optional[str] = ..., time: _Optional[float] = ...) -> None: ...
 
 class RestartAttempt(_message.Message):
     __slots__ = ("layer", "cause", "time", "duration_seconds", "outcome", "rank", "node_id")
@@ -303,7 +333,7 @@ class EventsRequest(_message.Message):
     def __init__(self, id: _Optional[str] = ..., follow: _Optional[bool] = ..., after_seq: _Optional[int] = ...) -> None: ...
 
 class Event(_message.Message):
-    __slots__ = ("seq", "job_id", "time", "kind", "from_state", "to_state", "reason", "node_id", "round", "rank", "restart", "layer", "duration_seconds", "rejected_reason")
+    __slots__ = ("seq", "job_id", "time", "kind", "from_state", "to_state", "reason", "node_id", "round", "rank", "restart", "layer", "duration_seconds", "rejected_reason", "restart_rule", "restart_delay_seconds")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     TIME_FIELD_NUMBER: _ClassVar[int]
@@ -318,6 +348,8 @@ class Event(_message.Message):
     LAYER_FIELD_NUMBER: _ClassVar[int]
     DURATION_SECONDS_FIELD_NUMBER: _ClassVar[int]
     REJECTED_REASON_FIELD_NUMBER: _ClassVar[int]
+    RESTART_RULE_FIELD_NUMBER: _ClassVar[int]
+    RESTART_DELAY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     seq: int
     job_id: str
     time: float
@@ -332,7 +364,9 @@ class Event(_message.Message):
     layer: str
     duration_seconds: float
     rejected_reason: str
-    def __init__(self, seq: _Optional[int] = ..., job_id: _Optional[str] = ..., time: _Optional[float] = ..., kind: _Optional[str] = ..., from_state: _Optional[_Union[JobState, str]] = ..., to_state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., node_id: _Optional[str] = ..., round: _Optional[int] = ..., rank: _Optional[int] = ..., restart: _Optional[int] = ..., layer: _Optional[str] = ..., duration_seconds: _Optional[float] = ..., rejected_reason: _Optional[str] = ...) -> None: ...
+    restart_rule: str
+    restart_delay_seconds: float
+    def __init__(self, seq: _Optional[int] = ..., job_id: _Optional[str] = ..., time: _Optional[float] = ..., kind: _Optional[str] = ..., from_state: _Optional[_Union[JobState, str]] = ..., to_state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., node_id: _Optional[str] = ..., round: _Optional[int] = ..., rank: _Optional[int] = ..., restart: _Optional[int] = ..., layer: _Optional[str] = ..., duration_seconds: _Optional[float] = ..., rejected_reason: _Optional[str] = ..., restart_rule: _Optional[str] = ..., restart_delay_seconds: _Optional[float] = ...) -> None: ...
 
 class ListNodesRequest(_message.Message):
     __slots__ = ()

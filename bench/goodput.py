@@ -1,0 +1,505 @@
+"""Goodput under repeated faults: elasticd vs torchrun, a worker SIGKILLed every 10 s.
+
+    python bench/goodput.py                       # 90 s per run, 6 runs: about 10 minutes
+    python bench/goodput.py --duration 40 --launchers elasticd,torchrun
+
+Goodput is the share of the training a job does with faults of what the same
+job does without faults in the same time: the step it has reached when the
+run ends, over the step the fault-free run of the same launcher reached.
+
+The job, under each launcher, 2 ranks on this node, gloo:
+
+    python -m elasticd.examples.train --steps 1000000 --step-time 0.05
+        --checkpoint-every 20 --log-every 1 --checkpoint-dir DIR
+
+(0.05 s steps, a disk checkpoint every 20 steps, resumed at every start).
+Each launcher runs it twice in the same invocation, for ``--duration``
+seconds from the job's first training step each (the cold start before it,
+the same with or without faults, is left out: on a busy machine its length
+varies more than a fault costs): once with no faults, once while a random
+worker (seeded, the same sequence for every launcher) is SIGKILLed every
+``--fault-every`` seconds, the first that long after the first step. A kill
+that finds no running worker (a restart under way) waits for one, at most
+``--fault-every`` seconds.
+
+Launchers:
+  torchrun      torchrun --standalone --nnodes 1 --nproc-per-node 2
+                --max-restarts 100 --monitor-interval 0.1 -m elasticd.examples.train ...
+                (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, see restart_vs_torchrun.py)
+  elasticd      python -m elasticd --standalone, default settings; the job
+                submitted with --max-restarts-per-window 100 (the default of 10
+                per hour is spent by a fault every 10 s for longer than 100 s:
+                that is what it is for)
+  elasticd-old  the same, with the settings that reproduce the restart
+                policy before issue 22: agent.progress_min_beats and
+                agent.progress_min_runtime at their maxima (no attempt counts
+                as progress, so the backoff grows with every restart: 0, 0.5,
+                1, 2, ... 30 s) and agent.warm_spare_restart_delay at its
+                maximum (spares refilled agent.warm_spare_delay = 3 s after
+                every start)
+
+``--nodes 3``: three "nodes" on this machine, one etcd (loopback), the job
+``--nnodes 2:3`` with one worker per node (3 ranks); every ``--node-every``
+(4th) fault kills a node instead of a worker, and it comes back
+``--node-down`` (3) seconds later:
+  elasticd       3 daemons (python -m elasticd --etcd URL, defaults), the job
+                 submitted on n1 with --max-restarts-per-window 100; the node
+                 fault is a kill -9 of the daemon of n2 or n3 (its workers die
+                 with it), started again on the same state dir
+  torchrun-c10d  3 x torchrun --nnodes 2:3 --nproc-per-node 1 --rdzv-backend
+                 c10d --max-restarts 100 --monitor-interval 0.1 (defaults
+                 otherwise); the node fault is a kill -9 of agent 1 or 2 and
+                 everything under it (never agent 0: it hosts the c10d store),
+                 started again with the same command
+Rank 0 stays on n1 / agent 0 throughout, whose log is read.
+
+Printed per launcher: steps without and with faults, goodput, restarts,
+faults injected, the mean time from a kill to the first training step after
+it (the worker's FIRST_STEP line; same clock), and the steps lost to
+rollback (the step reached before each fault minus the checkpoint step the
+next attempt resumed from). Never asserts a timing.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import psutil
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "tests"))
+from common import (BenchDaemon, kill_owned, kill_procs, machine, read_text,  # noqa: E402
+                    revision, start_torchrun, stop_torchrun, table, tempdir, torchrun_bin,
+                    torchrun_env, tree)
+
+LAUNCHERS = ("torchrun", "elasticd", "elasticd-old")
+LAUNCHERS3 = ("torchrun-c10d", "elasticd")
+OLD_POLICY = {"ELASTICD_AGENT_PROGRESS_MIN_BEATS": "1000000",
+              "ELASTICD_AGENT_PROGRESS_MIN_RUNTIME": str(30 * 86400),
+              "ELASTICD_AGENT_WARM_SPARE_RESTART_DELAY": "3600"}
+ATTEMPT_RE = re.compile(r"^attempt (\d+): world size \d+, starting at step (\d+)$")
+FIRST_RE = re.compile(r"^FIRST_STEP (\d+\.\d+) attempt=(\d+) step=(\d+)")
+STEP_RE = re.compile(r"^step (\d+)/\d+ loss")
+
+
+@dataclass
+class Run:
+    launcher: str
+    faults: bool
+    kills: list = field(default_factory=list)      # unix times of the SIGKILLs
+    skipped: int = 0                               # kills that found no worker in time
+    node_kills: int = 0                            # of which a node's daemon / agent
+    final_step: int = 0
+    restarts: int = 0
+    lost: int = 0                                  # steps rolled back
+    recover: list = field(default_factory=list)    # kill -> first step after it (s)
+    error: str = ""
+
+
+def train_args(ckpt: str) -> list[str]:
+    return ["--steps", "1000000", "--step-time", "0.05", "--checkpoint-every", "20",
+            "--log-every", "1", "--checkpoint-dir", ckpt]
+
+
+def parse(run: Run, text: str) -> None:
+    """Steps reached, restarts, rollback and recovery times from rank 0's output."""
+    last = 0
+    attempts = 0
+    firsts = []
+    for line in text.splitlines():
+        m = STEP_RE.match(line)
+        if m:
+            last = max(last, int(m.group(1)))
+            continue
+        m = ATTEMPT_RE.match(line)
+        if m:
+            attempts = max(attempts, int(m.group(1)))
+            start = int(m.group(2))
+            if int(m.group(1)) > 0:
+                run.lost += max(0, last - start)
+            last = start
+            continue
+        m = FIRST_RE.match(line)
+        if m:
+            firsts.append(float(m.group(1)))
+    run.final_step = last
+    run.restarts = max(run.restarts, attempts)
+    for k in run.kills:
+        after = [t for t in firsts if t > k]
+        if after:
+            run.recover.append(after[0] - k)
+
+
+class Faults:
+    """SIGKILL a random running worker every ``every`` seconds."""
+
+    def __init__(self, every: float, seed: int, node_every: int = 0):
+        self.every = every
+        self.node_every = node_every
+        self.rng = random.Random(seed)
+
+    def drive(self, run: Run, t0: float, duration: float, workers, log_path: str,
+              node_fault=None, on_tick=None, start_timeout: float = 300.0) -> None:
+        """For ``duration`` seconds from rank 0's first FIRST_STEP line (the run's
+        window; at most ``start_timeout`` s of start-up before it): kill one of
+        ``workers()`` (pids) every ``every`` seconds, the first ``every`` seconds
+        in. With ``node_fault``, every ``node_every``-th fault calls it instead (a
+        node's daemon or agent killed); ``on_tick`` runs every 50 ms (bring it back)."""
+        next_at = end = None
+        while time.time() < (end or t0 + start_timeout):
+            if on_tick is not None:
+                on_tick()
+            if end is None:
+                if "FIRST_STEP" in read_text(log_path):
+                    end = time.time() + duration
+                    next_at = time.time() + self.every
+                else:
+                    time.sleep(0.05)
+                    continue
+            if not run.faults or time.time() < next_at:
+                time.sleep(0.05)
+                continue
+            if node_fault is not None and (len(run.kills) + 1) % self.node_every == 0:
+                node_fault(self.rng)
+                run.kills.append(time.time())
+                run.node_kills += 1
+                next_at += self.every
+                continue
+            pids = workers()
+            if pids:
+                pid = self.rng.choice(sorted(pids))
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    run.kills.append(time.time())
+                except ProcessLookupError:
+                    continue
+                next_at += self.every
+            elif time.time() > next_at + self.every:
+                run.skipped += 1
+                next_at += self.every
+            else:
+                time.sleep(0.02)
+
+
+def run_torchrun(run: Run, a, work: str, faults: Faults) -> None:
+    tag = f"{run.launcher}-{int(run.faults)}"
+    ckpt = os.path.join(work, f"ckpt-{tag}")
+    base = os.path.join(work, tag)
+    t0 = time.time()
+    proc = start_torchrun(["--standalone", "--nnodes", "1", "--nproc-per-node", "2",
+                           "--max-restarts", "100", "--monitor-interval", "0.1",
+                           "-m", "elasticd.examples.train", *train_args(ckpt)],
+                          work, base, env=torchrun_env())
+
+    def workers():
+        try:
+            kids = psutil.Process(proc.pid).children()
+        except psutil.Error:
+            return []
+        out = []
+        for p in kids:
+            try:
+                if "elasticd.examples.train" in " ".join(p.cmdline()) and p.status() != "zombie":
+                    out.append(p.pid)
+            except psutil.Error:
+                pass
+        return out
+
+    faults.drive(run, t0, a.duration, workers, base + ".out")
+    text = read_text(base + ".out")   # the window's end: what is printed after is not counted
+    stop_torchrun(proc)
+    parse(run, text)
+    if run.final_step == 0:
+        run.error = "no step reached: " + read_text(base + ".err")[-500:]
+
+
+def run_elasticd(run: Run, a, work: str, faults: Faults) -> None:
+    from elasticd.v1 import control_pb2 as pb
+    env = dict(os.environ, **(OLD_POLICY if run.launcher == "elasticd-old" else {}))
+    d = BenchDaemon(tempdir("edg-"), slots=4, env=env)
+    d.start()
+    ckpt = os.path.join(work, f"ckpt-{run.launcher}-{int(run.faults)}")
+    try:
+        t0 = time.time()
+        req = pb.SubmitRequest(command=[sys.executable, "-m", "elasticd.examples.train",
+                                        *train_args(ckpt)],
+                               cwd=work, env=torchrun_env(), nproc_per_node=2,
+                               max_restarts=-1, max_restarts_per_window=100)
+        job_id = d.client().call("Submit", req).job.id
+
+        def workers():
+            job = d.get_job(job_id)
+            if pb.JobState.Name(job.state) != "RUNNING":
+                return []
+            return [w.pid for w in job.workers if w.state == "running" and w.pid]
+
+        log0 = os.path.join(d.state_dir, "logs", job_id, "rank-0.log")
+        faults.drive(run, t0, a.duration, workers, log0)
+        text = read_text(log0)   # the window's end: what is printed after is not counted
+        job = d.get_job(job_id)
+        run.restarts = job.restarts
+        if a.verbose and run.faults:
+            show_timeline(t0, run, d.events(job_id), text, pb)
+        if pb.JobState.Name(job.state) in ("FAILED", "SUCCEEDED"):
+            run.error = f"job ended {pb.JobState.Name(job.state)}: {job.reason}"
+        d.cancel(job_id)
+        parse(run, text)
+        run.restarts = job.restarts
+    finally:
+        d.stop()
+
+
+# -- 3 nodes on one etcd (loopback) ---------------------------------------------------
+class NodeBack:
+    """Restart what a node fault killed, ``down`` seconds later (one at a time)."""
+
+    def __init__(self, down: float):
+        self.down = down
+        self.pending: list = []     # (when, start callable)
+
+    def later(self, start) -> None:
+        self.pending.append((time.time() + self.down, start))
+
+    def tick(self) -> None:
+        due = [p for p in self.pending if p[0] <= time.time()]
+        for p in due:
+            self.pending.remove(p)
+            p[1]()
+
+
+def run_elasticd3(run: Run, a, work: str, faults: Faults, etcd) -> None:
+    from daemons import DaemonProc
+    from common import own, own_tree
+    root = tempdir("edg3-")
+    prefix = f"/goodput-{os.getpid()}-{time.monotonic_ns()}"
+    nodes = [DaemonProc(os.path.join(root, n), node_id=n, etcd=etcd.url, slots=2,
+                        extra_args=("--etcd-prefix", prefix)) for n in ("n1", "n2", "n3")]
+    back = NodeBack(a.node_down)
+    for d in nodes:
+        os.makedirs(d.root, exist_ok=True)
+        d.start()
+        own(d.proc)
+    n1 = nodes[0]
+    try:
+        ckpt = os.path.join(work, f"ckpt-{run.launcher}-{int(run.faults)}")
+        t0 = time.time()
+        res = n1.ctl("submit", "--nnodes", "2:3", "--max-restarts-per-window", "100", "--",
+                     sys.executable, "-m", "elasticd.examples.train", *train_args(ckpt),
+                     env=torchrun_env())
+        if res.returncode != 0:
+            raise RuntimeError(f"submit failed: {res.stderr}")
+        job_id = res.stdout.strip()
+        log0 = os.path.join(n1.state_dir, "logs", job_id, "rank-0.log")
+
+        def workers():
+            try:
+                job = n1.job(job_id)
+            except Exception:  # n1 busy: try at the next tick
+                return []
+            return [w.pid for w in job.workers if w.state == "running" and w.pid > 0]
+
+        def node_fault(rng) -> None:
+            d = rng.choice([d for d in nodes[1:] if d.proc and d.proc.poll() is None])
+            own_tree(d.proc.pid)
+            d.kill()
+            back.later(lambda: own(d.start().proc))
+
+        faults.drive(run, t0, a.duration, workers, log0, node_fault, back.tick)
+        text = read_text(log0)
+        job = n1.job(job_id)
+        run.restarts = job.restarts
+        if a.verbose and run.faults:
+            from elasticd.v1 import control_pb2 as pb
+            show_timeline(t0, run, n1.events(job_id), text, pb)
+        parse(run, text)
+        run.restarts = job.restarts
+    finally:
+        for d in nodes:
+            if d.proc and d.proc.poll() is None:
+                own_tree(d.proc.pid)
+        for d in nodes:
+            d.stop(timeout=15)
+        kill_owned()
+
+
+def run_torchrun3(run: Run, a, work: str, faults: Faults, etcd) -> None:
+    from etcd_server import free_port
+    from common import own, own_tree
+    root = tempdir("tdg3-")
+    ckpt = os.path.join(work, f"ckpt-{run.launcher}-{int(run.faults)}")
+    port = free_port()
+    run_id = f"gp{os.getpid()}{time.monotonic_ns() % 10**8}"
+    cmd = [*torchrun_bin(), "--nnodes", "2:3", "--nproc-per-node", "1", "--rdzv-backend",
+           "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id,
+           "--max-restarts", "100", "--monitor-interval", "0.1",
+           "-m", "elasticd.examples.train", *train_args(ckpt)]
+    env = dict(torchrun_env(), PYTHONUNBUFFERED="1")
+    agents: list = [None, None, None]
+    logs = [os.path.join(root, f"agent{i}.log") for i in range(3)]
+    back = NodeBack(a.node_down)
+
+    def start(i: int) -> None:
+        with open(logs[i], "ab") as fh:
+            agents[i] = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env,
+                                         cwd=root, start_new_session=True)
+        own(agents[i])
+
+    t0 = time.time()
+    try:
+        for i in range(3):
+            start(i)
+            if i == 0:  # the first agent hosts the c10d store: let it bind
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline and not any(
+                        c.laddr.port == port and c.status == "LISTEN"
+                        for c in psutil.net_connections("tcp")):
+                    time.sleep(0.05)
+
+        def trainers(i):
+            try:
+                return [p.pid for p in psutil.Process(agents[i].pid).children(recursive=True)
+                        if "elasticd.examples.train" in " ".join(p.cmdline())
+                        and p.status() != "zombie"]
+            except psutil.Error:
+                return []
+
+        def workers():
+            return [pid for i in range(3) if agents[i].poll() is None for pid in trainers(i)]
+
+        def node_fault(rng) -> None:
+            # Never agent 0: it hosts the c10d store (without it torchrun cannot go on).
+            i = rng.choice([i for i in (1, 2) if agents[i].poll() is None])
+            own_tree(agents[i].pid)
+            doomed = tree(agents[i].pid)
+            kill_procs(doomed)
+            back.later(lambda: start(i))
+
+        # Rank 0 stays with agent 0: c10d orders a round's nodes by (host, pid).
+        faults.drive(run, t0, a.duration, workers, logs[0], node_fault, back.tick)
+        parse(run, read_text(logs[0]))  # (read before the agents are stopped)
+    finally:
+        for p in agents:
+            if p is not None:
+                own_tree(p.pid)
+        kill_owned()
+
+
+def show_timeline(t0: float, run: Run, events, log0: str, pb) -> None:
+    """--verbose: the job's events, the kills and rank 0's attempts, seconds from launch."""
+    rows = [(e.time, f"{e.kind:11s} {pb.JobState.Name(e.to_state) if e.to_state else '':10s} "
+                     f"{e.reason[:140]}") for e in events]
+    rows += [(k, "KILL") for k in run.kills]
+    for line in log0.splitlines():
+        m = FIRST_RE.match(line)
+        if m:
+            rows.append((float(m.group(1)), f"first step of attempt {m.group(2)} at step "
+                                             f"{m.group(3)}"))
+    for t, what in sorted(rows):
+        print(f"    {t - t0:7.2f}  {what}")
+
+
+def report(runs: list[Run], launchers: list[str], a) -> None:
+    where = ("1 node" if a.nodes == 1 else
+             f"3 nodes, every {a.node_every}th fault a node's daemon/agent (back after "
+             f"{a.node_down:g} s)")
+    print(f"\n== goodput: {a.duration:g} s per run, a random worker SIGKILLed every "
+          f"{a.fault_every:g} s; {where} ==")
+    rows = []
+    for L in launchers:
+        base = next((r for r in runs if r.launcher == L and not r.faults), None)
+        hit = next((r for r in runs if r.launcher == L and r.faults), None)
+        if base is None or hit is None:
+            continue
+        good = hit.final_step / base.final_step if base.final_step else 0.0
+        rec = (sum(hit.recover) / len(hit.recover)) if hit.recover else None
+        rows.append([L, base.final_step, hit.final_step, f"{100 * good:.0f} %",
+                     hit.restarts, f"{len(hit.kills)}" + (f" ({hit.skipped} skipped)"
+                                                           if hit.skipped else ""),
+                     f"{rec:.2f} s" if rec is not None else "-", hit.lost,
+                     hit.error or base.error or ""])
+    print(table(rows, ["launcher", "steps, no faults", "steps, faults", "goodput",
+                       "restarts", "faults", "fault -> training", "steps lost to rollback",
+                       "error"]))
+    good = {r[0]: float(r[3].rstrip(" %")) for r in rows}
+    torch_name = "torchrun" if a.nodes == 1 else "torchrun-c10d"
+    goal, ahead = (90, 0) if a.nodes == 1 else (85, 20)
+    if "elasticd" in good:
+        lead = good["elasticd"] - good[torch_name] if torch_name in good else None
+        ok = good["elasticd"] >= goal and (lead is None or lead >= ahead)
+        print(f"\ngoal ({a.nodes} node(s)): elasticd >= {goal} %"
+              + (f" and ahead of {torch_name} by >= {ahead} points" if ahead else "")
+              + f": {'PASS' if ok else 'MISS'}"
+              + (f"  ({torch_name} {good[torch_name]:.0f} %, elasticd ahead by {lead:.0f} "
+                 "points)" if lead is not None else ""))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--duration", type=float, default=90.0, help="seconds per run (90)")
+    ap.add_argument("--fault-every", type=float, default=10.0, help="seconds between kills")
+    ap.add_argument("--seed", type=int, default=22)
+    ap.add_argument("--nodes", type=int, choices=(1, 3), default=1,
+                    help="1: one node; 3: three daemons / torchrun agents on one etcd")
+    ap.add_argument("--node-every", type=int, default=4,
+                    help="with --nodes 3: every N-th fault kills a node's daemon (agent) "
+                         "instead of a worker (4)")
+    ap.add_argument("--node-down", type=float, default=3.0,
+                    help="with --nodes 3: seconds before a killed node comes back (3)")
+    ap.add_argument("--verbose", action="store_true",
+                    help="print each elasticd run with faults as a timeline")
+    ap.add_argument("--launchers", default=None,
+                    help=f"default {','.join(LAUNCHERS)} (3 nodes: {','.join(LAUNCHERS3)})")
+    a = ap.parse_args(argv)
+    known = LAUNCHERS if a.nodes == 1 else LAUNCHERS3
+    launchers = [L for L in (a.launchers or ",".join(known)).split(",") if L]
+    bad = [L for L in launchers if L not in known]
+    if bad:
+        ap.error(f"unknown launcher(s) {bad}; pick from {known}")
+    print(f"goodput.py --nodes {a.nodes}  {datetime.datetime.now():%Y-%m-%d %H:%M}  "
+          f"rev {revision()}  {machine()}")
+    work = tempdir("goodput-")
+    runs = []
+    etcd = None
+    if a.nodes == 3:
+        from etcd_server import EtcdServer
+        etcd = EtcdServer().__enter__()
+    try:
+        for L in launchers:
+            for with_faults in (False, True):
+                run = Run(L, with_faults)
+                faults = Faults(a.fault_every, a.seed, a.node_every if a.nodes == 3 else 0)
+                started = time.time()
+                try:
+                    if a.nodes == 3:
+                        (run_torchrun3 if L.startswith("torchrun") else run_elasticd3)(
+                            run, a, work, faults, etcd)
+                    else:
+                        (run_torchrun if L == "torchrun" else run_elasticd)(run, a, work,
+                                                                            faults)
+                except Exception as exc:  # report it, go on with the others
+                    run.error = f"{type(exc).__name__}: {exc}"
+                print(f"  {L:13s} {'faults' if with_faults else 'no faults':9s}: step "
+                      f"{run.final_step}, {len(run.kills)} faults ({run.node_kills} nodes), "
+                      f"restarts {run.restarts}, lost {run.lost}, fault -> training "
+                      f"[{', '.join(f'{t:.1f}' for t in run.recover)}] s  "
+                      f"({time.time() - started:.0f} s)"
+                      + (f"  ERROR {run.error}" if run.error else ""), flush=True)
+                runs.append(run)
+    finally:
+        if etcd is not None:
+            etcd.__exit__(None, None, None)
+    report(runs, launchers, a)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""How long to wait before a process restart, and how restarts are budgeted.
+
+Backoff is for crash loops, not for a job that trains well and is hit again
+later. After each failed attempt the agent asks ``plan_restart()`` (pure,
+no I/O) with what the attempt did (``AttemptProgress``: progress beats the
+daemon saw, seconds it ran) and how many attempts in a row before it made no
+progress; it returns a ``RestartPlan``:
+
+* ``RestartRule.AT_ONCE``: the attempt made progress (at least
+  ``agent.progress_min_beats`` beats, or it ran ``agent.progress_min_runtime``
+  seconds: scripts that never beat); restart now, the backoff starts over.
+* ``RestartRule.BACKOFF``: no progress; the k-th such attempt in a row waits
+  ``restart_delay(k)``: ``restart_backoff_initial``, then + ``restart_backoff_step``
+  doubling (0, 0.5, 1, 2, ... s) up to ``restart_backoff_max``.
+
+``RestartPlan.sentence()`` is the one place its words are built (the restart
+event, `elasticctl status`); ``to_dict``/``from_dict`` the one place it is
+serialised into the job record.
+
+The budget over a window (``RestartWindow``) is counted cluster-wide in the
+round state (rendezvous/protocol.py ``reopen``): the times of the restarts
+within ``agent.restart_window`` seconds ride along with the restart count.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class RestartRule(enum.Enum):
+    AT_ONCE = "at_once"    # the failed attempt made progress: no wait, backoff reset
+    BACKOFF = "backoff"    # no progress: wait, longer with each such attempt in a row
+
+
+@dataclass(frozen=True)
+class BackoffSettings:
+    initial: float          # wait before the first restart without progress
+    step: float             # added before each further one, doubling
+    maximum: float          # longest wait
+    min_beats: int          # beats that show an attempt made progress
+    min_runtime: float      # seconds of running that count as progress (scripts that never beat)
+
+    @classmethod
+    def from_settings(cls, a) -> "BackoffSettings":
+        return cls(a.restart_backoff_initial, a.restart_backoff_step, a.restart_backoff_max,
+                   a.progress_min_beats, a.progress_min_runtime)
+
+
+@dataclass(frozen=True)
+class AttemptProgress:
+    """What one process attempt did before it failed, as the daemon saw it."""
+    beats: int          # progress beats of its ranks on this node (optimizer steps)
+    ran_for: float      # seconds from its workers' start to the fault
+
+
+@dataclass(frozen=True)
+class RestartPlan:
+    rule: RestartRule
+    delay: float        # seconds to wait before rejoining
+    streak: int         # attempts in a row without progress, this one included (0: progress)
+    beats: int
+    ran_for: float
+
+    def sentence(self) -> str:
+        if self.rule is RestartRule.AT_ONCE:
+            return (f"restart at once: {self.beats} progress beats in {self.ran_for:.0f}s "
+                    "since the last restart")
+        attempts = "attempt" if self.streak == 1 else f"{self.streak} attempts"
+        what = f"backing off {self.delay:g}s" if self.delay else "restart at once"
+        return f"{what}: no progress in the last {attempts}"
+
+    def to_dict(self) -> dict:
+        return {"rule": self.rule.value, "delay": self.delay, "streak": self.streak,
+                "beats": self.beats, "ran_for": round(self.ran_for, 3)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "RestartPlan":
+        return cls(RestartRule(data["rule"]), float(data["delay"]), int(data["streak"]),
+                   int(data["beats"]), float(data["ran_for"]))
+
+
+def made_progress(progress: AttemptProgress, s: BackoffSettings) -> bool:
+    return progress.beats >= s.min_beats or progress.ran_for >= s.min_runtime
+
+
+def restart_delay(number: int, initial: float, step: float, maximum: float) -> float:
+    """Wait before the ``number``-th (1-based) restart in a row: initial, then +step doubling."""
+    if number <= 1:
+        return min(initial, maximum)
+    # The exponent is capped: past 2**60 the maximum has long been reached.
+    return min(maximum, initial + step * 2.0 ** min(number - 2, 60))
+
+
+def plan_restart(progress: AttemptProgress, streak_before: int,
+                 s: BackoffSettings) -> RestartPlan:
+    """The wait before restarting after ``progress``, ``streak_before`` attempts
+    without progress having come before it (no I/O)."""
+    if made_progress(progress, s):
+        return RestartPlan(RestartRule.AT_ONCE, 0.0, 0, progress.beats, progress.ran_for)
+    streak = streak_before + 1
+    return RestartPlan(RestartRule.BACKOFF, restart_delay(streak, s.initial, s.step, s.maximum),
+                       streak, progress.beats, progress.ran_for)
+
+
+def spares_due(now: float, started: float, first_beat: float | None, started_warm: bool,
+               first_start_delay: float, after_beat_delay: float) -> bool:
+    """Whether to refill an attempt's spares now (monotonic times; no I/O).
+
+    Spares import torch: started while the attempt's workers start up, they
+    slow that start. Workers that started cold import torch themselves, so
+    their spares wait ``agent.warm_spare_delay`` after the start. Workers that
+    took spares start without that import; their spares come back
+    ``agent.warm_spare_restart_delay`` after the attempt's first progress beat
+    (its start-up done), so the next fault finds the warm path ready, however
+    soon it comes; an attempt that never beats waits ``warm_spare_delay``."""
+    if started_warm and first_beat is not None and now >= first_beat + after_beat_delay:
+        return True
+    return now >= started + first_start_delay
+
+
+# ---------------------------------------------------------------- the window budget
+
+@dataclass(frozen=True)
+class RestartWindow:
+    """At most ``limit`` counted restarts within any ``seconds`` (limit -1: no such budget)."""
+    limit: int
+    seconds: float
+
+    @property
+    def on(self) -> bool:
+        return self.limit >= 0
+
+    def recent(self, times, now: float) -> tuple[float, ...]:
+        """The restart times still inside the window, oldest first, bounded in number."""
+        if not self.on:
+            return ()
+        kept = sorted(t for t in times if now - self.seconds < t <= now + self.seconds)
+        return tuple(kept[-(self.limit + 1):])
+
+    def admit(self, times, now: float) -> tuple[bool, tuple[float, ...]]:
+        """Whether one more restart at ``now`` fits; the window's times with it."""
+        if not self.on:
+            return True, ()
+        after = self.recent(tuple(times) + (now,), now)
+        return len(after) <= self.limit, after
+
+    def describe(self, used: int) -> str:
+        """``2 in the last hour of 10 allowed``."""
+        if not self.on:
+            return "no budget over a window"
+        return f"{used} in the last {window_text(self.seconds)} of {self.limit} allowed"
+
+
+def window_text(seconds: float) -> str:
+    """``hour``, ``2 hours``, ``10 min``, ``30 s``: a window in words."""
+    for unit, name, plural in ((86400, "day", "days"), (3600, "hour", "hours"),
+                               (60, "min", "min")):
+        if seconds >= unit and seconds % unit == 0:
+            n = int(seconds // unit)
+            return name if n == 1 and name != "min" else f"{n} {plural}"
+    return f"{seconds:g} s"
