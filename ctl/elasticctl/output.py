@@ -19,6 +19,7 @@ from typing import Any, Iterable, TextIO
 
 from google.protobuf.json_format import MessageToDict
 
+from elasticd.restartpolicy import window_text  # the daemon's words for a window
 from elasticd.v1 import control_pb2
 
 FORMATS = ("table", "json")
@@ -98,16 +99,6 @@ def describe_failure(f: control_pb2.Failure) -> str:
 def restarts_text(job: control_pb2.Job) -> str:
     """``1/3`` (used/allowed over the job's life), or ``1`` with no lifetime limit."""
     return f"{job.restarts}/{job.max_restarts}" if job.max_restarts >= 0 else str(job.restarts)
-
-
-def window_text(seconds: float) -> str:
-    """``hour``, ``2 hours``, ``10 min``, ``30 s``."""
-    for unit, name, plural in ((86400, "day", "days"), (3600, "hour", "hours"),
-                               (60, "min", "min")):
-        if seconds >= unit and seconds % unit == 0:
-            n = int(seconds // unit)
-            return name if n == 1 and name != "min" else f"{n} {plural}"
-    return f"{seconds:g} s"
 
 
 def budget_text(job: control_pb2.Job) -> str:
