@@ -109,8 +109,10 @@ class FakeWorker:
 
 
 class FakeGroup:
-    def __init__(self, pids):
-        self.spec = type("Spec", (), {"run_dir": "/run/j", "uid": 0})()
+    def __init__(self, pids, world_size=None):
+        # A job on this node alone unless world_size says it has ranks elsewhere.
+        self.spec = type("Spec", (), {"run_dir": "/run/j", "uid": 0, "nproc": len(pids),
+                                      "world_size": world_size or len(pids)})()
         self.workers = [FakeWorker(r, p) for r, p in enumerate(pids)]
 
 

@@ -203,6 +203,24 @@ def test_a_warmed_up_job_is_killed_at_the_learned_timeout_not_the_fixed_one():
     assert ops.sent[-1] == ("killpg", 100, signal.SIGKILL)
 
 
+def test_a_job_across_nodes_keeps_the_fixed_timeouts():
+    # Its ranks here may wait in a collective for a peer elsewhere that is in a
+    # checkpoint, which this node cannot see: the learned 10 s would kill them.
+    tr, ops, reg = tracker()
+    group = FakeGroup([100], world_size=2)
+    ops.catching = {100}
+    tr.check(group)
+    t = steady(tr, ops, group, 0.0, 2.0)
+    assert [p.learned for p in tr.learned()] == [False]
+    ops.now = t + 10.0
+    assert not [s for s in tr.check(group) if "killed" in s]
+    ops.now = t + 60.0
+    assert tr.check(group) == ["rank 0: no progress for 60s; stacks dumped to its log (pid 100)"]
+    ops.now = t + 180.0
+    done = tr.check(group)
+    assert done and done[-1].endswith("killed (agent.hang_hard_timeout 180s)"), done
+
+
 def test_a_first_long_checkpoint_gets_the_fixed_bound_and_the_next_the_learned_one():
     tr, ops, reg = tracker()
     group = FakeGroup([100])

@@ -43,7 +43,7 @@ import json
 import os
 import secrets
 import stat
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 STEADY_PHASES = ("train", "forward")
 LIMITS_FILE_ENV = "ELASTICD_HANG_LIMITS_FILE"
@@ -91,6 +91,11 @@ class LearnSettings:
         a = agent_settings
         return cls(a.hang_learn_floor, a.hang_learn_factor, a.hang_learn_warmup,
                    a.hang_learn_dump_fraction, HangLimits.from_settings(a))
+
+    def fixed_only(self) -> "LearnSettings":
+        """Settings under which no phase counts as learned: ``phase_limit`` gives
+        the fixed bounds (a floor at the fixed hard timeout)."""
+        return replace(self, floor=self.fixed.hard)
 
 
 @dataclass(frozen=True)

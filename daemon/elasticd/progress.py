@@ -162,7 +162,7 @@ class ProgressTracker:
         if group is not self._group:
             self._group, self._ranks, self._killed, self._table = group, {}, {}, ()
         now = self.ops.clock()
-        learn = LearnSettings.from_settings(self.settings)
+        learn = self._learn_settings(group)
         fixed = learn.fixed
         run_dir = group.spec.run_dir
         live = []
@@ -267,7 +267,18 @@ class ProgressTracker:
 
     def learned(self) -> list[PhaseLimit]:
         """The limits per phase now: what ``elasticctl status`` shows."""
-        return limits_table(self._phases, LearnSettings.from_settings(self.settings))
+        return limits_table(self._phases, self._learn_settings(self._group))
+
+    def _learn_settings(self, group) -> LearnSettings:
+        """How limits are learned for ``group``'s job. A job across nodes keeps the
+        fixed ones: a rank here may wait in a collective for a peer on another node
+        that is in a checkpoint or a section, which this node cannot see (no phase
+        crosses nodes yet), and a learned timeout would kill it. That holds here and
+        in the in-process wrapper's limits file; the gaps are still recorded."""
+        learn = LearnSettings.from_settings(self.settings)
+        if group is not None and group.spec.world_size > group.spec.nproc:
+            return learn.fixed_only()
+        return learn
 
     def straggler(self) -> stragglers.Straggler | None:
         return self._straggler
