@@ -400,7 +400,7 @@ class Agent:
         log.info("%s: %s", self._where(result.round), plan.sentence())
         self._registry.transition(self.job_id, JobState.RESTARTING,
                                   f"{climb.cause}; {decision.reason}; {plan.sentence()}",
-                                  plan=record, restarts=restart, restart_times=times,
+                                  plan=plan, restarts=restart, restart_times=times,
                                   last_restart_plan=record, last_failure=failure,
                                   workers=self._worker_rows(group), **self._recovery.fields())
         if plan.delay:

@@ -25,6 +25,7 @@ from typing import Any
 
 from . import statedir
 from .logsetup import ctx
+from .restartpolicy import RestartPlan
 from .states import LIVE_STATES, TERMINAL_STATES, JobState, check_transition
 
 log = logging.getLogger("elasticd.jobs")
@@ -263,7 +264,7 @@ class JobRegistry:
             return copy.deepcopy(rec)
 
     def transition(self, job_id: str, new: JobState, reason: str, *,
-                   plan: dict | None = None, **changes: Any) -> JobRecord:
+                   plan: RestartPlan | None = None, **changes: Any) -> JobRecord:
         """Move the job to ``new``; ``plan``: the restart plan (rule, delay) the
         event carries, for the RESTARTING of a process restart."""
         with self._lock:
@@ -381,7 +382,7 @@ class JobRegistry:
     def _append_event(self, rec: JobRecord, kind: str, reason: str, *,
                       from_state: JobState | None = None, to_state: JobState | None = None,
                       rank: int = -1, layer: str = "", duration: float = 0.0,
-                      plan: dict | None = None) -> None:
+                      plan: RestartPlan | None = None) -> None:
         self._announce(self._insert_event(rec, kind, reason, from_state=from_state,
                                           to_state=to_state, rank=rank, layer=layer,
                                           duration=duration, plan=plan))
@@ -389,7 +390,7 @@ class JobRegistry:
     def _insert_event(self, rec: JobRecord, kind: str, reason: str, *,
                       from_state: JobState | None = None, to_state: JobState | None = None,
                       rank: int = -1, layer: str = "", duration: float = 0.0,
-                      plan: dict | None = None) -> dict:
+                      plan: RestartPlan | None = None) -> dict:
         ev = {"job_id": rec.id, "time": self._clock(), "kind": kind,
               "from_state": from_state.value if from_state else "",
               "to_state": to_state.value if to_state else "",
@@ -397,8 +398,8 @@ class JobRegistry:
               "rank": rank, "restart": rec.restarts}
         if layer:
             ev["layer"], ev["duration_seconds"] = layer, duration
-        if plan:
-            ev["restart_rule"], ev["restart_delay_seconds"] = plan["rule"], plan["delay"]
+        if plan is not None:
+            ev["restart_rule"], ev["restart_delay_seconds"] = plan.rule.value, plan.delay
         cur = self._db.execute("INSERT INTO events (job_id, data) VALUES (?, ?)",
                                (rec.id, json.dumps(ev)))
         ev["seq"] = cur.lastrowid
