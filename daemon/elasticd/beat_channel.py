@@ -9,7 +9,6 @@ calls the hang tracker makes on ranks, so that tests can swap in fakes.
 from __future__ import annotations
 
 import os
-import stat
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -73,11 +72,8 @@ class ProcessOps:
     @staticmethod
     def beat_mark(path: str) -> int | None:
         """The heartbeat file's mtime in ns, or None; never follows a link."""
-        try:
-            st = os.lstat(path)
-        except OSError:
-            return None
-        return st.st_mtime_ns if stat.S_ISREG(st.st_mode) else None
+        st = workerfiles.regular_stat(path)
+        return st.st_mtime_ns if st is not None else None
 
     @staticmethod
     def read_beat(path: str, uid: int) -> BeatRecord | None:

@@ -71,13 +71,19 @@ def read(path: str, uid: int, limit: int, offset: int = 0, whole: bool = True) -
         os.close(fd)
 
 
-def regular_size(path: str) -> int | None:
-    """The size of ``path`` if it is a regular file (never follows a link), else None."""
+def regular_stat(path: str) -> os.stat_result | None:
+    """``lstat`` of ``path`` if it is a regular file (never follows a link), else None."""
     try:
         st = os.lstat(path)
     except OSError:
         return None
-    return st.st_size if stat.S_ISREG(st.st_mode) else None
+    return st if stat.S_ISREG(st.st_mode) else None
+
+
+def regular_size(path: str) -> int | None:
+    """The size of ``path`` if it is a regular file (never follows a link), else None."""
+    st = regular_stat(path)
+    return st.st_size if st is not None else None
 
 
 def _is_special(path: str) -> bool:
