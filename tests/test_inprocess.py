@@ -277,17 +277,16 @@ def test_a_rank_stuck_in_c_ends_itself_at_the_inprocess_hard_timeout_and_is_repl
                 "inprocess.hard_timeout": 5, "inprocess.barrier_timeout": 90}
     d = daemon_factory(extra_args=tuple(a for k, v in settings.items()
                                         for a in ("--set", f"{k}={v}"))).start()
-    t0 = time.monotonic()
     job_id = _submit_inprocess(d, "--steps", "60", "--crash-at-step", "25",
                                "--checkpoint-every", "10", "--crash-mode", "hang")
     job = d.wait_job(job_id, timeout=180)
     assert pb.JobState.Name(job.state) == "SUCCEEDED", d.log()[-3000:]
-    assert time.monotonic() - t0 < 60, "recovered by the wrapper, not by the daemon's kill"
     assert job.restarts == 0 and dict(job.restarts_by_layer)["inprocess"] == 1
     hung = d.rank_log(job_id, 1)
     assert "not back in Python 3s after the fault" in hung, hung[-3000:]
     assert "most recent call first" in hung      # faulthandler: every thread's stack
     events = d.events(job_id)
+    # recovered by the wrapper, not by the daemon's kill: no kill, the stuck report came first
     assert not any(e.kind == "hang" and "killed" in e.reason for e in events)
     stuck = [e for e in events if e.kind == "hang" and e.rank == 1]
     assert stuck and "not back in Python" in stuck[0].reason and stuck[0].layer == "inprocess"
