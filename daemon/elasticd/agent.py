@@ -30,6 +30,7 @@ from . import failures, jobstore_env
 from .config import Config
 from .jobs import JobRecord, JobRegistry
 from .ladder import Layer, round_layer
+from .records import Failure, FailureKind
 from .logsetup import ctx
 from .progress import ProgressTracker
 from .recovery import Recovery
@@ -346,7 +347,8 @@ class Agent:
                 state = self._try(lambda: self._rdzv.reopen(result, decision.reason, True)) \
                     or state
                 if self._metrics:
-                    self._metrics.restart_or_failure({"signal": 0, "cause": "node_lost"})
+                    self._metrics.restart_or_failure(
+                        Failure(cause="node lost", kind=FailureKind.NODE_LOST), Layer.RENDEZVOUS)
             if state is not None and state.final:
                 self._recovery.ladder.failed(layer, state.reason or decision.reason, time.time())
                 self._registry.update(self.job_id, **self._recovery.fields())
@@ -376,14 +378,14 @@ class Agent:
             failure = self._explain(self._first_failure(job, group))
         self._publish(group)
         if self._metrics:
-            self._metrics.restart_or_failure(failure)
-        state = self._try(lambda: self._rdzv.reopen(result, failure["cause"], True))
+            self._metrics.restart_or_failure(failure, Layer.PROCESS)
+        state = self._try(lambda: self._rdzv.reopen(result, failure.cause, True))
         if act is Action.FAIL or (state is not None and state.final):
-            code = failure["exit_code"] if failure["exit_code"] > 0 else 128 + failure["signal"]
-            chain = self._recovery.ladder.failed(Layer.PROCESS, failure["cause"],
-                                                 failure["time"], failure["rank"])
+            code = failure.exit_status
+            chain = self._recovery.ladder.failed(Layer.PROCESS, failure.cause,
+                                                 failure.time, failure.rank)
             why = (state.reason if act is Action.RESTART and state is not None and state.reason
-                   else f"{failure['cause']}; {decision.reason}")
+                   else f"{failure.cause}; {decision.reason}")
             if len(self._recovery.ladder.attempts) > 1:
                 why += f"; cause chain: {chain}"
             self._finish_cluster(FAILED, why)
@@ -395,8 +397,8 @@ class Agent:
         times = list(state.restart_times) if state is not None else job.restart_times
         self._no_progress_streak = plan.streak
         record = dict(plan.to_dict(), node_id=self._cfg.daemon.node_id, time=time.time())
-        climb = self._recovery.ladder.begin(Layer.PROCESS, failure["cause"], failure["time"],
-                                            failure["rank"])
+        climb = self._recovery.ladder.begin(Layer.PROCESS, failure.cause, failure.time,
+                                            failure.rank)
         log.info("%s: %s", self._where(result.round), plan.sentence())
         self._registry.transition(self.job_id, JobState.RESTARTING,
                                   f"{climb.cause}; {decision.reason}; {plan.sentence()}",
@@ -450,7 +452,7 @@ class Agent:
                                               self._cfg.agent.error_file_max_bytes)
             failure = self._explain(self._worker_failure(job, w, report))
             self._progress.forget(w.rank)
-            cause = failure["cause"]
+            cause = failure.cause
             try:
                 new = group.replace(w, self._spares, {"ELASTICD_INPROCESS_REPLACES": cause},
                                     cause)
@@ -526,19 +528,19 @@ class Agent:
                                                     jobstore_env.PORT: str(rdzv.store_port),
                                                     jobstore_env.SECRET: secret})
 
-    def _first_failure(self, job: JobRecord, group: WorkerGroup) -> dict:
+    def _first_failure(self, job: JobRecord, group: WorkerGroup) -> Failure:
         blamed = failures.most_to_blame(group.workers, job.uid,
                                         self._cfg.agent.error_file_max_bytes)
         if blamed is None:
             return self._failure(job, -1, 1, 0, "worker failed")
         return self._worker_failure(job, *blamed)
 
-    def _explain(self, failure: dict) -> dict:
+    def _explain(self, failure: Failure) -> Failure:
         """The failure, its cause a hang if one ended the rank: killed by our hang
         detection (progress.py), or ended by its own wrapper as stuck (recovery.py)."""
         return self._recovery.explain(self._progress.explain(failure))
 
-    def _worker_failure(self, job: JobRecord, w, report: failures.ErrorReport) -> dict:
+    def _worker_failure(self, job: JobRecord, w, report: failures.ErrorReport) -> Failure:
         """The failure record of one failed worker, logged and recorded as an event."""
         exit_code, sig, cause = failures.describe(w, report.message, report.problem)
         tb = report.traceback
@@ -546,15 +548,15 @@ class Agent:
                     ctx(job=job.id, node=self._cfg.daemon.node_id, round=job.round, rank=w.rank),
                     w.pid, cause)
         self._registry.event(job.id, "worker_exit", cause, rank=w.rank)
-        failure = self._failure(job, w.rank, exit_code, sig, cause, tb)
-        if report.problem is not None:  # typed, for whoever decides on it (not the sentence)
-            failure["kind"] = failures.UNREADABLE_KIND
-        return failure
+        # typed, for whoever decides on it (not the sentence)
+        kind = FailureKind.UNREADABLE_ERROR_FILE if report.problem is not None \
+            else FailureKind.WORKER
+        return self._failure(job, w.rank, exit_code, sig, cause, tb, kind)
 
     def _failure(self, job: JobRecord, rank: int, exit_code: int, sig: int, cause: str,
-                 traceback: str = "") -> dict:
+                 traceback: str = "", kind: FailureKind = FailureKind.WORKER) -> Failure:
         return failures.record(rank, exit_code, sig, cause, traceback, job.restarts,
-                               self._cfg.daemon.node_id)
+                               self._cfg.daemon.node_id, kind)
 
     def _worker_rows(self, group: WorkerGroup) -> list[dict]:
         return failures.worker_rows(group.workers, self._cfg.daemon.node_id)

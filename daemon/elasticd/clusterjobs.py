@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from .jobs import JobRecord
 from .manager import record_from_spec
+from .records import Failure, clamp_int
 from .rendezvous.protocol import CANCELLED, CLOSED, FAILED, OPEN, SUCCEEDED
 from .rendezvous.view import JobKeys
 from .states import JobState
@@ -61,10 +62,10 @@ def recovery_of(keys: JobKeys) -> dict:
     failure, attempts = None, []
     for node, summary in sorted(keys.summaries.items()):
         try:
-            layers = {str(k): _int(v) for k, v in (summary.get("restarts_by_layer") or {}).items()}
-            limits = {str(k): _int(v) for k, v in (summary.get("restart_budget") or {}).items()}
+            layers = {str(k): clamp_int(v) for k, v in (summary.get("restarts_by_layer") or {}).items()}
+            limits = {str(k): clamp_int(v) for k, v in (summary.get("restart_budget") or {}).items()}
             f = summary.get("last_failure")
-            f = _failure(f, node) if isinstance(f, dict) else None
+            f = Failure.from_dict(f, node).bounded() if isinstance(f, dict) else None
             tried = [_attempt(a, node) for a in (summary.get("attempts") or [])[-20:]
                      if isinstance(a, dict)]
         except (AttributeError, TypeError, ValueError, OverflowError):
@@ -72,7 +73,7 @@ def recovery_of(keys: JobKeys) -> dict:
         for table, new in ((by_layer, layers), (budget, limits)):
             for k, v in new.items():
                 table[k] = max(table.get(k, v), v)
-        if f is not None and (failure is None or f["time"] > failure["time"]):
+        if f is not None and (failure is None or f.time > failure.time):
             failure = f
         attempts.extend(tried)
     attempts.sort(key=lambda a: a["time"])
@@ -80,21 +81,10 @@ def recovery_of(keys: JobKeys) -> dict:
             "attempts": attempts[-20:]}
 
 
-def _int(v) -> int:
-    return max(-2**31, min(2**31 - 1, int(v)))
-
-
-def _failure(f: dict, node: str) -> dict:
-    return {"rank": _int(f.get("rank", -1)), "exit_code": _int(f.get("exit_code", 0)),
-            "signal": _int(f.get("signal", 0)), "cause": str(f.get("cause", ""))[:2000],
-            "traceback": str(f.get("traceback", ""))[-4000:], "time": float(f.get("time", 0)),
-            "restart": _int(f.get("restart", 0)), "node_id": str(f.get("node_id") or node)}
-
-
 def _attempt(a: dict, node: str) -> dict:
     return {"layer": str(a.get("layer", "")), "cause": str(a.get("cause", ""))[:500],
             "time": float(a.get("time", 0)), "duration": float(a.get("duration", 0)),
-            "outcome": str(a.get("outcome", "")), "rank": _int(a.get("rank", -1)),
+            "outcome": str(a.get("outcome", "")), "rank": clamp_int(a.get("rank", -1)),
             "node_id": str(a.get("node_id") or node)}
 
 

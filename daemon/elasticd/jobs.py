@@ -25,6 +25,7 @@ from typing import Any
 
 from . import statedir
 from .logsetup import ctx
+from .records import Failure
 from .restartpolicy import RestartPlan
 from .states import LIVE_STATES, TERMINAL_STATES, JobState, check_transition
 
@@ -88,7 +89,7 @@ class JobRecord:
     started_at: float = 0.0
     finished_at: float = 0.0
     exit_code: int = 0
-    last_failure: dict | None = None
+    last_failure: Failure | None = None
     workers: list = field(default_factory=list)
     node_id: str = ""
     cancel_requested: bool = False
@@ -114,10 +115,7 @@ class JobRecord:
     def recovery_summary(self) -> dict:
         """What this node shares of the job's recovery with the other nodes
         (published with its worker rows; see clusterjobs.py), size-bounded."""
-        failure = self.last_failure
-        if failure:
-            failure = dict(failure, cause=str(failure.get("cause", ""))[:2000],
-                           traceback=str(failure.get("traceback", ""))[-4000:])
+        failure = self.last_failure.bounded().to_dict() if self.last_failure else None
         return {"restarts_by_layer": dict(self.restarts_by_layer),
                 "restart_budget": dict(self.restart_budget), "last_failure": failure,
                 "attempts": [dict(a, cause=str(a.get("cause", ""))[:500])
@@ -126,12 +124,15 @@ class JobRecord:
     def to_json(self) -> str:
         data = dataclasses.asdict(self)
         data["state"] = self.state.value
+        data["last_failure"] = self.last_failure.to_dict() if self.last_failure else None
         return json.dumps(data)
 
     @classmethod
     def from_json(cls, text: str) -> "JobRecord":
         data = json.loads(text)
         data["state"] = JobState(data["state"])
+        data["last_failure"] = (Failure.from_dict(data["last_failure"])
+                                if data.get("last_failure") else None)
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
 

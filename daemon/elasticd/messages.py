@@ -43,9 +43,8 @@ def job_to_proto(job: JobRecord) -> pb.Job:
     if job.last_failure:
         f = job.last_failure
         msg.last_failure.CopyFrom(pb.Failure(
-            rank=f.get("rank", -1), exit_code=f.get("exit_code", 0), signal=f.get("signal", 0),
-            cause=f.get("cause", ""), traceback=f.get("traceback", ""), time=f.get("time", 0.0),
-            restart=f.get("restart", 0), node_id=f.get("node_id", "")))
+            rank=f.rank, exit_code=f.exit_code, signal=f.signal, cause=f.cause,
+            traceback=f.traceback, time=f.time, restart=f.restart, node_id=f.node_id))
     msg.restarts_by_layer.update({k: int(v) for k, v in job.restarts_by_layer.items()})
     msg.restart_budget.update({k: int(v) for k, v in job.restart_budget.items()})
     for a in job.attempts:

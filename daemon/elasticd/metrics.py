@@ -36,6 +36,8 @@ from prometheus_client.exposition import start_http_server
 
 from . import __version__, statedir
 from .jobs import JobNotFound
+from .ladder import Layer
+from .records import Failure
 from .rejections import RejectReason
 from .restartpolicy import RestartWindow
 from .states import LIVE_STATES, TERMINAL_STATES, JobState
@@ -44,7 +46,7 @@ from .store import (KV, CompareFailed, KeyExists, Lease, LeaseNotFound, Store,
                     WatchCompacted, WatchEvent)
 
 # Restart layers, fastest first (DESIGN.md), and what caused a restart.
-LAYERS = ("inprocess", "process", "rendezvous")
+LAYERS = tuple(layer.value for layer in Layer)
 CAUSES = ("exit", "signal", "hang", "node_lost")
 _TERMINAL = frozenset(s.value for s in TERMINAL_STATES)
 
@@ -196,13 +198,13 @@ class Metrics:
         failure = getattr(self._handling, "failure", None)
         if failure is not None and to in (JobState.RESTARTING.value, JobState.FAILED.value):
             self._handling.failure = None
+            failure, layer = failure
             cause = failure_cause(failure)
             self.faults.labels(cause).inc()
             if to == JobState.RESTARTING.value:
-                layer = failure_layer(failure)
                 self.count_restart(layer, cause)
                 with self._lock:
-                    self._faulted[job] = (failure.get("time") or at, layer)
+                    self._faulted[job] = (failure.time or at, layer)
 
     # -- hooks for the agent, the control service and the restart layers ------
     def workers_started_n(self, n: int) -> None:
@@ -211,10 +213,11 @@ class Metrics:
     def round_nodes(self, n: int) -> None:
         self.round_nodes_seen.observe(n)
 
-    def restart_or_failure(self, failure: dict) -> None:
+    def restart_or_failure(self, failure: Failure, layer: Layer) -> None:
         """The agent handles this worker-group fault; its next move (RESTARTING
-        or FAILED, on this thread) decides whether it is counted a restart."""
-        self._handling.failure = failure
+        or FAILED, on this thread) decides whether it is counted a restart, by
+        ``layer`` (the one that restarts after it)."""
+        self._handling.failure = (failure, layer.value)
 
     def count_restart(self, layer: str, cause: str) -> None:
         self.restarts.labels(layer, cause).inc()
@@ -265,21 +268,13 @@ class Metrics:
             self._server = None
 
 
-def failure_cause(failure: dict) -> str:
-    """The cause label of a failure the agent handles: its ``kind``, or its
-    ``cause`` where that is just one of CAUSES (``node_lost``), else signal
-    or exit from how the worker ended."""
-    for field in ("kind", "cause"):
-        if failure.get(field) in CAUSES:
-            return failure[field]
-    return "signal" if failure.get("signal") else "exit"
-
-
-def failure_layer(failure: dict) -> str:
-    """The layer that restarts after it: a lost node means a new rendezvous."""
-    if failure.get("layer") in LAYERS:
-        return failure["layer"]
-    return "rendezvous" if failure_cause(failure) == "node_lost" else "process"
+def failure_cause(failure: Failure) -> str:
+    """The cause label of a failure the agent handles: its kind where that is
+    one of CAUSES (``hang``, ``node_lost``), else signal or exit from how the
+    worker ended."""
+    if failure.kind.value in CAUSES:
+        return failure.kind.value
+    return "signal" if failure.signal else "exit"
 
 
 def store_error_kind(exc: BaseException) -> str:

@@ -1,0 +1,60 @@
+"""The typed failure record: one JSON form, read back across releases."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from elasticd.jobs import JobRecord
+from elasticd.records import CAUSE_LIMIT, TRACEBACK_LIMIT, Failure, FailureKind
+
+
+def test_a_failure_round_trips_through_its_json_form():
+    f = Failure(rank=1, exit_code=3, signal=0, cause="rank 1 exited with exit code 3",
+                traceback="tb", time=12.5, restart=2, node_id="n1", kind=FailureKind.HANG)
+    assert Failure.from_dict(json.loads(json.dumps(f.to_dict()))) == f
+
+
+def test_a_worker_fault_is_written_without_a_kind_as_before():
+    d = Failure(rank=0, exit_code=1, cause="c", time=1.0, node_id="n").to_dict()
+    assert d == {"rank": 0, "exit_code": 1, "signal": 0, "cause": "c", "traceback": "",
+                 "time": 1.0, "restart": 0, "node_id": "n"}
+
+
+def test_an_older_or_partial_record_reads_with_defaults():
+    f = Failure.from_dict({"cause": "old", "kind": "something newer"}, node_id="n2")
+    assert (f.rank, f.exit_code, f.cause, f.node_id, f.kind) == \
+        (-1, 0, "old", "n2", FailureKind.WORKER)
+    assert Failure.from_dict({"kind": "unreadable_error_file"}).kind is \
+        FailureKind.UNREADABLE_ERROR_FILE
+
+
+@pytest.mark.parametrize("bad", [{"time": "soon"}, {"rank": "one"}, {"signal": None}, "garbage"])
+def test_a_record_of_the_wrong_shape_raises_for_the_caller_to_skip(bad):
+    with pytest.raises((TypeError, ValueError)):
+        Failure.from_dict(bad)
+
+
+def test_bounded_cuts_what_is_shared_and_ints_are_clamped():
+    f = Failure.from_dict({"cause": "c" * 10_000, "traceback": "t" * 10_000,
+                           "rank": 10**20}).bounded()
+    assert len(f.cause) == CAUSE_LIMIT and len(f.traceback) == TRACEBACK_LIMIT
+    assert f.rank == 2**31 - 1
+
+
+def test_exit_status_is_the_code_or_128_plus_the_signal():
+    assert Failure(exit_code=3).exit_status == 3
+    assert Failure(exit_code=-1, signal=9).exit_status == 137
+
+
+def test_a_job_record_keeps_its_failure_typed_across_a_save():
+    f = Failure(rank=1, exit_code=1, cause="c", time=2.0, node_id="n", kind=FailureKind.HANG)
+    rec = JobRecord(id="j", command=["x"], cwd="/", uid=0, gid=0, last_failure=f)
+    data = json.loads(rec.to_json())
+    assert data["last_failure"]["kind"] == "hang"
+    assert JobRecord.from_json(rec.to_json()).last_failure == f
+    data["last_failure"] = {"rank": 1, "cause": "written by an older release"}
+    assert JobRecord.from_json(json.dumps(data)).last_failure.cause == \
+        "written by an older release"
+    assert JobRecord.from_json(rec.to_json().replace('"kind": "hang"', '"kind": "x"'))\
+        .last_failure.kind is FailureKind.WORKER
