@@ -8,6 +8,8 @@ import os
 from elasticd.agent import Action, decide
 from elasticd.inprocess_reports import ReportReader, parse_line
 from elasticd.ladder import Ladder, Layer, chain_text, round_layer
+from elasticd.rendezvous.protocol import RoundCause, RoundState
+from elasticd.rendezvous.status import RoundStatus, StatusKind
 
 
 def ladder(budget=8):
@@ -40,7 +42,8 @@ def test_giving_up_in_process_restarts_the_group_at_once_or_fails_without_budget
 
 def test_cancel_and_node_loss_still_come_before_a_replacement():
     assert decide([None, 3], 0, 3, True, False, inprocess_left=8).action is Action.CANCEL
-    assert decide([None, 3], 0, 3, False, False, round_status="lost:n2",
+    assert decide([None, 3], 0, 3, False, False,
+                  round_status=RoundStatus(StatusKind.LOST, "node(s) n2 lost", nodes=("n2",)),
                   inprocess_left=8).action is Action.NODE_LOST
 
 
@@ -106,9 +109,31 @@ def test_the_record_keeps_the_latest_fifty_attempts_and_a_bounded_chain():
 
 
 def test_a_peers_new_round_is_a_rendezvous_climb_only_for_membership_changes():
-    assert round_layer("node(s) n3 lost; round 4 opened (restart 2 of 3)") is Layer.RENDEZVOUS
-    assert round_layer("node(s) n4 waiting to join; round 2 opened") is Layer.RENDEZVOUS
-    assert round_layer("rank 3 exited with exit code 1; round 2 opened") is Layer.PROCESS
+    assert round_layer(RoundCause.NODE_LOST) is Layer.RENDEZVOUS
+    assert round_layer(RoundCause.NODE_WAITING) is Layer.RENDEZVOUS
+    assert round_layer(RoundCause.FAULT) is Layer.PROCESS
+    # The decision carries the layer: nothing downstream reads the reason text.
+    superseded = RoundStatus(StatusKind.SUPERSEDED, "rank 3 lost its way; round 2 opened",
+                             cause=RoundCause.FAULT)
+    d = decide([None, None], 0, 3, False, False, round_status=superseded)
+    assert (d.action, d.layer) == (Action.REJOIN, Layer.PROCESS)
+    d = decide([None], 0, 3, False, False, round_status=RoundStatus(
+        StatusKind.SUPERSEDED, "node(s) n4 waiting to join", cause=RoundCause.NODE_WAITING))
+    assert (d.action, d.layer) == (Action.REJOIN, Layer.RENDEZVOUS)
+
+
+def test_a_round_state_keeps_its_cause_and_reads_an_older_releases_by_its_reason():
+    legacy = {"round": 4, "status": "open"}
+    for reason, layer in (("node(s) n3 lost; round 4 opened (restart 2 of 3)", Layer.RENDEZVOUS),
+                          ("node(s) n4 waiting to join; round 2 opened", Layer.RENDEZVOUS),
+                          ("rank 3 exited with exit code 1; round 2 opened", Layer.PROCESS)):
+        state = RoundState.from_json(json.dumps(dict(legacy, reason=reason)))
+        assert round_layer(state.cause) is layer, reason
+    state = RoundState(round=2, status="open", reason="x lost", cause=RoundCause.FAULT)
+    assert json.loads(state.to_json())["cause"] == "fault"
+    assert RoundState.from_json(state.to_json()) == state
+    assert RoundState.from_json(json.dumps(dict(legacy, cause="newer"))).cause \
+        is RoundCause.FAULT
 
 
 # ---------------------------------------------------------------- the wrapper's reports

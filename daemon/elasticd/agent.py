@@ -37,7 +37,8 @@ from .recovery import Recovery
 from .restartpolicy import (AttemptProgress, BackoffSettings, made_progress, plan_restart,
                             restart_delay, spares_due)  # noqa: F401 (re-exported)
 from .rendezvous.cluster import ClusterRendezvous, RendezvousStopped, RoundFinal
-from .rendezvous.protocol import CANCELLED, FAILED, SUCCEEDED, Result, RoundState
+from .rendezvous.protocol import CANCELLED, FAILED, SUCCEEDED, Result, RoundCause, RoundState
+from .rendezvous.status import CURRENT, RoundStatus, StatusKind
 from .states import TERMINAL_STATES, JobState
 from .store import StoreError
 from .storehost import JobStoreHost
@@ -64,16 +65,17 @@ class Action(enum.Enum):
 class Decision:
     action: Action
     reason: str
+    layer: Layer | None = None   # REJOIN, NODE_LOST: the restart layer that recovers it
 
 
 def decide(returncodes: Sequence[int | None], restarts: int, max_restarts: int,
-           cancel_requested: bool, shutting_down: bool, *, round_status: str = "current",
-           round_reason: str = "", peers_done: bool = True, inprocess_left: int = 0,
+           cancel_requested: bool, shutting_down: bool, *,
+           round_status: RoundStatus = CURRENT, peers_done: bool = True, inprocess_left: int = 0,
            gave_up: bool = False, remote_ranks: bool = False) -> Decision:
     """What the agent does next, from one look at its workers and its round (no I/O).
 
-    ``round_status`` is ClusterRendezvous.status(): current, superseded,
-    final, lost:<nodes> or waiting. ``peers_done``: every member node has
+    ``round_status`` is ClusterRendezvous.status(): whether the round stands.
+    ``peers_done``: every member node has
     finished this round well (only asked once the local workers all did).
     ``inprocess_left``: ranks the in-process layer may still replace (0 for a
     job without in-process restart, or once it gave up). Dead ranks are
@@ -88,12 +90,13 @@ def decide(returncodes: Sequence[int | None], restarts: int, max_restarts: int,
         return Decision(Action.CANCEL, "cancelled by user")
     if shutting_down:
         return Decision(Action.SUSPEND, "daemon stopping; the job resumes when it starts again")
-    if round_status == "final":
+    kind, round_reason = round_status.kind, round_status.why
+    if kind is StatusKind.FINAL:
         return Decision(Action.FINAL, round_reason)
-    if round_status.startswith("lost"):
-        return Decision(Action.NODE_LOST, round_reason)
-    if round_status == "superseded":
-        return Decision(Action.REJOIN, round_reason)
+    if kind is StatusKind.LOST:
+        return Decision(Action.NODE_LOST, round_reason, Layer.RENDEZVOUS)
+    if kind is StatusKind.SUPERSEDED:
+        return Decision(Action.REJOIN, round_reason, round_layer(round_status.cause))
     failed = [rc for rc in returncodes if rc is not None and rc != 0]
     if failed or gave_up:
         running = remote_ranks or any(rc is None for rc in returncodes)
@@ -109,7 +112,7 @@ def decide(returncodes: Sequence[int | None], restarts: int, max_restarts: int,
         if peers_done:
             return Decision(Action.SUCCEED, "every worker exited 0")
         return Decision(Action.CONTINUE, "workers done; waiting for the other nodes")
-    if round_status == "waiting":
+    if kind is StatusKind.WAITING:
         return Decision(Action.SCALE_UP, round_reason)
     return Decision(Action.CONTINUE, "workers running")
 
@@ -267,7 +270,7 @@ class Agent:
             job_restarts, max_restarts, cancel = self._registry.control_flags(self.job_id)
             outcomes = [w.outcome for w in workers]
             try:
-                round_status, why = self._rdzv.status(result)
+                round_status = self._rdzv.status(result)
                 peers_done = True
                 if outcomes and all(rc == 0 for rc in outcomes):
                     if not marked_done:
@@ -277,11 +280,11 @@ class Agent:
             except StoreError as exc:
                 # etcd is away: training goes on; decide on the workers alone.
                 log.debug("%s: round status unknown: %s", self._where(result.round), exc)
-                round_status, why, peers_done = "current", "", False
+                round_status, peers_done = CURRENT, False
             state = self._rdzv.last_state
             restarts = state.restarts if state else job_restarts
             decision = decide(outcomes, restarts, max_restarts, cancel,
-                              self.shutting_down, round_status=round_status, round_reason=why,
+                              self.shutting_down, round_status=round_status,
                               peers_done=peers_done,
                               inprocess_left=self._recovery.inprocess_left(),
                               gave_up=self._recovery.gave_up(),
@@ -292,7 +295,8 @@ class Agent:
             elif decision.action is Action.SCALE_UP:
                 if result.group_rank == 0 and not scale_requested:
                     scale_requested = True
-                    self._try(lambda: self._rdzv.reopen(result, decision.reason, False))
+                    self._try(lambda: self._rdzv.reopen(result, decision.reason, False,
+                                                        RoundCause.NODE_WAITING))
             elif decision.action is not Action.CONTINUE:
                 return decision
             if refill and spares_due(time.monotonic(), refill_from, self._first_beat, warm,
@@ -341,11 +345,11 @@ class Agent:
             group.poll()
             self._publish(group)
             state = self._rdzv.last_state
-            layer = Layer.RENDEZVOUS if act is Action.NODE_LOST else round_layer(decision.reason)
+            layer = decision.layer or Layer.PROCESS
             self._recovery.ladder.begin(layer, decision.reason or "a new round opened", time.time())
             if act is Action.NODE_LOST:
-                state = self._try(lambda: self._rdzv.reopen(result, decision.reason, True)) \
-                    or state
+                state = self._try(lambda: self._rdzv.reopen(result, decision.reason, True,
+                                                            RoundCause.NODE_LOST)) or state
                 if self._metrics:
                     self._metrics.restart_or_failure(
                         Failure(cause="node lost", kind=FailureKind.NODE_LOST), Layer.RENDEZVOUS)

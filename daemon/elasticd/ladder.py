@@ -30,6 +30,8 @@ import re
 import time
 from dataclasses import asdict, dataclass, field
 
+from .rendezvous.protocol import RoundCause
+
 MAX_ATTEMPTS_KEPT = 50
 CHAIN_TEXT_LIMIT = 1000
 _RANK_PREFIX = re.compile(r"rank (\d+):")  # how the wrapper's fault texts begin
@@ -62,16 +64,11 @@ class Attempt:
         return asdict(self)
 
 
-def round_layer(reason: str) -> Layer:
-    """The layer of a new round another node opened, from the round's reason.
-
-    The reasons come from rendezvous/cluster.py: ``node(s) X lost`` and
-    ``node(s) X waiting to join`` are membership changes; any other reason is
-    a worker fault somewhere, which restarts every node's processes.
-    """
-    if " lost" in reason or "waiting to join" in reason:
-        return Layer.RENDEZVOUS
-    return Layer.PROCESS
+def round_layer(cause: RoundCause) -> Layer:
+    """The layer of a new round another node opened, from the round's cause:
+    a change of nodes (one lost, one waiting to join) is a new rendezvous; a
+    worker fault somewhere restarts every node's processes."""
+    return Layer.RENDEZVOUS if cause.membership else Layer.PROCESS
 
 
 def chain_text(attempts: list[dict], limit: int = CHAIN_TEXT_LIMIT) -> str:
