@@ -37,7 +37,8 @@ from .recovery import Recovery
 from .restartpolicy import (AttemptProgress, BackoffSettings, made_progress, plan_restart,
                             restart_delay, spares_due)  # noqa: F401 (re-exported)
 from .rendezvous.cluster import ClusterRendezvous, RendezvousStopped, RoundFinal
-from .rendezvous.protocol import CANCELLED, FAILED, SUCCEEDED, Result, RoundCause, RoundState
+from .rendezvous.protocol import (CANCELLED, FAILED, SUCCEEDED, Result, RoundCause, RoundState,
+                                  final_job_state)
 from .rendezvous.status import CURRENT, RoundStatus, StatusKind
 from .states import TERMINAL_STATES, JobState
 from .store import StoreError
@@ -422,8 +423,7 @@ class Agent:
         changes = {"workers": rows} if rows is not None else {}
         if state is not None:
             changes["restarts"] = state.restarts
-        target = {SUCCEEDED: JobState.SUCCEEDED, CANCELLED: JobState.CANCELLED}.get(
-            status, JobState.FAILED)
+        target = final_job_state(status)
         job = self._registry.get(self.job_id)
         code = 0 if target is not JobState.FAILED else (job.exit_code or 1)
         self._registry.transition(self.job_id, target, reason, exit_code=code, **changes)

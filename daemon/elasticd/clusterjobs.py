@@ -18,12 +18,9 @@ from __future__ import annotations
 from .jobs import JobRecord
 from .manager import record_from_spec
 from .records import Failure, clamp_int
-from .rendezvous.protocol import CANCELLED, CLOSED, FAILED, OPEN, SUCCEEDED
+from .rendezvous.protocol import CLOSED, OPEN, final_job_state
 from .rendezvous.view import JobKeys
-from .states import JobState
-
-_FINAL_STATES = {SUCCEEDED: JobState.SUCCEEDED, FAILED: JobState.FAILED,
-                 CANCELLED: JobState.CANCELLED}
+from .states import TERMINAL_STATES, JobState
 
 
 class AmbiguousName(ValueError):
@@ -104,8 +101,8 @@ def job_state(keys: JobKeys) -> JobState:
     is PENDING until a node joins, then RENDEZVOUS; a later open round (after a
     fault or a change of nodes) is RESTARTING; final states map one to one."""
     state = keys.state
-    if state.status in _FINAL_STATES:
-        return _FINAL_STATES[state.status]
+    if state.final:
+        return final_job_state(state.status)
     if state.status == CLOSED:
         return JobState.RUNNING
     if state.restarts > 0 or state.round > 1:
@@ -124,7 +121,7 @@ def record_from_keys(keys: JobKeys, now: float) -> JobRecord | None:
         return None
     rec.state = job_state(keys)
     nodes = ", ".join(nodes_of(keys))
-    if rec.state in _FINAL_STATES.values():
+    if rec.state in TERMINAL_STATES:
         where = f"ran on {nodes}" if nodes else "ran on no node"
     elif state.status == OPEN:
         where = f"joined so far: {nodes}" if nodes else "no node joined yet"
@@ -139,7 +136,7 @@ def record_from_keys(keys: JobKeys, now: float) -> JobRecord | None:
         setattr(rec, name, value)
     since = state.opened_at if state.status == OPEN else state.closed_at
     rec.state_since = since if 0 < since <= now else now
-    if rec.state in _FINAL_STATES.values():
+    if rec.state in TERMINAL_STATES:
         rec.finished_at = state.closed_at
         rec.exit_code = 1 if rec.state is JobState.FAILED else 0
     return rec

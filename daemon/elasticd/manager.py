@@ -29,7 +29,7 @@ from .jobs import (JobExists, JobNotFound, JobRecord, JobRegistry, NameInUse, No
                    new_job_id, spec_bytes)
 from .logsetup import ctx
 from .rendezvous.cluster import ClusterRendezvous, create_job
-from .rendezvous.protocol import CANCELLED, SUCCEEDED, JobLimits
+from .rendezvous.protocol import CANCELLED, JobLimits, final_job_state
 from .restartpolicy import RestartWindow
 from .states import LIVE_STATES, TERMINAL_STATES, JobState
 from .store import StoreError
@@ -323,8 +323,7 @@ class JobManager:
             job = self._registry.get(job_id)
             if job.state in TERMINAL_STATES:
                 return
-            target = {SUCCEEDED: JobState.SUCCEEDED, CANCELLED: JobState.CANCELLED}.get(
-                state.status, JobState.FAILED)
+            target = final_job_state(state.status)
             self._registry.transition(job_id, target, state.reason or state.status,
                                       restarts=state.restarts,
                                       restart_times=list(state.restart_times),

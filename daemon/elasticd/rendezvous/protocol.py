@@ -29,10 +29,12 @@ import json
 from dataclasses import asdict, dataclass, field, replace
 
 from ..restartpolicy import RestartWindow
+from ..states import JobState
 
 OPEN, CLOSED = "open", "closed"
 SUCCEEDED, FAILED, CANCELLED = "succeeded", "failed", "cancelled"
 FINAL = frozenset({SUCCEEDED, FAILED, CANCELLED})
+_JOB_STATE_OF_FINAL = {SUCCEEDED: JobState.SUCCEEDED, CANCELLED: JobState.CANCELLED}
 _MAX_TIMES = 10_001    # restart times a round state may carry (control's limit + 1)
 
 
@@ -57,6 +59,12 @@ class RoundCause(str, enum.Enum):
         if "waiting to join" in reason:
             return cls.NODE_WAITING
         return cls.FAULT
+
+
+def final_job_state(status: str) -> JobState:
+    """The job state a final round status ends the job in on every node: succeeded
+    and cancelled one to one; failed, and anything else, FAILED."""
+    return _JOB_STATE_OF_FINAL.get(status, JobState.FAILED)
 
 
 def job_prefix(job_id: str) -> str:
