@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import os
 
-from elasticd.agent import Action, decide
+from elasticd.agent import Action, Snapshot
+from elasticd.agent import decide as decide_on
 from elasticd.inprocess_reports import ReportReader, parse_line
 from elasticd.ladder import Ladder, Layer, chain_text, round_layer
 from elasticd.rendezvous.protocol import RoundCause, RoundState
@@ -17,6 +18,11 @@ def ladder(budget=8):
 
 
 # ---------------------------------------------------------------- decide()
+
+def decide(returncodes, restarts, max_restarts, cancel, stopping, **rest):
+    return decide_on(Snapshot(tuple(returncodes), restarts, max_restarts, cancel, stopping,
+                              **rest))
+
 
 def test_a_dead_rank_is_replaced_while_the_others_still_train():
     d = decide([None, -9], 0, 3, False, False, inprocess_left=8)

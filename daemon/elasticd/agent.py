@@ -24,7 +24,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable
 
 from . import failures, jobstore_env
 from .config import Config
@@ -69,28 +69,48 @@ class Decision:
     layer: Layer | None = None   # REJOIN, NODE_LOST: the restart layer that recovers it
 
 
-def decide(returncodes: Sequence[int | None], restarts: int, max_restarts: int,
-           cancel_requested: bool, shutting_down: bool, *,
-           round_status: RoundStatus = CURRENT, peers_done: bool = True, inprocess_left: int = 0,
-           gave_up: bool = False, remote_ranks: bool = False) -> Decision:
+@dataclass(frozen=True)
+class Snapshot:
+    """One look at the job's workers and its round: all that ``decide()`` reads.
+
+    ``returncodes``: each local worker's exit code, None while it runs.
+    ``restarts``/``max_restarts``: restarts used (cluster-wide) and allowed
+    over the job's life (-1: no lifetime limit). ``round_status``:
+    ClusterRendezvous.status(), whether the round stands. ``peers_done``:
+    every member node has finished this round well (only asked once the
+    local workers all did). ``inprocess_left``: ranks the in-process layer may
+    still replace (0 for a job without in-process restart, or once it gave
+    up). ``gave_up``: a rank reported that in-process restart gave up; it is
+    about to exit non-zero. ``remote_ranks``: other nodes of the round run
+    ranks too, still training as far as this node knows.
+    """
+    returncodes: tuple[int | None, ...]
+    restarts: int = 0
+    max_restarts: int = 3
+    cancel_requested: bool = False
+    shutting_down: bool = False
+    round_status: RoundStatus = CURRENT
+    peers_done: bool = True
+    inprocess_left: int = 0
+    gave_up: bool = False
+    remote_ranks: bool = False
+
+
+def decide(look: Snapshot) -> Decision:
     """What the agent does next, from one look at its workers and its round (no I/O).
 
-    ``round_status`` is ClusterRendezvous.status(): whether the round stands.
-    ``peers_done``: every member node has
-    finished this round well (only asked once the local workers all did).
-    ``inprocess_left``: ranks the in-process layer may still replace (0 for a
-    job without in-process restart, or once it gave up). Dead ranks are
-    replaced only while the others still run the training function: once
-    any rank finished, nobody is left to meet the newcomer (``remote_ranks``:
-    other nodes of the round run ranks too, still training as far as this
-    node knows). ``gave_up``: a
-    rank reported that in-process restart gave up; it is about to exit
-    non-zero, and the group restarts without waiting for that.
+    Dead ranks are replaced in-process only while the others still run the
+    training function: once any rank finished, nobody is left to meet the
+    newcomer. After ``gave_up`` the group restarts without waiting for the
+    rank to exit.
     """
-    if cancel_requested:
+    returncodes, restarts, max_restarts = look.returncodes, look.restarts, look.max_restarts
+    gave_up = look.gave_up
+    if look.cancel_requested:
         return Decision(Action.CANCEL, "cancelled by user")
-    if shutting_down:
+    if look.shutting_down:
         return Decision(Action.SUSPEND, "daemon stopping; the job resumes when it starts again")
+    round_status = look.round_status
     kind, round_reason = round_status.kind, round_status.why
     if kind is StatusKind.FINAL:
         return Decision(Action.FINAL, round_reason)
@@ -100,9 +120,9 @@ def decide(returncodes: Sequence[int | None], restarts: int, max_restarts: int,
         return Decision(Action.REJOIN, round_reason, round_layer(round_status.cause))
     failed = [rc for rc in returncodes if rc is not None and rc != 0]
     if failed or gave_up:
-        running = remote_ranks or any(rc is None for rc in returncodes)
+        running = look.remote_ranks or any(rc is None for rc in returncodes)
         finished = any(rc == 0 for rc in returncodes)
-        if not gave_up and running and not finished and len(failed) <= inprocess_left:
+        if not gave_up and running and not finished and len(failed) <= look.inprocess_left:
             return Decision(Action.REPLACE, f"{len(failed)} rank(s) replaced in-process")
         if max_restarts < 0:  # no lifetime limit: the budget over a window decides (reopen)
             return Decision(Action.RESTART, f"restart {restarts + 1} (no lifetime limit)")
@@ -110,7 +130,7 @@ def decide(returncodes: Sequence[int | None], restarts: int, max_restarts: int,
             return Decision(Action.RESTART, f"restart {restarts + 1} of {max_restarts}")
         return Decision(Action.FAIL, f"no restarts left ({restarts} of {max_restarts} used)")
     if returncodes and all(rc == 0 for rc in returncodes):
-        if peers_done:
+        if look.peers_done:
             return Decision(Action.SUCCEED, "every worker exited 0")
         return Decision(Action.CONTINUE, "workers done; waiting for the other nodes")
     if kind is StatusKind.WAITING:
@@ -284,12 +304,11 @@ class Agent:
                 round_status, peers_done = CURRENT, False
             state = self._rdzv.last_state
             restarts = state.restarts if state else job_restarts
-            decision = decide(outcomes, restarts, max_restarts, cancel,
-                              self.shutting_down, round_status=round_status,
-                              peers_done=peers_done,
-                              inprocess_left=self._recovery.inprocess_left(),
-                              gave_up=self._recovery.gave_up(),
-                              remote_ranks=result.group_world_size > 1)
+            decision = decide(Snapshot(
+                tuple(outcomes), restarts, max_restarts, cancel, self.shutting_down,
+                round_status=round_status, peers_done=peers_done,
+                inprocess_left=self._recovery.inprocess_left(),
+                gave_up=self._recovery.gave_up(), remote_ranks=result.group_world_size > 1))
             if decision.action is Action.REPLACE:
                 self._replace_dead(group)
                 refill, refill_from, warm = a.warm_spares, time.monotonic(), False
