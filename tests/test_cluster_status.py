@@ -69,7 +69,7 @@ def test_a_running_job_shows_round_restarts_every_nodes_ranks_and_where_it_runs(
     assert (rec.round, rec.restarts, rec.max_restarts) == (2, 1, 3)
     assert rec.reason == ("this node does not run it; running on n1, n2: "
                           "round 2 closed with 2 node(s) (max reached)")
-    assert [(w["rank"], w["node_id"], w["state"]) for w in rec.workers] == \
+    assert [(w.rank, w.node_id, w.state.value) for w in rec.workers] == \
         [(0, "n1", "running"), (1, "n2", "running")]
     assert rec.state_since == NOW - 5 and rec.finished_at == 0
 
@@ -147,7 +147,7 @@ def test_keys_without_a_usable_spec_and_state_make_no_job(keys):
 def test_worker_rows_that_do_not_parse_are_left_out():
     keys = running_keys()
     keys.workers["n3"] = [{"rank": "x"}, "garbage", row(2, "n3")]
-    assert [w["node_id"] for w in record_from_keys(keys, NOW).workers] == ["n1", "n2", "n3"]
+    assert [w.node_id for w in record_from_keys(keys, NOW).workers] == ["n1", "n2", "n3"]
 
 
 class FakeView:

@@ -6,7 +6,8 @@ import json
 import pytest
 
 from elasticd.jobs import JobRecord
-from elasticd.records import CAUSE_LIMIT, TRACEBACK_LIMIT, Failure, FailureKind
+from elasticd.records import CAUSE_LIMIT, TRACEBACK_LIMIT, Failure, FailureKind, WorkerRow
+from elasticd.states import WorkerState
 
 
 def test_a_failure_round_trips_through_its_json_form():
@@ -58,3 +59,28 @@ def test_a_job_record_keeps_its_failure_typed_across_a_save():
         "written by an older release"
     assert JobRecord.from_json(rec.to_json().replace('"kind": "hang"', '"kind": "x"'))\
         .last_failure.kind is FailureKind.WORKER
+
+
+def test_a_worker_row_round_trips_and_a_peers_node_id_wins():
+    w = WorkerRow(rank=1, local_rank=0, pid=42, state=WorkerState.RUNNING, exit_code=0,
+                  node_id="n1", create_time=5.5)
+    assert WorkerRow.from_dict(json.loads(json.dumps(w.to_dict()))) == w
+    assert w.to_dict()["state"] == "running"
+    assert WorkerRow.from_dict(dict(w.to_dict(), node_id="liar"), "n2").node_id == "n2"
+
+
+@pytest.mark.parametrize("bad", [{"rank": "x"}, "garbage", {"rank": 0, "local_rank": 0,
+                                                           "pid": 1, "state": "zombie",
+                                                           "exit_code": 0}])
+def test_a_worker_row_that_does_not_parse_raises(bad):
+    with pytest.raises((KeyError, TypeError, ValueError)):
+        WorkerRow.from_dict(bad)
+
+
+def test_a_job_record_drops_a_saved_row_that_does_not_parse_and_keeps_the_rest():
+    good = WorkerRow(rank=0, local_rank=0, pid=7, state=WorkerState.STOPPED, node_id="n")
+    rec = JobRecord(id="j", command=["x"], cwd="/", uid=0, gid=0, workers=[good])
+    data = json.loads(rec.to_json())
+    data["workers"].append({"rank": "x"})
+    del data["workers"][0]["create_time"]          # as an older release wrote it
+    assert JobRecord.from_json(json.dumps(data)).workers == [good]

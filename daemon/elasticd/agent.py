@@ -30,7 +30,7 @@ from . import failures, jobstore_env
 from .config import Config
 from .jobs import JobRecord, JobRegistry
 from .ladder import Layer, round_layer
-from .records import Failure, FailureKind
+from .records import Failure, FailureKind, WorkerRow
 from .logsetup import ctx
 from .progress import ProgressTracker
 from .recovery import Recovery
@@ -435,7 +435,7 @@ class Agent:
         return True
 
     # -- the cluster's word ----------------------------------------------------
-    def _end_as(self, state: RoundState | None, rows: list | None) -> None:
+    def _end_as(self, state: RoundState | None, rows: list[WorkerRow] | None) -> None:
         """Record the job's cluster-wide end on this node."""
         status = state.status if state else FAILED
         reason = (state.reason if state else "") or status
@@ -581,5 +581,5 @@ class Agent:
         return failures.record(rank, exit_code, sig, cause, traceback, job.restarts,
                                self._cfg.daemon.node_id, kind)
 
-    def _worker_rows(self, group: WorkerGroup) -> list[dict]:
+    def _worker_rows(self, group: WorkerGroup) -> list[WorkerRow]:
         return failures.worker_rows(group.workers, self._cfg.daemon.node_id)

@@ -15,9 +15,11 @@ error for the caller.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from .jobs import JobRecord
 from .manager import record_from_spec
-from .records import Failure, clamp_int
+from .records import Failure, WorkerRow, clamp_int
 from .rendezvous.protocol import CLOSED, OPEN, final_job_state
 from .rendezvous.view import JobKeys
 from .states import TERMINAL_STATES, JobState
@@ -32,7 +34,7 @@ class AmbiguousName(ValueError):
         self.ids = ids
 
 
-def worker_rows(keys: JobKeys, skip: str = "") -> list[dict]:
+def worker_rows(keys: JobKeys, skip: str = "") -> list[WorkerRow]:
     """Every node's published worker rows (but ``skip``'s), as the record keeps
     them; rows that do not parse are left out."""
     rows = []
@@ -41,12 +43,11 @@ def worker_rows(keys: JobKeys, skip: str = "") -> list[dict]:
             continue
         for w in published:
             try:
-                rows.append({"rank": int(w["rank"]), "local_rank": int(w["local_rank"]),
-                             "pid": int(w["pid"]), "state": str(w["state"]),
-                             "exit_code": int(w["exit_code"]), "node_id": node})
-            except (KeyError, TypeError, ValueError):
+                row = WorkerRow.from_dict(w, node)
+            except (KeyError, TypeError, ValueError, OverflowError):
                 continue
-    return sorted(rows, key=lambda w: (w["rank"], w["node_id"]))
+            rows.append(replace(row, create_time=0.0))  # a peer's clock: not ours to use
+    return sorted(rows, key=lambda w: (w.rank, w.node_id))
 
 
 def recovery_of(keys: JobKeys) -> dict:

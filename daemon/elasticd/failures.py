@@ -16,7 +16,7 @@ from typing import NamedTuple
 import psutil
 
 from . import workerfiles
-from .records import Failure, FailureKind
+from .records import Failure, FailureKind, WorkerRow
 from .states import WorkerState
 from .workers import Worker, describe_exit
 
@@ -109,7 +109,7 @@ def record(rank: int, exit_code: int, sig: int, cause: str, traceback: str, rest
                    kind=kind)
 
 
-def worker_rows(workers: list[Worker], node_id: str) -> list[dict]:
+def worker_rows(workers: list[Worker], node_id: str) -> list[WorkerRow]:
     """The job record's rows for these workers (the proto's ``Worker``)."""
     rows = []
     for w in workers:
@@ -126,7 +126,7 @@ def worker_rows(workers: list[Worker], node_id: str) -> list[dict]:
             started = psutil.Process(w.pid).create_time() if rc is None else 0.0
         except psutil.Error:
             started = 0.0
-        rows.append({"rank": w.rank, "local_rank": w.local_rank, "pid": w.pid,
-                     "state": state.value, "exit_code": rc if rc is not None else 0,
-                     "node_id": node_id, "create_time": started})
+        rows.append(WorkerRow(rank=w.rank, local_rank=w.local_rank, pid=w.pid, state=state,
+                              exit_code=rc if rc is not None else 0, node_id=node_id,
+                              create_time=started))
     return rows

@@ -25,7 +25,7 @@ from typing import Any
 
 from . import statedir
 from .logsetup import ctx
-from .records import Failure
+from .records import Failure, WorkerRow
 from .restartpolicy import RestartPlan
 from .states import LIVE_STATES, TERMINAL_STATES, JobState, check_transition
 
@@ -90,7 +90,7 @@ class JobRecord:
     finished_at: float = 0.0
     exit_code: int = 0
     last_failure: Failure | None = None
-    workers: list = field(default_factory=list)
+    workers: list[WorkerRow] = field(default_factory=list)
     node_id: str = ""
     cancel_requested: bool = False
     inprocess: bool = False
@@ -125,6 +125,7 @@ class JobRecord:
         data = dataclasses.asdict(self)
         data["state"] = self.state.value
         data["last_failure"] = self.last_failure.to_dict() if self.last_failure else None
+        data["workers"] = [w.to_dict() for w in self.workers]
         return json.dumps(data)
 
     @classmethod
@@ -133,8 +134,20 @@ class JobRecord:
         data["state"] = JobState(data["state"])
         data["last_failure"] = (Failure.from_dict(data["last_failure"])
                                 if data.get("last_failure") else None)
+        data["workers"] = _worker_rows(data.get("workers") or ())
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def _worker_rows(saved) -> list[WorkerRow]:
+    """The saved rows that still parse (a row never stops a job record loading)."""
+    rows = []
+    for w in saved:
+        try:
+            rows.append(WorkerRow.from_dict(w))
+        except (KeyError, TypeError, ValueError, OverflowError):
+            log.warning("dropping an unreadable worker row: %.200r", w)
+    return rows
 
 
 def spec_bytes(rec: JobRecord) -> int:

@@ -28,6 +28,7 @@ from .config import Config
 from .jobs import (JobExists, JobNotFound, JobRecord, JobRegistry, NameInUse, NotPersisted,
                    new_job_id, spec_bytes)
 from .logsetup import ctx
+from .records import WorkerRow
 from .rendezvous.cluster import ClusterRendezvous, create_job
 from .rendezvous.protocol import CANCELLED, JobLimits, final_job_state
 from .restartpolicy import RestartWindow
@@ -425,7 +426,7 @@ def check_access(job: JobRecord, caller: Caller) -> None:
             "see or change it")
 
 
-def kill_leftover_workers(rows: list[dict]) -> int:
+def kill_leftover_workers(rows: list[WorkerRow]) -> int:
     """SIGKILL what is left of recorded workers' process groups.
 
     Each worker led its own process group (pgid == its pid). The leader may
@@ -433,8 +434,7 @@ def kill_leftover_workers(rows: list[dict]) -> int:
     in that group started no earlier than the recorded worker is killed; a
     recycled pid or pgid (an older start time can't be ours) is never hit.
     """
-    wanted = {row["pid"]: row["create_time"] for row in rows
-              if row.get("pid") and row.get("create_time")}
+    wanted = {row.pid: row.create_time for row in rows if row.pid and row.create_time}
     if not wanted:
         return 0
     killed = 0

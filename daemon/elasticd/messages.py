@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 
 from .jobs import JobRecord
+from .records import WorkerRow
 from .restartpolicy import RestartPlan, RestartWindow
 from .states import TERMINAL_STATES
 from .v1 import control_pb2 as pb
@@ -64,9 +65,14 @@ def job_to_proto(job: JobRecord) -> pb.Job:
             median_step_seconds=s.get("median_step_seconds", 0.0), ranks=s.get("ranks", 0),
             node_id=s.get("node_id", "")))
     for w in job.workers:
-        msg.workers.add(rank=w["rank"], local_rank=w["local_rank"], pid=w["pid"],
-                        state=w["state"], exit_code=w["exit_code"], node_id=w["node_id"])
+        add_worker(msg, w)
     return msg
+
+
+def add_worker(msg: pb.Job, w: WorkerRow) -> None:
+    """One worker row into the job message's ``workers``."""
+    msg.workers.add(rank=w.rank, local_rank=w.local_rank, pid=w.pid, state=w.state.value,
+                    exit_code=w.exit_code, node_id=w.node_id)
 
 
 def event_to_proto(ev: dict) -> pb.Event:

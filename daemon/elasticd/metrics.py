@@ -40,7 +40,7 @@ from .ladder import Layer
 from .records import Failure
 from .rejections import RejectReason
 from .restartpolicy import RestartWindow
-from .states import LIVE_STATES, TERMINAL_STATES, JobState
+from .states import LIVE_STATES, TERMINAL_STATES, JobState, WorkerState
 from .store import (KV, CompareFailed, KeyExists, Lease, LeaseNotFound, Store,
                     StoreAuthError, StoreCorrupt, StoreError, StoreUnavailable,
                     WatchCompacted, WatchEvent)
@@ -393,7 +393,7 @@ class _JobCollector:
                 if window.limit > 0:
                     in_window = len(window.recent(job.restart_times, time.time()))
                     budget_used = max(budget_used, in_window / window.limit)
-            workers += sum(1 for w in job.workers if w["state"] == "running")
+            workers += sum(1 for w in job.workers if w.state is WorkerState.RUNNING)
             if job.straggler and job.state is JobState.RUNNING:
                 stragglers.append((job.id, job.straggler))
         g = GaugeMetricFamily("elasticd_jobs", "Jobs known to this node, by state",

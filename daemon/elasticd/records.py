@@ -1,4 +1,4 @@
-"""Typed records that cross module boundaries: a worker-group failure.
+"""Typed records that cross module boundaries: a worker-group failure, a worker row.
 
 A failure is built by the agent (agent.py) from what a worker's end said
 (failures.py), rewritten as a hang by hang detection (progress.py) or by
@@ -10,12 +10,21 @@ here, the JSON kept in the state dir and in etcd. ``from_dict`` reads what
 an older release wrote (any key missing takes its default) and what another
 node published (a value of the wrong type raises ValueError or TypeError,
 for the caller to skip that record; ``bounded()`` cuts what a peer sent).
-No I/O, no daemon imports.
+
+A worker row is one worker as ``elasticctl status`` shows it: built by
+failures.worker_rows on the node that runs it, kept on the job record,
+published to the other nodes (clusterjobs.worker_rows reads them back) and
+sent as the proto's ``Worker`` (messages.py). Same rules: ``to_dict`` /
+``from_dict``, the JSON form of before.
+
+No I/O; of the daemon only states.py.
 """
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, replace
+
+from .states import WorkerState
 
 CAUSE_LIMIT = 2000        # characters of a failure's cause kept when shared
 TRACEBACK_LIMIT = 4000    # characters of its traceback (the end) kept when shared
@@ -81,3 +90,32 @@ class Failure:
                    cause=str(d.get("cause", "")), traceback=str(d.get("traceback", "")),
                    time=float(d.get("time", 0)), restart=clamp_int(d.get("restart", 0)),
                    node_id=str(d.get("node_id") or node_id), kind=kind)
+
+
+@dataclass(frozen=True)
+class WorkerRow:
+    """One worker of a job as status shows it (the proto's ``Worker``)."""
+    rank: int
+    local_rank: int
+    pid: int
+    state: WorkerState
+    exit_code: int = 0
+    node_id: str = ""
+    create_time: float = 0.0     # its process's start (psutil), 0 once it ended; local only
+
+    def to_dict(self) -> dict:
+        return {"rank": self.rank, "local_rank": self.local_rank, "pid": self.pid,
+                "state": self.state.value, "exit_code": self.exit_code,
+                "node_id": self.node_id, "create_time": self.create_time}
+
+    @classmethod
+    def from_dict(cls, d: dict, node_id: str | None = None) -> "WorkerRow":
+        """A row from its JSON form; ``node_id`` (a peer's rows: the node that
+        published them) wins over the row's own. KeyError, TypeError or
+        ValueError (an unknown state among them) for a row that does not parse."""
+        if not isinstance(d, dict):
+            raise TypeError(f"a worker row is an object, not {type(d).__name__}")
+        return cls(rank=int(d["rank"]), local_rank=int(d["local_rank"]), pid=int(d["pid"]),
+                   state=WorkerState(str(d["state"])), exit_code=int(d["exit_code"]),
+                   node_id=str(node_id if node_id is not None else d.get("node_id", "")),
+                   create_time=float(d.get("create_time") or 0.0))

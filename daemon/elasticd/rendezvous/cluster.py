@@ -16,6 +16,7 @@ import time
 from typing import Callable
 
 from ..logsetup import ctx
+from ..records import WorkerRow
 from ..store import CompareFailed, KeyExists, Lease, Store
 from .local import free_port
 from .protocol import (CLOSED, FINAL, OPEN, Join, JobLimits, Result, RoundCause, RoundClock,
@@ -239,9 +240,9 @@ class ClusterRendezvous:
         done = keys.done.get(result.round, set()) if keys else set()
         return set(result.members) <= done
 
-    def publish_workers(self, rows: list[dict], summary: dict | None = None) -> None:
+    def publish_workers(self, rows: list[WorkerRow], summary: dict | None = None) -> None:
         """This node's worker rows and its recovery summary, for status on any node."""
-        value = {"rows": rows, "summary": summary or {}}
+        value = {"rows": [r.to_dict() for r in rows], "summary": summary or {}}
         self._store.put(self._key("workers", self.node_id), json.dumps(value),
                         lease=self._lease())
 
