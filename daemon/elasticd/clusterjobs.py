@@ -60,8 +60,10 @@ def recovery_of(keys: JobKeys) -> dict:
     failure, attempts = None, []
     for node, summary in sorted(keys.summaries.items()):
         try:
-            layers = {str(k): clamp_int(v) for k, v in (summary.get("restarts_by_layer") or {}).items()}
-            limits = {str(k): clamp_int(v) for k, v in (summary.get("restart_budget") or {}).items()}
+            layers = {str(k): clamp_int(v)
+                      for k, v in (summary.get("restarts_by_layer") or {}).items()}
+            limits = {str(k): clamp_int(v)
+                      for k, v in (summary.get("restart_budget") or {}).items()}
             f = summary.get("last_failure")
             f = Failure.from_dict(f, node).bounded() if isinstance(f, dict) else None
             tried = [_attempt(a, node) for a in (summary.get("attempts") or [])[-20:]
