@@ -71,11 +71,11 @@ def advertised_address(cfg: Config) -> str:
 
 
 class Cluster:
-    def __init__(self, cfg: Config, store: Store, slots_info):
+    def __init__(self, cfg: Config, store: Store, slots_info=None):
         self.cfg = cfg
         self.store = store
         self.address = advertised_address(cfg)
-        self._slots_info = slots_info          # () -> (slots_free, [job ids])
+        self._slots_info = slots_info          # () -> (slots_free, [job ids]); see capacity_from
         self._started_at = time.time()
         m = cfg.membership
         self.keeper = LeaseKeeper(store, cfg.daemon.node_id, m.lease_ttl, m.refresh_interval,
@@ -86,6 +86,12 @@ class Cluster:
         self._drain_lock = threading.Lock()
         self._drain_follower = Follower(store, DRAIN, "drain-watch", m.watch_retry,
                                         self._drain_reset, self._drain_event)
+
+    def capacity_from(self, slots_info) -> None:
+        """Where this node's record reads its free slots and its jobs: ``() ->
+        (slots_free, [job ids])``, the job manager's (made after the cluster,
+        which it needs); set before ``start``."""
+        self._slots_info = slots_info
 
     @property
     def kind(self) -> str:

@@ -335,6 +335,10 @@ class JobManager:
             self._agents.pop(job_id, None)
         self.schedule()
 
+    def capacity(self) -> tuple[int, list[str]]:
+        """(slots free, ids of the jobs holding slots): what the node record says."""
+        return self.slots_total - self.slots_used(), self.active_jobs()
+
     def active_jobs(self) -> list[str]:
         with self._lock:
             return list(self._agents)
