@@ -370,19 +370,20 @@ class Agent:
             if act is Action.NODE_LOST:
                 state = self._try(lambda: self._rdzv.reopen(result, decision.reason, True,
                                                             RoundCause.NODE_LOST)) or state
-                if self._metrics:
-                    self._metrics.restart_or_failure(
-                        Failure(cause="node lost", kind=FailureKind.NODE_LOST), Layer.RENDEZVOUS)
+            # A lost node is a fault of this round (metrics); a peer's new round is not ours.
+            lost = Failure(cause=decision.reason, kind=FailureKind.NODE_LOST) \
+                if act is Action.NODE_LOST else None
             if state is not None and state.final:
                 self._recovery.ladder.failed(layer, state.reason or decision.reason, time.time())
                 self._registry.update(self.job_id, **self._recovery.fields())
-                self._end_as(state, self._worker_rows(group))
+                self._fault_handled(lost, Layer.RENDEZVOUS,
+                                    self._end_as(state, self._worker_rows(group)))
                 return False
-            self._registry.transition(
+            self._fault_handled(lost, Layer.RENDEZVOUS, self._registry.transition(
                 self.job_id, JobState.RESTARTING, decision.reason or "a new round opened",
                 restarts=state.restarts if state else job.restarts,
                 restart_times=list(state.restart_times) if state else job.restart_times,
-                workers=self._worker_rows(group), **self._recovery.fields())
+                workers=self._worker_rows(group), **self._recovery.fields()))
             return True
         # RESTART or FAIL: a local worker failed, or in-process restart gave up.
         a = self._cfg.agent
@@ -401,8 +402,6 @@ class Agent:
         else:
             failure = self._explain(self._first_failure(job, group))
         self._publish(group)
-        if self._metrics:
-            self._metrics.restart_or_failure(failure, Layer.PROCESS)
         state = self._try(lambda: self._rdzv.reopen(result, failure.cause, True))
         if act is Action.FAIL or (state is not None and state.final):
             code = failure.exit_status
@@ -413,9 +412,9 @@ class Agent:
             if len(self._recovery.ladder.attempts) > 1:
                 why += f"; cause chain: {chain}"
             self._finish_cluster(FAILED, why)
-            self._registry.transition(self.job_id, JobState.FAILED, why,
-                                      exit_code=code, last_failure=failure,
-                                      workers=self._worker_rows(group), **self._recovery.fields())
+            self._fault_handled(failure, Layer.PROCESS, self._registry.transition(
+                self.job_id, JobState.FAILED, why, exit_code=code, last_failure=failure,
+                workers=self._worker_rows(group), **self._recovery.fields()))
             return False
         restart = state.restarts if state is not None else job.restarts + 1
         times = list(state.restart_times) if state is not None else job.restart_times
@@ -424,19 +423,19 @@ class Agent:
         climb = self._recovery.ladder.begin(Layer.PROCESS, failure.cause, failure.time,
                                             failure.rank)
         log.info("%s: %s", self._where(result.round), plan.sentence())
-        self._registry.transition(self.job_id, JobState.RESTARTING,
-                                  f"{climb.cause}; {decision.reason}; {plan.sentence()}",
-                                  plan=plan, restarts=restart, restart_times=times,
-                                  last_restart_plan=record, last_failure=failure,
-                                  workers=self._worker_rows(group), **self._recovery.fields())
+        self._fault_handled(failure, Layer.PROCESS, self._registry.transition(
+            self.job_id, JobState.RESTARTING,
+            f"{climb.cause}; {decision.reason}; {plan.sentence()}",
+            plan=plan, restarts=restart, restart_times=times, last_restart_plan=record,
+            last_failure=failure, workers=self._worker_rows(group), **self._recovery.fields()))
         if plan.delay:
             self.wake.wait(plan.delay)
             self.wake.clear()
         return True
 
     # -- the cluster's word ----------------------------------------------------
-    def _end_as(self, state: RoundState | None, rows: list[WorkerRow] | None) -> None:
-        """Record the job's cluster-wide end on this node."""
+    def _end_as(self, state: RoundState | None, rows: list[WorkerRow] | None) -> JobRecord:
+        """Record the job's cluster-wide end on this node; the record it left."""
         status = state.status if state else FAILED
         reason = (state.reason if state else "") or status
         changes = {"workers": rows} if rows is not None else {}
@@ -445,7 +444,12 @@ class Agent:
         target = final_job_state(status)
         job = self._registry.get(self.job_id)
         code = 0 if target is not JobState.FAILED else (job.exit_code or 1)
-        self._registry.transition(self.job_id, target, reason, exit_code=code, **changes)
+        return self._registry.transition(self.job_id, target, reason, exit_code=code, **changes)
+
+    def _fault_handled(self, failure: Failure | None, layer: Layer, job: JobRecord) -> None:
+        """Count a fault this agent handled, by the move it made (metrics.py)."""
+        if self._metrics and failure is not None:
+            self._metrics.fault_handled(job, failure, layer)
 
     def _finish_cluster(self, status: str, reason: str) -> None:
         self._try(lambda: self._rdzv.finish(status, reason))

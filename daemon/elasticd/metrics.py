@@ -6,10 +6,10 @@ Where each number comes from:
   registry emits (``_on_event``), so every state change is seen in one
   place: transitions, rendezvous duration (time in RENDEZVOUS: forming the
   round and starting the workers), fault -> RUNNING again.
-- The agent reports each fault it handles (``restart_or_failure``: a
-  failed worker, a hung rank killed, a lost node) just before it records
-  the job's move to RESTARTING or FAILED on the same thread; that move
-  decides whether the fault counts as a restart, and of which layer.
+- The agent reports each fault it handled (``fault_handled``: a failed
+  worker, a hung rank killed, a lost node) with the layer that restarts
+  after it and the record its move left: RESTARTING counts a restart,
+  FAILED only the fault.
 - Store requests are timed by ``TimedStore``, a proxy with the ``Store``
   interface that the daemon puts around its store.
 - Gauges (jobs by state, workers, slots, the node lease) are read from
@@ -35,7 +35,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import start_http_server
 
 from . import __version__, statedir
-from .jobs import JobNotFound
+from .jobs import JobNotFound, JobRecord
 from .ladder import Layer
 from .records import Failure
 from .rejections import RejectReason
@@ -138,7 +138,6 @@ class Metrics:
         # a scrape reads only the live jobs however long this node's history is.
         self._live: set[str] = set()
         self._ended: dict[str, int] = {s: 0 for s in _TERMINAL}
-        self._handling = threading.local()                # the fault an agent thread handles
         self._server = None
 
     def attach(self, registry, manager) -> None:
@@ -195,16 +194,6 @@ class Metrics:
             elif to in _TERMINAL:
                 self._faulted.pop(job, None)
                 self._beats.pop(job, None)
-        failure = getattr(self._handling, "failure", None)
-        if failure is not None and to in (JobState.RESTARTING.value, JobState.FAILED.value):
-            self._handling.failure = None
-            failure, layer = failure
-            cause = failure_cause(failure)
-            self.faults.labels(cause).inc()
-            if to == JobState.RESTARTING.value:
-                self.count_restart(layer, cause)
-                with self._lock:
-                    self._faulted[job] = (failure.time or at, layer)
 
     # -- hooks for the agent, the control service and the restart layers ------
     def workers_started_n(self, n: int) -> None:
@@ -213,11 +202,20 @@ class Metrics:
     def round_nodes(self, n: int) -> None:
         self.round_nodes_seen.observe(n)
 
-    def restart_or_failure(self, failure: Failure, layer: Layer) -> None:
-        """The agent handles this worker-group fault; its next move (RESTARTING
-        or FAILED, on this thread) decides whether it is counted a restart, by
-        ``layer`` (the one that restarts after it)."""
-        self._handling.failure = (failure, layer.value)
+    def fault_handled(self, job: JobRecord, failure: Failure, layer: Layer) -> None:
+        """The agent handled this worker-group fault and moved the job to ``job``
+        (the record the move returned): RESTARTING counts a restart of ``layer``
+        (the one that restarts after it), timed until RUNNING again; FAILED
+        counts the fault alone; any other end (the cluster's word) neither."""
+        if job.state not in (JobState.RESTARTING, JobState.FAILED):
+            return
+        cause = failure_cause(failure)
+        self.faults.labels(cause).inc()
+        if job.state is JobState.RESTARTING:
+            self.count_restart(layer.value, cause)
+            with self._lock:
+                if job.id in self._live:  # not ended meanwhile by another thread
+                    self._faulted[job.id] = (failure.time or job.state_since, layer.value)
 
     def count_restart(self, layer: str, cause: str) -> None:
         self.restarts.labels(layer, cause).inc()
