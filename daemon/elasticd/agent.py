@@ -330,91 +330,97 @@ class Agent:
             self.wake.clear()
 
     def _apply(self, decision: Decision, group: WorkerGroup, result: Result) -> bool:
-        """Carry out a decision; True when the loop should go round again."""
-        grace = self._cfg.agent.stop_grace_period
+        """Carry out a decision, one method per action; True when the loop should
+        go round again."""
+        carry_out = {Action.SUCCEED: self._succeed, Action.CANCEL: self._cancel,
+                     Action.SUSPEND: self._suspend, Action.FINAL: self._final,
+                     Action.REJOIN: self._new_round, Action.NODE_LOST: self._new_round,
+                     Action.RESTART: self._restart_or_fail, Action.FAIL: self._restart_or_fail}
+        return carry_out[decision.action](decision, group, result)
+
+    def _stop_group(self, group: WorkerGroup, grace: float | None = None) -> None:
+        group.stop(self._cfg.agent.stop_grace_period if grace is None else grace)
+        group.poll()
+
+    def _succeed(self, decision: Decision, group: WorkerGroup, result: Result) -> bool:
+        self._stop_group(group, grace=0)
+        self._finish_cluster(SUCCEEDED, "every node's workers exited 0")
+        self._registry.transition(self.job_id, JobState.SUCCEEDED, decision.reason,
+                                  exit_code=0, workers=self._worker_rows(group))
+        self._publish(group)
+        return False
+
+    def _stopped_rows(self, group: WorkerGroup) -> list[WorkerRow]:
+        """Stop the group for good on this node; its rows, published."""
+        self._stop_group(group)
+        rows = self._worker_rows(group)
+        self._publish(group)
+        return rows
+
+    def _cancel(self, decision: Decision, group: WorkerGroup, result: Result) -> bool:
+        rows = self._stopped_rows(group)
+        self._finish_cluster(CANCELLED, decision.reason)
+        self._registry.transition(self.job_id, JobState.CANCELLED, decision.reason,
+                                  exit_code=0, workers=rows)
+        return False
+
+    def _suspend(self, decision: Decision, group: WorkerGroup, result: Result) -> bool:
+        rows = self._stopped_rows(group)
+        self._registry.transition(self.job_id, JobState.RESTARTING, decision.reason,
+                                  workers=rows)
+        return False
+
+    def _final(self, decision: Decision, group: WorkerGroup, result: Result) -> bool:
+        rows = self._stopped_rows(group)
+        self._end_as(self._rdzv.last_state, rows)
+        return False
+
+    def _new_round(self, decision: Decision, group: WorkerGroup, result: Result) -> bool:
+        """REJOIN (a peer opened a new round) or NODE_LOST (open one ourselves)."""
         act = decision.action
         job = self._registry.get(self.job_id)
-        if act is Action.SUCCEED:
-            group.stop(grace=0)
-            group.poll()
-            self._finish_cluster(SUCCEEDED, "every node's workers exited 0")
-            self._registry.transition(self.job_id, JobState.SUCCEEDED, decision.reason,
-                                      exit_code=0, workers=self._worker_rows(group))
-            self._publish(group)
+        if made_progress(self._attempt_progress(),
+                         BackoffSettings.from_settings(self._cfg.agent)):
+            self._no_progress_streak = 0  # another node's fault ended a good attempt
+        self._stop_group(group)
+        self._publish(group)
+        state = self._rdzv.last_state
+        layer = decision.layer or Layer.PROCESS
+        self._recovery.ladder.begin(layer, decision.reason or "a new round opened", time.time())
+        if act is Action.NODE_LOST:
+            state = self._try(lambda: self._rdzv.reopen(result, decision.reason, True,
+                                                        RoundCause.NODE_LOST)) or state
+        # A lost node is a fault of this round (metrics); a peer's new round is not ours.
+        lost = Failure(cause=decision.reason, kind=FailureKind.NODE_LOST) \
+            if act is Action.NODE_LOST else None
+        if state is not None and state.final:
+            self._recovery.ladder.failed(layer, state.reason or decision.reason, time.time())
+            self._registry.update(self.job_id, **self._recovery.fields())
+            self._fault_handled(lost, Layer.RENDEZVOUS,
+                                self._end_as(state, self._worker_rows(group)))
             return False
-        if act in (Action.CANCEL, Action.SUSPEND, Action.FINAL):
-            group.stop(grace)
-            group.poll()
-            rows = self._worker_rows(group)
-            self._publish(group)
-            if act is Action.CANCEL:
-                self._finish_cluster(CANCELLED, decision.reason)
-                self._registry.transition(self.job_id, JobState.CANCELLED, decision.reason,
-                                          exit_code=0, workers=rows)
-            elif act is Action.SUSPEND:
-                self._registry.transition(self.job_id, JobState.RESTARTING, decision.reason,
-                                          workers=rows)
-            else:
-                self._end_as(self._rdzv.last_state, rows)
-            return False
-        if act in (Action.REJOIN, Action.NODE_LOST):
-            if made_progress(self._attempt_progress(),
-                             BackoffSettings.from_settings(self._cfg.agent)):
-                self._no_progress_streak = 0  # another node's fault ended a good attempt
-            group.stop(grace)
-            group.poll()
-            self._publish(group)
-            state = self._rdzv.last_state
-            layer = decision.layer or Layer.PROCESS
-            self._recovery.ladder.begin(layer, decision.reason or "a new round opened", time.time())
-            if act is Action.NODE_LOST:
-                state = self._try(lambda: self._rdzv.reopen(result, decision.reason, True,
-                                                            RoundCause.NODE_LOST)) or state
-            # A lost node is a fault of this round (metrics); a peer's new round is not ours.
-            lost = Failure(cause=decision.reason, kind=FailureKind.NODE_LOST) \
-                if act is Action.NODE_LOST else None
-            if state is not None and state.final:
-                self._recovery.ladder.failed(layer, state.reason or decision.reason, time.time())
-                self._registry.update(self.job_id, **self._recovery.fields())
-                self._fault_handled(lost, Layer.RENDEZVOUS,
-                                    self._end_as(state, self._worker_rows(group)))
-                return False
-            self._fault_handled(lost, Layer.RENDEZVOUS, self._registry.transition(
-                self.job_id, JobState.RESTARTING, decision.reason or "a new round opened",
-                restarts=state.restarts if state else job.restarts,
-                restart_times=list(state.restart_times) if state else job.restart_times,
-                workers=self._worker_rows(group), **self._recovery.fields()))
-            return True
-        # RESTART or FAIL: a local worker failed, or in-process restart gave up.
-        a = self._cfg.agent
+        self._fault_handled(lost, Layer.RENDEZVOUS, self._registry.transition(
+            self.job_id, JobState.RESTARTING, decision.reason or "a new round opened",
+            restarts=state.restarts if state else job.restarts,
+            restart_times=list(state.restart_times) if state else job.restart_times,
+            workers=self._worker_rows(group), **self._recovery.fields()))
+        return True
+
+    def _restart_or_fail(self, decision: Decision, group: WorkerGroup, result: Result) -> bool:
+        """RESTART or FAIL: a local worker failed, or in-process restart gave up."""
+        job = self._registry.get(self.job_id)
         plan = plan_restart(self._attempt_progress(), self._no_progress_streak,
-                            BackoffSettings.from_settings(a))
-        ladder = self._recovery.ladder
+                            BackoffSettings.from_settings(self._cfg.agent))
         # Stop the rest of the group before recording: they would hang in collectives.
         # Blame only after the stop: a rank SIGKILLed by someone else (the OOM
         # killer) may not be reaped yet when its peer's error file is seen, on a
         # loaded machine; the stop waits for it and tells its signal from ours.
-        group.stop(grace)
-        group.poll()
-        if self._recovery.gave_up():
-            failure = self._failure(job, ladder.abandoned_rank, 1, 0,
-                                    f"in-process restart gave up: {ladder.abandoned}")
-        else:
-            failure = self._explain(self._first_failure(job, group))
+        self._stop_group(group)
+        failure = self._blame(job, group)
         self._publish(group)
         state = self._try(lambda: self._rdzv.reopen(result, failure.cause, True))
-        if act is Action.FAIL or (state is not None and state.final):
-            code = failure.exit_status
-            chain = self._recovery.ladder.failed(Layer.PROCESS, failure.cause,
-                                                 failure.time, failure.rank)
-            why = (state.reason if act is Action.RESTART and state is not None and state.reason
-                   else f"{failure.cause}; {decision.reason}")
-            if len(self._recovery.ladder.attempts) > 1:
-                why += f"; cause chain: {chain}"
-            self._finish_cluster(FAILED, why)
-            self._fault_handled(failure, Layer.PROCESS, self._registry.transition(
-                self.job_id, JobState.FAILED, why, exit_code=code, last_failure=failure,
-                workers=self._worker_rows(group), **self._recovery.fields()))
+        if decision.action is Action.FAIL or (state is not None and state.final):
+            self._fail(decision, group, failure, state)
             return False
         restart = state.restarts if state is not None else job.restarts + 1
         times = list(state.restart_times) if state is not None else job.restart_times
@@ -432,6 +438,29 @@ class Agent:
             self.wake.wait(plan.delay)
             self.wake.clear()
         return True
+
+    def _blame(self, job: JobRecord, group: WorkerGroup) -> Failure:
+        """The failure a stopped group's restart or end is recorded with."""
+        ladder = self._recovery.ladder
+        if self._recovery.gave_up():
+            return self._failure(job, ladder.abandoned_rank, 1, 0,
+                                 f"in-process restart gave up: {ladder.abandoned}")
+        return self._explain(self._first_failure(job, group))
+
+    def _fail(self, decision: Decision, group: WorkerGroup, failure: Failure,
+              state: RoundState | None) -> None:
+        """No restart: out of restarts here, or the new round ended the job."""
+        code = failure.exit_status
+        chain = self._recovery.ladder.failed(Layer.PROCESS, failure.cause,
+                                             failure.time, failure.rank)
+        why = (state.reason if decision.action is Action.RESTART and state is not None
+               and state.reason else f"{failure.cause}; {decision.reason}")
+        if len(self._recovery.ladder.attempts) > 1:
+            why += f"; cause chain: {chain}"
+        self._finish_cluster(FAILED, why)
+        self._fault_handled(failure, Layer.PROCESS, self._registry.transition(
+            self.job_id, JobState.FAILED, why, exit_code=code, last_failure=failure,
+            workers=self._worker_rows(group), **self._recovery.fields()))
 
     # -- the cluster's word ----------------------------------------------------
     def _end_as(self, state: RoundState | None, rows: list[WorkerRow] | None) -> JobRecord:
