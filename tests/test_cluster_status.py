@@ -25,6 +25,7 @@ from elasticd.states import JobState
 from etcd_cluster import (NO_SPARES_NOBODY_MAY_CALL as NO_SPARES, cluster_daemon, ctl_json,
                           fresh_prefix, wait_for)
 from etcd_server import EtcdServer, etcd_binary
+from elasticd.v1 import control_pb2 as pb
 
 PY = sys.executable
 NOBODY = (65534, 65534, [65534])
@@ -262,7 +263,7 @@ def test_a_job_on_n1_and_n2_seen_waited_for_and_cancelled_from_n3(trio):
     assert not [w for w in out["workers"] if w["state"] == "running"], out["workers"]
     for d in (n1, n2):
         final = d.wait_job(job, 30)
-        assert final.state == 7 and "cancelled by root on n3" in final.reason, final
+        assert final.state == pb.CANCELLED and "cancelled by root on n3" in final.reason, final
 
 
 def test_n3_waits_for_a_job_that_runs_on_n2_alone(trio):
