@@ -98,7 +98,7 @@ def test_every_nodes_recovery_summary_makes_the_layers_last_failure_and_history(
     assert rec.restart_budget == {"inprocess": 8, "process": 3, "rendezvous": -1}
     assert (rec.last_failure.rank, rec.last_failure.node_id) == (1, "n2")  # the newest
     assert len(rec.last_failure.traceback) == 4000
-    assert [(a["layer"], a["node_id"]) for a in rec.attempts] == [("process", "n1"),
+    assert [(a.layer.value, a.node_id) for a in rec.attempts] == [("process", "n1"),
                                                                   ("inprocess", "n2")]
     from elasticd.messages import job_to_proto
     assert job_to_proto(rec).last_failure.exit_code == 3  # what status sends, from n3

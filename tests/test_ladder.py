@@ -8,7 +8,7 @@ import os
 from elasticd.agent import Action, Snapshot
 from elasticd.agent import decide as decide_on
 from elasticd.inprocess_reports import ReportReader, parse_line
-from elasticd.ladder import Ladder, Layer, chain_text, round_layer
+from elasticd.ladder import Attempt, Ladder, Layer, chain_text, round_layer
 from elasticd.rendezvous.protocol import RoundCause, RoundState
 from elasticd.rendezvous.status import RoundStatus, StatusKind
 
@@ -89,7 +89,7 @@ def test_a_process_climb_recovers_when_the_workers_run_again():
     lad.begin(Layer.PROCESS, "rank 0 exited with exit code 1", at=10.0, rank=0)
     a = lad.recovered(now=12.5)
     assert (a.outcome, a.duration) == ("recovered", 2.5)
-    assert lad.attempts[-1]["outcome"] == "recovered" and len(lad.attempts) == 1
+    assert lad.attempts[-1].outcome == "recovered" and len(lad.attempts) == 1
     assert lad.recovered(now=13.0) is None
 
 
@@ -102,7 +102,7 @@ def test_the_final_failure_returns_the_cause_chain():
     chain = lad.failed(Layer.PROCESS, "rank 0 exited with exit code 1", 9.0, 0)
     assert chain == ("inprocess x2 (rank 1: RuntimeError: boom) -> process x2 "
                      "(rank 0 exited with exit code 1)")
-    assert [a["outcome"] for a in lad.attempts] == ["recovered", "recovered", "recovered",
+    assert [a.outcome for a in lad.attempts] == ["recovered", "recovered", "recovered",
                                                      "failed"]
 
 
@@ -111,7 +111,8 @@ def test_the_record_keeps_the_latest_fifty_attempts_and_a_bounded_chain():
     for it in range(1, 80):
         lad.iteration_started(it, "rank 1: " + "x" * 500, it, it, 0)
     assert len(lad.attempts) == 50 and lad.restarts_by_layer["inprocess"] == 79
-    assert len(chain_text([{"layer": str(i), "cause": "y" * 200} for i in range(50)])) <= 1000
+    assert len(chain_text([Attempt(Layer.INPROCESS if i % 2 else Layer.PROCESS, "y" * 200, 0.0)
+                           for i in range(50)])) <= 1000
 
 
 def test_a_peers_new_round_is_a_rendezvous_climb_only_for_membership_changes():
@@ -215,7 +216,7 @@ def test_inprocess_reports_become_events_a_ladder_record_and_metrics(tmp_path):
     job = registry.get("j1")
     assert job.restarts_by_layer == {"inprocess": 1}
     assert job.restart_budget == {"inprocess": 8, "process": 3, "rendezvous": -1}
-    assert job.attempts[0]["cause"] == "rank 1: RuntimeError: boom"
+    assert job.attempts[0].cause == "rank 1: RuntimeError: boom"
     ev = [e for e in registry.events(job_id="j1") if e["kind"] == "restart"]
     assert len(ev) == 1 and ev[0]["layer"] == "inprocess" and ev[0]["duration_seconds"] == 0.25
     value = metrics.registry.get_sample_value

@@ -6,6 +6,7 @@ import json
 import pytest
 
 from elasticd.jobs import JobRecord
+from elasticd.ladder import Attempt, Layer, Outcome
 from elasticd.records import CAUSE_LIMIT, TRACEBACK_LIMIT, Failure, FailureKind, WorkerRow
 from elasticd.states import WorkerState
 
@@ -84,3 +85,24 @@ def test_a_job_record_drops_a_saved_row_that_does_not_parse_and_keeps_the_rest()
     data["workers"].append({"rank": "x"})
     del data["workers"][0]["create_time"]          # as an older release wrote it
     assert JobRecord.from_json(json.dumps(data)).workers == [good]
+
+
+def test_a_recovery_attempt_round_trips_and_a_job_record_keeps_it_typed():
+    a = Attempt(Layer.INPROCESS, "rank 1: boom", 3.0, rank=1, node_id="n1", duration=0.25,
+                outcome=Outcome.RECOVERED)
+    assert a.to_dict() == {"layer": "inprocess", "cause": "rank 1: boom", "time": 3.0,
+                           "rank": 1, "node_id": "n1", "duration": 0.25,
+                           "outcome": "recovered"}
+    assert Attempt.from_dict(json.loads(json.dumps(a.to_dict()))) == a
+    rec = JobRecord(id="j", command=["x"], cwd="/", uid=0, gid=0, attempts=[a])
+    data = json.loads(rec.to_json())
+    data["attempts"].append({"layer": "teleport", "cause": "a newer layer"})
+    assert JobRecord.from_json(json.dumps(data)).attempts == [a]
+    assert rec.recovery_summary()["attempts"] == [a.to_dict()]
+
+
+@pytest.mark.parametrize("bad", [{"layer": "process", "time": "soon", "outcome": "failed"},
+                                 {"layer": "?", "outcome": "failed"}, "garbage"])
+def test_an_attempt_that_does_not_parse_raises(bad):
+    with pytest.raises((TypeError, ValueError)):
+        Attempt.from_dict(bad)

@@ -19,6 +19,7 @@ from dataclasses import replace
 
 from .jobs import JobRecord
 from .manager import record_from_spec
+from .ladder import Attempt
 from .records import Failure, WorkerRow, clamp_int
 from .rendezvous.protocol import CLOSED, OPEN, final_job_state
 from .rendezvous.view import JobKeys
@@ -76,16 +77,14 @@ def recovery_of(keys: JobKeys) -> dict:
         if f is not None and (failure is None or f.time > failure.time):
             failure = f
         attempts.extend(tried)
-    attempts.sort(key=lambda a: a["time"])
+    attempts.sort(key=lambda a: a.time)
     return {"restarts_by_layer": by_layer, "restart_budget": budget, "last_failure": failure,
             "attempts": attempts[-20:]}
 
 
-def _attempt(a: dict, node: str) -> dict:
-    return {"layer": str(a.get("layer", "")), "cause": str(a.get("cause", ""))[:500],
-            "time": float(a.get("time", 0)), "duration": float(a.get("duration", 0)),
-            "outcome": str(a.get("outcome", "")), "rank": clamp_int(a.get("rank", -1)),
-            "node_id": str(a.get("node_id") or node)}
+def _attempt(a: dict, node: str) -> Attempt:
+    got = Attempt.from_dict(a, node)
+    return replace(got, cause=got.cause[:500])
 
 
 def nodes_of(keys: JobKeys) -> list[str]:

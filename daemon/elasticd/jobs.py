@@ -25,6 +25,7 @@ from typing import Any
 
 from . import statedir
 from .logsetup import ctx
+from .ladder import Attempt
 from .records import Failure, WorkerRow
 from .restartpolicy import RestartPlan
 from .states import LIVE_STATES, TERMINAL_STATES, JobState, check_transition
@@ -101,7 +102,7 @@ class JobRecord:
     # the latest recovery attempts (the cause chain), oldest first.
     restarts_by_layer: dict = field(default_factory=dict)
     restart_budget: dict = field(default_factory=dict)
-    attempts: list = field(default_factory=list)
+    attempts: list[Attempt] = field(default_factory=list)
     # Hang detection on this node (progress.py): the limits per phase, learned from
     # the job's gaps between beats (hang_timeouts.PhaseLimit dicts), which also seed
     # the learning after a daemon restart; the slowest rank (stragglers.Straggler dict).
@@ -118,7 +119,7 @@ class JobRecord:
         failure = self.last_failure.bounded().to_dict() if self.last_failure else None
         return {"restarts_by_layer": dict(self.restarts_by_layer),
                 "restart_budget": dict(self.restart_budget), "last_failure": failure,
-                "attempts": [dict(a, cause=str(a.get("cause", ""))[:500])
+                "attempts": [dataclasses.replace(a, cause=a.cause[:500]).to_dict()
                              for a in self.attempts[-10:]]}
 
     def to_json(self) -> str:
@@ -126,6 +127,7 @@ class JobRecord:
         data["state"] = self.state.value
         data["last_failure"] = self.last_failure.to_dict() if self.last_failure else None
         data["workers"] = [w.to_dict() for w in self.workers]
+        data["attempts"] = [a.to_dict() for a in self.attempts]
         return json.dumps(data)
 
     @classmethod
@@ -134,20 +136,21 @@ class JobRecord:
         data["state"] = JobState(data["state"])
         data["last_failure"] = (Failure.from_dict(data["last_failure"])
                                 if data.get("last_failure") else None)
-        data["workers"] = _worker_rows(data.get("workers") or ())
+        data["workers"] = _parsed(WorkerRow, data.get("workers") or (), "worker row")
+        data["attempts"] = _parsed(Attempt, data.get("attempts") or (), "recovery attempt")
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
 
 
-def _worker_rows(saved) -> list[WorkerRow]:
-    """The saved rows that still parse (a row never stops a job record loading)."""
-    rows = []
-    for w in saved:
+def _parsed(record, saved, what: str) -> list:
+    """The saved ``record``s that still parse (one never stops a job record loading)."""
+    got = []
+    for d in saved:
         try:
-            rows.append(WorkerRow.from_dict(w))
+            got.append(record.from_dict(d))
         except (KeyError, TypeError, ValueError, OverflowError):
-            log.warning("dropping an unreadable worker row: %.200r", w)
-    return rows
+            log.warning("dropping an unreadable %s: %.200r", what, d)
+    return got
 
 
 def spec_bytes(rec: JobRecord) -> int:

@@ -49,10 +49,9 @@ def job_to_proto(job: JobRecord) -> pb.Job:
     msg.restarts_by_layer.update({k: int(v) for k, v in job.restarts_by_layer.items()})
     msg.restart_budget.update({k: int(v) for k, v in job.restart_budget.items()})
     for a in job.attempts:
-        msg.attempts.add(layer=a.get("layer", ""), cause=a.get("cause", ""),
-                         time=a.get("time", 0.0), duration_seconds=a.get("duration", 0.0),
-                         outcome=a.get("outcome", ""), rank=a.get("rank", -1),
-                         node_id=a.get("node_id", ""))
+        msg.attempts.add(layer=a.layer.value, cause=a.cause, time=a.time,
+                         duration_seconds=a.duration, outcome=a.outcome.value, rank=a.rank,
+                         node_id=a.node_id)
     for p in job.hang_timeouts:
         msg.hang_timeouts.add(phase=p.get("phase", ""), soft_seconds=p.get("soft", 0.0),
                               hard_seconds=p.get("hard", 0.0), learned=p.get("learned", False),

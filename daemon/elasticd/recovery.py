@@ -94,8 +94,9 @@ class Recovery:
             return
         self._registry.update(self.job_id, **self.fields())
         self._registry.event(self.job_id, "restart",
-                             f"{climb.layer} restart: running again {climb.duration:.2f}s after "
-                             f"the fault ({climb.cause})", rank=climb.rank, layer=climb.layer,
+                             f"{climb.layer.value} restart: running again {climb.duration:.2f}s "
+                             f"after the fault ({climb.cause})", rank=climb.rank,
+                             layer=climb.layer.value,
                              duration=climb.duration)
 
     def read_reports(self, group: WorkerGroup) -> None:
@@ -125,7 +126,7 @@ class Recovery:
                                  f"in-process restart {rep['iteration']} of "
                                  f"{self.ladder.inprocess_budget}: running again "
                                  f"{climb.duration:.2f}s after the fault ({climb.cause})",
-                                 rank=rank, layer=climb.layer, duration=climb.duration)
+                                 rank=rank, layer=climb.layer.value, duration=climb.duration)
             if self._metrics:
                 self._metrics.count_restart(Layer.INPROCESS.value, self._replaced_label or "exit")
                 self._metrics.observe_recovery(Layer.INPROCESS.value, climb.duration)
