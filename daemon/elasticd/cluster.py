@@ -16,7 +16,7 @@ from urllib.parse import urlparse
 from . import __version__
 from .config import Config
 from .membership import DRAIN, LeaseKeeper, NodeWatcher
-from .store import (EVENT_PUT, MemoryStore, Store, StoreAuthError, StoreError,
+from .store import (EVENT_PUT, Store, StoreAuthError, StoreError,
                     StoreUnavailable, open_store)
 from .store.follow import Follower
 
@@ -95,8 +95,8 @@ class Cluster:
 
     @property
     def kind(self) -> str:
-        return "memory" if isinstance(getattr(self.store, "inner", self.store), MemoryStore) \
-            else self.store.name
+        """The store's kind (memory, etcd2, etcd3), through any wrapper around it."""
+        return self.store.name
 
     def record(self) -> dict:
         free, jobs = self._slots_info()
@@ -123,11 +123,12 @@ class Cluster:
         self.watcher.request_stop()
 
     def stop(self) -> None:
+        """Stop the lease and the watches; the store stays open (its opener,
+        daemon.py, closes it once, after every part that uses it stopped)."""
         self.request_stop()
         self.keeper.stop()
         self._drain_follower.stop()
         self.watcher.stop()
-        self.store.close()
 
     def health(self) -> str:
         return self.keeper.health
