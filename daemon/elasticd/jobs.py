@@ -233,6 +233,15 @@ class JobRegistry:
             return [copy.deepcopy(j) for j in
                     sorted(self._jobs.values(), key=lambda j: j.created_at)]
 
+    def subscribe(self, listener, seed=None) -> None:
+        """Call ``listener(event)`` for every event from now on, under the registry's
+        lock; first ``seed(jobs)`` with every job as it is now, under the same lock,
+        so that no event falls between the two."""
+        with self._lock:
+            if seed is not None:
+                seed(self.list())
+            self.listeners.append(listener)
+
     def count_live(self) -> int:
         with self._lock:
             return sum(1 for j in self._jobs.values() if j.live)

@@ -142,14 +142,17 @@ class Metrics:
 
     def attach(self, registry, manager) -> None:
         """Count registry events; export job and worker gauges at scrape time."""
-        with registry.changed:  # the registry's lock: no event between the list and us
-            for job in registry.list():
+        registry.subscribe(self._on_event, seed=self._count_jobs)
+        self.registry.register(_JobCollector(registry, manager, self))
+
+    def _count_jobs(self, jobs: list) -> None:
+        """The jobs there were before the first event this counts."""
+        with self._lock:
+            for job in jobs:
                 if job.state in TERMINAL_STATES:
                     self._ended[job.state.value] += 1
                 else:
                     self._live.add(job.id)
-            registry.listeners.append(self._on_event)
-        self.registry.register(_JobCollector(registry, manager, self))
 
     def attach_state(self, cfg, keeper) -> None:
         """Export the state dir's free space and the log keeper's work at scrape time."""
