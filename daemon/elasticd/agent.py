@@ -227,10 +227,9 @@ class Agent:
                 self._registry.transition(self.job_id, JobState.RENDEZVOUS,
                                           f"joining round {self._next_round_number(job)}")
             self.wake.clear()
-            if job.inprocess:
-                self._rdzv.store_port = self._start_job_store(job)
+            store_port = self._start_job_store(job) if job.inprocess else 0
             try:
-                result = self._rdzv.next_round(self.wake)
+                result = self._rdzv.next_round(self.wake, store_port)
             except RoundFinal as final:
                 self._end_as(final.state, None)
                 return

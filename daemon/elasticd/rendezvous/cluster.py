@@ -68,8 +68,9 @@ class ClusterRendezvous:
         # reopen's (reason, count_restart, cause)
         self._wanted: tuple[str, bool, RoundCause] | None = None
         # This node's job store for in-process restart (the agent starts it before
-        # joining; 0: none). The round's first member's is the one its ranks share.
-        self.store_port = 0
+        # joining; 0: none), as next_round was last given it. The round's first
+        # member's is the one its ranks share.
+        self._store_port = 0
 
     @property
     def address(self) -> str:
@@ -96,8 +97,11 @@ class ClusterRendezvous:
         return self._view.revision < self._written
 
     # -- joining -----------------------------------------------------------------
-    def next_round(self, stop: threading.Event) -> Result:
-        """Join rounds until one that includes this node closes; its result."""
+    def next_round(self, stop: threading.Event, store_port: int = 0) -> Result:
+        """Join rounds until one that includes this node closes; its result.
+        ``store_port``: this node's job store for in-process restart (0: none),
+        offered in its joins."""
+        self._store_port = store_port
         while True:
             if stop.is_set():
                 raise RendezvousStopped()
@@ -150,7 +154,7 @@ class ClusterRendezvous:
         lease = self._lease()
         join = Join(node_id=self.node_id, address=self._address, nproc=self._nproc,
                     port=self._port(), prev_rank=self.prev_rank, time=self._clock(),
-                    store_port=self.store_port)
+                    store_port=self._store_port)
         self._joined[rnd] = self._store.put(self._key("join", rnd, self.node_id),
                                             join.to_json(), lease=lease)
 
