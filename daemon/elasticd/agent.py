@@ -245,7 +245,8 @@ class Agent:
                 **({"restarts": state.restarts, "restart_times": list(state.restart_times)}
                    if state else {}))
             spec = self._with_job_store(job, self._group_spec(job, result), result)
-            self._recovery.start_attempt(job, jobstore_env.ADDR in spec.extra_env)
+            # In-process restart is on where _with_job_store gave the ranks a store.
+            self._recovery.start_attempt(job, job.inprocess and bool(result.store_port))
             group = self._group = WorkerGroup(spec)
             started_warm = self._spares.ready() > 0
             self._beats, self._first_beat = 0, None
