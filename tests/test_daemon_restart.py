@@ -4,6 +4,8 @@ import time
 
 import psutil
 
+from elasticd.v1 import control_pb2 as pb
+
 SLEEPER = ["python", "-c", "import time, os, subprocess;"
            "subprocess.Popen(['sleep', '300']);"  # a grandchild in the same process group
            "print('up', os.getpid(), flush=True); time.sleep(300)"]
@@ -92,7 +94,6 @@ def test_second_daemon_on_the_same_socket_refuses_to_start(daemon_factory):
     assert "another elasticd is already serving" in twin.stderr
     # The first one still serves.
     with d.client() as c:
-        from elasticd.v1 import control_pb2 as pb
         c.call("ListJobs", pb.ListJobsRequest())
 
 
