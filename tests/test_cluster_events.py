@@ -182,9 +182,14 @@ def test_events_of_one_node_reach_the_other_and_a_restart_repeats_none(tmp_path)
     la.start(), lb.start()
     try:
         wait_for(lambda: moves(rb, "a")[-1:] == [("a", "SUCCEEDED")], 5, what="the new event")
-        time.sleep(0.2)
+        # A sentinel after it (another job's events): once b has it, a published and b
+        # imported everything they were going to, repeats included.
+        job(ra, "j2")
+        wait_for(lambda: [e["to_state"] for e in rb.events(job_id="j2")][-1:] == ["RUNNING"],
+                 5, what="the sentinel")
         assert moves(rb, "a") == want + [("a", "SUCCEEDED")]
-        assert len(store.list(EVENTS)[0]) == 4
+        assert [kv.key for kv in store.list(EVENTS)[0] if parse_key(kv.key)[0] == "j1"] == \
+            [event_key("j1", "a", s) for s in (1, 2, 3, 4)]
     finally:
         la.stop(), lb.stop(), ra.close(), rb.close()
 
