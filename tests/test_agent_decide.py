@@ -10,12 +10,15 @@ import textwrap
 
 import pytest
 
-from elasticd.agent import Action, decide, restart_delay
+from elasticd.agent import Action, Snapshot, decide, restart_delay
 from elasticd.failures import read_error_file
+from elasticd.ladder import Layer
+from elasticd.rendezvous.protocol import RoundCause
+from elasticd.rendezvous.status import CURRENT, RoundStatus, StatusKind
 
 
 def act(returncodes, restarts=0, max_restarts=3, cancel=False, stopping=False):
-    return decide(returncodes, restarts, max_restarts, cancel, stopping)
+    return decide(Snapshot(tuple(returncodes), restarts, max_restarts, cancel, stopping))
 
 
 # ---------------------------------------------------------------- decide()
@@ -94,6 +97,73 @@ def test_daemon_shutdown_suspends_instead_of_counting_a_failure():
 ])
 def test_decision_table(returncodes, restarts, max_restarts, expected):
     assert act(returncodes, restarts, max_restarts).action is expected
+
+
+# ---------------------------------------------------------------- decide(): the round
+
+def on_round(status, returncodes=(None, None), **rest):
+    return decide(Snapshot(tuple(returncodes), round_status=status, **rest))
+
+
+FINAL = RoundStatus(StatusKind.FINAL, "rank 3 on n2 exited 1; no restarts left")
+SUPERSEDED = RoundStatus(StatusKind.SUPERSEDED, "rank 0 exited 1; round 3 opened",
+                         cause=RoundCause.FAULT)
+LOST = RoundStatus(StatusKind.LOST, "node(s) n2 lost", nodes=("n2",),
+                   cause=RoundCause.NODE_LOST)
+WAITING = RoundStatus(StatusKind.WAITING, "node(s) n3 waiting to join", nodes=("n3",),
+                      cause=RoundCause.NODE_WAITING)
+
+
+def test_a_round_ended_cluster_wide_is_final_with_its_reason():
+    for rcs in ([None, None], [1, None], [0, 0]):
+        d = on_round(FINAL, rcs)
+        assert (d.action, d.reason) == (Action.FINAL, FINAL.why), rcs
+
+
+def test_cancel_and_shutdown_come_before_the_clusters_word():
+    assert on_round(FINAL, cancel_requested=True).action is Action.CANCEL
+    assert on_round(SUPERSEDED, shutting_down=True).action is Action.SUSPEND
+
+
+def test_a_new_round_a_peer_opened_is_rejoined_even_over_a_local_failure():
+    for rcs in ([None, None], [1, None], [0, 0]):
+        d = on_round(SUPERSEDED, rcs, restarts=3, max_restarts=3)
+        assert (d.action, d.reason, d.layer) == (Action.REJOIN, SUPERSEDED.why, Layer.PROCESS)
+
+
+def test_a_new_round_for_a_change_of_nodes_is_a_rendezvous_climb():
+    moved = RoundStatus(StatusKind.SUPERSEDED, "node(s) n2 lost; round 3 opened",
+                        cause=RoundCause.NODE_LOST)
+    assert on_round(moved).layer is Layer.RENDEZVOUS
+
+
+def test_a_lost_member_opens_a_new_round_before_a_local_failure_counts():
+    d = on_round(LOST, [1, None], restarts=3, max_restarts=3)
+    assert (d.action, d.reason, d.layer) == (Action.NODE_LOST, LOST.why, Layer.RENDEZVOUS)
+
+
+def test_nodes_waiting_scale_up_only_while_the_workers_run_well():
+    d = on_round(WAITING)
+    assert (d.action, d.reason) == (Action.SCALE_UP, WAITING.why)
+    assert on_round(WAITING, [1, None]).action is Action.RESTART   # a fault comes first
+    assert on_round(WAITING, [0, 0]).action is Action.SUCCEED
+
+
+def test_workers_done_wait_for_the_other_nodes_before_success():
+    d = decide(Snapshot((0, 0), peers_done=False))
+    assert d.action is Action.CONTINUE and "waiting for the other nodes" in d.reason
+    assert decide(Snapshot((0, 0), peers_done=True)).action is Action.SUCCEED
+    assert decide(Snapshot((0, None), peers_done=False)).action is Action.CONTINUE
+
+
+def test_the_round_standing_leaves_the_decision_to_the_workers():
+    assert on_round(CURRENT).action is Action.CONTINUE
+    assert on_round(CURRENT, [1, None]).action is Action.RESTART
+
+
+def test_no_lifetime_limit_always_restarts():
+    d = decide(Snapshot((1,), restarts=500, max_restarts=-1))
+    assert d.action is Action.RESTART and "no lifetime limit" in d.reason
 
 
 # ---------------------------------------------------------------- restart_delay()

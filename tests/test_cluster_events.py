@@ -29,6 +29,7 @@ from elasticd.store import MemoryStore, StoreUnavailable, open_store
 from etcd_cluster import (NO_SPARES_NOBODY_MAY_CALL as NO_SPARES, cluster_daemon, fresh_prefix,
                           wait_for)
 from etcd_server import EtcdServer, etcd_binary
+from elasticd.v1 import control_pb2 as pb
 
 PY = sys.executable
 NOBODY = (65534, 65534, [65534])
@@ -181,9 +182,14 @@ def test_events_of_one_node_reach_the_other_and_a_restart_repeats_none(tmp_path)
     la.start(), lb.start()
     try:
         wait_for(lambda: moves(rb, "a")[-1:] == [("a", "SUCCEEDED")], 5, what="the new event")
-        time.sleep(0.2)
+        # A sentinel after it (another job's events): once b has it, a published and b
+        # imported everything they were going to, repeats included.
+        job(ra, "j2")
+        wait_for(lambda: [e["to_state"] for e in rb.events(job_id="j2")][-1:] == ["RUNNING"],
+                 5, what="the sentinel")
         assert moves(rb, "a") == want + [("a", "SUCCEEDED")]
-        assert len(store.list(EVENTS)[0]) == 4
+        assert [kv.key for kv in store.list(EVENTS)[0] if parse_key(kv.key)[0] == "j1"] == \
+            [event_key("j1", "a", s) for s in (1, 2, 3, 4)]
     finally:
         la.stop(), lb.stop(), ra.close(), rb.close()
 
@@ -387,7 +393,7 @@ def test_events_of_a_job_this_node_never_ran_go_to_root_and_its_owner_only(pair)
     theirs = res.stdout.strip()
     mine = n2.ctl("submit", "--nodes", "n2", "--", "/bin/true").stdout.strip()
     for job in (theirs, mine):
-        assert n2.wait_job(job, 60).state == 5, n2.job(job)  # SUCCEEDED
+        assert n2.wait_job(job, 60).state == pb.SUCCEEDED, n2.job(job)
     wait_for(lambda: {e["job_id"] for e in ctl_events(n1) if e["to_state"] == "SUCCEEDED"}
              >= {theirs, mine}, 15, what="root on n1 seeing both jobs end on n2")
     as_nobody = {e["job_id"] for e in ctl_events(n1, user=NOBODY)}

@@ -14,6 +14,7 @@ import pytest
 from etcd_cluster import (DEFAULT_TTL, CuttableProxy, cluster_daemon, ctl_json, fresh_prefix,
                           list_nodes, scrape, states, submit_on, wait_for)
 from etcd_server import EtcdCluster, EtcdServer, etcd_binary, free_port, make_certs
+from elasticd.v1 import control_pb2 as pb
 
 pytestmark = pytest.mark.skipif(etcd_binary() is None, reason="no etcd binary")
 
@@ -90,7 +91,7 @@ def _outage(daemon_factory, etcd: EtcdServer, outage: float) -> None:
                 tl(f"{d.node_id}: store_health {resp.store_health!r}")
                 health[d.node_id] = now
         job = a.job(job_id)
-        assert job.state == 3 and job.workers[0].pid == pid, job  # RUNNING, same worker
+        assert job.state == pb.RUNNING and job.workers[0].pid == pid, job  # same worker
         assert psutil.pid_exists(pid)
         elapsed = time.monotonic() - tl.t0
         for mark in (5.0, outage - 3):
@@ -127,7 +128,7 @@ def _outage(daemon_factory, etcd: EtcdServer, outage: float) -> None:
         time.sleep(0.05)
     recovered = time.monotonic() - tl.t0 - back
     job = a.job(job_id)
-    tl(f"job {job_id}: {'RUNNING' if job.state == 3 else job.state}, worker pid "
+    tl(f"job {job_id}: {'RUNNING' if job.state == pb.RUNNING else job.state}, worker pid "
        f"{job.workers[0].pid if job.workers else '-'} (was {pid})")
     m = scrape(a.metrics_port)
     tl(f"n-a metrics: lease_ok {m['elasticd_node_lease_ok']:g}, lease errors "
@@ -137,7 +138,7 @@ def _outage(daemon_factory, etcd: EtcdServer, outage: float) -> None:
 
     assert seen == {"n-a", "n-b"}, a.log()[-3000:]
     assert recovered <= RECOVERY_SECONDS
-    assert job.state == 3 and job.workers[0].pid == pid and psutil.pid_exists(pid)
+    assert job.state == pb.RUNNING and job.workers[0].pid == pid and psutil.pid_exists(pid)
     assert m["elasticd_node_lease_ok"] == 1
     for d in (a, b):
         assert d.proc.poll() is None
@@ -180,7 +181,7 @@ def test_partitioned_daemon_loses_its_lease_then_registers_again(daemon_factory)
             assert back < RECOVERY_SECONDS
             assert scrape(a.metrics_port)["elasticd_node_lease_reregistrations_total"] >= 1
             job = a.job(job_id)
-            assert job.state == 3 and job.workers[0].pid == pid and psutil.pid_exists(pid)
+            assert job.state == pb.RUNNING and job.workers[0].pid == pid and psutil.pid_exists(pid)
         finally:
             proxy.close()
 

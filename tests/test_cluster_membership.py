@@ -20,6 +20,7 @@ from elasticd.store import open_store
 from etcd_cluster import (DEFAULT_TTL, cluster_daemon, ctl_json, fresh_prefix, states,
                           submit_on, wait_for)
 from etcd_server import EtcdServer, etcd_binary
+from elasticd.v1 import control_pb2 as pb
 
 pytestmark = pytest.mark.skipif(etcd_binary() is None, reason="no etcd binary")
 
@@ -238,7 +239,7 @@ def test_garbage_under_the_prefix_is_skipped(daemon_factory, etcd, prefix):
                 {"n-a": "ready", "n-b": "ready"}, doc  # an unreadable drain mark is no mark
         job_id = submit_on(a, "/bin/true")
         job = a.wait_job(job_id, timeout=30)
-        assert job.state == 5, job  # SUCCEEDED
+        assert job.state == pb.SUCCEEDED, job
         assert "ignoring" in a.log()  # logged, not silently swallowed
         for d in (a, b):
             assert d.proc.poll() is None, d.log()

@@ -25,6 +25,7 @@ from elasticd.states import JobState
 from etcd_cluster import (NO_SPARES_NOBODY_MAY_CALL as NO_SPARES, cluster_daemon, ctl_json,
                           fresh_prefix, wait_for)
 from etcd_server import EtcdServer, etcd_binary
+from elasticd.v1 import control_pb2 as pb
 
 PY = sys.executable
 NOBODY = (65534, 65534, [65534])
@@ -69,7 +70,7 @@ def test_a_running_job_shows_round_restarts_every_nodes_ranks_and_where_it_runs(
     assert (rec.round, rec.restarts, rec.max_restarts) == (2, 1, 3)
     assert rec.reason == ("this node does not run it; running on n1, n2: "
                           "round 2 closed with 2 node(s) (max reached)")
-    assert [(w["rank"], w["node_id"], w["state"]) for w in rec.workers] == \
+    assert [(w.rank, w.node_id, w.state.value) for w in rec.workers] == \
         [(0, "n1", "running"), (1, "n2", "running")]
     assert rec.state_since == NOW - 5 and rec.finished_at == 0
 
@@ -95,9 +96,9 @@ def test_every_nodes_recovery_summary_makes_the_layers_last_failure_and_history(
     rec = record_from_keys(keys, NOW)
     assert rec.restarts_by_layer == {"inprocess": 3, "process": 1}   # the most any node saw
     assert rec.restart_budget == {"inprocess": 8, "process": 3, "rendezvous": -1}
-    assert (rec.last_failure["rank"], rec.last_failure["node_id"]) == (1, "n2")  # the newest
-    assert len(rec.last_failure["traceback"]) == 4000
-    assert [(a["layer"], a["node_id"]) for a in rec.attempts] == [("process", "n1"),
+    assert (rec.last_failure.rank, rec.last_failure.node_id) == (1, "n2")  # the newest
+    assert len(rec.last_failure.traceback) == 4000
+    assert [(a.layer.value, a.node_id) for a in rec.attempts] == [("process", "n1"),
                                                                   ("inprocess", "n2")]
     from elasticd.messages import job_to_proto
     assert job_to_proto(rec).last_failure.exit_code == 3  # what status sends, from n3
@@ -147,7 +148,7 @@ def test_keys_without_a_usable_spec_and_state_make_no_job(keys):
 def test_worker_rows_that_do_not_parse_are_left_out():
     keys = running_keys()
     keys.workers["n3"] = [{"rank": "x"}, "garbage", row(2, "n3")]
-    assert [w["node_id"] for w in record_from_keys(keys, NOW).workers] == ["n1", "n2", "n3"]
+    assert [w.node_id for w in record_from_keys(keys, NOW).workers] == ["n1", "n2", "n3"]
 
 
 class FakeView:
@@ -262,7 +263,7 @@ def test_a_job_on_n1_and_n2_seen_waited_for_and_cancelled_from_n3(trio):
     assert not [w for w in out["workers"] if w["state"] == "running"], out["workers"]
     for d in (n1, n2):
         final = d.wait_job(job, 30)
-        assert final.state == 7 and "cancelled by root on n3" in final.reason, final
+        assert final.state == pb.CANCELLED and "cancelled by root on n3" in final.reason, final
 
 
 def test_n3_waits_for_a_job_that_runs_on_n2_alone(trio):

@@ -32,6 +32,7 @@ from elasticd.jobs import JobRecord
 from elasticd.rendezvous.protocol import OPEN, RoundState
 from etcd_cluster import NO_SPARES_NOBODY_MAY_CALL as NO_SPARES, fresh_prefix, scrape, wait_for
 from etcd_server import EtcdServer, etcd_binary, free_port
+from elasticd.v1 import control_pb2 as pb
 
 pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root: real root daemons and a real "
@@ -238,7 +239,7 @@ def test_tampered_and_replayed_signed_specs_are_refused(cluster, alice):
         assert r.returncode == 0, r.stderr
         ids.append(r.stdout.strip())
     for job_id in ids:
-        assert n1.wait_job(job_id).state == 5  # SUCCEEDED
+        assert n1.wait_job(job_id).state == pb.SUCCEEDED
     good, other = (cluster.stored_spec(j) for j in ids)
 
     def variant(new_id: str, **changes) -> dict:
@@ -294,7 +295,7 @@ def test_root_jobs_stay_on_their_node_and_users_jobs_span_nodes(cluster, alice):
     assert "uid_not_allowed" in rejected_ev[0]["reason"], rejected_ev
     assert "allow_root_jobs" in rejected_ev[0]["reason"], rejected_ev
     done = n1.wait_job(root_job)
-    assert done.state == 5 and {w.node_id for w in done.workers} == {"n1"}, done
+    assert done.state == pb.SUCCEEDED and {w.node_id for w in done.workers} == {"n1"}, done
     assert scrape(n2.metrics_port)[
         'elasticd_cluster_specs_rejected_total{reason="uid_not_allowed"}'] >= 1
 
@@ -310,7 +311,7 @@ def test_a_users_secrets_are_not_in_etcd_in_clear_yet_reach_every_node(cluster, 
                env={"MY_SECRET": SECRET})
     assert r.returncode == 0, r.stderr
     job = r.stdout.strip()
-    assert n1.wait_job(job).state == 5
+    assert n1.wait_job(job).state == pb.SUCCEEDED
     with open(out) as fh:
         assert sorted(fh.read().split("\n")[:-1]) == [f"0 {SECRET}", f"1 {SECRET}"]
 

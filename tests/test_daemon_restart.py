@@ -4,6 +4,8 @@ import time
 
 import psutil
 
+from elasticd.v1 import control_pb2 as pb
+
 SLEEPER = ["python", "-c", "import time, os, subprocess;"
            "subprocess.Popen(['sleep', '300']);"  # a grandchild in the same process group
            "print('up', os.getpid(), flush=True); time.sleep(300)"]
@@ -64,7 +66,7 @@ def test_sigkill_of_daemon_kills_workers_and_restart_resumes_the_job(daemon_fact
 def test_clean_stop_stops_workers_and_keeps_records(daemon_factory):
     d = daemon_factory().start()
     done = d.submit("/bin/true")
-    assert d.wait_job(done).state == 5
+    assert d.wait_job(done).state == pb.SUCCEEDED
     live = d.submit(*SLEEPER, max_restarts=2)
     job = d.wait_state(live, "RUNNING", pred=lambda j: len(j.workers) == 1)
     pid = job.workers[0].pid
@@ -75,7 +77,7 @@ def test_clean_stop_stops_workers_and_keeps_records(daemon_factory):
 
     d.start()
     finished = d.job(done)
-    assert finished.state == 5  # finished jobs stay listed, unchanged
+    assert finished.state == pb.SUCCEEDED  # finished jobs stay listed, unchanged
     resumed = d.wait_state(live, "RUNNING", pred=lambda j: j.restarts == 1)
     assert resumed.workers[0].pid != pid
     d.ctl("cancel", live)
@@ -92,7 +94,6 @@ def test_second_daemon_on_the_same_socket_refuses_to_start(daemon_factory):
     assert "another elasticd is already serving" in twin.stderr
     # The first one still serves.
     with d.client() as c:
-        from elasticd.v1 import control_pb2 as pb
         c.call("ListJobs", pb.ListJobsRequest())
 
 

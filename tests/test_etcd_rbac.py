@@ -17,6 +17,7 @@ import pytest
 from elasticd.store import StoreAuthError, StoreError
 from elasticd.store.etcd3 import Etcd3Store
 from etcd_server import EtcdServer, etcd_binary, make_certs
+from elasticd.v1 import control_pb2 as pb
 
 pytestmark = [
     pytest.mark.skipif(etcd_binary() is None or shutil.which("etcdctl") is None
@@ -119,7 +120,7 @@ def test_daemons_and_torchrun_users_each_reach_only_their_prefix(auth_etcd, daem
         "--set", "etcd.username=h14a-daemon", "--set", f"etcd.password_file={pw['h14a-daemon']}",
         "--set", "agent.warm_spares=false")).start()
     job = d.submit("/bin/true")
-    assert d.wait_job(job).state == 5, d.log()[-3000:]  # SUCCEEDED
+    assert d.wait_job(job).state == pb.SUCCEEDED, d.log()[-3000:]
 
     # The torchrun user: nothing of the daemons', read or write.
     trainer = login(etcd, "h14a-trainer")

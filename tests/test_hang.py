@@ -19,6 +19,7 @@ from daemons import DaemonProc
 from elasticd import config
 from elasticd.progress import (HEARTBEAT_ENV, WORKER_SITE, BeatRecord, HangAction, HangLimits,
                                ProgressTracker, heartbeat_file, judge)
+from elasticd.records import Failure, FailureKind
 from elasticd.v1 import control_pb2 as pb
 
 PY = sys.executable
@@ -167,9 +168,10 @@ def test_tracker_dumps_then_kills_the_rank_that_stopped_beating():
     done = tr.check(group)
     assert done == ["rank 0: no progress for 3s; killed (agent.hang_hard_timeout 3s)"]
     assert ops.sent[-1] == ("killpg", 100, signal.SIGKILL)
-    failure = tr.explain({"rank": 0, "exit_code": -1, "signal": 9,
-                          "cause": "rank 0 killed by SIGKILL", "traceback": ""})
-    assert failure["cause"].startswith("rank 0 hang: no progress for 3s")
+    failure = tr.explain(Failure(rank=0, exit_code=-1, signal=9,
+                                 cause="rank 0 killed by SIGKILL", traceback=""))
+    assert failure.cause.startswith("rank 0 hang: no progress for 3s")
+    assert failure.kind is FailureKind.HANG
 
 
 def test_tracker_blames_the_hung_rank_for_a_peers_failure():
@@ -184,12 +186,12 @@ def test_tracker_blames_the_hung_rank_for_a_peers_failure():
         beat(ops, 0, t)
         tr.check(group)
     assert ("killpg", 101, signal.SIGKILL) in ops.sent
-    failure = tr.explain({"rank": 0, "exit_code": 1, "signal": 0,
-                          "cause": "rank 0 exited with exit code 1: connection reset",
-                          "traceback": "tb"})
-    assert failure["rank"] == 1 and failure["signal"] == signal.SIGKILL
-    assert failure["cause"].startswith("rank 1 hang: no progress for")
-    assert failure["traceback"] == ""
+    failure = tr.explain(Failure(rank=0, exit_code=1, signal=0,
+                                 cause="rank 0 exited with exit code 1: connection reset",
+                                 traceback="tb"))
+    assert failure.rank == 1 and failure.signal == signal.SIGKILL
+    assert failure.cause.startswith("rank 1 hang: no progress for")
+    assert failure.traceback == ""
 
 
 def test_tracker_never_signals_a_process_without_a_sigusr1_handler():

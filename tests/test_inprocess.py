@@ -288,8 +288,10 @@ def test_a_rank_stuck_in_c_ends_itself_at_the_inprocess_hard_timeout_and_is_repl
     events = d.events(job_id)
     # recovered by the wrapper, not by the daemon's kill: no kill, the stuck report came first
     assert not any(e.kind == "hang" and "killed" in e.reason for e in events)
-    stuck = [e for e in events if e.kind == "hang" and e.rank == 1]
-    assert stuck and "not back in Python" in stuck[0].reason and stuck[0].layer == "inprocess"
+    # The wrapper's own report (layer inprocess). On a loaded machine the daemon may
+    # also dump rank 1's stacks (its soft timeout, no kill) before that: not this one.
+    stuck = [e for e in events if e.kind == "hang" and e.rank == 1 and e.layer == "inprocess"]
+    assert stuck and "not back in Python" in stuck[0].reason, [e.reason for e in events]
     replace = [e for e in events if e.kind == "replace"]
     assert len(replace) == 1 and replace[0].reason.startswith("rank 1: hang: not back"), replace
     f = job.last_failure

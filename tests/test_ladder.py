@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 import os
 
-from elasticd.agent import Action, decide
+from elasticd.agent import Action, Snapshot
+from elasticd.agent import decide as decide_on
 from elasticd.inprocess_reports import ReportReader, parse_line
-from elasticd.ladder import Ladder, Layer, chain_text, round_layer
+from elasticd.ladder import Attempt, Ladder, Layer, chain_text, round_layer
+from elasticd.rendezvous.protocol import RoundCause, RoundState
+from elasticd.rendezvous.status import RoundStatus, StatusKind
 
 
 def ladder(budget=8):
@@ -15,6 +18,11 @@ def ladder(budget=8):
 
 
 # ---------------------------------------------------------------- decide()
+
+def decide(returncodes, restarts, max_restarts, cancel, stopping, **rest):
+    return decide_on(Snapshot(tuple(returncodes), restarts, max_restarts, cancel, stopping,
+                              **rest))
+
 
 def test_a_dead_rank_is_replaced_while_the_others_still_train():
     d = decide([None, -9], 0, 3, False, False, inprocess_left=8)
@@ -40,7 +48,8 @@ def test_giving_up_in_process_restarts_the_group_at_once_or_fails_without_budget
 
 def test_cancel_and_node_loss_still_come_before_a_replacement():
     assert decide([None, 3], 0, 3, True, False, inprocess_left=8).action is Action.CANCEL
-    assert decide([None, 3], 0, 3, False, False, round_status="lost:n2",
+    assert decide([None, 3], 0, 3, False, False,
+                  round_status=RoundStatus(StatusKind.LOST, "node(s) n2 lost", nodes=("n2",)),
                   inprocess_left=8).action is Action.NODE_LOST
 
 
@@ -80,7 +89,7 @@ def test_a_process_climb_recovers_when_the_workers_run_again():
     lad.begin(Layer.PROCESS, "rank 0 exited with exit code 1", at=10.0, rank=0)
     a = lad.recovered(now=12.5)
     assert (a.outcome, a.duration) == ("recovered", 2.5)
-    assert lad.attempts[-1]["outcome"] == "recovered" and len(lad.attempts) == 1
+    assert lad.attempts[-1].outcome == "recovered" and len(lad.attempts) == 1
     assert lad.recovered(now=13.0) is None
 
 
@@ -93,7 +102,7 @@ def test_the_final_failure_returns_the_cause_chain():
     chain = lad.failed(Layer.PROCESS, "rank 0 exited with exit code 1", 9.0, 0)
     assert chain == ("inprocess x2 (rank 1: RuntimeError: boom) -> process x2 "
                      "(rank 0 exited with exit code 1)")
-    assert [a["outcome"] for a in lad.attempts] == ["recovered", "recovered", "recovered",
+    assert [a.outcome for a in lad.attempts] == ["recovered", "recovered", "recovered",
                                                      "failed"]
 
 
@@ -102,13 +111,36 @@ def test_the_record_keeps_the_latest_fifty_attempts_and_a_bounded_chain():
     for it in range(1, 80):
         lad.iteration_started(it, "rank 1: " + "x" * 500, it, it, 0)
     assert len(lad.attempts) == 50 and lad.restarts_by_layer["inprocess"] == 79
-    assert len(chain_text([{"layer": str(i), "cause": "y" * 200} for i in range(50)])) <= 1000
+    assert len(chain_text([Attempt(Layer.INPROCESS if i % 2 else Layer.PROCESS, "y" * 200, 0.0)
+                           for i in range(50)])) <= 1000
 
 
 def test_a_peers_new_round_is_a_rendezvous_climb_only_for_membership_changes():
-    assert round_layer("node(s) n3 lost; round 4 opened (restart 2 of 3)") is Layer.RENDEZVOUS
-    assert round_layer("node(s) n4 waiting to join; round 2 opened") is Layer.RENDEZVOUS
-    assert round_layer("rank 3 exited with exit code 1; round 2 opened") is Layer.PROCESS
+    assert round_layer(RoundCause.NODE_LOST) is Layer.RENDEZVOUS
+    assert round_layer(RoundCause.NODE_WAITING) is Layer.RENDEZVOUS
+    assert round_layer(RoundCause.FAULT) is Layer.PROCESS
+    # The decision carries the layer: nothing downstream reads the reason text.
+    superseded = RoundStatus(StatusKind.SUPERSEDED, "rank 3 lost its way; round 2 opened",
+                             cause=RoundCause.FAULT)
+    d = decide([None, None], 0, 3, False, False, round_status=superseded)
+    assert (d.action, d.layer) == (Action.REJOIN, Layer.PROCESS)
+    d = decide([None], 0, 3, False, False, round_status=RoundStatus(
+        StatusKind.SUPERSEDED, "node(s) n4 waiting to join", cause=RoundCause.NODE_WAITING))
+    assert (d.action, d.layer) == (Action.REJOIN, Layer.RENDEZVOUS)
+
+
+def test_a_round_state_keeps_its_cause_and_reads_an_older_releases_by_its_reason():
+    legacy = {"round": 4, "status": "open"}
+    for reason, layer in (("node(s) n3 lost; round 4 opened (restart 2 of 3)", Layer.RENDEZVOUS),
+                          ("node(s) n4 waiting to join; round 2 opened", Layer.RENDEZVOUS),
+                          ("rank 3 exited with exit code 1; round 2 opened", Layer.PROCESS)):
+        state = RoundState.from_json(json.dumps(dict(legacy, reason=reason)))
+        assert round_layer(state.cause) is layer, reason
+    state = RoundState(round=2, status="open", reason="x lost", cause=RoundCause.FAULT)
+    assert json.loads(state.to_json())["cause"] == "fault"
+    assert RoundState.from_json(state.to_json()) == state
+    assert RoundState.from_json(json.dumps(dict(legacy, cause="newer"))).cause \
+        is RoundCause.FAULT
 
 
 # ---------------------------------------------------------------- the wrapper's reports
@@ -184,7 +216,7 @@ def test_inprocess_reports_become_events_a_ladder_record_and_metrics(tmp_path):
     job = registry.get("j1")
     assert job.restarts_by_layer == {"inprocess": 1}
     assert job.restart_budget == {"inprocess": 8, "process": 3, "rendezvous": -1}
-    assert job.attempts[0]["cause"] == "rank 1: RuntimeError: boom"
+    assert job.attempts[0].cause == "rank 1: RuntimeError: boom"
     ev = [e for e in registry.events(job_id="j1") if e["kind"] == "restart"]
     assert len(ev) == 1 and ev[0]["layer"] == "inprocess" and ev[0]["duration_seconds"] == 0.25
     value = metrics.registry.get_sample_value

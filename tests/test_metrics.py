@@ -18,7 +18,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from daemons import DaemonProc, short_tmpdir
 from elasticd import __version__
 from elasticd.jobs import JobRecord, JobRegistry
+from elasticd.ladder import Layer
 from elasticd.metrics import CAUSES, LAYERS, Metrics
+from elasticd.records import Failure, FailureKind
 from elasticd.states import JobState
 from elasticd.store import CompareFailed, KeyExists, LeaseNotFound, MemoryStore
 
@@ -322,8 +324,8 @@ def test_a_fault_counts_a_restart_only_when_the_job_restarts(tmp_path):
     registry, m, job = _metrics_on_registry(tmp_path)
     registry.transition(job, JobState.RENDEZVOUS, "round 1")
     registry.transition(job, JobState.RUNNING, "started")
-    m.restart_or_failure({"signal": 9, "cause": "rank 0 killed by SIGKILL", "time": 1.0})
-    registry.transition(job, JobState.RESTARTING, "restart 1 of 1", restarts=1)
+    m.fault_handled(registry.transition(job, JobState.RESTARTING, "restart 1 of 1", restarts=1),
+                    Failure(signal=9, cause="rank 0 killed by SIGKILL", time=1.0), Layer.PROCESS)
     assert _value(m, "elasticd_restarts_total", layer="process", cause="signal") == 1
     registry.transition(job, JobState.RENDEZVOUS, "round 2")
     registry.transition(job, JobState.RUNNING, "started")
@@ -333,8 +335,8 @@ def test_a_fault_counts_a_restart_only_when_the_job_restarts(tmp_path):
     registry.transition(job, JobState.RESTARTING, "daemon stopping")
     registry.transition(job, JobState.RUNNING, "resumed")
     # Out of restarts: a fault, but no restart.
-    m.restart_or_failure({"signal": 0, "exit_code": 1, "cause": "rank 1 exited"})
-    registry.transition(job, JobState.FAILED, "no restarts left")
+    m.fault_handled(registry.transition(job, JobState.FAILED, "no restarts left"),
+                    Failure(signal=0, exit_code=1, cause="rank 1 exited"), Layer.PROCESS)
     assert _value(m, "elasticd_faults_total", cause="exit") == 1
     assert _value(m, "elasticd_faults_total", cause="signal") == 1
     assert _value(m, "elasticd_restarts_total", layer="process", cause="exit") == 0
@@ -346,12 +348,13 @@ def test_lost_node_and_hang_restarts_are_labelled(tmp_path):
     registry, m, job = _metrics_on_registry(tmp_path)
     registry.transition(job, JobState.RENDEZVOUS, "round 1")
     registry.transition(job, JobState.RUNNING, "started")
-    m.restart_or_failure({"signal": 0, "cause": "node_lost"})
-    registry.transition(job, JobState.RESTARTING, "node b lost")
+    m.fault_handled(registry.transition(job, JobState.RESTARTING, "node b lost"),
+                    Failure(cause="node b lost", kind=FailureKind.NODE_LOST), Layer.RENDEZVOUS)
     assert _value(m, "elasticd_restarts_total", layer="rendezvous", cause="node_lost") == 1
     registry.transition(job, JobState.RUNNING, "round 2")
-    m.restart_or_failure({"signal": 9, "kind": "hang", "cause": "rank 0 hang: no progress"})
-    registry.transition(job, JobState.RESTARTING, "hang")
+    m.fault_handled(registry.transition(job, JobState.RESTARTING, "hang"),
+                    Failure(signal=9, kind=FailureKind.HANG, cause="rank 0 hang: no progress"),
+                    Layer.PROCESS)
     assert _value(m, "elasticd_restarts_total", layer="process", cause="hang") == 1
     assert _value(m, "elasticd_recovery_duration_seconds_count", layer="rendezvous") == 1
 

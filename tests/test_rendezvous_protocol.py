@@ -13,9 +13,11 @@ import json
 
 import pytest
 
-from elasticd.rendezvous.protocol import (CLOSED, FAILED, OPEN, SUCCEEDED, Join, JobLimits,
-                                          Member, RoundClock, RoundState, decide_open_round,
-                                          decider, order_members, reopen, result_for)
+from elasticd.rendezvous.protocol import (CANCELLED, CLOSED, FAILED, OPEN, SUCCEEDED, Join,
+                                          JobLimits, Member, RoundClock, RoundState,
+                                          decide_open_round, decider, final_job_state,
+                                          order_members, reopen, result_for)
+from elasticd.states import JobState
 
 LIMITS = JobLimits(min_nodes=2, max_nodes=4, max_restarts=3, last_call=2.0, join_timeout=30.0)
 
@@ -353,3 +355,10 @@ def test_the_first_members_job_store_is_the_rounds_and_an_old_record_still_reads
     assert Join.from_json(old).store_port == 0
     noone = RoundState(round=1, status=CLOSED, members=(Member("b", "y", 1, 2),))
     assert result_for(noone, "b").store_port == 0 and result_for(noone, "b").store_addr == ""
+
+
+def test_a_final_round_status_ends_the_job_in_one_job_state_on_every_node():
+    assert final_job_state(SUCCEEDED) is JobState.SUCCEEDED
+    assert final_job_state(CANCELLED) is JobState.CANCELLED
+    assert final_job_state(FAILED) is JobState.FAILED
+    assert final_job_state("anything else") is JobState.FAILED

@@ -9,6 +9,8 @@ import os
 
 import pytest
 
+from elasticd.v1 import control_pb2 as pb
+
 NOBODY = (65534, 65534, [65534])
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0,
@@ -44,7 +46,7 @@ def test_workers_run_as_the_submitting_user(shared_daemon, nobody_dir):
     assert r.returncode == 0, r.stderr
     job_id = json.loads(r.stdout)["id"]
     job = shared_daemon.wait_job(job_id)
-    assert job.state == 5, job  # SUCCEEDED
+    assert job.state == pb.SUCCEEDED, job
     assert job.uid == 65534 and job.user == "nobody"
     lines = sorted(open(out).read().split("\n")[:-1])
     assert lines == ["0 65534 65534", "1 65534 65534"]
@@ -63,7 +65,7 @@ def test_other_users_job_is_permission_denied(shared_daemon, nobody_dir):
     logs = shared_daemon.ctl("logs", root_job, user=NOBODY)
     assert logs.returncode == 1 and "PERMISSION_DENIED" in logs.stderr
     # The root job is untouched.
-    assert shared_daemon.job(root_job).state == 3  # RUNNING
+    assert shared_daemon.job(root_job).state == pb.RUNNING
 
     # nobody lists only its own jobs; root sees everyone's.
     mine = shared_daemon.ctl("-o", "json", "submit", "--", "/bin/true", cwd=nobody_dir,

@@ -24,19 +24,22 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable
 
 from . import failures, jobstore_env
 from .config import Config
 from .jobs import JobRecord, JobRegistry
 from .ladder import Layer, round_layer
+from .records import Failure, FailureKind, WorkerRow
 from .logsetup import ctx
 from .progress import ProgressTracker
 from .recovery import Recovery
 from .restartpolicy import (AttemptProgress, BackoffSettings, made_progress, plan_restart,
                             restart_delay, spares_due)  # noqa: F401 (re-exported)
 from .rendezvous.cluster import ClusterRendezvous, RendezvousStopped, RoundFinal
-from .rendezvous.protocol import CANCELLED, FAILED, SUCCEEDED, Result, RoundState
+from .rendezvous.protocol import (CANCELLED, FAILED, SUCCEEDED, Result, RoundCause, RoundState,
+                                  final_job_state)
+from .rendezvous.status import CURRENT, RoundStatus, StatusKind
 from .states import TERMINAL_STATES, JobState
 from .store import StoreError
 from .storehost import JobStoreHost
@@ -63,41 +66,63 @@ class Action(enum.Enum):
 class Decision:
     action: Action
     reason: str
+    layer: Layer | None = None   # REJOIN, NODE_LOST: the restart layer that recovers it
 
 
-def decide(returncodes: Sequence[int | None], restarts: int, max_restarts: int,
-           cancel_requested: bool, shutting_down: bool, *, round_status: str = "current",
-           round_reason: str = "", peers_done: bool = True, inprocess_left: int = 0,
-           gave_up: bool = False, remote_ranks: bool = False) -> Decision:
+@dataclass(frozen=True)
+class Snapshot:
+    """One look at the job's workers and its round: all that ``decide()`` reads.
+
+    ``returncodes``: each local worker's exit code, None while it runs.
+    ``restarts``/``max_restarts``: restarts used (cluster-wide) and allowed
+    over the job's life (-1: no lifetime limit). ``round_status``:
+    ClusterRendezvous.status(), whether the round stands. ``peers_done``:
+    every member node has finished this round well (only asked once the
+    local workers all did). ``inprocess_left``: ranks the in-process layer may
+    still replace (0 for a job without in-process restart, or once it gave
+    up). ``gave_up``: a rank reported that in-process restart gave up; it is
+    about to exit non-zero. ``remote_ranks``: other nodes of the round run
+    ranks too, still training as far as this node knows.
+    """
+    returncodes: tuple[int | None, ...]
+    restarts: int = 0
+    max_restarts: int = 3
+    cancel_requested: bool = False
+    shutting_down: bool = False
+    round_status: RoundStatus = CURRENT
+    peers_done: bool = True
+    inprocess_left: int = 0
+    gave_up: bool = False
+    remote_ranks: bool = False
+
+
+def decide(look: Snapshot) -> Decision:
     """What the agent does next, from one look at its workers and its round (no I/O).
 
-    ``round_status`` is ClusterRendezvous.status(): current, superseded,
-    final, lost:<nodes> or waiting. ``peers_done``: every member node has
-    finished this round well (only asked once the local workers all did).
-    ``inprocess_left``: ranks the in-process layer may still replace (0 for a
-    job without in-process restart, or once it gave up). Dead ranks are
-    replaced only while the others still run the training function: once
-    any rank finished, nobody is left to meet the newcomer (``remote_ranks``:
-    other nodes of the round run ranks too, still training as far as this
-    node knows). ``gave_up``: a
-    rank reported that in-process restart gave up; it is about to exit
-    non-zero, and the group restarts without waiting for that.
+    Dead ranks are replaced in-process only while the others still run the
+    training function: once any rank finished, nobody is left to meet the
+    newcomer. After ``gave_up`` the group restarts without waiting for the
+    rank to exit.
     """
-    if cancel_requested:
+    returncodes, restarts, max_restarts = look.returncodes, look.restarts, look.max_restarts
+    gave_up = look.gave_up
+    if look.cancel_requested:
         return Decision(Action.CANCEL, "cancelled by user")
-    if shutting_down:
+    if look.shutting_down:
         return Decision(Action.SUSPEND, "daemon stopping; the job resumes when it starts again")
-    if round_status == "final":
+    round_status = look.round_status
+    kind, round_reason = round_status.kind, round_status.why
+    if kind is StatusKind.FINAL:
         return Decision(Action.FINAL, round_reason)
-    if round_status.startswith("lost"):
-        return Decision(Action.NODE_LOST, round_reason)
-    if round_status == "superseded":
-        return Decision(Action.REJOIN, round_reason)
+    if kind is StatusKind.LOST:
+        return Decision(Action.NODE_LOST, round_reason, Layer.RENDEZVOUS)
+    if kind is StatusKind.SUPERSEDED:
+        return Decision(Action.REJOIN, round_reason, round_layer(round_status.cause))
     failed = [rc for rc in returncodes if rc is not None and rc != 0]
     if failed or gave_up:
-        running = remote_ranks or any(rc is None for rc in returncodes)
+        running = look.remote_ranks or any(rc is None for rc in returncodes)
         finished = any(rc == 0 for rc in returncodes)
-        if not gave_up and running and not finished and len(failed) <= inprocess_left:
+        if not gave_up and running and not finished and len(failed) <= look.inprocess_left:
             return Decision(Action.REPLACE, f"{len(failed)} rank(s) replaced in-process")
         if max_restarts < 0:  # no lifetime limit: the budget over a window decides (reopen)
             return Decision(Action.RESTART, f"restart {restarts + 1} (no lifetime limit)")
@@ -105,10 +130,10 @@ def decide(returncodes: Sequence[int | None], restarts: int, max_restarts: int,
             return Decision(Action.RESTART, f"restart {restarts + 1} of {max_restarts}")
         return Decision(Action.FAIL, f"no restarts left ({restarts} of {max_restarts} used)")
     if returncodes and all(rc == 0 for rc in returncodes):
-        if peers_done:
+        if look.peers_done:
             return Decision(Action.SUCCEED, "every worker exited 0")
         return Decision(Action.CONTINUE, "workers done; waiting for the other nodes")
-    if round_status == "waiting":
+    if kind is StatusKind.WAITING:
         return Decision(Action.SCALE_UP, round_reason)
     return Decision(Action.CONTINUE, "workers running")
 
@@ -202,10 +227,9 @@ class Agent:
                 self._registry.transition(self.job_id, JobState.RENDEZVOUS,
                                           f"joining round {self._next_round_number(job)}")
             self.wake.clear()
-            if job.inprocess:
-                self._rdzv.store_port = self._start_job_store(job)
+            store_port = self._start_job_store(job) if job.inprocess else 0
             try:
-                result = self._rdzv.next_round(self.wake)
+                result = self._rdzv.next_round(self.wake, store_port)
             except RoundFinal as final:
                 self._end_as(final.state, None)
                 return
@@ -221,7 +245,8 @@ class Agent:
                 **({"restarts": state.restarts, "restart_times": list(state.restart_times)}
                    if state else {}))
             spec = self._with_job_store(job, self._group_spec(job, result), result)
-            self._recovery.start_attempt(job, jobstore_env.ADDR in spec.extra_env)
+            # In-process restart is on where _with_job_store gave the ranks a store.
+            self._recovery.start_attempt(job, job.inprocess and bool(result.store_port))
             group = self._group = WorkerGroup(spec)
             started_warm = self._spares.ready() > 0
             self._beats, self._first_beat = 0, None
@@ -266,7 +291,7 @@ class Agent:
             job_restarts, max_restarts, cancel = self._registry.control_flags(self.job_id)
             outcomes = [w.outcome for w in workers]
             try:
-                round_status, why = self._rdzv.status(result)
+                round_status = self._rdzv.status(result)
                 peers_done = True
                 if outcomes and all(rc == 0 for rc in outcomes):
                     if not marked_done:
@@ -276,22 +301,22 @@ class Agent:
             except StoreError as exc:
                 # etcd is away: training goes on; decide on the workers alone.
                 log.debug("%s: round status unknown: %s", self._where(result.round), exc)
-                round_status, why, peers_done = "current", "", False
+                round_status, peers_done = CURRENT, False
             state = self._rdzv.last_state
             restarts = state.restarts if state else job_restarts
-            decision = decide(outcomes, restarts, max_restarts, cancel,
-                              self.shutting_down, round_status=round_status, round_reason=why,
-                              peers_done=peers_done,
-                              inprocess_left=self._recovery.inprocess_left(),
-                              gave_up=self._recovery.gave_up(),
-                              remote_ranks=result.group_world_size > 1)
+            decision = decide(Snapshot(
+                tuple(outcomes), restarts, max_restarts, cancel, self.shutting_down,
+                round_status=round_status, peers_done=peers_done,
+                inprocess_left=self._recovery.inprocess_left(),
+                gave_up=self._recovery.gave_up(), remote_ranks=result.group_world_size > 1))
             if decision.action is Action.REPLACE:
                 self._replace_dead(group)
                 refill, refill_from, warm = a.warm_spares, time.monotonic(), False
             elif decision.action is Action.SCALE_UP:
                 if result.group_rank == 0 and not scale_requested:
                     scale_requested = True
-                    self._try(lambda: self._rdzv.reopen(result, decision.reason, False))
+                    self._try(lambda: self._rdzv.reopen(result, decision.reason, False,
+                                                        RoundCause.NODE_WAITING))
             elif decision.action is not Action.CONTINUE:
                 return decision
             if refill and spares_due(time.monotonic(), refill_from, self._first_beat, warm,
@@ -305,122 +330,155 @@ class Agent:
             self.wake.clear()
 
     def _apply(self, decision: Decision, group: WorkerGroup, result: Result) -> bool:
-        """Carry out a decision; True when the loop should go round again."""
-        grace = self._cfg.agent.stop_grace_period
+        """Carry out a decision, one method per action; True when the loop should
+        go round again."""
+        carry_out = {Action.SUCCEED: self._succeed, Action.CANCEL: self._cancel,
+                     Action.SUSPEND: self._suspend, Action.FINAL: self._final,
+                     Action.REJOIN: self._new_round, Action.NODE_LOST: self._new_round,
+                     Action.RESTART: self._restart_or_fail, Action.FAIL: self._restart_or_fail}
+        return carry_out[decision.action](decision, group, result)
+
+    def _stop_group(self, group: WorkerGroup, grace: float | None = None) -> None:
+        group.stop(self._cfg.agent.stop_grace_period if grace is None else grace)
+        group.poll()
+
+    def _succeed(self, decision: Decision, group: WorkerGroup, result: Result) -> bool:
+        self._stop_group(group, grace=0)
+        self._finish_cluster(SUCCEEDED, "every node's workers exited 0")
+        self._registry.transition(self.job_id, JobState.SUCCEEDED, decision.reason,
+                                  exit_code=0, workers=self._worker_rows(group))
+        self._publish(group)
+        return False
+
+    def _stopped_rows(self, group: WorkerGroup) -> list[WorkerRow]:
+        """Stop the group for good on this node; its rows, published."""
+        self._stop_group(group)
+        rows = self._worker_rows(group)
+        self._publish(group)
+        return rows
+
+    def _cancel(self, decision: Decision, group: WorkerGroup, result: Result) -> bool:
+        rows = self._stopped_rows(group)
+        self._finish_cluster(CANCELLED, decision.reason)
+        self._registry.transition(self.job_id, JobState.CANCELLED, decision.reason,
+                                  exit_code=0, workers=rows)
+        return False
+
+    def _suspend(self, decision: Decision, group: WorkerGroup, result: Result) -> bool:
+        rows = self._stopped_rows(group)
+        self._registry.transition(self.job_id, JobState.RESTARTING, decision.reason,
+                                  workers=rows)
+        return False
+
+    def _final(self, decision: Decision, group: WorkerGroup, result: Result) -> bool:
+        rows = self._stopped_rows(group)
+        self._end_as(self._rdzv.last_state, rows)
+        return False
+
+    def _new_round(self, decision: Decision, group: WorkerGroup, result: Result) -> bool:
+        """REJOIN (a peer opened a new round) or NODE_LOST (open one ourselves)."""
         act = decision.action
         job = self._registry.get(self.job_id)
-        if act is Action.SUCCEED:
-            group.stop(grace=0)
-            group.poll()
-            self._finish_cluster(SUCCEEDED, "every node's workers exited 0")
-            self._registry.transition(self.job_id, JobState.SUCCEEDED, decision.reason,
-                                      exit_code=0, workers=self._worker_rows(group))
-            self._publish(group)
+        if made_progress(self._attempt_progress(),
+                         BackoffSettings.from_settings(self._cfg.agent)):
+            self._no_progress_streak = 0  # another node's fault ended a good attempt
+        self._stop_group(group)
+        self._publish(group)
+        state = self._rdzv.last_state
+        layer = decision.layer or Layer.PROCESS
+        self._recovery.ladder.begin(layer, decision.reason or "a new round opened", time.time())
+        if act is Action.NODE_LOST:
+            state = self._try(lambda: self._rdzv.reopen(result, decision.reason, True,
+                                                        RoundCause.NODE_LOST)) or state
+        # A lost node is a fault of this round (metrics); a peer's new round is not ours.
+        lost = Failure(cause=decision.reason, kind=FailureKind.NODE_LOST) \
+            if act is Action.NODE_LOST else None
+        if state is not None and state.final:
+            self._recovery.ladder.failed(layer, state.reason or decision.reason, time.time())
+            self._registry.update(self.job_id, **self._recovery.fields())
+            self._fault_handled(lost, Layer.RENDEZVOUS,
+                                self._end_as(state, self._worker_rows(group)))
             return False
-        if act in (Action.CANCEL, Action.SUSPEND, Action.FINAL):
-            group.stop(grace)
-            group.poll()
-            rows = self._worker_rows(group)
-            self._publish(group)
-            if act is Action.CANCEL:
-                self._finish_cluster(CANCELLED, decision.reason)
-                self._registry.transition(self.job_id, JobState.CANCELLED, decision.reason,
-                                          exit_code=0, workers=rows)
-            elif act is Action.SUSPEND:
-                self._registry.transition(self.job_id, JobState.RESTARTING, decision.reason,
-                                          workers=rows)
-            else:
-                self._end_as(self._rdzv.last_state, rows)
-            return False
-        if act in (Action.REJOIN, Action.NODE_LOST):
-            if made_progress(self._attempt_progress(),
-                             BackoffSettings.from_settings(self._cfg.agent)):
-                self._no_progress_streak = 0  # another node's fault ended a good attempt
-            group.stop(grace)
-            group.poll()
-            self._publish(group)
-            state = self._rdzv.last_state
-            layer = Layer.RENDEZVOUS if act is Action.NODE_LOST else round_layer(decision.reason)
-            self._recovery.ladder.begin(layer, decision.reason or "a new round opened", time.time())
-            if act is Action.NODE_LOST:
-                state = self._try(lambda: self._rdzv.reopen(result, decision.reason, True)) \
-                    or state
-                if self._metrics:
-                    self._metrics.restart_or_failure({"signal": 0, "cause": "node_lost"})
-            if state is not None and state.final:
-                self._recovery.ladder.failed(layer, state.reason or decision.reason, time.time())
-                self._registry.update(self.job_id, **self._recovery.fields())
-                self._end_as(state, self._worker_rows(group))
-                return False
-            self._registry.transition(
-                self.job_id, JobState.RESTARTING, decision.reason or "a new round opened",
-                restarts=state.restarts if state else job.restarts,
-                restart_times=list(state.restart_times) if state else job.restart_times,
-                workers=self._worker_rows(group), **self._recovery.fields())
-            return True
-        # RESTART or FAIL: a local worker failed, or in-process restart gave up.
-        a = self._cfg.agent
+        self._fault_handled(lost, Layer.RENDEZVOUS, self._registry.transition(
+            self.job_id, JobState.RESTARTING, decision.reason or "a new round opened",
+            restarts=state.restarts if state else job.restarts,
+            restart_times=list(state.restart_times) if state else job.restart_times,
+            workers=self._worker_rows(group), **self._recovery.fields()))
+        return True
+
+    def _restart_or_fail(self, decision: Decision, group: WorkerGroup, result: Result) -> bool:
+        """RESTART or FAIL: a local worker failed, or in-process restart gave up."""
+        job = self._registry.get(self.job_id)
         plan = plan_restart(self._attempt_progress(), self._no_progress_streak,
-                            BackoffSettings.from_settings(a))
-        ladder = self._recovery.ladder
+                            BackoffSettings.from_settings(self._cfg.agent))
         # Stop the rest of the group before recording: they would hang in collectives.
         # Blame only after the stop: a rank SIGKILLed by someone else (the OOM
         # killer) may not be reaped yet when its peer's error file is seen, on a
         # loaded machine; the stop waits for it and tells its signal from ours.
-        group.stop(grace)
-        group.poll()
-        if self._recovery.gave_up():
-            failure = self._failure(job, ladder.abandoned_rank, 1, 0,
-                                    f"in-process restart gave up: {ladder.abandoned}")
-        else:
-            failure = self._explain(self._first_failure(job, group))
+        self._stop_group(group)
+        failure = self._blame(job, group)
         self._publish(group)
-        if self._metrics:
-            self._metrics.restart_or_failure(failure)
-        state = self._try(lambda: self._rdzv.reopen(result, failure["cause"], True))
-        if act is Action.FAIL or (state is not None and state.final):
-            code = failure["exit_code"] if failure["exit_code"] > 0 else 128 + failure["signal"]
-            chain = self._recovery.ladder.failed(Layer.PROCESS, failure["cause"],
-                                                 failure["time"], failure["rank"])
-            why = (state.reason if act is Action.RESTART and state is not None and state.reason
-                   else f"{failure['cause']}; {decision.reason}")
-            if len(self._recovery.ladder.attempts) > 1:
-                why += f"; cause chain: {chain}"
-            self._finish_cluster(FAILED, why)
-            self._registry.transition(self.job_id, JobState.FAILED, why,
-                                      exit_code=code, last_failure=failure,
-                                      workers=self._worker_rows(group), **self._recovery.fields())
+        state = self._try(lambda: self._rdzv.reopen(result, failure.cause, True))
+        if decision.action is Action.FAIL or (state is not None and state.final):
+            self._fail(decision, group, failure, state)
             return False
         restart = state.restarts if state is not None else job.restarts + 1
         times = list(state.restart_times) if state is not None else job.restart_times
         self._no_progress_streak = plan.streak
         record = dict(plan.to_dict(), node_id=self._cfg.daemon.node_id, time=time.time())
-        climb = self._recovery.ladder.begin(Layer.PROCESS, failure["cause"], failure["time"],
-                                            failure["rank"])
+        climb = self._recovery.ladder.begin(Layer.PROCESS, failure.cause, failure.time,
+                                            failure.rank)
         log.info("%s: %s", self._where(result.round), plan.sentence())
-        self._registry.transition(self.job_id, JobState.RESTARTING,
-                                  f"{climb.cause}; {decision.reason}; {plan.sentence()}",
-                                  plan=plan, restarts=restart, restart_times=times,
-                                  last_restart_plan=record, last_failure=failure,
-                                  workers=self._worker_rows(group), **self._recovery.fields())
+        self._fault_handled(failure, Layer.PROCESS, self._registry.transition(
+            self.job_id, JobState.RESTARTING,
+            f"{climb.cause}; {decision.reason}; {plan.sentence()}",
+            plan=plan, restarts=restart, restart_times=times, last_restart_plan=record,
+            last_failure=failure, workers=self._worker_rows(group), **self._recovery.fields()))
         if plan.delay:
             self.wake.wait(plan.delay)
             self.wake.clear()
         return True
 
+    def _blame(self, job: JobRecord, group: WorkerGroup) -> Failure:
+        """The failure a stopped group's restart or end is recorded with."""
+        ladder = self._recovery.ladder
+        if self._recovery.gave_up():
+            return self._failure(job, ladder.abandoned_rank, 1, 0,
+                                 f"in-process restart gave up: {ladder.abandoned}")
+        return self._explain(self._first_failure(job, group))
+
+    def _fail(self, decision: Decision, group: WorkerGroup, failure: Failure,
+              state: RoundState | None) -> None:
+        """No restart: out of restarts here, or the new round ended the job."""
+        code = failure.exit_status
+        chain = self._recovery.ladder.failed(Layer.PROCESS, failure.cause,
+                                             failure.time, failure.rank)
+        why = (state.reason if decision.action is Action.RESTART and state is not None
+               and state.reason else f"{failure.cause}; {decision.reason}")
+        if len(self._recovery.ladder.attempts) > 1:
+            why += f"; cause chain: {chain}"
+        self._finish_cluster(FAILED, why)
+        self._fault_handled(failure, Layer.PROCESS, self._registry.transition(
+            self.job_id, JobState.FAILED, why, exit_code=code, last_failure=failure,
+            workers=self._worker_rows(group), **self._recovery.fields()))
+
     # -- the cluster's word ----------------------------------------------------
-    def _end_as(self, state: RoundState | None, rows: list | None) -> None:
-        """Record the job's cluster-wide end on this node."""
+    def _end_as(self, state: RoundState | None, rows: list[WorkerRow] | None) -> JobRecord:
+        """Record the job's cluster-wide end on this node; the record it left."""
         status = state.status if state else FAILED
         reason = (state.reason if state else "") or status
         changes = {"workers": rows} if rows is not None else {}
         if state is not None:
             changes["restarts"] = state.restarts
-        target = {SUCCEEDED: JobState.SUCCEEDED, CANCELLED: JobState.CANCELLED}.get(
-            status, JobState.FAILED)
+        target = final_job_state(status)
         job = self._registry.get(self.job_id)
         code = 0 if target is not JobState.FAILED else (job.exit_code or 1)
-        self._registry.transition(self.job_id, target, reason, exit_code=code, **changes)
+        return self._registry.transition(self.job_id, target, reason, exit_code=code, **changes)
+
+    def _fault_handled(self, failure: Failure | None, layer: Layer, job: JobRecord) -> None:
+        """Count a fault this agent handled, by the move it made (metrics.py)."""
+        if self._metrics and failure is not None:
+            self._metrics.fault_handled(job, failure, layer)
 
     def _finish_cluster(self, status: str, reason: str) -> None:
         self._try(lambda: self._rdzv.finish(status, reason))
@@ -450,7 +508,7 @@ class Agent:
                                               self._cfg.agent.error_file_max_bytes)
             failure = self._explain(self._worker_failure(job, w, report))
             self._progress.forget(w.rank)
-            cause = failure["cause"]
+            cause = failure.cause
             try:
                 new = group.replace(w, self._spares, {"ELASTICD_INPROCESS_REPLACES": cause},
                                     cause)
@@ -526,19 +584,19 @@ class Agent:
                                                     jobstore_env.PORT: str(rdzv.store_port),
                                                     jobstore_env.SECRET: secret})
 
-    def _first_failure(self, job: JobRecord, group: WorkerGroup) -> dict:
+    def _first_failure(self, job: JobRecord, group: WorkerGroup) -> Failure:
         blamed = failures.most_to_blame(group.workers, job.uid,
                                         self._cfg.agent.error_file_max_bytes)
         if blamed is None:
             return self._failure(job, -1, 1, 0, "worker failed")
         return self._worker_failure(job, *blamed)
 
-    def _explain(self, failure: dict) -> dict:
+    def _explain(self, failure: Failure) -> Failure:
         """The failure, its cause a hang if one ended the rank: killed by our hang
         detection (progress.py), or ended by its own wrapper as stuck (recovery.py)."""
         return self._recovery.explain(self._progress.explain(failure))
 
-    def _worker_failure(self, job: JobRecord, w, report: failures.ErrorReport) -> dict:
+    def _worker_failure(self, job: JobRecord, w, report: failures.ErrorReport) -> Failure:
         """The failure record of one failed worker, logged and recorded as an event."""
         exit_code, sig, cause = failures.describe(w, report.message, report.problem)
         tb = report.traceback
@@ -546,15 +604,15 @@ class Agent:
                     ctx(job=job.id, node=self._cfg.daemon.node_id, round=job.round, rank=w.rank),
                     w.pid, cause)
         self._registry.event(job.id, "worker_exit", cause, rank=w.rank)
-        failure = self._failure(job, w.rank, exit_code, sig, cause, tb)
-        if report.problem is not None:  # typed, for whoever decides on it (not the sentence)
-            failure["kind"] = failures.UNREADABLE_KIND
-        return failure
+        # typed, for whoever decides on it (not the sentence)
+        kind = FailureKind.UNREADABLE_ERROR_FILE if report.problem is not None \
+            else FailureKind.WORKER
+        return self._failure(job, w.rank, exit_code, sig, cause, tb, kind)
 
     def _failure(self, job: JobRecord, rank: int, exit_code: int, sig: int, cause: str,
-                 traceback: str = "") -> dict:
+                 traceback: str = "", kind: FailureKind = FailureKind.WORKER) -> Failure:
         return failures.record(rank, exit_code, sig, cause, traceback, job.restarts,
-                               self._cfg.daemon.node_id)
+                               self._cfg.daemon.node_id, kind)
 
-    def _worker_rows(self, group: WorkerGroup) -> list[dict]:
+    def _worker_rows(self, group: WorkerGroup) -> list[WorkerRow]:
         return failures.worker_rows(group.workers, self._cfg.daemon.node_id)

@@ -16,7 +16,7 @@ from urllib.parse import urlparse
 from . import __version__
 from .config import Config
 from .membership import DRAIN, LeaseKeeper, NodeWatcher
-from .store import (EVENT_PUT, MemoryStore, Store, StoreAuthError, StoreError,
+from .store import (EVENT_PUT, Store, StoreAuthError, StoreError,
                     StoreUnavailable, open_store)
 from .store.follow import Follower
 
@@ -71,11 +71,11 @@ def advertised_address(cfg: Config) -> str:
 
 
 class Cluster:
-    def __init__(self, cfg: Config, store: Store, slots_info):
+    def __init__(self, cfg: Config, store: Store, slots_info=None):
         self.cfg = cfg
         self.store = store
         self.address = advertised_address(cfg)
-        self._slots_info = slots_info          # () -> (slots_free, [job ids])
+        self._slots_info = slots_info          # () -> (slots_free, [job ids]); see capacity_from
         self._started_at = time.time()
         m = cfg.membership
         self.keeper = LeaseKeeper(store, cfg.daemon.node_id, m.lease_ttl, m.refresh_interval,
@@ -87,10 +87,16 @@ class Cluster:
         self._drain_follower = Follower(store, DRAIN, "drain-watch", m.watch_retry,
                                         self._drain_reset, self._drain_event)
 
+    def capacity_from(self, slots_info) -> None:
+        """Where this node's record reads its free slots and its jobs: ``() ->
+        (slots_free, [job ids])``, the job manager's (made after the cluster,
+        which it needs); set before ``start``."""
+        self._slots_info = slots_info
+
     @property
     def kind(self) -> str:
-        return "memory" if isinstance(getattr(self.store, "inner", self.store), MemoryStore) \
-            else self.store.name
+        """The store's kind (memory, etcd2, etcd3), through any wrapper around it."""
+        return self.store.name
 
     def record(self) -> dict:
         free, jobs = self._slots_info()
@@ -117,11 +123,12 @@ class Cluster:
         self.watcher.request_stop()
 
     def stop(self) -> None:
+        """Stop the lease and the watches; the store stays open (its opener,
+        daemon.py, closes it once, after every part that uses it stopped)."""
         self.request_stop()
         self.keeper.stop()
         self._drain_follower.stop()
         self.watcher.stop()
-        self.store.close()
 
     def health(self) -> str:
         return self.keeper.health

@@ -15,14 +15,15 @@ error for the caller.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from .jobs import JobRecord
 from .manager import record_from_spec
-from .rendezvous.protocol import CANCELLED, CLOSED, FAILED, OPEN, SUCCEEDED
+from .ladder import Attempt
+from .records import Failure, WorkerRow, clamp_int
+from .rendezvous.protocol import CLOSED, OPEN, final_job_state
 from .rendezvous.view import JobKeys
-from .states import JobState
-
-_FINAL_STATES = {SUCCEEDED: JobState.SUCCEEDED, FAILED: JobState.FAILED,
-                 CANCELLED: JobState.CANCELLED}
+from .states import TERMINAL_STATES, JobState
 
 
 class AmbiguousName(ValueError):
@@ -34,7 +35,7 @@ class AmbiguousName(ValueError):
         self.ids = ids
 
 
-def worker_rows(keys: JobKeys, skip: str = "") -> list[dict]:
+def worker_rows(keys: JobKeys, skip: str = "") -> list[WorkerRow]:
     """Every node's published worker rows (but ``skip``'s), as the record keeps
     them; rows that do not parse are left out."""
     rows = []
@@ -43,12 +44,11 @@ def worker_rows(keys: JobKeys, skip: str = "") -> list[dict]:
             continue
         for w in published:
             try:
-                rows.append({"rank": int(w["rank"]), "local_rank": int(w["local_rank"]),
-                             "pid": int(w["pid"]), "state": str(w["state"]),
-                             "exit_code": int(w["exit_code"]), "node_id": node})
-            except (KeyError, TypeError, ValueError):
+                row = WorkerRow.from_dict(w, node)
+            except (KeyError, TypeError, ValueError, OverflowError):
                 continue
-    return sorted(rows, key=lambda w: (w["rank"], w["node_id"]))
+            rows.append(replace(row, create_time=0.0))  # a peer's clock: not ours to use
+    return sorted(rows, key=lambda w: (w.rank, w.node_id))
 
 
 def recovery_of(keys: JobKeys) -> dict:
@@ -61,10 +61,12 @@ def recovery_of(keys: JobKeys) -> dict:
     failure, attempts = None, []
     for node, summary in sorted(keys.summaries.items()):
         try:
-            layers = {str(k): _int(v) for k, v in (summary.get("restarts_by_layer") or {}).items()}
-            limits = {str(k): _int(v) for k, v in (summary.get("restart_budget") or {}).items()}
+            layers = {str(k): clamp_int(v)
+                      for k, v in (summary.get("restarts_by_layer") or {}).items()}
+            limits = {str(k): clamp_int(v)
+                      for k, v in (summary.get("restart_budget") or {}).items()}
             f = summary.get("last_failure")
-            f = _failure(f, node) if isinstance(f, dict) else None
+            f = Failure.from_dict(f, node).bounded() if isinstance(f, dict) else None
             tried = [_attempt(a, node) for a in (summary.get("attempts") or [])[-20:]
                      if isinstance(a, dict)]
         except (AttributeError, TypeError, ValueError, OverflowError):
@@ -72,30 +74,17 @@ def recovery_of(keys: JobKeys) -> dict:
         for table, new in ((by_layer, layers), (budget, limits)):
             for k, v in new.items():
                 table[k] = max(table.get(k, v), v)
-        if f is not None and (failure is None or f["time"] > failure["time"]):
+        if f is not None and (failure is None or f.time > failure.time):
             failure = f
         attempts.extend(tried)
-    attempts.sort(key=lambda a: a["time"])
+    attempts.sort(key=lambda a: a.time)
     return {"restarts_by_layer": by_layer, "restart_budget": budget, "last_failure": failure,
             "attempts": attempts[-20:]}
 
 
-def _int(v) -> int:
-    return max(-2**31, min(2**31 - 1, int(v)))
-
-
-def _failure(f: dict, node: str) -> dict:
-    return {"rank": _int(f.get("rank", -1)), "exit_code": _int(f.get("exit_code", 0)),
-            "signal": _int(f.get("signal", 0)), "cause": str(f.get("cause", ""))[:2000],
-            "traceback": str(f.get("traceback", ""))[-4000:], "time": float(f.get("time", 0)),
-            "restart": _int(f.get("restart", 0)), "node_id": str(f.get("node_id") or node)}
-
-
-def _attempt(a: dict, node: str) -> dict:
-    return {"layer": str(a.get("layer", "")), "cause": str(a.get("cause", ""))[:500],
-            "time": float(a.get("time", 0)), "duration": float(a.get("duration", 0)),
-            "outcome": str(a.get("outcome", "")), "rank": _int(a.get("rank", -1)),
-            "node_id": str(a.get("node_id") or node)}
+def _attempt(a: dict, node: str) -> Attempt:
+    got = Attempt.from_dict(a, node)
+    return replace(got, cause=got.cause[:500])
 
 
 def nodes_of(keys: JobKeys) -> list[str]:
@@ -114,8 +103,8 @@ def job_state(keys: JobKeys) -> JobState:
     is PENDING until a node joins, then RENDEZVOUS; a later open round (after a
     fault or a change of nodes) is RESTARTING; final states map one to one."""
     state = keys.state
-    if state.status in _FINAL_STATES:
-        return _FINAL_STATES[state.status]
+    if state.final:
+        return final_job_state(state.status)
     if state.status == CLOSED:
         return JobState.RUNNING
     if state.restarts > 0 or state.round > 1:
@@ -134,7 +123,7 @@ def record_from_keys(keys: JobKeys, now: float) -> JobRecord | None:
         return None
     rec.state = job_state(keys)
     nodes = ", ".join(nodes_of(keys))
-    if rec.state in _FINAL_STATES.values():
+    if rec.state in TERMINAL_STATES:
         where = f"ran on {nodes}" if nodes else "ran on no node"
     elif state.status == OPEN:
         where = f"joined so far: {nodes}" if nodes else "no node joined yet"
@@ -149,7 +138,7 @@ def record_from_keys(keys: JobKeys, now: float) -> JobRecord | None:
         setattr(rec, name, value)
     since = state.opened_at if state.status == OPEN else state.closed_at
     rec.state_since = since if 0 < since <= now else now
-    if rec.state in _FINAL_STATES.values():
+    if rec.state in TERMINAL_STATES:
         rec.finished_at = state.closed_at
         rec.exit_code = 1 if rec.state is JobState.FAILED else 0
     return rec

@@ -24,10 +24,11 @@ from .config import Config
 from .jobs import JobNotFound, JobRecord, JobRegistry
 from .logfiles import LogReader
 from .manager import JobManager, check_access
-from .messages import event_to_proto, job_to_proto, node_to_proto, rejection_to_proto
+from .messages import (add_worker, event_to_proto, job_to_proto, node_to_proto,
+                       rejection_to_proto)
 from .store import StoreError
 from .streamgate import StreamGate
-from .states import TERMINAL_STATES
+from .states import TERMINAL_STATES, WorkerState
 from .v1 import control_pb2 as pb
 from .v1 import control_pb2_grpc as pb_grpc
 
@@ -103,7 +104,7 @@ def _page_key(token: str) -> tuple[float, str] | None:
 
 def _settled(job: JobRecord) -> bool:
     """Ended, and every node's last worker rows published (none still running)."""
-    return job.state in TERMINAL_STATES and not any(w["state"] == "running"
+    return job.state in TERMINAL_STATES and not any(w.state is WorkerState.RUNNING
                                                     for w in job.workers)
 
 
@@ -188,7 +189,7 @@ class ControlServicer(pb_grpc.ControlServicer):
         keys = self._view.job(job.id) if self._view is not None else None
         if keys is not None:
             for row in clusterjobs.worker_rows(keys, skip=self._cfg.daemon.node_id):
-                msg.workers.add(**row)
+                add_worker(msg, row)
         return msg
 
     def _find(self, key: str, caller) -> tuple[JobRecord, bool]:

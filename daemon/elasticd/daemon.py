@@ -106,11 +106,10 @@ class Daemon:
         # enters the view (clusterspec.py); a refused one never reads as a job.
         view = JobsView(store, retry=cfg.membership.watch_retry, open_spec=self.codec.open)
         policy = ClusterPolicy.from_settings(cfg.cluster)
-        holder: dict = {}
-        cluster = Cluster(cfg, store, lambda: (holder["m"].slots_total - holder["m"].slots_used(),
-                                               holder["m"].active_jobs()))
-        manager = holder["m"] = JobManager(cfg, registry, cluster, view, metrics,
-                                           codec=self.codec, policy=policy)
+        cluster = Cluster(cfg, store)
+        manager = JobManager(cfg, registry, cluster, view, metrics, codec=self.codec,
+                             policy=policy)
+        cluster.capacity_from(manager.capacity)
         self.cluster = cluster
         metrics.attach(registry, manager)
         metrics.attach_cluster(cluster)  # metrics: the node lease

@@ -76,8 +76,7 @@ class Dispatcher:
 
     def stop(self) -> None:
         self._stop.set()
-        with self._view.changed:
-            self._view.changed.notify_all()
+        self._view.wake_waiters()
         if self._thread is not None:
             self._thread.join(timeout=self._interval + 2)
 

@@ -130,7 +130,7 @@ class EventLog:
 
     # -- life cycle ------------------------------------------------------------
     def start(self) -> None:
-        self._registry.listeners.append(self._on_local_event)
+        self._registry.subscribe(self._on_local_event)
         self._thread = threading.Thread(target=self._run, name="events-publish", daemon=True)
         self._thread.start()
         self._mirror.start()

@@ -2,8 +2,8 @@
 
 Reads torch's ``@record`` error files (untrusted: bounded, never fatal),
 decides which of several failed workers seen together is to blame, and
-turns a worker's end into the failure dict stored as a job's
-``last_failure`` and into the rows ``elasticctl status`` shows. No state.
+turns a worker's end into the cause of the ``records.Failure`` stored as a
+job's ``last_failure`` and into the rows ``elasticctl status`` shows. No state.
 """
 from __future__ import annotations
 
@@ -16,12 +16,12 @@ from typing import NamedTuple
 import psutil
 
 from . import workerfiles
+from .records import Failure, FailureKind, WorkerRow
 from .states import WorkerState
 from .workers import Worker, describe_exit
 
 DEFAULT_MAX_BYTES = 1 << 20   # agent.error_file_max_bytes
 UNREADABLE = "unreadable error file"
-UNREADABLE_KIND = "unreadable_error_file"   # a failure record's ``kind`` for it
 
 # Signals that mean "we or a peer's teardown stopped it", not a fault of its own.
 _STOP_SIGNALS = {-signal.SIGTERM, -signal.SIGINT, -signal.SIGPIPE}
@@ -102,14 +102,14 @@ def describe(w: Worker, message: str,
 
 
 def record(rank: int, exit_code: int, sig: int, cause: str, traceback: str, restart: int,
-           node_id: str) -> dict:
-    """A failure as the job record keeps it (the proto's ``Failure``)."""
-    return {"rank": rank, "exit_code": exit_code, "signal": sig, "cause": cause,
-            "traceback": traceback, "time": time.time(), "restart": restart,
-            "node_id": node_id}
+           node_id: str, kind: FailureKind = FailureKind.WORKER) -> Failure:
+    """A failure seen now, as the job record keeps it (the proto's ``Failure``)."""
+    return Failure(rank=rank, exit_code=exit_code, signal=sig, cause=cause,
+                   traceback=traceback, time=time.time(), restart=restart, node_id=node_id,
+                   kind=kind)
 
 
-def worker_rows(workers: list[Worker], node_id: str) -> list[dict]:
+def worker_rows(workers: list[Worker], node_id: str) -> list[WorkerRow]:
     """The job record's rows for these workers (the proto's ``Worker``)."""
     rows = []
     for w in workers:
@@ -126,7 +126,7 @@ def worker_rows(workers: list[Worker], node_id: str) -> list[dict]:
             started = psutil.Process(w.pid).create_time() if rc is None else 0.0
         except psutil.Error:
             started = 0.0
-        rows.append({"rank": w.rank, "local_rank": w.local_rank, "pid": w.pid,
-                     "state": state.value, "exit_code": rc if rc is not None else 0,
-                     "node_id": node_id, "create_time": started})
+        rows.append(WorkerRow(rank=w.rank, local_rank=w.local_rank, pid=w.pid, state=state,
+                              exit_code=rc if rc is not None else 0, node_id=node_id,
+                              create_time=started))
     return rows

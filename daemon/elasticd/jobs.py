@@ -25,6 +25,8 @@ from typing import Any
 
 from . import statedir
 from .logsetup import ctx
+from .ladder import Attempt
+from .records import Failure, WorkerRow
 from .restartpolicy import RestartPlan
 from .states import LIVE_STATES, TERMINAL_STATES, JobState, check_transition
 
@@ -88,8 +90,8 @@ class JobRecord:
     started_at: float = 0.0
     finished_at: float = 0.0
     exit_code: int = 0
-    last_failure: dict | None = None
-    workers: list = field(default_factory=list)
+    last_failure: Failure | None = None
+    workers: list[WorkerRow] = field(default_factory=list)
     node_id: str = ""
     cancel_requested: bool = False
     inprocess: bool = False
@@ -100,7 +102,7 @@ class JobRecord:
     # the latest recovery attempts (the cause chain), oldest first.
     restarts_by_layer: dict = field(default_factory=dict)
     restart_budget: dict = field(default_factory=dict)
-    attempts: list = field(default_factory=list)
+    attempts: list[Attempt] = field(default_factory=list)
     # Hang detection on this node (progress.py): the limits per phase, learned from
     # the job's gaps between beats (hang_timeouts.PhaseLimit dicts), which also seed
     # the learning after a daemon restart; the slowest rank (stragglers.Straggler dict).
@@ -114,26 +116,41 @@ class JobRecord:
     def recovery_summary(self) -> dict:
         """What this node shares of the job's recovery with the other nodes
         (published with its worker rows; see clusterjobs.py), size-bounded."""
-        failure = self.last_failure
-        if failure:
-            failure = dict(failure, cause=str(failure.get("cause", ""))[:2000],
-                           traceback=str(failure.get("traceback", ""))[-4000:])
+        failure = self.last_failure.bounded().to_dict() if self.last_failure else None
         return {"restarts_by_layer": dict(self.restarts_by_layer),
                 "restart_budget": dict(self.restart_budget), "last_failure": failure,
-                "attempts": [dict(a, cause=str(a.get("cause", ""))[:500])
+                "attempts": [dataclasses.replace(a, cause=a.cause[:500]).to_dict()
                              for a in self.attempts[-10:]]}
 
     def to_json(self) -> str:
         data = dataclasses.asdict(self)
         data["state"] = self.state.value
+        data["last_failure"] = self.last_failure.to_dict() if self.last_failure else None
+        data["workers"] = [w.to_dict() for w in self.workers]
+        data["attempts"] = [a.to_dict() for a in self.attempts]
         return json.dumps(data)
 
     @classmethod
     def from_json(cls, text: str) -> "JobRecord":
         data = json.loads(text)
         data["state"] = JobState(data["state"])
+        data["last_failure"] = (Failure.from_dict(data["last_failure"])
+                                if data.get("last_failure") else None)
+        data["workers"] = _parsed(WorkerRow, data.get("workers") or (), "worker row")
+        data["attempts"] = _parsed(Attempt, data.get("attempts") or (), "recovery attempt")
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def _parsed(record, saved, what: str) -> list:
+    """The saved ``record``s that still parse (one never stops a job record loading)."""
+    got = []
+    for d in saved:
+        try:
+            got.append(record.from_dict(d))
+        except (KeyError, TypeError, ValueError, OverflowError):
+            log.warning("dropping an unreadable %s: %.200r", what, d)
+    return got
 
 
 def spec_bytes(rec: JobRecord) -> int:
@@ -215,6 +232,15 @@ class JobRegistry:
         with self._lock:
             return [copy.deepcopy(j) for j in
                     sorted(self._jobs.values(), key=lambda j: j.created_at)]
+
+    def subscribe(self, listener, seed=None) -> None:
+        """Call ``listener(event)`` for every event from now on, under the registry's
+        lock; first ``seed(jobs)`` with every job as it is now, under the same lock,
+        so that no event falls between the two."""
+        with self._lock:
+            if seed is not None:
+                seed(self.list())
+            self.listeners.append(listener)
 
     def count_live(self) -> int:
         with self._lock:

@@ -28,7 +28,10 @@ from __future__ import annotations
 import enum
 import re
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, replace
+
+from .records import clamp_int
+from .rendezvous.protocol import RoundCause
 
 MAX_ATTEMPTS_KEPT = 50
 CHAIN_TEXT_LIMIT = 1000
@@ -48,42 +51,55 @@ class Outcome(str, enum.Enum):
     FAILED = "failed"          # no layer left: the job failed
 
 
-@dataclass
+@dataclass(frozen=True)
 class Attempt:
-    layer: str
+    """One climb of the ladder (a recovery attempt), as the job record keeps it
+    (the proto's ``RecoveryAttempt``). Its JSON form (state dir, the summary
+    published to the other nodes) is ``to_dict``/``from_dict``, here only."""
+    layer: Layer
     cause: str
     time: float                 # unix time of the fault
     rank: int = -1
     node_id: str = ""
     duration: float = 0.0       # fault -> workers running again
-    outcome: str = Outcome.PENDING.value
+    outcome: Outcome = Outcome.PENDING
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {"layer": self.layer.value, "cause": self.cause, "time": self.time,
+                "rank": self.rank, "node_id": self.node_id, "duration": self.duration,
+                "outcome": self.outcome.value}
+
+    @classmethod
+    def from_dict(cls, d: dict, node_id: str = "") -> "Attempt":
+        """An attempt from its JSON form (``node_id`` where it names none); a value
+        of the wrong type, or a layer or outcome this release does not know,
+        raises ValueError or TypeError."""
+        if not isinstance(d, dict):
+            raise TypeError(f"an attempt is an object, not {type(d).__name__}")
+        return cls(layer=Layer(str(d.get("layer", ""))), cause=str(d.get("cause", "")),
+                   time=float(d.get("time", 0)), rank=clamp_int(d.get("rank", -1)),
+                   node_id=str(d.get("node_id") or node_id),
+                   duration=float(d.get("duration", 0)),
+                   outcome=Outcome(str(d.get("outcome", ""))))
 
 
-def round_layer(reason: str) -> Layer:
-    """The layer of a new round another node opened, from the round's reason.
-
-    The reasons come from rendezvous/cluster.py: ``node(s) X lost`` and
-    ``node(s) X waiting to join`` are membership changes; any other reason is
-    a worker fault somewhere, which restarts every node's processes.
-    """
-    if " lost" in reason or "waiting to join" in reason:
-        return Layer.RENDEZVOUS
-    return Layer.PROCESS
+def round_layer(cause: RoundCause) -> Layer:
+    """The layer of a new round another node opened, from the round's cause:
+    a change of nodes (one lost, one waiting to join) is a new rendezvous; a
+    worker fault somewhere restarts every node's processes."""
+    return Layer.RENDEZVOUS if cause.membership else Layer.PROCESS
 
 
-def chain_text(attempts: list[dict], limit: int = CHAIN_TEXT_LIMIT) -> str:
+def chain_text(attempts: list[Attempt], limit: int = CHAIN_TEXT_LIMIT) -> str:
     """``inprocess x2 (rank 1: ...) -> process x1 (...)``: consecutive climbs of a
     layer folded into one step, each with its latest cause."""
     steps: list[list] = []   # [layer, count, last cause]
     for a in attempts:
-        if steps and steps[-1][0] == a.get("layer"):
+        if steps and steps[-1][0] == a.layer.value:
             steps[-1][1] += 1
-            steps[-1][2] = a.get("cause", "")
+            steps[-1][2] = a.cause
         else:
-            steps.append([a.get("layer", "?"), 1, a.get("cause", "")])
+            steps.append([a.layer.value, 1, a.cause])
     text = " -> ".join(f"{layer} x{n} ({_short(cause, 120)})" for layer, n, cause in steps)
     if len(text) > limit:
         text = "... " + text[-(limit - 4):]
@@ -101,7 +117,7 @@ class Ladder:
     node_id: str
     inprocess_budget: int       # in-process restarts per process attempt (0: layer off)
     restarts_by_layer: dict = field(default_factory=dict)
-    attempts: list = field(default_factory=list)          # dicts, oldest first
+    attempts: list[Attempt] = field(default_factory=list)   # oldest first
     pending: Attempt | None = None   # a process/rendezvous climb waiting for RUNNING
     # -- the in-process layer, per process attempt --
     iterations_seen: int = 0    # the highest in-process iteration the ranks reported
@@ -114,7 +130,7 @@ class Ladder:
 
     @classmethod
     def from_record(cls, node_id: str, inprocess_budget: int, restarts_by_layer: dict,
-                    attempts: list) -> "Ladder":
+                    attempts: list[Attempt]) -> "Ladder":
         return cls(node_id, inprocess_budget, dict(restarts_by_layer), list(attempts))
 
     # -- the in-process layer ----------------------------------------------------
@@ -149,8 +165,8 @@ class Ladder:
             cause, rank = self.replaced_cause, self.replaced_rank
             since = min(fault_time, self.replaced_at) or fault_time
             self.replaced_cause, self.replaced_at, self.replaced_rank = "", 0.0, -1
-        a = Attempt(Layer.INPROCESS.value, cause, since, rank=rank, node_id=self.node_id,
-                    duration=max(0.0, ready_time - since), outcome=Outcome.RECOVERED.value)
+        a = Attempt(Layer.INPROCESS, cause, since, rank=rank, node_id=self.node_id,
+                    duration=max(0.0, ready_time - since), outcome=Outcome.RECOVERED)
         self._count(Layer.INPROCESS)
         self._keep(a)
         return a
@@ -162,7 +178,7 @@ class Ladder:
     # -- the process and rendezvous layers --------------------------------------
     def begin(self, layer: Layer, cause: str, at: float, rank: int = -1) -> Attempt:
         """A process or rendezvous climb starts; it ends at ``recovered`` or ``failed``."""
-        a = Attempt(layer.value, cause, at, rank=rank, node_id=self.node_id)
+        a = Attempt(layer, cause, at, rank=rank, node_id=self.node_id)
         self.pending = a
         self._count(layer)
         self._keep(a)
@@ -174,19 +190,17 @@ class Ladder:
         if a is None:
             return None
         now = time.time() if now is None else now
-        a.duration = max(0.0, now - a.time)
-        a.outcome = Outcome.RECOVERED.value
+        a = replace(a, duration=max(0.0, now - a.time), outcome=Outcome.RECOVERED)
         self._replace_last(a)
         return a
 
     def failed(self, layer: Layer, cause: str, at: float, rank: int = -1) -> str:
         """No layer can recover: record it; returns the cause chain for the job's reason."""
         if self.pending is not None:
-            self.pending.outcome = Outcome.FELL_BACK.value
-            self._replace_last(self.pending)
+            self._replace_last(replace(self.pending, outcome=Outcome.FELL_BACK))
             self.pending = None
-        self._keep(Attempt(layer.value, cause, at, rank=rank, node_id=self.node_id,
-                           outcome=Outcome.FAILED.value))
+        self._keep(Attempt(layer, cause, at, rank=rank, node_id=self.node_id,
+                           outcome=Outcome.FAILED))
         return chain_text(self.attempts)
 
     # -- bookkeeping ---------------------------------------------------------------
@@ -197,13 +211,14 @@ class Ladder:
             self.restarts_by_layer.setdefault(layer.value, 0)
 
     def _keep(self, a: Attempt) -> None:
-        self.attempts.append(a.to_dict())
+        self.attempts.append(a)
         del self.attempts[:-MAX_ATTEMPTS_KEPT]
 
     def _replace_last(self, a: Attempt) -> None:
+        """The kept climb ``a`` is a later look at (same fault) becomes ``a``."""
         for i in range(len(self.attempts) - 1, -1, -1):
             old = self.attempts[i]
-            if old["time"] == a.time and old["layer"] == a.layer and old["cause"] == a.cause:
-                self.attempts[i] = a.to_dict()
+            if old.time == a.time and old.layer == a.layer and old.cause == a.cause:
+                self.attempts[i] = a
                 return
         self._keep(a)

@@ -28,8 +28,9 @@ from .config import Config
 from .jobs import (JobExists, JobNotFound, JobRecord, JobRegistry, NameInUse, NotPersisted,
                    new_job_id, spec_bytes)
 from .logsetup import ctx
+from .records import WorkerRow
 from .rendezvous.cluster import ClusterRendezvous, create_job
-from .rendezvous.protocol import CANCELLED, SUCCEEDED, JobLimits
+from .rendezvous.protocol import CANCELLED, JobLimits, final_job_state
 from .restartpolicy import RestartWindow
 from .states import LIVE_STATES, TERMINAL_STATES, JobState
 from .store import StoreError
@@ -323,8 +324,7 @@ class JobManager:
             job = self._registry.get(job_id)
             if job.state in TERMINAL_STATES:
                 return
-            target = {SUCCEEDED: JobState.SUCCEEDED, CANCELLED: JobState.CANCELLED}.get(
-                state.status, JobState.FAILED)
+            target = final_job_state(state.status)
             self._registry.transition(job_id, target, state.reason or state.status,
                                       restarts=state.restarts,
                                       restart_times=list(state.restart_times),
@@ -334,6 +334,10 @@ class JobManager:
         with self._lock:
             self._agents.pop(job_id, None)
         self.schedule()
+
+    def capacity(self) -> tuple[int, list[str]]:
+        """(slots free, ids of the jobs holding slots): what the node record says."""
+        return self.slots_total - self.slots_used(), self.active_jobs()
 
     def active_jobs(self) -> list[str]:
         with self._lock:
@@ -426,7 +430,7 @@ def check_access(job: JobRecord, caller: Caller) -> None:
             "see or change it")
 
 
-def kill_leftover_workers(rows: list[dict]) -> int:
+def kill_leftover_workers(rows: list[WorkerRow]) -> int:
     """SIGKILL what is left of recorded workers' process groups.
 
     Each worker led its own process group (pgid == its pid). The leader may
@@ -434,8 +438,7 @@ def kill_leftover_workers(rows: list[dict]) -> int:
     in that group started no earlier than the recorded worker is killed; a
     recycled pid or pgid (an older start time can't be ours) is never hit.
     """
-    wanted = {row["pid"]: row["create_time"] for row in rows
-              if row.get("pid") and row.get("create_time")}
+    wanted = {row.pid: row.create_time for row in rows if row.pid and row.create_time}
     if not wanted:
         return 0
     killed = 0

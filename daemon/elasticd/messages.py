@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 
 from .jobs import JobRecord
+from .records import WorkerRow
 from .restartpolicy import RestartPlan, RestartWindow
 from .states import TERMINAL_STATES
 from .v1 import control_pb2 as pb
@@ -43,16 +44,14 @@ def job_to_proto(job: JobRecord) -> pb.Job:
     if job.last_failure:
         f = job.last_failure
         msg.last_failure.CopyFrom(pb.Failure(
-            rank=f.get("rank", -1), exit_code=f.get("exit_code", 0), signal=f.get("signal", 0),
-            cause=f.get("cause", ""), traceback=f.get("traceback", ""), time=f.get("time", 0.0),
-            restart=f.get("restart", 0), node_id=f.get("node_id", "")))
+            rank=f.rank, exit_code=f.exit_code, signal=f.signal, cause=f.cause,
+            traceback=f.traceback, time=f.time, restart=f.restart, node_id=f.node_id))
     msg.restarts_by_layer.update({k: int(v) for k, v in job.restarts_by_layer.items()})
     msg.restart_budget.update({k: int(v) for k, v in job.restart_budget.items()})
     for a in job.attempts:
-        msg.attempts.add(layer=a.get("layer", ""), cause=a.get("cause", ""),
-                         time=a.get("time", 0.0), duration_seconds=a.get("duration", 0.0),
-                         outcome=a.get("outcome", ""), rank=a.get("rank", -1),
-                         node_id=a.get("node_id", ""))
+        msg.attempts.add(layer=a.layer.value, cause=a.cause, time=a.time,
+                         duration_seconds=a.duration, outcome=a.outcome.value, rank=a.rank,
+                         node_id=a.node_id)
     for p in job.hang_timeouts:
         msg.hang_timeouts.add(phase=p.get("phase", ""), soft_seconds=p.get("soft", 0.0),
                               hard_seconds=p.get("hard", 0.0), learned=p.get("learned", False),
@@ -65,9 +64,14 @@ def job_to_proto(job: JobRecord) -> pb.Job:
             median_step_seconds=s.get("median_step_seconds", 0.0), ranks=s.get("ranks", 0),
             node_id=s.get("node_id", "")))
     for w in job.workers:
-        msg.workers.add(rank=w["rank"], local_rank=w["local_rank"], pid=w["pid"],
-                        state=w["state"], exit_code=w["exit_code"], node_id=w["node_id"])
+        add_worker(msg, w)
     return msg
+
+
+def add_worker(msg: pb.Job, w: WorkerRow) -> None:
+    """One worker row into the job message's ``workers``."""
+    msg.workers.add(rank=w.rank, local_rank=w.local_rank, pid=w.pid, state=w.state.value,
+                    exit_code=w.exit_code, node_id=w.node_id)
 
 
 def event_to_proto(ev: dict) -> pb.Event:

@@ -6,10 +6,10 @@ Where each number comes from:
   registry emits (``_on_event``), so every state change is seen in one
   place: transitions, rendezvous duration (time in RENDEZVOUS: forming the
   round and starting the workers), fault -> RUNNING again.
-- The agent reports each fault it handles (``restart_or_failure``: a
-  failed worker, a hung rank killed, a lost node) just before it records
-  the job's move to RESTARTING or FAILED on the same thread; that move
-  decides whether the fault counts as a restart, and of which layer.
+- The agent reports each fault it handled (``fault_handled``: a failed
+  worker, a hung rank killed, a lost node) with the layer that restarts
+  after it and the record its move left: RESTARTING counts a restart,
+  FAILED only the fault.
 - Store requests are timed by ``TimedStore``, a proxy with the ``Store``
   interface that the daemon puts around its store.
 - Gauges (jobs by state, workers, slots, the node lease) are read from
@@ -35,16 +35,18 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import start_http_server
 
 from . import __version__, statedir
-from .jobs import JobNotFound
+from .jobs import JobNotFound, JobRecord
+from .ladder import Layer
+from .records import Failure
 from .rejections import RejectReason
 from .restartpolicy import RestartWindow
-from .states import LIVE_STATES, TERMINAL_STATES, JobState
+from .states import LIVE_STATES, TERMINAL_STATES, JobState, WorkerState
 from .store import (KV, CompareFailed, KeyExists, Lease, LeaseNotFound, Store,
                     StoreAuthError, StoreCorrupt, StoreError, StoreUnavailable,
                     WatchCompacted, WatchEvent)
 
 # Restart layers, fastest first (DESIGN.md), and what caused a restart.
-LAYERS = ("inprocess", "process", "rendezvous")
+LAYERS = tuple(layer.value for layer in Layer)
 CAUSES = ("exit", "signal", "hang", "node_lost")
 _TERMINAL = frozenset(s.value for s in TERMINAL_STATES)
 
@@ -136,19 +138,21 @@ class Metrics:
         # a scrape reads only the live jobs however long this node's history is.
         self._live: set[str] = set()
         self._ended: dict[str, int] = {s: 0 for s in _TERMINAL}
-        self._handling = threading.local()                # the fault an agent thread handles
         self._server = None
 
     def attach(self, registry, manager) -> None:
         """Count registry events; export job and worker gauges at scrape time."""
-        with registry.changed:  # the registry's lock: no event between the list and us
-            for job in registry.list():
+        registry.subscribe(self._on_event, seed=self._count_jobs)
+        self.registry.register(_JobCollector(registry, manager, self))
+
+    def _count_jobs(self, jobs: list) -> None:
+        """The jobs there were before the first event this counts."""
+        with self._lock:
+            for job in jobs:
                 if job.state in TERMINAL_STATES:
                     self._ended[job.state.value] += 1
                 else:
                     self._live.add(job.id)
-            registry.listeners.append(self._on_event)
-        self.registry.register(_JobCollector(registry, manager, self))
 
     def attach_state(self, cfg, keeper) -> None:
         """Export the state dir's free space and the log keeper's work at scrape time."""
@@ -193,16 +197,6 @@ class Metrics:
             elif to in _TERMINAL:
                 self._faulted.pop(job, None)
                 self._beats.pop(job, None)
-        failure = getattr(self._handling, "failure", None)
-        if failure is not None and to in (JobState.RESTARTING.value, JobState.FAILED.value):
-            self._handling.failure = None
-            cause = failure_cause(failure)
-            self.faults.labels(cause).inc()
-            if to == JobState.RESTARTING.value:
-                layer = failure_layer(failure)
-                self.count_restart(layer, cause)
-                with self._lock:
-                    self._faulted[job] = (failure.get("time") or at, layer)
 
     # -- hooks for the agent, the control service and the restart layers ------
     def workers_started_n(self, n: int) -> None:
@@ -211,10 +205,20 @@ class Metrics:
     def round_nodes(self, n: int) -> None:
         self.round_nodes_seen.observe(n)
 
-    def restart_or_failure(self, failure: dict) -> None:
-        """The agent handles this worker-group fault; its next move (RESTARTING
-        or FAILED, on this thread) decides whether it is counted a restart."""
-        self._handling.failure = failure
+    def fault_handled(self, job: JobRecord, failure: Failure, layer: Layer) -> None:
+        """The agent handled this worker-group fault and moved the job to ``job``
+        (the record the move returned): RESTARTING counts a restart of ``layer``
+        (the one that restarts after it), timed until RUNNING again; FAILED
+        counts the fault alone; any other end (the cluster's word) neither."""
+        if job.state not in (JobState.RESTARTING, JobState.FAILED):
+            return
+        cause = failure_cause(failure)
+        self.faults.labels(cause).inc()
+        if job.state is JobState.RESTARTING:
+            self.count_restart(layer.value, cause)
+            with self._lock:
+                if job.id in self._live:  # not ended meanwhile by another thread
+                    self._faulted[job.id] = (failure.time or job.state_since, layer.value)
 
     def count_restart(self, layer: str, cause: str) -> None:
         self.restarts.labels(layer, cause).inc()
@@ -265,21 +269,13 @@ class Metrics:
             self._server = None
 
 
-def failure_cause(failure: dict) -> str:
-    """The cause label of a failure the agent handles: its ``kind``, or its
-    ``cause`` where that is just one of CAUSES (``node_lost``), else signal
-    or exit from how the worker ended."""
-    for field in ("kind", "cause"):
-        if failure.get(field) in CAUSES:
-            return failure[field]
-    return "signal" if failure.get("signal") else "exit"
-
-
-def failure_layer(failure: dict) -> str:
-    """The layer that restarts after it: a lost node means a new rendezvous."""
-    if failure.get("layer") in LAYERS:
-        return failure["layer"]
-    return "rendezvous" if failure_cause(failure) == "node_lost" else "process"
+def failure_cause(failure: Failure) -> str:
+    """The cause label of a failure the agent handles: its kind where that is
+    one of CAUSES (``hang``, ``node_lost``), else signal or exit from how the
+    worker ended."""
+    if failure.kind.value in CAUSES:
+        return failure.kind.value
+    return "signal" if failure.signal else "exit"
 
 
 def store_error_kind(exc: BaseException) -> str:
@@ -398,7 +394,7 @@ class _JobCollector:
                 if window.limit > 0:
                     in_window = len(window.recent(job.restart_times, time.time()))
                     budget_used = max(budget_used, in_window / window.limit)
-            workers += sum(1 for w in job.workers if w["state"] == "running")
+            workers += sum(1 for w in job.workers if w.state is WorkerState.RUNNING)
             if job.straggler and job.state is JobState.RUNNING:
                 stragglers.append((job.id, job.straggler))
         g = GaugeMetricFamily("elasticd_jobs", "Jobs known to this node, by state",

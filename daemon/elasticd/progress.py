@@ -43,6 +43,7 @@ written before the process dies.
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import signal
@@ -56,6 +57,7 @@ from .hang_timeouts import (MAX_PHASES, HangLimits, LearnSettings, PhaseLimit, P
                             bracketed, encode_limits, limits_table, observe,
                             others_wait_for, phase_limit)
 from .logsetup import ctx
+from .records import Failure, FailureKind
 
 log = logging.getLogger("elasticd.progress")
 
@@ -288,19 +290,19 @@ class ProgressTracker:
         self._ranks.pop(rank, None)
         self._killed.pop(rank, None)
 
-    def explain(self, failure: dict) -> dict:
+    def explain(self, failure: Failure) -> Failure:
         """The failure record, its cause naming the hang if a rank was killed for one."""
         if not self._killed:
             return failure
-        k = self._killed.get(failure.get("rank"))
+        k = self._killed.get(failure.rank)
         first = min(self._killed.values(), key=lambda k: (k.at, -k.idle, k.rank))
         if k is None or k.at > first.at:  # a peer failed as a consequence: blame the first
             k = first
         cause = (f"rank {k.rank} hang: no progress for {k.idle:.0f}s; killed by elasticd "
                  f"(its Python stacks are in its log)")
-        return dict(failure, rank=k.rank, exit_code=-1, signal=int(signal.SIGKILL),
-                    cause=cause, kind="hang", traceback="" if k.rank != failure.get("rank")
-                    else failure.get("traceback", ""))
+        return dataclasses.replace(
+            failure, rank=k.rank, exit_code=-1, signal=int(signal.SIGKILL), cause=cause,
+            kind=FailureKind.HANG, traceback="" if k.rank != failure.rank else failure.traceback)
 
     # -- stragglers and what was learned ----------------------------------------
     def _name_straggler(self, now: float) -> None:

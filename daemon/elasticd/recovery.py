@@ -11,6 +11,7 @@ agent thread.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from .config import Config
@@ -18,6 +19,7 @@ from .inprocess_reports import ReportReader, report_path
 from .jobs import JobRecord, JobRegistry
 from .ladder import Ladder, Layer
 from .metrics import failure_cause
+from .records import Failure, FailureKind
 from .workers import WorkerGroup
 
 log = logging.getLogger("elasticd.recovery")
@@ -71,17 +73,17 @@ class Recovery:
                 "attempts": list(self.ladder.attempts)}
 
     # -- what happened ---------------------------------------------------------------
-    def explain(self, failure: dict) -> dict:
+    def explain(self, failure: Failure) -> Failure:
         """The failure record, as a hang if the rank's wrapper ended it for being stuck."""
-        why = self._stuck.get(failure.get("rank"))
+        why = self._stuck.get(failure.rank)
         if why is None:
             return failure
-        return dict(failure, kind="hang", cause=why)
+        return dataclasses.replace(failure, kind=FailureKind.HANG, cause=why)
 
-    def replaced(self, failure: dict, rank: int) -> int:
+    def replaced(self, failure: Failure, rank: int) -> int:
         """A dead rank got a new process; returns the in-process restarts used so far."""
         self._stuck.pop(rank, None)
-        self.ladder.replaced(failure["cause"], failure["time"], rank)
+        self.ladder.replaced(failure.cause, failure.time, rank)
         self._replaced_label = failure_cause(failure)
         return max(self.ladder.iterations_seen, self.ladder.replacements)
 
@@ -92,8 +94,9 @@ class Recovery:
             return
         self._registry.update(self.job_id, **self.fields())
         self._registry.event(self.job_id, "restart",
-                             f"{climb.layer} restart: running again {climb.duration:.2f}s after "
-                             f"the fault ({climb.cause})", rank=climb.rank, layer=climb.layer,
+                             f"{climb.layer.value} restart: running again {climb.duration:.2f}s "
+                             f"after the fault ({climb.cause})", rank=climb.rank,
+                             layer=climb.layer.value,
                              duration=climb.duration)
 
     def read_reports(self, group: WorkerGroup) -> None:
@@ -123,7 +126,7 @@ class Recovery:
                                  f"in-process restart {rep['iteration']} of "
                                  f"{self.ladder.inprocess_budget}: running again "
                                  f"{climb.duration:.2f}s after the fault ({climb.cause})",
-                                 rank=rank, layer=climb.layer, duration=climb.duration)
+                                 rank=rank, layer=climb.layer.value, duration=climb.duration)
             if self._metrics:
                 self._metrics.count_restart(Layer.INPROCESS.value, self._replaced_label or "exit")
                 self._metrics.observe_recovery(Layer.INPROCESS.value, climb.duration)

@@ -15,8 +15,8 @@ import signal
 import subprocess
 
 from .logsetup import ctx
-from .workers import (GroupSpec, SpawnError, _popen, _user_kwargs, base_env, prepare_dirs,
-                      warm_args)
+from .workers import (GroupSpec, SpawnError, as_user_kwargs, base_env, prepare_dirs,
+                      start_process, warm_args)
 
 log = logging.getLogger("elasticd.storehost")
 
@@ -43,10 +43,11 @@ class JobStoreHost:
             raise SpawnError("in-process restart needs a `python SCRIPT` or `python -m MODULE` "
                              "command (the store host runs with the job's Python)")
         prepare_dirs(spec)
-        proc = _popen(spec, [spec.command[0], JOBSTORE, "--host", bind, "--advertise", advertise],
-                      spec.rank_offset, base_env(spec), _user_kwargs(spec.uid, spec.gid),
-                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                      log_path=os.path.join(spec.log_dir, "jobstore.log"))
+        proc = start_process(spec, [spec.command[0], JOBSTORE, "--host", bind,
+                                    "--advertise", advertise],
+                             spec.rank_offset, base_env(spec), as_user_kwargs(spec.uid, spec.gid),
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             log_path=os.path.join(spec.log_dir, "jobstore.log"))
         self._proc = proc
         ready, _, _ = select.select([proc.stdout], [], [], timeout)
         line = proc.stdout.readline().decode(errors="replace").split() if ready else []

@@ -54,7 +54,7 @@ class IterationStore:
 
     def report_fault(self, reason: str) -> str:
         """Record a fault of this iteration; returns the one that was first."""
-        first = _text(self.store.compare_set("fault", "", reason))
+        first = as_text(self.store.compare_set("fault", "", reason))
         self.store.compare_set("verdict", "", "restart")
         return first
 
@@ -62,7 +62,7 @@ class IterationStore:
         """The iteration's first fault, or None (one non-blocking look)."""
         if not self.store.check(["fault"]):
             return None
-        return _text(self.store.get("fault"))
+        return as_text(self.store.get("fault"))
 
     def finish(self, timeout: float) -> str | None:
         """This rank's function returned: None if every rank's did, else the fault."""
@@ -71,7 +71,7 @@ class IterationStore:
         self._wait_for("verdict", timeout,
                        lambda: f"{self.store.add('done/n', 0)} of {self.world_size} ranks "
                                f"finished within {timeout:g}s and none reported a fault")
-        if _text(self.store.get("verdict")) == "ok":
+        if as_text(self.store.get("verdict")) == "ok":
             return None
         return self.fault() or "restart requested"
 
@@ -84,5 +84,6 @@ class IterationStore:
             self._sleep(self._poll)
 
 
-def _text(value) -> str:
+def as_text(value) -> str:
+    """A store value as text (the store gives bytes; a bad byte never raises)."""
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)

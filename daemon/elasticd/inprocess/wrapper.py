@@ -92,7 +92,7 @@ from torch.distributed import distributed_c10d as c10d
 
 from .. import hang_timeouts, inprocess_reports, jobstore_env
 from ._beat import current_phase, keepalive, last_beat, steps
-from .coord import BarrierTimeout, IterationStore, _text
+from .coord import BarrierTimeout, IterationStore, as_text
 
 log = logging.getLogger("elasticd.inprocess")
 
@@ -253,7 +253,7 @@ class _Run:
         (the others may not have noticed yet) and join the next one; if not,
         the others wait at that barrier for us.
         """
-        latest = int(_text(root.get("latest"))) if root.check(["latest"]) else 0
+        latest = int(as_text(root.get("latest"))) if root.check(["latest"]) else 0
         fault = f"rank {self.rank}: {replaces}; replaced by pid {os.getpid()}"
         current = dist.PrefixStore(f"it{latest}/", root)
         if not current.check(["start/go"]):

@@ -16,10 +16,12 @@ import time
 from typing import Callable
 
 from ..logsetup import ctx
+from ..records import WorkerRow
 from ..store import CompareFailed, KeyExists, Lease, Store
 from .local import free_port
-from .protocol import (CLOSED, FINAL, OPEN, Join, JobLimits, Result, RoundClock, RoundState,
-                       decide_open_round, decider, job_prefix, reopen, result_for)
+from .protocol import (CLOSED, FINAL, OPEN, Join, JobLimits, Result, RoundCause, RoundClock,
+                       RoundState, decide_open_round, decider, job_prefix, reopen, result_for)
+from .status import CURRENT, RoundStatus, StatusKind
 from .view import JobsView
 
 log = logging.getLogger("elasticd.rendezvous")
@@ -63,10 +65,12 @@ class ClusterRendezvous:
         # The last round next_round returned, and a new round we asked for that
         # may not have reached etcd: a round is never run twice (see next_round).
         self._ran: Result | None = None
-        self._wanted: tuple[str, bool] | None = None   # reopen's (reason, count_restart)
+        # reopen's (reason, count_restart, cause)
+        self._wanted: tuple[str, bool, RoundCause] | None = None
         # This node's job store for in-process restart (the agent starts it before
-        # joining; 0: none). The round's first member's is the one its ranks share.
-        self.store_port = 0
+        # joining; 0: none), as next_round was last given it. The round's first
+        # member's is the one its ranks share.
+        self._store_port = 0
 
     @property
     def address(self) -> str:
@@ -93,8 +97,11 @@ class ClusterRendezvous:
         return self._view.revision < self._written
 
     # -- joining -----------------------------------------------------------------
-    def next_round(self, stop: threading.Event) -> Result:
-        """Join rounds until one that includes this node closes; its result."""
+    def next_round(self, stop: threading.Event, store_port: int = 0) -> Result:
+        """Join rounds until one that includes this node closes; its result.
+        ``store_port``: this node's job store for in-process restart (0: none),
+        offered in its joins."""
+        self._store_port = store_port
         while True:
             if stop.is_set():
                 raise RendezvousStopped()
@@ -147,7 +154,7 @@ class ClusterRendezvous:
         lease = self._lease()
         join = Join(node_id=self.node_id, address=self._address, nproc=self._nproc,
                     port=self._port(), prev_rank=self.prev_rank, time=self._clock(),
-                    store_port=self.store_port)
+                    store_port=self._store_port)
         self._joined[rnd] = self._store.put(self._key("join", rnd, self.node_id),
                                             join.to_json(), lease=lease)
 
@@ -160,32 +167,38 @@ class ClusterRendezvous:
             self._joined.pop(rnd, None)
 
     # -- while running -------------------------------------------------------------
-    def status(self, result: Result) -> tuple[str, str]:
-        """("current" | "superseded" | "final" | "lost:<nodes>" | "waiting", why)."""
+    def status(self, result: Result) -> RoundStatus:
+        """Whether ``result``'s round still stands, and if not, why."""
         keys = self._view.job(self.job_id)
         state = keys.state if keys else None
         if state is None:
-            return "superseded", "the job's round state is gone"
+            return RoundStatus(StatusKind.SUPERSEDED, "the job's round state is gone")
         self.last_state = state
         if state.final:
-            return "final", state.reason or state.status
+            return RoundStatus(StatusKind.FINAL, state.reason or state.status)
         if state.round != result.round or state.status != CLOSED:
-            return "superseded", state.reason or f"round {state.round} opened"
+            return RoundStatus(StatusKind.SUPERSEDED, state.reason or f"round {state.round} opened",
+                               cause=state.cause)
         joined = keys.joins.get(state.round, {})
         # Never ourselves: if our own lease lapsed (a stalled daemon), the peers
         # see us lost and open a new round; alone, there is nobody to tell.
         lost = [n for n in state.member_ids() if n not in joined and n != self.node_id]
         if lost:
-            return "lost:" + ",".join(lost), f"node(s) {', '.join(lost)} lost"
+            return RoundStatus(StatusKind.LOST, f"node(s) {', '.join(lost)} lost",
+                               nodes=tuple(lost), cause=RoundCause.NODE_LOST)
         waiting = [n for n in keys.joins.get(state.round + 1, {}) if n not in state.member_ids()]
         if waiting and self._scale_up == "immediate":
-            return "waiting", f"node(s) {', '.join(sorted(waiting))} waiting to join"
-        return "current", ""
+            waiting.sort()
+            return RoundStatus(StatusKind.WAITING,
+                               f"node(s) {', '.join(waiting)} waiting to join",
+                               nodes=tuple(waiting), cause=RoundCause.NODE_WAITING)
+        return CURRENT
 
-    def reopen(self, result: Result, reason: str, count_restart: bool) -> RoundState:
-        """Open the next round (once, cluster-wide); returns the state that then holds.
-        A StoreError leaves the ask pending: next_round makes it again."""
-        self._wanted = (reason, count_restart)
+    def reopen(self, result: Result, reason: str, count_restart: bool,
+               cause: RoundCause = RoundCause.FAULT) -> RoundState:
+        """Open the next round (once, cluster-wide) for ``cause``; returns the state
+        that then holds. A StoreError leaves the ask pending: next_round makes it again."""
+        self._wanted = (reason, count_restart, cause)
         while True:
             seen = self._view.revision
             keys = self._view.job(self.job_id)
@@ -197,7 +210,7 @@ class ClusterRendezvous:
             alive = [n for n in state.member_ids() if n in keys.joins.get(state.round, {})]
             waiting = list(keys.joins.get(state.round + 1, {}))
             new, why = reopen(state, reason, count_restart, self.limits, self._clock(),
-                              expected=tuple(set(alive) | set(waiting)))
+                              expected=tuple(set(alive) | set(waiting)), cause=cause)
             if self._cas_state(new, keys.state_revision):
                 log.info("%s: %s", self._where(state.round), why)
                 self._wanted = None
@@ -231,9 +244,9 @@ class ClusterRendezvous:
         done = keys.done.get(result.round, set()) if keys else set()
         return set(result.members) <= done
 
-    def publish_workers(self, rows: list[dict], summary: dict | None = None) -> None:
+    def publish_workers(self, rows: list[WorkerRow], summary: dict | None = None) -> None:
         """This node's worker rows and its recovery summary, for status on any node."""
-        value = {"rows": rows, "summary": summary or {}}
+        value = {"rows": [r.to_dict() for r in rows], "summary": summary or {}}
         self._store.put(self._key("workers", self.node_id), json.dumps(value),
                         lease=self._lease())
 

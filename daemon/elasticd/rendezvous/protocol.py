@@ -24,15 +24,47 @@ rounds and newcomers come after them.
 """
 from __future__ import annotations
 
+import enum
 import json
 from dataclasses import asdict, dataclass, field, replace
 
 from ..restartpolicy import RestartWindow
+from ..states import JobState
 
 OPEN, CLOSED = "open", "closed"
 SUCCEEDED, FAILED, CANCELLED = "succeeded", "failed", "cancelled"
 FINAL = frozenset({SUCCEEDED, FAILED, CANCELLED})
+_JOB_STATE_OF_FINAL = {SUCCEEDED: JobState.SUCCEEDED, CANCELLED: JobState.CANCELLED}
 _MAX_TIMES = 10_001    # restart times a round state may carry (control's limit + 1)
+
+
+class RoundCause(str, enum.Enum):
+    """Why a round opened after the last: what the nodes that rejoin it recover from.
+    Kept in the round state (``cause``), so no node reads it out of the reason text."""
+    FAULT = "fault"                # a worker fault on some node (or its workers restart)
+    NODE_LOST = "node_lost"        # a member node's lease expired
+    NODE_WAITING = "node_waiting"  # a node waits to join the running job (scale-up)
+
+    @property
+    def membership(self) -> bool:
+        """A change of the round's nodes, not a fault of its workers."""
+        return self is not RoundCause.FAULT
+
+    @classmethod
+    def of_legacy_reason(cls, reason: str) -> "RoundCause":
+        """The cause of a round state written by a release that kept none: its
+        reasons said ``node(s) X lost`` and ``node(s) X waiting to join``."""
+        if " lost" in reason:
+            return cls.NODE_LOST
+        if "waiting to join" in reason:
+            return cls.NODE_WAITING
+        return cls.FAULT
+
+
+def final_job_state(status: str) -> JobState:
+    """The job state a final round status ends the job in on every node: succeeded
+    and cancelled one to one; failed, and anything else, FAILED."""
+    return _JOB_STATE_OF_FINAL.get(status, JobState.FAILED)
 
 
 def job_prefix(job_id: str) -> str:
@@ -61,9 +93,11 @@ class RoundState:
     reason: str = ""
     opened_at: float = 0.0
     closed_at: float = 0.0
+    cause: RoundCause = RoundCause.FAULT   # why this round (and the rounds it became) opened
 
     def to_json(self) -> str:
         data = asdict(self)
+        data["cause"] = self.cause.value
         data["members"] = [asdict(m) for m in self.members]
         data["restart_times"] = list(self.restart_times)
         return json.dumps(data, sort_keys=True)
@@ -81,7 +115,8 @@ class RoundState:
                     expected=tuple(str(n) for n in data.get("expected", ())),
                     reason=str(data.get("reason", "")),
                     opened_at=float(data.get("opened_at", 0.0)),
-                    closed_at=float(data.get("closed_at", 0.0)))
+                    closed_at=float(data.get("closed_at", 0.0)),
+                    cause=_cause(data))
         if state.status not in (OPEN, CLOSED) and state.status not in FINAL:
             raise ValueError(f"unknown round status {state.status!r}")
         return state
@@ -92,6 +127,15 @@ class RoundState:
 
     def member_ids(self) -> list[str]:
         return [m.node_id for m in self.members]
+
+
+def _cause(data: dict) -> RoundCause:
+    if "cause" not in data:
+        return RoundCause.of_legacy_reason(str(data.get("reason", "")))
+    try:
+        return RoundCause(data["cause"])
+    except ValueError:
+        return RoundCause.FAULT   # a cause a newer release added: a fault, as before
 
 
 @dataclass(frozen=True)
@@ -196,8 +240,9 @@ def decide_open_round(state: RoundState, joins: list[Join], limits: JobLimits,
 
 
 def reopen(state: RoundState, reason: str, count_restart: bool, limits: JobLimits,
-           now: float, expected: tuple = ()) -> tuple[RoundState, str]:
-    """The state after a fault or a membership change in ``state``'s round.
+           now: float, expected: tuple = (),
+           cause: RoundCause = RoundCause.FAULT) -> tuple[RoundState, str]:
+    """The state after a fault or a membership change (``cause``) in ``state``'s round.
 
     ``expected``: the nodes the new round can close as soon as they joined
     (the old members still alive, plus any waiting to join)."""
@@ -218,7 +263,7 @@ def reopen(state: RoundState, reason: str, count_restart: bool, limits: JobLimit
               if count_restart else ""))
     return RoundState(round=state.round + 1, status=OPEN, restarts=restarts, reason=why,
                       expected=tuple(sorted(expected)), opened_at=now,
-                      restart_times=times), why
+                      restart_times=times, cause=cause), why
 
 
 def result_for(state: RoundState, node_id: str) -> Result | None:

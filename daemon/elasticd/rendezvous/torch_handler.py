@@ -38,6 +38,7 @@ from torch.distributed.elastic.rendezvous.api import (RendezvousConnectionError,
 from ..store import LeaseNotFound, StoreError, open_store
 from .cluster import ClusterRendezvous, RendezvousStopped, RoundFinal, create_job
 from .protocol import CANCELLED, FINAL, JobLimits, Result
+from .status import StatusKind
 from .view import JobsView
 
 log = logging.getLogger("elasticd.torchrun")
@@ -216,10 +217,10 @@ class ElasticdRendezvousHandler(RendezvousHandler):
     def num_nodes_waiting(self) -> int:
         if self._result is None:
             return 0
-        status, _ = self._rdzv.status(self._result)
-        if status == "current":
+        status = self._rdzv.status(self._result).kind
+        if status is StatusKind.CURRENT:
             return 0
-        if status == "waiting":
+        if status is StatusKind.WAITING:
             keys = self._view.job(self._run_id)
             members = set(self._result.members)
             return len([n for n in keys.joins.get(self._result.round + 1, {})

@@ -79,7 +79,7 @@ class JobsView:
     def wait(self, timeout: float, seen: int | None = None,
              stop: threading.Event | None = None) -> None:
         """Wait for a change after revision ``seen`` (now, if None), timeout,
-        or ``stop`` set (whoever sets it must notify ``changed``).
+        or ``stop`` set (whoever sets it then calls ``wake_waiters``).
 
         Pass the revision read before looking at the view: a change applied
         between that look and this call then returns at once instead of
@@ -89,6 +89,11 @@ class JobsView:
             after = self.revision if seen is None else seen
             self.changed.wait_for(
                 lambda: self.revision > after or (stop is not None and stop.is_set()), timeout)
+
+    def wake_waiters(self) -> None:
+        """Wake every ``wait`` to look at its ``stop`` event again."""
+        with self.changed:
+            self.changed.notify_all()
 
     # -- the loop --------------------------------------------------------------
     def start(self) -> None:

@@ -65,7 +65,7 @@ def detect_api(endpoints: list[str], timeout: float = 2.0, *, ca_cert: str | Non
     probe = Etcd3Store(endpoints, timeout=timeout,
                        **_tls_auth(ca_cert, cert, key, username, password))
     try:
-        probe._call("/maintenance/status", {})
+        probe.status()
         return "v3"
     except StoreCorrupt:
         return "v2"

@@ -281,8 +281,13 @@ class Etcd3Store(Store):
         except LeaseNotFound:
             pass
 
+    def status(self) -> dict:
+        """etcd's ``/maintenance/status`` answer from the endpoint in use (the v3
+        gateway's only request that needs no key: detect_api probes with it)."""
+        return self._call("/maintenance/status", {})
+
     def health(self) -> str:
-        data = self._call("/maintenance/status", {})
+        data = self.status()
         url = self.endpoints[self._current]
         if data.get("leader", "0") in ("0", 0):
             raise StoreUnavailable(f"etcd at {url} has no leader")
