@@ -121,6 +121,23 @@ def test_a_huge_value_is_refused_before_hashing():
     assert coord(s, 0).fault() is None
 
 
+def test_the_first_rejection_of_each_kind_is_told_once():
+    told = []
+    seal = RecordSealer(jobstore_env.record_key(SECRET), "r0a0/", on_first_reject=told.append)
+    s = DictStore()
+    s.d["fault/0"] = s.d["fault/1"] = "PWNED"
+    s.d["start/r1"] = "PWNED"
+    s.d["start/r0"] = seal.within("it0/").seal("start/r0", b"start")
+    for _ in range(3):
+        c = coord(s, 0, seal=seal.within("it0/"))
+        assert c.fault() is None and not c.opened("start")
+    assert told == ["fault", "start marker"]
+    assert seal.rejected == {"fault": 6, "start marker": 3}
+    from elasticd.inprocess_reports import parse_line
+    assert parse_line(json.dumps({"kind": "forged", "record": "x" * 500}).encode()) == \
+        {"kind": "forged", "record": "x" * 40}
+
+
 def test_the_store_names_neither_the_secret_nor_the_record_key():
     prefix = jobstore_env.key_prefix(SECRET, "0", "0")
     assert SECRET not in prefix and jobstore_env.record_key(SECRET).hex() not in prefix

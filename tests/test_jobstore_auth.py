@@ -9,7 +9,8 @@ iteration 0, real barrier markers) under the keys of the iteration running
 and the next one. Every record the ranks act on is sealed with a key the
 store never sees (elasticd/inprocess/records.py), so none of hers verifies:
 the job restarts in-process exactly once, for its own real fault, and
-SUCCEEDS with no process restart; each rank logs the rejected records.
+SUCCEEDS with no process restart; each rank logs the rejected records and
+tells the daemon, whose events say so.
 """
 from __future__ import annotations
 
@@ -151,6 +152,9 @@ def test_a_user_who_reads_the_job_store_cannot_forge_or_replay_its_records(node,
         assert text.count("failed authentication (fault at") == 1, text[-3000:]
     assert "injected failure on rank 1 at step 25" in logs[1]
     shown = everything_shown(node, job_id)
+    # ... and told the daemon, which says so in the job's events.
+    assert re.search(r"rank \d: ignored a fault record in the job store that failed "
+                     r"authentication", shown), shown[-3000:]
     assert "PWNED" not in shown and not any("PWNED" in text for text in logs)
     # What mallory saw names neither the secret nor anything she could seal with.
     assert len(secret) >= 32 and secret not in json.dumps(attack["keys"])

@@ -184,8 +184,3 @@ def latest_iteration(store_of: Callable[[int], object], sealer: RecordSealer, ra
         if it.entered():
             newest = n
     return newest
-
-
-def _text(value) -> str:
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
-

@@ -22,6 +22,7 @@ import hashlib
 import hmac
 import logging
 from collections import Counter
+from typing import Callable
 
 log = logging.getLogger("elasticd.inprocess")
 
@@ -41,16 +42,19 @@ class RecordSealer:
     """
 
     def __init__(self, key: bytes, scope: str, label: str = "",
-                 rejected: Counter | None = None):
+                 rejected: Counter | None = None,
+                 on_first_reject: Callable[[str], None] | None = None):
         if len(key) < 16:
             raise ValueError("the job-store record key must have at least 128 bits")
         self._key = key
         self.scope = scope
         self._label = label              # what to name in logs: no secret-derived prefix
         self.rejected = Counter() if rejected is None else rejected
+        self._on_first_reject = on_first_reject   # told the kind, once per kind
 
     def within(self, suffix: str) -> "RecordSealer":
-        return RecordSealer(self._key, self.scope + suffix, self._label + suffix, self.rejected)
+        return RecordSealer(self._key, self.scope + suffix, self._label + suffix, self.rejected,
+                            self._on_first_reject)
 
     def seal(self, name: str, payload: bytes) -> bytes:
         if len(payload) > MAX_PAYLOAD:
@@ -72,6 +76,8 @@ class RecordSealer:
             log.warning("ignored a job-store record that failed authentication (%s at %s%s): "
                         "someone other than this job's ranks wrote to its store; it is never "
                         "acted on (logged once per kind)", kind, self._label, name)
+            if self._on_first_reject is not None:
+                self._on_first_reject(kind)
         return None
 
     def _tag(self, name: str, payload: bytes) -> bytes:

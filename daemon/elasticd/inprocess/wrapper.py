@@ -230,7 +230,8 @@ class _Run:
         prefix = jobstore_env.key_prefix(secret, rnd, attempt)
         root = dist.PrefixStore(prefix, base)
         self.sealer = RecordSealer(jobstore_env.record_key(secret), prefix,
-                                   label=f"r{rnd}a{attempt}/")
+                                   label=f"r{rnd}a{attempt}/", on_first_reject=lambda kind:
+                                   self.report.write({"kind": "forged", "record": kind}))
         iteration, fault, fault_time = 0, "", 0.0
         replaces = os.environ.get("ELASTICD_INPROCESS_REPLACES", "")
         if replaces:
