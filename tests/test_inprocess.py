@@ -15,7 +15,9 @@ import time
 
 import pytest
 
+from elasticd import jobstore_env
 from elasticd.inprocess.coord import BarrierTimeout, IterationStore
+from elasticd.inprocess.records import RecordSealer
 from elasticd.v1 import control_pb2 as pb
 
 PY = sys.executable
@@ -40,16 +42,26 @@ class DictStore:
     def check(self, keys):
         return all(k in self.d for k in keys)
 
+    def multi_get(self, keys):
+        return [self.d[k] for k in keys]
+
     def compare_set(self, key, expected, desired):
         if self.d.get(key, "") == expected:
             self.d[key] = desired
         return self.d[key]
 
 
-def coord(store, rank=0, world=2, clock=None):
+SECRET = jobstore_env.new_secret()
+
+
+def sealer(secret=SECRET, scope="r0a0/it0/"):
+    return RecordSealer(jobstore_env.record_key(secret), scope)
+
+
+def coord(store, rank=0, world=2, clock=None, seal=None):
     t = [0.0]
     return IterationStore(store, rank, world, poll=0.5, beat=lambda: None,
-                          clock=clock or (lambda: t[0]),
+                          sealer=seal or sealer(), clock=clock or (lambda: t[0]),
                           sleep=lambda s: t.__setitem__(0, t[0] + s))
 
 
@@ -65,7 +77,72 @@ def test_finish_is_ok_only_when_every_rank_returned():
     with pytest.raises(BarrierTimeout, match="1 of 2 ranks finished"):
         coord(s, 0).finish(2)
     assert coord(s, 1).finish(2) is None
-    assert s.d["verdict"] == "ok"
+    assert coord(s, 0).finish(2) is None  # every rank reads the same verdict
+
+
+# ---------------------------------------------------------------- records someone else wrote
+
+def test_planted_faults_and_markers_are_ignored_and_a_genuine_fault_still_wins():
+    s = DictStore()
+    for slot in range(5):
+        s.d[f"fault/{slot}"] = "PWNED"                        # plain text
+    s.d["fault/5"] = "v1." + "0" * 64 + ".PWNED"              # the format, a wrong MAC
+    s.d["done/r1"] = s.d["start/r1"] = "v1." + "0" * 64 + ".done"
+    me = coord(s, 0)
+    assert me.fault() is None
+    assert not me.opened("start") and not me.opened("done")
+    with pytest.raises(BarrierTimeout, match="finished within 2s and none reported a fault"):
+        me.finish(2)                                         # a forged done opens nothing
+    assert me.sealer.rejected["fault"] == 6
+    assert coord(s, 1).report_fault("rank 1: real") == "rank 1: real"  # takes slot 6
+    assert me.fault() == "rank 1: real" and me.finish(2) == "rank 1: real"
+
+
+def test_a_genuine_record_copied_to_another_key_does_not_verify():
+    s = DictStore()
+    coord(s, 1).report_fault("rank 1: boom")
+    with pytest.raises(BarrierTimeout):  # rank 0 never comes; rank 1's marker is written
+        coord(s, 1).barrier("start", 1)
+    nxt, other_job = DictStore(), DictStore()
+    # The next iteration's (or another rank's) keys, with iteration 0's genuine values.
+    nxt.d["fault/0"] = other_job.d["fault/0"] = s.d["fault/0"]
+    nxt.d["start/r0"] = s.d["start/r1"]
+    nxt.d["done/r0"] = nxt.d["done/r1"] = s.d["start/r1"]
+    assert coord(nxt, 0, seal=sealer(scope="r0a0/it1/")).fault() is None
+    assert not coord(nxt, 1, seal=sealer(scope="r0a0/it1/")).opened("start")
+    assert not coord(nxt, 1, seal=sealer(scope="r0a0/it1/")).opened("done")
+    assert coord(other_job, 0, seal=sealer(jobstore_env.new_secret())).fault() is None
+    assert coord(s, 0).fault() == "rank 1: boom"  # where it was written, it is genuine
+
+
+def test_a_huge_value_is_refused_before_hashing():
+    s = DictStore()
+    s.d["fault/0"] = b"v1." + b"0" * 64 + b"." + b"x" * (10 << 20)
+    assert coord(s, 0).fault() is None
+
+
+def test_the_first_rejection_of_each_kind_is_told_once():
+    told = []
+    seal = RecordSealer(jobstore_env.record_key(SECRET), "r0a0/", on_first_reject=told.append)
+    s = DictStore()
+    s.d["fault/0"] = s.d["fault/1"] = "PWNED"
+    s.d["start/r1"] = "PWNED"
+    s.d["start/r0"] = seal.within("it0/").seal("start/r0", b"start")
+    for _ in range(3):
+        c = coord(s, 0, seal=seal.within("it0/"))
+        assert c.fault() is None and not c.opened("start")
+    assert told == ["fault", "start marker"]
+    assert seal.rejected == {"fault": 6, "start marker": 3}
+    from elasticd.inprocess_reports import parse_line
+    assert parse_line(json.dumps({"kind": "forged", "record": "x" * 500}).encode()) == \
+        {"kind": "forged", "record": "x" * 40}
+
+
+def test_the_store_names_neither_the_secret_nor_the_record_key():
+    prefix = jobstore_env.key_prefix(SECRET, "0", "0")
+    assert SECRET not in prefix and jobstore_env.record_key(SECRET).hex() not in prefix
+    assert jobstore_env.key_prefix(SECRET, "0", "0") == prefix  # every rank derives the same
+    assert not jobstore_env.valid_secret("") and not jobstore_env.valid_secret("ab" * 8)
 
 
 def test_barrier_times_out_naming_how_many_arrived():
@@ -91,6 +168,7 @@ def run_ranks(store, world, args, tmp_path, **extra_env):
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                    ELASTICD_STORE_ADDR=store[0], ELASTICD_STORE_PORT=store[1],
+                   ELASTICD_STORE_SECRET=SECRET,
                    TORCHELASTIC_RESTART_COUNT="0", ELASTICD_INPROCESS_SOFT_TIMEOUT="10",
                    ELASTICD_INPROCESS_HARD_TIMEOUT="20", ELASTICD_INPROCESS_BARRIER_TIMEOUT="30",
                    **extra_env)

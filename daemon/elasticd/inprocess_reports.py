@@ -11,6 +11,9 @@ in the job's run dir, and ``elasticd.inprocess.Wrapper`` appends to it:
     {"kind": "stuck", "reason": "..."}
         this rank's function could not be stopped (hung outside Python); the
         process ends itself and the daemon replaces it, the cause a hang
+    {"kind": "forged", "record": "fault"}
+        this rank ignored a record of that kind in the job store that failed
+        authentication (someone else writes to the store); once per kind
 
 The agent reads new lines once per monitor tick (a stat per rank when nothing
 changed). The files are written by the job's user, so they are untrusted:
@@ -31,6 +34,7 @@ log = logging.getLogger("elasticd.inprocess_reports")
 ENV = "ELASTICD_INPROCESS_REPORT"
 MAX_READ = 64 * 1024
 _TEXT_LIMIT = 2000
+_RECORD_LIMIT = 40   # the kind of a record, e.g. "fault", "done marker"
 
 
 def report_path(run_dir: str, rank: int, restart_count: int) -> str:
@@ -54,6 +58,8 @@ def parse_line(line: bytes) -> dict | None:
                     "ready_time": float(data.get("ready_time", 0.0))}
         if kind in ("abandoned", "stuck"):
             return {"kind": kind, "reason": str(data.get("reason", ""))[:_TEXT_LIMIT]}
+        if kind == "forged":
+            return {"kind": kind, "record": str(data.get("record", ""))[:_RECORD_LIMIT]}
     except (KeyError, TypeError, ValueError, OverflowError):
         return None
     return None

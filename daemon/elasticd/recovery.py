@@ -110,6 +110,13 @@ class Recovery:
                 self._registry.event(self.job_id, "hang", rep["reason"], rank=rank,
                                      layer=Layer.INPROCESS.value)
                 continue
+            if rep["kind"] == "forged":
+                self._registry.event(self.job_id, "info", f"rank {rank}: ignored a "
+                                     f"{rep['record']} record in the job store that failed "
+                                     "authentication: someone other than the job's ranks "
+                                     "writes to its store", rank=rank,
+                                     layer=Layer.INPROCESS.value)
+                continue
             if rep["kind"] == "abandoned":
                 if not self.ladder.abandoned:
                     self._registry.event(self.job_id, "info", f"rank {rank}: in-process restart "

@@ -12,6 +12,11 @@ One restart iteration, on every rank:
 3. it returned on every rank: tear down the group, return its value. A
    fault anywhere: tear down the group and go round again, N + 1.
 
+The store is open to anyone who can connect (torch's TCPStore has no
+authentication): every record the ranks act on is sealed with a key derived
+from the job's secret (ELASTICD_STORE_SECRET, required), which never reaches
+the store, and one that does not verify is ignored (coord.py, records.py).
+
 A fault is: the function raised on some rank; or, after this rank's first
 step of the iteration, no beat for the soft timeout. The soft timeout, and
 the grace (hard - soft) below, are those the daemon learned for the phase
@@ -92,7 +97,8 @@ from torch.distributed import distributed_c10d as c10d
 
 from .. import hang_timeouts, inprocess_reports, jobstore_env
 from ._beat import current_phase, keepalive, last_beat, steps
-from .coord import BarrierTimeout, IterationStore, as_text
+from .coord import BarrierTimeout, IterationStore, latest_iteration
+from .records import RecordSealer
 
 log = logging.getLogger("elasticd.inprocess")
 
@@ -215,9 +221,17 @@ class _Run:
         # node stays the first member) never hands a new group an old group's keys.
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         rnd = os.environ.get("ELASTICD_ROUND", "0")
-        # ... under the job's secret: a user who can connect cannot name its keys.
+        # ... under a prefix derived from the job's secret, every record sealed with a key
+        # derived from it too: whoever connects can see keys but cannot forge records.
         secret = os.environ.get(jobstore_env.SECRET, "")
-        root = dist.PrefixStore(jobstore_env.key_prefix(secret, rnd, attempt), base)
+        if not jobstore_env.valid_secret(secret):
+            raise RuntimeError(f"{jobstore_env.SECRET} is missing or shorter than 128 bits: "
+                               "in-process restart needs the secret elasticd gives the ranks")
+        prefix = jobstore_env.key_prefix(secret, rnd, attempt)
+        root = dist.PrefixStore(prefix, base)
+        self.sealer = RecordSealer(jobstore_env.record_key(secret), prefix,
+                                   label=f"r{rnd}a{attempt}/", on_first_reject=lambda kind:
+                                   self.report.write({"kind": "forged", "record": kind}))
         iteration, fault, fault_time = 0, "", 0.0
         replaces = os.environ.get("ELASTICD_INPROCESS_REPLACES", "")
         if replaces:
@@ -227,10 +241,9 @@ class _Run:
             if iteration > self.s.max_restarts:
                 self._give_up(f"{self.s.max_restarts} in-process restarts used; last fault: "
                               f"{fault}", None)
-            root.set("latest", str(iteration))
             store = dist.PrefixStore(f"it{iteration}/", root)
-            coord = IterationStore(store, self.rank, self.world_size,
-                                   poll=min(0.02, self.s.monitor_interval), beat=keepalive)
+            coord = self._coord(root, iteration, min(0.02, self.s.monitor_interval))
+            coord.enter()
             try:
                 outcome = self._iteration(coord, store, iteration, args, kwargs,
                                           (fault, fault_time))
@@ -253,13 +266,18 @@ class _Run:
         (the others may not have noticed yet) and join the next one; if not,
         the others wait at that barrier for us.
         """
-        latest = int(as_text(root.get("latest"))) if root.check(["latest"]) else 0
+        latest = latest_iteration(lambda n: dist.PrefixStore(f"it{n}/", root), self.sealer,
+                                  self.rank, self.world_size, self.s.max_restarts + 1)
         fault = f"rank {self.rank}: {replaces}; replaced by pid {os.getpid()}"
-        current = dist.PrefixStore(f"it{latest}/", root)
-        if not current.check(["start/go"]):
+        coord = self._coord(root, latest, 0.02)
+        if not coord.opened("start"):
             return latest, fault
-        coord = IterationStore(current, self.rank, self.world_size, poll=0.02, beat=keepalive)
         return latest + 1, coord.report_fault(fault[:500])
+
+    def _coord(self, root, iteration: int, poll: float) -> IterationStore:
+        return IterationStore(dist.PrefixStore(f"it{iteration}/", root), self.rank,
+                              self.world_size, poll=poll, beat=keepalive,
+                              sealer=self.sealer.within(f"it{iteration}/"))
 
     def _count_fault(self, outcome: "_Outcome") -> None:
         """Give up when faults keep coming: repeat_limit of them within repeat_window."""
