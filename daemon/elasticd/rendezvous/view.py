@@ -16,8 +16,10 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 
+from ..phase_board import NodePhases
 from ..rejections import Rejection, SpecRejected
 from ..store import EVENT_PUT, Store
 from ..store.follow import Follower
@@ -38,6 +40,7 @@ class JobKeys:
     workers: dict = field(default_factory=dict)   # node -> list of worker rows
     summaries: dict = field(default_factory=dict)  # node -> its recovery summary (a dict)
     rejection: Rejection | None = None             # the spec was refused (spec is None)
+    phases: dict = field(default_factory=dict)    # node -> (NodePhases, monotonic time got)
 
 
 def plain_spec(job_id: str, text: str) -> dict:
@@ -59,6 +62,7 @@ class JobsView:
         self._follower = Follower(store, prefix, "jobs-watch", retry, self._reset, self._event)
         self.synced = self._follower.synced
         self._bad: set[str] = set()
+        self.bad_phase_records = 0   # peers' phase records refused (phase_board.from_json)
 
     # -- reading -------------------------------------------------------------
     def job(self, job_id: str) -> JobKeys | None:
@@ -71,6 +75,12 @@ class JobsView:
                            done={r: set(v) for r, v in keys.done.items()},
                            workers=dict(keys.workers), summaries=dict(keys.summaries),
                            rejection=keys.rejection)
+
+    def phases(self, job_id: str) -> dict:
+        """{node: (NodePhases, monotonic time this daemon got it)} of the job."""
+        with self.changed:
+            keys = self._jobs.get(job_id)
+            return dict(keys.phases) if keys is not None else {}
 
     def job_ids(self) -> list[str]:
         with self.changed:
@@ -158,6 +168,15 @@ class JobsView:
                         raise ValueError("worker rows are not a list")
                     keys.workers[parts[2]] = rows
                     keys.summaries[parts[2]] = summary
+            elif kind == "phases" and len(parts) == 3:
+                keys.phases.pop(parts[2], None)
+                if value is not None:
+                    try:
+                        keys.phases[parts[2]] = (NodePhases.from_json(value, parts[2]),
+                                                 time.monotonic())
+                    except (ValueError, RecursionError) as exc:
+                        self.bad_phase_records += 1
+                        raise ValueError(f"phase record refused: {str(exc)[:200]}") from None
             else:
                 self._garbage(key, "unknown key")
         except (ValueError, KeyError, TypeError) as exc:
