@@ -216,3 +216,41 @@ def test_the_publisher_writes_the_latest_record_at_once_on_a_phase_change_and_de
     finally:
         pub.stop()
     assert deleted == [True]
+
+
+# ---------------------------------------------------------------- through the store
+
+def test_records_cross_the_store_and_garbage_from_a_peer_is_ignored_and_counted():
+    from elasticd.rendezvous.cluster import ClusterRendezvous, create_job
+    from elasticd.rendezvous.protocol import JobLimits
+    from elasticd.rendezvous.view import JobsView
+    from elasticd.store import open_store
+
+    store = open_store("memory")
+    bad = []
+    view = JobsView(store, retry=0.1, on_bad_phases=lambda: bad.append(1))
+    view.start()
+    try:
+        assert view.synced.wait(10)
+        create_job(store, "j1", {"name": "j1"}, 0.0)   # a job's keys live with its spec
+        lease = store.grant_lease(60)
+        limits = JobLimits(min_nodes=2, max_nodes=2, max_restarts=1, last_call=0.0,
+                           join_timeout=60.0)
+        n2 = ClusterRendezvous(store, view, "j1", "n2", "10.0.0.2", 1, lambda: lease, limits)
+        rec = record("n2", 3, ranks=[RankPhase(1, "checkpoint", 2.0, 100, 0.05)])
+        n2.publish_phases(rec.to_json())
+        wait = lambda pred: [view.wait(0.2) for _ in range(50) if not pred()]  # noqa: E731
+        wait(lambda: view.phases("j1"))
+        assert view.phases("j1")["n2"][0] == rec
+        store.put("/v1/jobs/j1/phases/n3", "x" * (RECORD_MAX + 1))          # huge
+        store.put("/v1/jobs/j1/phases/n4", rec.to_json())                  # another node's
+        store.put("/v1/jobs/j1/phases/n5", '{"v":1,"node":"n5","round":1,"ranks":[[0,"train",'
+                                           '1,1,"slow"]],"learned":[]}')   # a bad field
+        wait(lambda: len(bad) >= 3)
+        assert len(bad) == 3 and view.bad_phase_records == 3
+        assert set(view.phases("j1")) == {"n2"}
+        n2.delete_phases()
+        wait(lambda: not view.phases("j1"))
+        assert view.phases("j1") == {}
+    finally:
+        view.stop()

@@ -255,7 +255,7 @@ class Agent:
     def _watch_hangs(self, group: WorkerGroup, result: Result) -> None:
         """Hang detection, one look; a job across nodes shares its ranks' phases and
         step times with its other nodes (phase_board.py) and decides on theirs."""
-        if result.group_world_size <= 1:
+        if result.group_world_size <= 1 or not self._cfg.agent.hang_detection:
             self._progress.check(group)
             return
         a = self._cfg.agent

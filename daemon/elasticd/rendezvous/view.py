@@ -53,7 +53,7 @@ def plain_spec(job_id: str, text: str) -> dict:
 
 class JobsView:
     def __init__(self, store: Store, retry: float = 1.0, prefix: str = JOBS,
-                 open_spec=plain_spec):
+                 open_spec=plain_spec, on_bad_phases=None):
         self._prefix = prefix
         self._open_spec = open_spec
         self._jobs: dict[str, JobKeys] = {}
@@ -63,6 +63,7 @@ class JobsView:
         self.synced = self._follower.synced
         self._bad: set[str] = set()
         self.bad_phase_records = 0   # peers' phase records refused (phase_board.from_json)
+        self._on_bad_phases = on_bad_phases  # called (no arguments) for each: metrics
 
     # -- reading -------------------------------------------------------------
     def job(self, job_id: str) -> JobKeys | None:
@@ -176,6 +177,8 @@ class JobsView:
                                                  time.monotonic())
                     except (ValueError, RecursionError) as exc:
                         self.bad_phase_records += 1
+                        if self._on_bad_phases is not None:
+                            self._on_bad_phases()
                         raise ValueError(f"phase record refused: {str(exc)[:200]}") from None
             else:
                 self._garbage(key, "unknown key")
