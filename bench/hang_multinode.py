@@ -7,7 +7,7 @@
 Two real daemons (n1, n2) on one real etcd (tests/etcd_server.py, tests'
 Cluster), default settings; one job of 2 ranks (one per node, gloo); the
 script is tests/test_hang_multinode.py's HANG_ON_N2: 0.05 s steps, and at
-step 100 of its first attempt the rank on n2 prints ``HANG <unix time>`` and
+step 60 of its first attempt the rank on n2 prints ``HANG <unix time>`` and
 sleeps for an hour, so the rank on n1 blocks in its next all_reduce. Printed:
 HANG -> the first "killed" hang event (which rule killed it) -> the first
 step after recovery (``FIRST_STEP`` of a later attempt in n1's rank log).

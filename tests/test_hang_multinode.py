@@ -61,10 +61,10 @@ CHECKPOINT_ON_N2 = PREAMBLE + textwrap.dedent("""
             time.sleep(20)
             return (dict, ())
 
-    for i in range(1, 151):
+    for i in range(1, 71):
         step()
         time.sleep(0.05)
-        if i == 100 and node == "n2":   # n1's rank waits for it in its next all_reduce
+        if i == 40 and node == "n2":   # n1's rank waits for it in its next all_reduce
             t = time.time()
             torch.save({"model": model.state_dict(), "slow": SlowToSave()},
                        os.path.join(os.environ["CKPT_DIR"], f"ckpt-{rank}"))
@@ -77,8 +77,8 @@ CHECKPOINT_ON_N2 = PREAMBLE + textwrap.dedent("""
 HANG_ON_N2 = PREAMBLE + textwrap.dedent("""
     if attempt == 0:
         time.sleep(float(os.environ["WARM"]))
-    for i in range(160):
-        if attempt == 0 and node == "n2" and i == 100:
+    for i in range(100):
+        if attempt == 0 and node == "n2" and i == 60:
             print(f"HANG {time.time():.3f}", flush=True)
             time.sleep(3600)
         step()
