@@ -198,9 +198,12 @@ def test_a_rank_slowed_3x_on_another_node_is_named_by_this_nodes_status(pair):
     assert s["ranks"] == 2, s
     table = pair["n1"].ctl("status", job).stdout
     assert f"straggler:    rank {s['rank']}:" in table and "runs on node n2" in table, table
-    named_events = [e["reason"] for e in events(pair["n1"], job) if e["kind"] == "straggler"]
-    assert any(f"rank {s['rank']} is a straggler" in r and "node n2" in r
-               for r in named_events), named_events
+    # n2, where the rank runs, records the event; n1 shows it (events are shared).
+    def announced():
+        return [e["reason"] for e in events(pair["n1"], job) if e["kind"] == "straggler"
+                and f"rank {s['rank']} is a straggler" in e["reason"]
+                and "runs on node n2" in e["reason"]]
+    wait_for(announced, 60, "the straggler event on n1", interval=1.0)
     print(f"straggler named by n1: {s}")
     pair["n1"].ctl("cancel", job)
     pair["n1"].wait_job(job, timeout=120)

@@ -173,7 +173,7 @@ def test_what_another_node_learned_is_merged_and_published():
     assert [(r.rank, r.phase) for r in snap.ranks] == [(0, "train")]
 
 
-def test_the_straggler_is_named_across_nodes():
+def test_the_straggler_is_named_across_nodes_and_announced_by_its_own_node():
     tr, ops, reg = tracker()
     group = FakeGroup([100, 101], world_size=4)
     remote = peers(record(ranks=[RankPhase(2, "train", 1.0, 50, 0.30),
@@ -188,11 +188,26 @@ def test_the_straggler_is_named_across_nodes():
     s = tr.straggler()
     assert (s.rank, s.ranks, s.nodes, s.rank_node) == (2, 4, 2, "n2")
     assert round(s.ratio, 1) == 3.0
-    events = [e for e in reg.events if e[0] == "straggler"]
-    assert len(events) == 1 and "rank 2 is a straggler" in events[0][2] \
-        and "it runs on node n2" in events[0][2]
     rec = reg.records[-1]["straggler"]
     assert (rec["rank"], rec["nodes"], rec["rank_node"]) == (2, 2, "n2")
+    # n2 records the event (shared with every node); n1 only names it in its status.
+    assert [e for e in reg.events if e[0] == "straggler"] == []
+
+
+def test_a_straggler_on_this_node_is_announced_with_the_nodes_compared():
+    tr, ops, reg = tracker()
+    group = FakeGroup([100], world_size=2)
+    remote = peers(record(ranks=[RankPhase(1, "train", 1.0, 50, 0.10)]))
+    t = 0.0
+    for _ in range(20):
+        t += 0.4
+        beat(ops, 0, t, busy=0.3)
+        tr.check(group, remote)
+    s = tr.straggler()
+    assert (s.rank, s.nodes, s.rank_node) == (0, 2, "n1")
+    events = [e[2] for e in reg.events if e[0] == "straggler"]
+    assert len(events) == 1 and events[0].startswith("rank 0 is a straggler: 3.0x") \
+        and "2 ranks on 2 node(s); it runs on node n1" in events[0], events
 
 
 # ---------------------------------------------------------------- the publisher

@@ -355,20 +355,28 @@ class ProgressTracker:
         if found != self._straggler:
             self._straggler, self._dirty = found, True
         move = stragglers.crossed(self._announced, found, a.straggler_threshold)
+        # Job-wide, every node of the job names the same rank: the node it runs on
+        # records the event (events are shared across nodes: one each, not one per node).
         if move == "above":
             self._announced = found
-            self._record(found.rank, f"rank {found.rank} is a straggler: {found.ratio:.1f}x the "
-                                     f"median rank's work per step ({found.step_seconds:.3f}s "
-                                     f"vs {found.median_step_seconds:.3f}s, {found.ranks} ranks "
-                                     f"on {found.nodes} node(s); it runs on node "
-                                     f"{found.rank_node or self.node_id or '-'}; "
-                                     f"agent.straggler_threshold {a.straggler_threshold:g})",
-                         kind="straggler")
+            if self._owns(found):
+                self._record(found.rank, f"rank {found.rank} is a straggler: {found.ratio:.1f}x "
+                                         f"the median rank's work per step "
+                                         f"({found.step_seconds:.3f}s vs "
+                                         f"{found.median_step_seconds:.3f}s, {found.ranks} ranks "
+                                         f"on {found.nodes} node(s); it runs on node "
+                                         f"{found.rank_node or self.node_id or '-'}; "
+                                         f"agent.straggler_threshold {a.straggler_threshold:g})",
+                             kind="straggler")
         elif move == "below":
             was, self._announced = self._announced, found
             ratio = f"{found.ratio:.1f}x" if found else "unknown"
-            self._record(was.rank, f"rank {was.rank} no longer a straggler (slowest rank now "
-                                   f"{ratio} the median)", kind="straggler")
+            if self._owns(was):
+                self._record(was.rank, f"rank {was.rank} no longer a straggler (slowest rank "
+                                       f"now {ratio} the median)", kind="straggler")
+
+    def _owns(self, s: stragglers.Straggler) -> bool:
+        return not s.rank_node or s.rank_node == self.node_id
 
     def _save(self, now: float, learn: LearnSettings, run_dir: str, live: list) -> None:
         """Put what was learned in the job record, and the learned limits where the
