@@ -241,7 +241,8 @@ class AgentSettings:
     phase_stale_after: float = _setting(5.0, "seconds after which another node's phase "
                                              "record counts as stale: until every other "
                                              "node of the round has a fresh one, a job "
-                                             "across nodes keeps the fixed hang timeouts",
+                                             "across nodes keeps the fixed hang timeouts "
+                                             "(below agent.hang_learn_floor)",
                                         min=0.5, max=3600)
 
 
@@ -497,6 +498,11 @@ def _check_relations(cfg: Config, errors: list[str]) -> None:
     if a.phase_stale_after <= 2 * a.phase_publish_interval:
         errors.append("agent.phase_stale_after: must exceed twice agent.phase_publish_interval "
                       f"({a.phase_stale_after} <= 2 x {a.phase_publish_interval})")
+    if a.hang_detection and a.phase_stale_after >= a.hang_learn_floor:
+        # A peer's checkpoint that began just after its last record must be seen, or the
+        # record counted stale (fixed bounds), before a learned timeout can end the wait.
+        errors.append("agent.phase_stale_after: must be below agent.hang_learn_floor "
+                      f"({a.phase_stale_after} >= {a.hang_learn_floor})")
     i = cfg.inprocess
     if not i.soft_timeout < i.hard_timeout < i.barrier_timeout:
         errors.append("inprocess.soft_timeout: need inprocess.soft_timeout < hard_timeout < "
