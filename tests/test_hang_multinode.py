@@ -101,6 +101,44 @@ SLOW_ON_N2 = PREAMBLE + textwrap.dedent("""
 """)
 
 
+CHECKPOINT_ON_N2_INPROCESS = textwrap.dedent("""
+    import os, time
+    import torch
+    import torch.distributed as dist
+    from elasticd.inprocess import Wrapper
+
+    node = os.environ["ELASTICD_NODE_ID"]
+
+    class SlowToSave:
+        \"\"\"Pickling it takes 20 s: a checkpoint to a slow disk.\"\"\"
+        def __reduce__(self):
+            time.sleep(20)
+            return (dict, ())
+
+    @Wrapper(backend="gloo")
+    def train(iteration):
+        rank = dist.get_rank()
+        model = torch.nn.Linear(8, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        for i in range(1, 71):
+            loss = model(torch.ones(8)).sum()
+            opt.zero_grad()
+            loss.backward()
+            for p in model.parameters():
+                dist.all_reduce(p.grad)
+            opt.step()
+            time.sleep(0.05)
+            if i == 40 and node == "n2":   # n1's rank waits in its next all_reduce
+                t = time.time()
+                torch.save({"model": model.state_dict(), "slow": SlowToSave()},
+                           os.path.join(os.environ["CKPT_DIR"], f"ckpt-{rank}"))
+                print(f"CHECKPOINT {time.time() - t:.1f}", flush=True)
+        return iteration
+
+    print("DONE", train(), flush=True)
+""")
+
+
 @pytest.fixture(scope="module")
 def etcd():
     with EtcdServer() as server:
@@ -157,6 +195,29 @@ def test_a_rank_waiting_for_a_checkpoint_on_another_node_is_not_killed(pair):
     assert train["longest_gap_seconds"] < 5, train   # the wait was not learned as a gap
     print(f"checkpoint on n2: {took:.1f}s; n1's train limit {train['hard_seconds']}s; "
           f"no hang event")
+
+
+@pytest.mark.slow
+def test_inprocess_a_rank_waiting_for_a_checkpoint_on_another_node_is_not_restarted(pair):
+    # The wrapper sees its own phase only: the daemon widens its training limits in the
+    # limits file while n2's rank is in the checkpoint (learned ones are 5 s / 10 s).
+    os.makedirs(os.path.join(pair.shared, "ckpt"))
+    job = submit(pair["n1"], "--inprocess", "--nnodes", "2", "--nproc-per-node", "1",
+                 "--max-restarts", "0",
+                 "--env", f"CKPT_DIR={os.path.join(pair.shared, 'ckpt')}",
+                 cmd=[PY, _script(pair, "ckpt_inprocess.py", CHECKPOINT_ON_N2_INPROCESS)])
+    st = wait_done(pair["n1"], job, timeout=240)
+    hangs = _hangs(pair, job)
+    assert st["state"] == "SUCCEEDED", (st.get("reason"), hangs)
+    assert hangs == [], hangs
+    for node in ("n1", "n2"):
+        layers = status(pair[node], job).get("restarts_by_layer", {})
+        assert not layers.get("inprocess"), (node, layers)
+    log = rank_log(pair["n2"], job, _rank_on(st, "n2"))
+    assert float(re.search(r"^CHECKPOINT ([\d.]+)$", log, re.M).group(1)) >= 19, log[-2000:]
+    assert "DONE 0" in rank_log(pair["n1"], job, _rank_on(st, "n1"))
+    train = _train_limit(status(pair["n1"], job))
+    assert train.get("learned") and train["hard_seconds"] == 10, train
 
 
 @pytest.mark.slow

@@ -123,7 +123,11 @@ class JobsView:
         with self.changed:
             self._apply(ev.key, ev.value if ev.type == EVENT_PUT else None, ev.revision)
             self.revision = ev.revision
-            self.changed.notify_all()
+            # A phase record (each node, every second, per job) changes no round: the
+            # rendezvous and the dispatcher need not wake for it (the agent reads it).
+            parts = ev.key[len(self._prefix) + 1:].split("/")
+            if not (len(parts) == 3 and parts[1] == "phases"):
+                self.changed.notify_all()
 
     def _apply(self, key: str, value: str | None, revision: int) -> None:
         """Fold one key into the view; the caller holds the condition."""
