@@ -19,7 +19,11 @@ The limits a rank gets come from hang_timeouts.py: learned per phase from
 the job's own gaps between beats (carried across attempts, and across
 daemon restarts in the job record), the fixed settings as the upper bound.
 The tracker also feeds the ranks' busy time per step to stragglers.py and
-names the slowest rank. Per rank, ``judge()`` decides:
+names the slowest rank. For a job across nodes the agent hands it the other
+nodes' records (phase_board.py: their ranks' phases and step times, and what
+they learned), and publishes its ``snapshot()``: a rank here waiting for a
+checkpoint there gets the checkpoint's limits, the learned gaps merge, and the
+straggler is named job-wide. Per rank, ``judge()`` decides:
 
 * A job is only watched once it has shown that it beats: some rank beat in
   this attempt, or in an earlier attempt of the same job. A script that
