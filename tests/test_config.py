@@ -127,6 +127,20 @@ def test_several_bad_values_are_all_listed_in_one_error(tmp_path):
         assert field in str(excinfo.value)
 
 
+def test_a_phase_record_outlives_two_publish_intervals_and_goes_stale_before_the_floor(
+        tmp_path):
+    # Else a peer publishing on time would count as stale between two writes.
+    with pytest.raises(ConfigError) as excinfo:
+        _load(_write(tmp_path, "[agent]\nphase_publish_interval = 3\nphase_stale_after = 5\n"))
+    assert _errors(excinfo) == ["agent.phase_stale_after: must exceed twice "
+                                "agent.phase_publish_interval (5.0 <= 2 x 3.0)"]
+    # Else a peer's checkpoint could go unseen for longer than a learned timeout.
+    with pytest.raises(ConfigError) as excinfo:
+        _load(_write(tmp_path, "[agent]\nphase_stale_after = 12\n"))
+    assert _errors(excinfo) == ["agent.phase_stale_after: must be below agent.hang_learn_floor "
+                                "(12.0 >= 10.0)"]
+
+
 def test_unknown_section_is_rejected_with_the_known_ones_listed(tmp_path):
     with pytest.raises(ConfigError) as excinfo:
         _load(_write(tmp_path, "[agnet]\nmonitor_interval = 1\n"))

@@ -136,6 +136,16 @@ def test_status_shows_learned_hang_timeouts_and_the_straggler():
     assert data["straggler"]["rank"] == 3
 
 
+def test_status_names_the_node_of_a_straggler_found_across_nodes():
+    job = failed_job()
+    job.straggler.CopyFrom(pb.Straggler(rank=5, ratio=3.0, step_seconds=0.15,
+                                        median_step_seconds=0.05, ranks=8, node_id="n1",
+                                        nodes=2, rank_node_id="n2"))
+    assert ("straggler:    rank 5: 3.00x the median rank's work per step (0.150s vs 0.050s, "
+            "8 ranks on 2 nodes; rank 5 runs on node n2)") in output.job_detail(job).splitlines()
+    assert output.job_dict(job)["straggler"]["rank_node_id"] == "n2"
+
+
 def test_status_json_has_state_string_and_failure():
     buf = io.StringIO()
     output.Printer("json", buf).job(failed_job())

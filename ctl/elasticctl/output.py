@@ -221,7 +221,10 @@ def job_detail(job: control_pb2.Job, now: float | None = None) -> str:
         st = job.straggler
         lines.append(f"straggler:    rank {st.rank}: {st.ratio:.2f}x the median rank's work per "
                      f"step ({st.step_seconds:.3f}s vs {st.median_step_seconds:.3f}s, "
-                     f"{st.ranks} ranks" + (f" on node {st.node_id}" if st.node_id else "")
+                     f"{st.ranks} ranks"
+                     + (f" on {st.nodes} nodes; rank {st.rank} runs on node {st.rank_node_id}"
+                        if st.nodes > 1 and st.rank_node_id else
+                        f" on node {st.node_id}" if st.node_id else "")
                      + ")")
     if job.workers:
         rows = [[w.rank, w.local_rank, w.node_id or "-", w.pid or "-", w.state,

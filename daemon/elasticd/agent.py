@@ -32,6 +32,7 @@ from .jobs import JobRecord, JobRegistry
 from .ladder import Layer, round_layer
 from .records import Failure, FailureKind, WorkerRow
 from .logsetup import ctx
+from .phase_board import JobPeers, PhasePublisher
 from .progress import ProgressTracker
 from .recovery import Recovery
 from .restartpolicy import (AttemptProgress, BackoffSettings, made_progress, plan_restart,
@@ -164,6 +165,7 @@ class Agent:
         self._progress = ProgressTracker(
             job_id, cfg.agent, registry, cfg.daemon.node_id, on_beat=self._on_beat,
             seed=registry.get(job_id).hang_timeouts)  # the hang timeouts learned before
+        self._phase_pub: PhasePublisher | None = None  # this node's phases, jobs across nodes
         self._thread = threading.Thread(target=self._run, name=f"agent-{job_id}", daemon=True)
 
     def start(self) -> None:
@@ -208,6 +210,8 @@ class Agent:
             except Exception:
                 log.exception("%s: could not record agent crash", self._where())
         finally:
+            if self._phase_pub is not None:
+                self._phase_pub.stop()
             self._spares.clear()
             self._store_host.stop()
             self._on_exit(self.job_id)
@@ -273,6 +277,24 @@ class Agent:
             if not self._apply(decision, group, result):
                 return
 
+    def _watch_hangs(self, group: WorkerGroup, result: Result) -> None:
+        """Hang detection, one look; a job across nodes shares its ranks' phases and
+        step times with its other nodes (phase_board.py) and decides on theirs."""
+        if result.group_world_size <= 1 or not self._cfg.agent.hang_detection:
+            self._progress.check(group)
+            return
+        a = self._cfg.agent
+        peers = JobPeers.of(self._rdzv.peer_phases(), list(result.members),
+                            self._cfg.daemon.node_id, result.round, a.phase_stale_after,
+                            time.monotonic())
+        self._progress.check(group, peers)
+        if self._phase_pub is None:
+            self._phase_pub = PhasePublisher(self.job_id, self._cfg.daemon.node_id,
+                                             a.phase_publish_interval,
+                                             self._rdzv.publish_phases, self._rdzv.delete_phases)
+            self._phase_pub.start()
+        self._phase_pub.offer(self._progress.snapshot(result.round))
+
     def _next_round_number(self, job: JobRecord) -> int:
         state = self._rdzv.last_state
         return (state.round + 1) if state and state.status != "open" else job.round + 1
@@ -285,7 +307,7 @@ class Agent:
         marked_done = scale_requested = False
         while True:
             workers = group.poll()
-            self._progress.check(group)  # hang detection: dump stacks, kill hung ranks
+            self._watch_hangs(group, result)  # dump stacks, kill hung ranks
             if self._recovery.inprocess_on:
                 self._recovery.read_reports(group)
             job_restarts, max_restarts, cancel = self._registry.control_flags(self.job_id)

@@ -232,6 +232,18 @@ class AgentSettings:
                                                "event)", min=1, exclusive_min=True, max=1000)
     straggler_window: float = _setting(60.0, "seconds of beats the per-rank step times are "
                                              "computed over", min=1, max=86400)
+    # -- phases across nodes (phase_board.py): jobs on several nodes --
+    phase_publish_interval: float = _setting(1.0, "seconds between writes of this node's "
+                                                  "ranks' phases and step times for a job "
+                                                  "across nodes (one etcd key per node per "
+                                                  "job; a change of phase is written at once)",
+                                             min=0.1, max=60)
+    phase_stale_after: float = _setting(5.0, "seconds after which another node's phase "
+                                             "record counts as stale: until every other "
+                                             "node of the round has a fresh one, a job "
+                                             "across nodes keeps the fixed hang timeouts "
+                                             "(below agent.hang_learn_floor)",
+                                        min=0.5, max=3600)
 
 
 @dataclass(frozen=True)
@@ -483,6 +495,14 @@ def _check_relations(cfg: Config, errors: list[str]) -> None:
     if a.first_step_timeout < a.hang_hard_timeout:
         errors.append("agent.first_step_timeout: must be at least agent.hang_hard_timeout "
                       f"({a.first_step_timeout} < {a.hang_hard_timeout})")
+    if a.phase_stale_after <= 2 * a.phase_publish_interval:
+        errors.append("agent.phase_stale_after: must exceed twice agent.phase_publish_interval "
+                      f"({a.phase_stale_after} <= 2 x {a.phase_publish_interval})")
+    if a.hang_detection and a.phase_stale_after >= a.hang_learn_floor:
+        # A peer's checkpoint that began just after its last record must be seen, or the
+        # record counted stale (fixed bounds), before a learned timeout can end the wait.
+        errors.append("agent.phase_stale_after: must be below agent.hang_learn_floor "
+                      f"({a.phase_stale_after} >= {a.hang_learn_floor})")
     i = cfg.inprocess
     if not i.soft_timeout < i.hard_timeout < i.barrier_timeout:
         errors.append("inprocess.soft_timeout: need inprocess.soft_timeout < hard_timeout < "

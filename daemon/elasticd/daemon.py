@@ -104,7 +104,8 @@ class Daemon:
         store = metrics.timed_store(store)  # metrics: store request latency and errors
         # Every spec read from etcd is verified, decrypted and checked as it
         # enters the view (clusterspec.py); a refused one never reads as a job.
-        view = JobsView(store, retry=cfg.membership.watch_retry, open_spec=self.codec.open)
+        view = JobsView(store, retry=cfg.membership.watch_retry, open_spec=self.codec.open,
+                        on_bad_phases=metrics.phase_records_rejected.inc)
         policy = ClusterPolicy.from_settings(cfg.cluster)
         cluster = Cluster(cfg, store)
         manager = JobManager(cfg, registry, cluster, view, metrics, codec=self.codec,

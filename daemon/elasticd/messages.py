@@ -62,7 +62,8 @@ def job_to_proto(job: JobRecord) -> pb.Job:
             rank=s.get("rank", -1), ratio=s.get("ratio", 0.0),
             step_seconds=s.get("step_seconds", 0.0),
             median_step_seconds=s.get("median_step_seconds", 0.0), ranks=s.get("ranks", 0),
-            node_id=s.get("node_id", "")))
+            node_id=s.get("node_id", ""), nodes=s.get("nodes", 1),
+            rank_node_id=s.get("rank_node", "")))
     for w in job.workers:
         add_worker(msg, w)
     return msg

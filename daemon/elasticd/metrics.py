@@ -120,6 +120,10 @@ class Metrics:
             ["reason"], registry=r)
         for reason in RejectReason:
             self.specs_rejected.labels(reason.value)
+        self.phase_records_rejected = Counter(
+            "elasticd_phase_records_rejected_total",
+            "Other nodes' phase records (jobs across nodes) read from etcd and refused as "
+            "malformed or oversized", registry=r)
         # Series that alerts use exist from the start, so increase() sees the first one.
         for layer in LAYERS:
             for cause in CAUSES:

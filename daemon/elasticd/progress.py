@@ -19,7 +19,11 @@ The limits a rank gets come from hang_timeouts.py: learned per phase from
 the job's own gaps between beats (carried across attempts, and across
 daemon restarts in the job record), the fixed settings as the upper bound.
 The tracker also feeds the ranks' busy time per step to stragglers.py and
-names the slowest rank. Per rank, ``judge()`` decides:
+names the slowest rank. For a job across nodes the agent hands it the other
+nodes' records (phase_board.py: their ranks' phases and step times, and what
+they learned), and publishes its ``snapshot()``: a rank here waiting for a
+checkpoint there gets the checkpoint's limits, the learned gaps merge, and the
+straggler is named job-wide. Per rank, ``judge()`` decides:
 
 * A job is only watched once it has shown that it beats: some rank beat in
   this attempt, or in an earlier attempt of the same job. A script that
@@ -50,12 +54,13 @@ import signal
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from . import stragglers
+from . import phase_board, stragglers
 from .beat_channel import (HEARTBEAT_ENV, WORKER_SITE, BeatRecord, ProcessOps,  # noqa: F401
                            contract, heartbeat_file, limits_file, rank_env, site_env)
-from .hang_timeouts import (MAX_PHASES, HangLimits, LearnSettings, PhaseLimit, PhaseRecord,
-                            bracketed, encode_limits, limits_table, observe,
+from .hang_timeouts import (MAX_PHASES, STEADY_PHASES, HangLimits, LearnSettings, PhaseLimit,
+                            PhaseRecord, bracketed, encode_limits, limits_table, observe,
                             others_wait_for, phase_limit)
+from .phase_board import JobPeers, NodePhases, RankPhase
 from .logsetup import ctx
 from .records import Failure, FailureKind
 
@@ -112,6 +117,7 @@ class _Rank:
     dumped: bool = False
     exiting: bool = False       # its process said it is shutting down
     phase: str = contract.TRAIN  # the phase its latest beat said it is in
+    phase_since: float = 0.0    # daemon time its latest beat put it in that phase
     stepped: bool = False       # it made its first step in this attempt
     waits_for: PhaseLimit | None = None  # a peer's checkpoint/section limits, until it beats
     step_base: int = 0          # its step count when it last began waiting (in-process restart)
@@ -148,6 +154,7 @@ class ProgressTracker:
     _table: tuple = ()          # the limits last written to the group's limits file
     _bracket_seen: float = float("-inf")  # latest look that saw a rank in a bracketed phase
     _killed_seen: float = float("-inf")   # latest kill of a hung rank of this job
+    _peers: JobPeers = field(default_factory=JobPeers)  # the round's other nodes, latest look
 
     def __post_init__(self):
         for item in self.seed or []:
@@ -157,12 +164,17 @@ class ProgressTracker:
         if self._phases:
             self._job_beats = True  # it beat in an earlier life of this daemon
 
-    def check(self, group) -> list[str]:
-        """Look at every live rank of ``group`` once; returns what was done (sentences)."""
+    def check(self, group, peers: JobPeers | None = None) -> list[str]:
+        """Look at every live rank of ``group`` once; returns what was done (sentences).
+        ``peers``: the round's other nodes (phase_board.py), for a job across nodes."""
         if not self.settings.hang_detection:
             return []
         if group is not self._group:
             self._group, self._ranks, self._killed, self._table = group, {}, {}, ()
+        self._peers = peers if peers is not None else JobPeers(complete=False)
+        for peer in self._peers.records:  # what the other nodes learned: the max per phase
+            if phase_board.merge_learned(self._phases, peer.record.learned):
+                self._dirty = True
         now = self.ops.clock()
         learn = self._learn_settings(group)
         fixed = learn.fixed
@@ -175,7 +187,8 @@ class ProgressTracker:
             mark = self.ops.beat_mark(path)
             r = self._ranks.get(w.rank)
             if r is None or r.pid != w.pid:  # new, or respawned alone: a fresh start
-                r = self._ranks[w.rank] = _Rank(pid=w.pid, started=now, mark=mark)
+                r = self._ranks[w.rank] = _Rank(pid=w.pid, started=now, mark=mark,
+                                                phase_since=now)
             elif mark is not None and mark != r.mark:
                 r.mark = mark
                 self._beat(w.rank, r, self.ops.read_beat(path, group.spec.uid), now)
@@ -206,15 +219,16 @@ class ProgressTracker:
             done.append(self._record(w.rank, f"rank {w.rank}: no progress for "
                                      f"{idle:.0f}s{_since(r)}; killed ({why})"))
         self._name_straggler(now)
-        self._save(now, learn, run_dir)
+        self._save(now, learn, run_dir, live)
         return done
 
     def _rank_limits(self, live: list, learn: LearnSettings,
                      now: float) -> dict[int, PhaseLimit]:
         """Each stepped rank's limits: its phase's, or, once a rank of the job on this
-        node was in a checkpoint or a section during the rank's silence, that phase's
-        if longer: its peers wait for it in their next collective, silent in their
-        own phase, until it has left and reached that collective too."""
+        node or on another (its node's phase record) was in a checkpoint or a section
+        during the rank's silence, that phase's if longer: its peers wait for it in
+        their next collective, silent in their own phase, until it has left and
+        reached that collective too."""
         out, widest = {}, None
         for w, r, _ in live:
             if not r.stepped or r.exiting or r.last_beat is None:
@@ -224,6 +238,13 @@ class ProgressTracker:
                 self._bracket_seen = now
                 if widest is None or limit.hard > widest.hard:
                     widest = limit
+        for peer in self._peers.records:
+            for rp in peer.record.ranks:
+                if others_wait_for(rp.phase):
+                    self._bracket_seen = now
+                    limit = phase_limit(rp.phase, self._phases.get(rp.phase), learn)
+                    if widest is None or limit.hard > widest.hard:
+                        widest = limit
         for w, r, _ in live:
             if w.rank not in out:
                 continue
@@ -251,6 +272,8 @@ class ProgressTracker:
                 # next first step (a new process group, maybe a reload) has the allowance.
                 r.stepped, r.step_base = False, rec.steps
             elif not rec.exiting:
+                if rec.phase != r.phase:
+                    r.phase_since = now
                 r.phase = rec.phase
                 r.stepped = r.stepped or rec.steps > r.step_base
                 samples = self._samples.setdefault(rank, stragglers.RankSamples())
@@ -272,15 +295,33 @@ class ProgressTracker:
         return limits_table(self._phases, self._learn_settings(self._group))
 
     def _learn_settings(self, group) -> LearnSettings:
-        """How limits are learned for ``group``'s job. A job across nodes keeps the
-        fixed ones: a rank here may wait in a collective for a peer on another node
-        that is in a checkpoint or a section, which this node cannot see (no phase
-        crosses nodes yet), and a learned timeout would kill it. That holds here and
-        in the in-process wrapper's limits file; the gaps are still recorded."""
+        """How limits are learned for ``group``'s job. A rank here may wait in a
+        collective for a peer on another node that is in a checkpoint or a section:
+        this node sees that peer's phase in its node's record (phase_board.py). So a
+        job across nodes gets learned limits only while every other node of its round
+        has a fresh record; else the fixed ones (here and in the in-process wrapper's
+        limits file; the gaps are still recorded)."""
         learn = LearnSettings.from_settings(self.settings)
-        if group is not None and group.spec.world_size > group.spec.nproc:
+        if group is not None and group.spec.world_size > group.spec.nproc \
+                and not self._peers.complete:
             return learn.fixed_only()
         return learn
+
+    def snapshot(self, rnd: int) -> NodePhases:
+        """This node's record for the job's other nodes (phase_board.py): each live
+        rank's phase and since when, its step statistics, and the gaps learned."""
+        now = self.ops.clock()
+        ranks = []
+        for rank in sorted(self._ranks):
+            r = self._ranks[rank]
+            if rank in self._killed:
+                continue
+            samples = self._samples.get(rank)
+            steps = samples.window[-1][1] if samples is not None and samples.window else 0
+            ranks.append(RankPhase(rank, r.phase, max(0.0, now - r.phase_since), steps,
+                                   samples.step_seconds() if samples is not None else None))
+        return NodePhases(self.node_id, rnd, tuple(ranks),
+                          tuple(self._phases[p] for p in sorted(self._phases)))
 
     def straggler(self) -> stragglers.Straggler | None:
         return self._straggler
@@ -311,31 +352,55 @@ class ProgressTracker:
         for rank, samples in self._samples.items():
             samples.drop_older_than(now - a.straggler_window)
             times[rank] = samples.step_seconds()
-        found = stragglers.find_straggler(times)
+        nodes = {rank: self.node_id for rank in times}
+        for peer in self._peers.records:  # the job's ranks on other nodes: job-wide
+            for rp in peer.record.ranks:
+                if rp.rank not in times:
+                    times[rp.rank], nodes[rp.rank] = rp.step_seconds, peer.record.node_id
+        found = stragglers.find_straggler(times, nodes)
         if found != self._straggler:
             self._straggler, self._dirty = found, True
         move = stragglers.crossed(self._announced, found, a.straggler_threshold)
+        # Job-wide, every node of the job names the same rank: the node it runs on
+        # records the event (events are shared across nodes: one each, not one per node).
         if move == "above":
             self._announced = found
-            self._record(found.rank, f"rank {found.rank} is a straggler: {found.ratio:.1f}x the "
-                                     f"median rank's work per step ({found.step_seconds:.3f}s "
-                                     f"vs {found.median_step_seconds:.3f}s, {found.ranks} ranks "
-                                     f"on node {self.node_id or '-'}; agent.straggler_threshold "
-                                     f"{a.straggler_threshold:g})", kind="straggler")
+            if self._owns(found):
+                self._record(found.rank, f"rank {found.rank} is a straggler: {found.ratio:.1f}x "
+                                         f"the median rank's work per step "
+                                         f"({found.step_seconds:.3f}s vs "
+                                         f"{found.median_step_seconds:.3f}s, {found.ranks} ranks "
+                                         f"on {found.nodes} node(s); it runs on node "
+                                         f"{found.rank_node or self.node_id or '-'}; "
+                                         f"agent.straggler_threshold {a.straggler_threshold:g})",
+                             kind="straggler")
         elif move == "below":
             was, self._announced = self._announced, found
             ratio = f"{found.ratio:.1f}x" if found else "unknown"
-            self._record(was.rank, f"rank {was.rank} no longer a straggler (slowest rank now "
-                                   f"{ratio} the median)", kind="straggler")
+            if self._owns(was):
+                self._record(was.rank, f"rank {was.rank} no longer a straggler (slowest rank "
+                                       f"now {ratio} the median)", kind="straggler")
 
-    def _save(self, now: float, learn: LearnSettings, run_dir: str) -> None:
+    def _owns(self, s: stragglers.Straggler) -> bool:
+        return not s.rank_node or s.rank_node == self.node_id
+
+    def _save(self, now: float, learn: LearnSettings, run_dir: str, live: list) -> None:
         """Put what was learned in the job record, and the learned limits where the
         group's in-process wrappers read them: at most once per persist interval."""
         table = limits_table(self._phases, learn)
-        wanted = tuple((p.phase, p.soft, p.hard) for p in table if p.learned)
+        waits = [r.waits_for for _, r, _ in live if r.waits_for is not None]
+        if waits:  # the wrappers see their own phase only: while ranks wait for a
+            # peer's checkpoint or section, the steady phases get its limits too
+            widest = max(waits, key=lambda p: p.hard)
+            files = [p if p.phase not in STEADY_PHASES or p.hard >= widest.hard
+                     else PhaseLimit(p.phase, widest.soft, widest.hard, widest.learned,
+                                     p.longest, p.gaps) for p in table]
+        else:
+            files = table
+        wanted = tuple((p.phase, p.soft, p.hard) for p in files if p.learned)
         if wanted != self._table:
             try:
-                self.ops.write_limits(limits_file(run_dir), encode_limits(table))
+                self.ops.write_limits(limits_file(run_dir), encode_limits(files))
             except OSError as exc:
                 log.warning("%s: cannot write the learned limits for the in-process wrapper: "
                             "%s", ctx(job=self.job_id), exc)

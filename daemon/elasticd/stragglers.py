@@ -51,30 +51,39 @@ class Straggler:
     step_seconds: float
     median_step_seconds: float
     ranks: int                 # ranks compared
+    nodes: int = 1             # nodes those ranks run on (a job across nodes: all of them)
+    rank_node: str = ""        # the node the slowest rank runs on ("" : not known)
 
     def to_dict(self) -> dict:
         return {"rank": self.rank, "ratio": round(self.ratio, 3),
                 "step_seconds": round(self.step_seconds, 6),
-                "median_step_seconds": round(self.median_step_seconds, 6), "ranks": self.ranks}
+                "median_step_seconds": round(self.median_step_seconds, 6), "ranks": self.ranks,
+                "nodes": self.nodes, "rank_node": self.rank_node}
 
     @classmethod
     def from_dict(cls, data) -> "Straggler | None":
         try:
             return cls(int(data["rank"]), float(data["ratio"]), float(data["step_seconds"]),
-                       float(data["median_step_seconds"]), int(data["ranks"]))
-        except (KeyError, TypeError, ValueError):
+                       float(data["median_step_seconds"]), int(data["ranks"]),
+                       int(data.get("nodes", 1)), str(data.get("rank_node", "")))
+        except (KeyError, TypeError, ValueError, AttributeError):
             return None
 
 
-def find_straggler(step_seconds: dict[int, float]) -> Straggler | None:
-    """The slowest of two or more ranks, against the (lower) median; None if fewer."""
+def find_straggler(step_seconds: dict[int, float],
+                   nodes: dict[int, str] | None = None) -> Straggler | None:
+    """The slowest of two or more ranks, against the (lower) median; None if fewer.
+    ``nodes``: each rank's node, for a job across nodes (the ranks of every node)."""
     known = sorted((t, r) for r, t in step_seconds.items() if t is not None and t >= 0)
     if len(known) < 2:
         return None
     median = known[(len(known) - 1) // 2][0]
     slowest, rank = known[-1]
     ratio = slowest / median if median > 0 else (1.0 if slowest <= 0 else float("inf"))
-    return Straggler(rank, min(ratio, 1e6), slowest, median, len(known))
+    nodes = nodes or {}
+    on = {nodes.get(r, "") for _, r in known}
+    return Straggler(rank, min(ratio, 1e6), slowest, median, len(known), max(1, len(on)),
+                     nodes.get(rank, ""))
 
 
 def crossed(before: Straggler | None, now: Straggler | None, threshold: float) -> str | None:

@@ -250,6 +250,18 @@ class ClusterRendezvous:
         self._store.put(self._key("workers", self.node_id), json.dumps(value),
                         lease=self._lease())
 
+    # -- phases across nodes (phase_board.py) ---------------------------------------
+    def publish_phases(self, text: str) -> None:
+        """This node's phase record for the job (its lease: gone with the node)."""
+        self._store.put(self._key("phases", self.node_id), text, lease=self._lease())
+
+    def delete_phases(self) -> None:
+        self._store.delete(self._key("phases", self.node_id))
+
+    def peer_phases(self) -> dict:
+        """{node: (NodePhases, monotonic time got)} of the job, from the view."""
+        return self._view.phases(self.job_id)
+
 
 def create_job(store: Store, job_id: str, spec: dict, now: float, round: int = 1,
                restarts: int = 0, restart_times: tuple = ()) -> None:

@@ -16,8 +16,10 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 
+from ..phase_board import NodePhases
 from ..rejections import Rejection, SpecRejected
 from ..store import EVENT_PUT, Store
 from ..store.follow import Follower
@@ -38,6 +40,7 @@ class JobKeys:
     workers: dict = field(default_factory=dict)   # node -> list of worker rows
     summaries: dict = field(default_factory=dict)  # node -> its recovery summary (a dict)
     rejection: Rejection | None = None             # the spec was refused (spec is None)
+    phases: dict = field(default_factory=dict)    # node -> (NodePhases, monotonic time got)
 
 
 def plain_spec(job_id: str, text: str) -> dict:
@@ -50,7 +53,7 @@ def plain_spec(job_id: str, text: str) -> dict:
 
 class JobsView:
     def __init__(self, store: Store, retry: float = 1.0, prefix: str = JOBS,
-                 open_spec=plain_spec):
+                 open_spec=plain_spec, on_bad_phases=None):
         self._prefix = prefix
         self._open_spec = open_spec
         self._jobs: dict[str, JobKeys] = {}
@@ -59,6 +62,8 @@ class JobsView:
         self._follower = Follower(store, prefix, "jobs-watch", retry, self._reset, self._event)
         self.synced = self._follower.synced
         self._bad: set[str] = set()
+        self.bad_phase_records = 0   # peers' phase records refused (phase_board.from_json)
+        self._on_bad_phases = on_bad_phases  # called (no arguments) for each: metrics
 
     # -- reading -------------------------------------------------------------
     def job(self, job_id: str) -> JobKeys | None:
@@ -71,6 +76,12 @@ class JobsView:
                            done={r: set(v) for r, v in keys.done.items()},
                            workers=dict(keys.workers), summaries=dict(keys.summaries),
                            rejection=keys.rejection)
+
+    def phases(self, job_id: str) -> dict:
+        """{node: (NodePhases, monotonic time this daemon got it)} of the job."""
+        with self.changed:
+            keys = self._jobs.get(job_id)
+            return dict(keys.phases) if keys is not None else {}
 
     def job_ids(self) -> list[str]:
         with self.changed:
@@ -117,7 +128,11 @@ class JobsView:
         with self.changed:
             self._apply(ev.key, ev.value if ev.type == EVENT_PUT else None, ev.revision)
             self.revision = ev.revision
-            self.changed.notify_all()
+            # A phase record (each node, every second, per job) changes no round: the
+            # rendezvous and the dispatcher need not wake for it (the agent reads it).
+            parts = ev.key[len(self._prefix) + 1:].split("/")
+            if not (len(parts) == 3 and parts[1] == "phases"):
+                self.changed.notify_all()
 
     def _apply(self, key: str, value: str | None, revision: int) -> None:
         """Fold one key into the view; the caller holds the condition."""
@@ -163,6 +178,17 @@ class JobsView:
                         raise ValueError("worker rows are not a list")
                     keys.workers[parts[2]] = rows
                     keys.summaries[parts[2]] = summary
+            elif kind == "phases" and len(parts) == 3:
+                keys.phases.pop(parts[2], None)
+                if value is not None:
+                    try:
+                        keys.phases[parts[2]] = (NodePhases.from_json(value, parts[2]),
+                                                 time.monotonic())
+                    except (ValueError, RecursionError) as exc:
+                        self.bad_phase_records += 1
+                        if self._on_bad_phases is not None:
+                            self._on_bad_phases()
+                        raise ValueError(f"phase record refused: {str(exc)[:200]}") from None
             else:
                 self._garbage(key, "unknown key")
         except (ValueError, KeyError, TypeError) as exc:

@@ -249,20 +249,24 @@ class PhaseTimeout(_message.Message):
     def __init__(self, phase: _Optional[str] = ..., soft_seconds: _Optional[float] = ..., hard_seconds: _Optional[float] = ..., learned: _Optional[bool] = ..., longest_gap_seconds: _Optional[float] = ..., gaps: _Optional[int] = ...) -> None: ...
 
 class Straggler(_message.Message):
-    __slots__ = ("rank", "ratio", "step_seconds", "median_step_seconds", "ranks", "node_id")
+    __slots__ = ("rank", "ratio", "step_seconds", "median_step_seconds", "ranks", "node_id", "nodes", "rank_node_id")
     RANK_FIELD_NUMBER: _ClassVar[int]
     RATIO_FIELD_NUMBER: _ClassVar[int]
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MEDIAN_STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    RANK_NODE_ID_FIELD_NUMBER: _ClassVar[int]
     rank: int
     ratio: float
     step_seconds: float
     median_step_seconds: float
     ranks: int
     node_id: str
-    def __init__(self, rank: _Optional[int] = ..., ratio: _Optional[float] = ..., step_seconds: _Optional[float] = ..., median_step_seconds: _Optional[float] = ..., ranks: _Optional[int] = ..., node_id: _Optional[str] = ...) -> None: ...
+    nodes: int
+    rank_node_id: str
+    def __init__(self, rank: _Optional[int] = ..., ratio: _Optional[float] = ..., step_seconds: _Optional[float] = ..., median_step_seconds: _Optional[float] = ..., ranks: _Optional[int] = ..., node_id: _Optional[str] = ..., nodes: _Optional[int] = ..., rank_node_id: _Optional[str] = ...) -> None: ...
 
 class RestartPlan(_message.Message):
     __slots__ = ("rule", "delay_seconds", "no_progress_streak", "beats", "ran_seconds", "summary", "node_id", "time")
