@@ -1,0 +1,255 @@
+"""GPU health before a round: the quick check, the command hook, the drain.
+
+Before this node joins a round of a job that uses GPUs here, the job's agent
+asks ``HealthGate.before_round``. It runs, on the job's devices:
+
+- the quick check of the inventory's source (``quick_check``): the fake
+  file's ``healthy``/``problem`` (tests); NVML: each device answers, no page
+  is pending retirement, no critical XID event since the last check, enough
+  free memory; nvidia-smi: ``retired_pages.pending`` and ``memory.free``;
+- then ``daemon.gpu_health_command`` if set: run as the daemon's own user
+  (root on a real node: it is root's setting, like Slurm's HealthCheckProgram,
+  never the job's), with ``daemon.gpu_health_timeout``, no stdin, a minimal
+  environment naming the devices; exit 0 is healthy, anything else (or no
+  answer in time) a failure whose first output line is the reason.
+
+A failing node does not join: the agent waits ``daemon.gpu_health_retry_interval``
+and asks again. Each failure is an event of the job and a line in
+``elasticctl nodes`` (``problem()``); after ``daemon.gpu_health_failures_to_drain``
+failures in a row the node drains itself (``elasticctl uncordon`` takes it
+back). A passing check resets the count.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import subprocess
+import threading
+from dataclasses import dataclass
+
+from .gpu_inventory import Gpu, Inventory, InventoryError, read_fake, run_nvidia_smi
+from .logsetup import ctx
+
+log = logging.getLogger("elasticd.gpus")
+
+HOOK_OUTPUT_MAX = 4096
+
+
+@dataclass(frozen=True)
+class HealthResult:
+    ok: bool
+    problems: tuple = ()        # one line each; empty when ok
+
+    @property
+    def reason(self) -> str:
+        return "; ".join(self.problems)[:500]
+
+
+OK = HealthResult(True)
+
+
+def should_drain(failures_in_a_row: int, threshold: int) -> bool:
+    """Whether a node with that many failed checks in a row drains itself (0: never)."""
+    return threshold > 0 and failures_in_a_row >= threshold
+
+
+# -- the quick check per source ----------------------------------------------------
+def parse_smi_health(text: str, indices) -> list[str]:
+    """Problems in ``nvidia-smi --query-gpu=index,retired_pages.pending,memory.free
+    --format=csv,noheader,nounits`` for these GPU indices. A device missing from the
+    answer is a problem; "[N/A]"/"[Not Supported]" for pending pages is not."""
+    seen, problems = set(), []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        fields = [f.strip() for f in line.split(",")]
+        if len(fields) != 3 or not fields[0].isdigit():
+            return [f"nvidia-smi answered a line that does not parse: {line[:120]!r}"]
+        index, pending = int(fields[0]), fields[1].lower()
+        seen.add(index)
+        if index in indices and pending == "yes":
+            problems.append(f"GPU {index}: pages pending retirement (reset the GPU or reboot)")
+    problems += [f"GPU {i}: nvidia-smi does not list it" for i in indices if i not in seen]
+    return problems
+
+
+def quick_check(inv: Inventory, gpus: tuple, fake_file: str, timeout: float,
+                nvml_state: "NvmlEvents | None") -> list[str]:
+    """Problems found on ``gpus`` by the inventory's own source; [] when healthy."""
+    if inv.source == "fake":
+        try:
+            fake = read_fake(fake_file)
+        except InventoryError as exc:
+            return [str(exc)]
+        return [] if fake.healthy else [fake.problem or "the fake health check fails"]
+    if inv.source == "nvml" and nvml_state is not None:
+        return nvml_state.check(gpus)
+    if inv.source == "nvidia-smi":
+        out = run_nvidia_smi(["--query-gpu=index,retired_pages.pending,memory.free",
+                              "--format=csv,noheader,nounits"], timeout)
+        if out is None:
+            return ["nvidia-smi did not answer"]
+        return parse_smi_health(out, [g.index for g in gpus])
+    return []
+
+
+class NvmlEvents:
+    """NVML health: each device answers, no pending page retirement, no critical XID
+    event since the last check (an event set registered once, drained at each check)."""
+
+    def __init__(self, nv, inv: Inventory):
+        self._nv = nv
+        self._set = None
+        try:
+            self._set = nv.nvmlEventSetCreate()
+            for g in inv.gpus:
+                try:
+                    nv.nvmlDeviceRegisterEvents(nv.nvmlDeviceGetHandleByIndex(g.index),
+                                                nv.nvmlEventTypeXidCriticalError, self._set)
+                except nv.NVMLError as exc:  # e.g. not supported on this board
+                    log.info("GPU %d: no XID events from NVML: %s", g.index, exc)
+        except Exception as exc:
+            log.info("NVML event set unavailable: %s", exc)
+            self._set = None
+
+    def _xids(self) -> dict[int, list[int]]:
+        """Critical XIDs per device index since the last call (never blocks)."""
+        nv, got = self._nv, {}
+        if self._set is None:
+            return got
+        for _ in range(256):
+            try:
+                ev = nv.nvmlEventSetWait(self._set, 0)
+            except nv.NVMLError:  # NVML_ERROR_TIMEOUT: nothing (more) happened
+                break
+            try:
+                index = nv.nvmlDeviceGetIndex(ev.device)
+            except nv.NVMLError:
+                index = -1
+            got.setdefault(index, []).append(int(ev.eventData))
+        return got
+
+    def check(self, gpus: tuple) -> list[str]:
+        nv, problems = self._nv, []
+        xids = self._xids()
+        for g in gpus:
+            try:
+                h = nv.nvmlDeviceGetHandleByIndex(g.index)
+                nv.nvmlDeviceGetMemoryInfo(h)
+            except Exception as exc:
+                problems.append(f"GPU {g.index}: does not answer NVML: {exc}")
+                continue
+            try:
+                if nv.nvmlDeviceGetRetiredPagesPendingStatus(h):
+                    problems.append(f"GPU {g.index}: pages pending retirement (reset the GPU "
+                                    "or reboot)")
+            except nv.NVMLError:
+                pass  # not supported on this board
+            if xids.get(g.index):
+                problems.append(f"GPU {g.index}: XID {','.join(map(str, xids[g.index][:5]))} "
+                                "since the last check")
+        return problems
+
+
+def run_hook(command: str, gpus: tuple, node_id: str, job_id: str, timeout: float) -> list[str]:
+    """``daemon.gpu_health_command``: [] if it exits 0, else one line saying why."""
+    argv = shlex.split(command)
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "ELASTICD_NODE_ID": node_id,
+           "ELASTICD_JOB_ID": job_id,
+           "ELASTICD_GPUS": ",".join(str(g.index) for g in gpus),
+           "ELASTICD_GPU_UUIDS": ",".join(g.uuid for g in gpus)}
+    try:
+        done = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, env=env, timeout=timeout,
+                              close_fds=True, start_new_session=True)
+    except subprocess.TimeoutExpired:
+        return [f"health command did not answer within {timeout:g}s (daemon.gpu_health_timeout)"]
+    except OSError as exc:
+        return [f"health command {argv[0]}: {exc.strerror or exc}"]
+    if done.returncode == 0:
+        return []
+    first = next((ln.strip() for ln in done.stdout[:HOOK_OUTPUT_MAX].decode(errors="replace")
+                  .splitlines() if ln.strip()), "")
+    return [f"health command exited {done.returncode}" + (f": {first[:200]}" if first else "")]
+
+
+class HealthGate:
+    """The node's health verdicts: one lock, a count of failures in a row, the last
+    problem; drains the node (``drain(reason)``) once the count reaches the threshold."""
+
+    def __init__(self, cfg, inv: Inventory, registry, drain, metrics=None, nvml=None):
+        self._cfg = cfg
+        self._inv = inv
+        self._registry = registry
+        self._drain = drain
+        self._metrics = metrics
+        self._nvml = NvmlEvents(nvml, inv) if nvml is not None and inv.source == "nvml" else None
+        self._lock = threading.Lock()
+        self.failures = 0
+        self.last: HealthResult = OK
+        self.drained = False
+
+    @property
+    def active(self) -> bool:
+        """Whether a check has anything to look at on this node."""
+        return self._inv.count > 0 or bool(self._cfg.daemon.gpu_health_command)
+
+    def before_round(self, job_id: str, gpus: tuple) -> HealthResult:
+        """Check ``gpus`` (the job's devices here) before joining a round."""
+        d = self._cfg.daemon
+        with self._lock:  # one check at a time: jobs starting together share the devices
+            problems = quick_check(self._inv, gpus, d.fake_gpus_file, d.gpu_health_timeout,
+                                   self._nvml)
+            if not problems and d.gpu_health_command:
+                problems = run_hook(d.gpu_health_command, gpus, d.node_id, job_id,
+                                    d.gpu_health_timeout)
+            result = HealthResult(not problems, tuple(problems))
+            self.last = result
+            self.failures = 0 if result.ok else self.failures + 1
+            failures = self.failures
+            drain = not result.ok and should_drain(failures, d.gpu_health_failures_to_drain) \
+                and not self.drained
+            if result.ok:
+                self.drained = False
+        if self._metrics is not None:
+            self._metrics.gpu_health(result.ok)
+        if result.ok:
+            return result
+        where = ctx(job=job_id, node=d.node_id)
+        log.warning("%s: GPU health check failed (%d in a row): %s", where, failures,
+                    result.reason)
+        self._registry.event(job_id, "gpu_health",
+                             f"GPU health check failed on {d.node_id} ({failures} in a row); "
+                             f"not joining: {result.reason}")
+        if drain:
+            why = (f"GPU health failed {failures} times in a row "
+                   f"(daemon.gpu_health_failures_to_drain): {result.reason}")
+            try:
+                self._drain(why)
+                self.drained = True
+                log.error("%s: draining this node: %s; `elasticctl uncordon %s` takes it back",
+                          where, why, d.node_id)
+                self._registry.event(job_id, "gpu_health", f"node {d.node_id} drained itself: "
+                                     f"{why}")
+            except Exception as exc:  # etcd away: try again at the next failure
+                log.warning("%s: could not drain this node: %s", where, exc)
+        return result
+
+    def problem(self) -> str:
+        """The node's GPU problem for `elasticctl nodes`; "" when the last check passed."""
+        with self._lock:
+            if self.last.ok:
+                return ""
+            threshold = self._cfg.daemon.gpu_health_failures_to_drain
+            tail = f"; drains after {threshold}" if threshold and not self.drained else ""
+            return (f"GPU health check failing ({self.failures} in a row{tail}): "
+                    f"{self.last.reason}")
+
+    def status(self) -> str:
+        """ok | failing: <why> | "" (nothing to check)."""
+        if not self.active:
+            return ""
+        with self._lock:
+            return "ok" if self.last.ok else f"failing: {self.last.reason}"[:300]
+
