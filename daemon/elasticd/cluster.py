@@ -71,8 +71,9 @@ def advertised_address(cfg: Config) -> str:
 
 
 class Cluster:
-    def __init__(self, cfg: Config, store: Store, slots_info):
+    def __init__(self, cfg: Config, store: Store, slots_info, gpu_info=None):
         self.cfg = cfg
+        self._gpu_info = gpu_info              # () -> the GPU fields of the record
         self.store = store
         self.address = advertised_address(cfg)
         self._slots_info = slots_info          # () -> (slots_free, [job ids])
@@ -98,7 +99,7 @@ class Cluster:
                 "address": self.address, "slots": self.cfg.daemon.slots, "slots_free": free,
                 "version": __version__, "started_at": self._started_at, "pid": os.getpid(),
                 "lease_ttl": self.cfg.membership.lease_ttl,
-                "jobs": sorted(jobs)}
+                "jobs": sorted(jobs), **(self._gpu_info() if self._gpu_info else {})}
 
     def start(self) -> None:
         """Register (NodeIdInUse if the id is taken) and start the loops."""

@@ -45,10 +45,22 @@ def worker_rows(keys: JobKeys, skip: str = "") -> list[dict]:
             try:
                 rows.append({"rank": int(w["rank"]), "local_rank": int(w["local_rank"]),
                              "pid": int(w["pid"]), "state": str(w["state"]),
-                             "exit_code": int(w["exit_code"]), "node_id": node})
-            except (KeyError, TypeError, ValueError):
+                             "exit_code": int(w["exit_code"]), "node_id": node,
+                             **_binding(w)})
+            except (KeyError, TypeError, ValueError, OverflowError):
                 continue
     return sorted(rows, key=lambda w: (w["rank"], w["node_id"]))
+
+
+def _binding(w: dict) -> dict:
+    """A published row's GPU binding (gpu_alloc.py), bounded; absent: none."""
+    gpus = w.get("gpus") or []
+    uuids = w.get("gpu_uuids") or []
+    if not isinstance(gpus, list) or not isinstance(uuids, list) or len(gpus) > 64 \
+            or len(uuids) > 64:
+        raise ValueError("bad GPU binding")
+    return {"gpus": [_int(i) for i in gpus], "gpu_uuids": [str(u)[:100] for u in uuids],
+            "cpus": str(w.get("cpus") or "")[:2000]}
 
 
 def recovery_of(keys: JobKeys) -> dict:

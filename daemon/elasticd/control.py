@@ -24,7 +24,8 @@ from .config import Config
 from .jobs import JobNotFound, JobRecord, JobRegistry
 from .logfiles import LogReader
 from .manager import JobManager, check_access
-from .messages import event_to_proto, job_to_proto, node_to_proto, rejection_to_proto
+from .messages import (event_to_proto, gpus_to_proto, job_to_proto, node_to_proto,
+                       rejection_to_proto)
 from .store import StoreError
 from .streamgate import StreamGate
 from .states import TERMINAL_STATES
@@ -420,6 +421,8 @@ class ControlServicer(pb_grpc.ControlServicer):
             msg = node_to_proto(rec, "draining" if node_id in drains else "ready", age)
             if node_id == me:
                 msg.problems.extend(self._problems())
+                gpus_to_proto(msg, self._manager.gpus.inventory, self._manager.gpu_holders())
+                msg.gpus_free = self._manager.gpus_free()  # now, not at the last refresh
             nodes.append(msg)
         for node_id, (lost_at, rec) in sorted(view.lost.items()):
             if node_id not in live:
@@ -436,7 +439,8 @@ class ControlServicer(pb_grpc.ControlServicer):
                                         self._cfg.limits.state_min_free_bytes)
         except OSError as exc:
             return [f"state dir {self._cfg.daemon.state_dir}: {exc}"]
-        return [p for p in (space.problem(self._cfg.daemon.state_dir),) if p]
+        return [p for p in (space.problem(self._cfg.daemon.state_dir),
+                            self._manager.gpu_problem()) if p]
 
     @_handle
     def SetNodeState(self, request, context, caller):

@@ -21,6 +21,7 @@ import os
 import threading
 import time
 
+from .gpu_alloc import needed
 from .logsetup import ctx
 from .rejections import RejectReason, Rejection
 from .rendezvous.protocol import CLOSED, OPEN
@@ -30,8 +31,9 @@ log = logging.getLogger("elasticd.dispatch")
 
 
 def eligible(spec: dict, state, joined: int, node_id: str, free_slots: int, draining: bool,
-             daemon_uid: int) -> tuple[bool, str]:
-    """(whether this node should join the job, why not)."""
+             daemon_uid: int, free_gpus: int = 0, node_gpus: int = 0) -> tuple[bool, str]:
+    """(whether this node should join the job, why not). ``free_gpus`` of the
+    node's ``node_gpus``: the job takes gpu_alloc.needed() of them."""
     if draining:
         return False, "this node is draining"
     nodes = spec.get("nodes") or []
@@ -44,6 +46,12 @@ def eligible(spec: dict, state, joined: int, node_id: str, free_slots: int, drai
         return False, "unreadable spec"
     if nproc > free_slots:
         return False, f"needs {nproc} slots, {free_slots} free"
+    try:
+        gpus = needed(int(spec.get("gpus_per_node", -1)), nproc, node_gpus)
+    except (TypeError, ValueError):
+        return False, "unreadable spec"
+    if gpus > free_gpus:
+        return False, f"needs {gpus} GPUs, {free_gpus} free of {node_gpus}"
     if state.status == OPEN and joined >= max_nodes:
         return False, "its round already has its max nodes"
     if state.status == CLOSED and len(state.members) >= max_nodes:
@@ -118,11 +126,15 @@ class Dispatcher:
                 continue
             if draining is None:
                 draining = me in self._cluster.drain_states()
-            pending = sum(j.nproc_per_node for j in known.values()
-                          if j.live and j.id not in self._manager.active_jobs())
+            waiting = [j for j in known.values()
+                       if j.live and j.id not in self._manager.active_jobs()]
+            pending = sum(j.nproc_per_node for j in waiting)
             free = self._manager.slots_total - self._manager.slots_used() - pending
+            gpus_free = self._manager.gpus_free() - sum(self._manager.gpus_needed(j)
+                                                        for j in waiting)
             joined = len(keys.joins.get(keys.state.round, {}))
-            ok, why = eligible(keys.spec, keys.state, joined, me, free, draining, os.geteuid())
+            ok, why = eligible(keys.spec, keys.state, joined, me, free, draining, os.geteuid(),
+                               gpus_free, self._manager.gpus.total)
             if not ok:
                 log.debug("%s: not joining: %s", ctx(job=job_id, node=me), why)
                 continue

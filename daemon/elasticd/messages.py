@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 
+from .gpu_inventory import cpu_list_text
 from .jobs import JobRecord
 from .restartpolicy import RestartPlan, RestartWindow
 from .states import TERMINAL_STATES
@@ -66,7 +67,10 @@ def job_to_proto(job: JobRecord) -> pb.Job:
             node_id=s.get("node_id", "")))
     for w in job.workers:
         msg.workers.add(rank=w["rank"], local_rank=w["local_rank"], pid=w["pid"],
-                        state=w["state"], exit_code=w["exit_code"], node_id=w["node_id"])
+                        state=w["state"], exit_code=w["exit_code"], node_id=w["node_id"],
+                        gpus=w.get("gpus", []), gpu_uuids=w.get("gpu_uuids", []),
+                        cpus=w.get("cpus", ""))
+    msg.gpus_per_node, msg.cpu_bind = job.gpus_per_node, job.cpu_bind
     return msg
 
 
@@ -96,4 +100,15 @@ def node_to_proto(rec: dict, state: str, age: float) -> pb.Node:
                    slots_free=int(rec.get("slots_free", 0)), version=str(rec.get("version", "")),
                    started_at=float(rec.get("started_at", 0.0)), heartbeat_age_seconds=age,
                    lease_ttl_seconds=float(rec.get("lease_ttl", 0) or 0),
-                   jobs=[str(j) for j in rec.get("jobs", [])][:1000])
+                   jobs=[str(j) for j in rec.get("jobs", [])][:1000],
+                   gpus=int(rec.get("gpus", 0)), gpus_free=int(rec.get("gpus_free", 0)),
+                   gpu_source=str(rec.get("gpu_source", "")),
+                   gpu_health=str(rec.get("gpu_health", "")))
+
+
+def gpus_to_proto(msg: pb.Node, inv, holders: dict) -> None:
+    """This node's own devices (gpu_inventory.Inventory) and who holds each."""
+    for g in inv.gpus:
+        msg.devices.add(index=g.index, uuid=g.uuid, memory_mib=g.memory_mib,
+                        numa_node=g.numa_node, cpus=cpu_list_text(g.cpus),
+                        job_id=holders.get(g.index, ""))
