@@ -420,3 +420,91 @@ def test_a_node_failing_its_gpu_health_check_stays_out_and_drains():
         finally:
             for d in nodes:
                 d.cleanup()
+
+
+# ---------------------------------------------------------------- the health gate (no daemon)
+
+def test_compute_apps_output():
+    from elasticd.gpu_health import parse_smi_apps
+    out = "GPU-aaaa-1, 1234\nGPU-aaaa-1, 1240\nGPU-bbbb-2, 77\n"
+    assert parse_smi_apps(out) == {"GPU-aaaa-1": [1234, 1240], "GPU-bbbb-2": [77]}
+    assert parse_smi_apps("") == {}
+    for bad in ("GPU-a, [N/A]\n", "1234\n", "No running processes found\n"):
+        with pytest.raises(InventoryError):
+            parse_smi_apps(bad)
+
+
+class Events:
+    def __init__(self):
+        self.seen = []
+
+    def event(self, job_id, kind, reason, **kw):
+        self.seen.append((job_id, kind, reason))
+
+
+def gate_for(tmp_path, threshold=2, release=0.0, command=""):
+    from elasticd import config
+    from elasticd.gpu_health import HealthGate
+    fake = tmp_path / "gpus.json"
+    write_fake(fake, 2)
+    cfg = config.load(path="/dev/null", env={}, overrides={
+        "daemon.standalone": True, "daemon.state_dir": str(tmp_path),
+        "daemon.socket": str(tmp_path / "s.sock"), "daemon.fake_gpus_file": str(fake),
+        "daemon.gpu_health_failures_to_drain": threshold,
+        "daemon.gpu_release_timeout": release, "daemon.gpu_health_command": command})
+    inv = Inventory(read_fake(str(fake)).gpus, "fake")
+    drained, events = [], Events()
+    return HealthGate(cfg, inv, events, drained.append), inv, fake, drained, events
+
+
+def test_gate_drains_after_failures_in_a_row_and_a_pass_resets(tmp_path):
+    gate, inv, fake, drained, events = gate_for(tmp_path, threshold=2)
+    assert gate.before_round("j1", inv.gpus).ok and gate.status() == "ok"
+    set_health(fake, False, "GPU 1: XID 48")
+    r = gate.before_round("j1", inv.gpus)
+    assert not r.ok and r.reason == "GPU 1: XID 48" and not drained
+    assert "1 in a row; drains after 2" in gate.problem()
+    gate.before_round("j2", inv.gpus)                  # a second job: still one node's count
+    assert len(drained) == 1 and "2 times in a row" in drained[0]
+    assert any("drained itself" in reason for _, _, reason in events.seen)
+    gate.before_round("j2", inv.gpus)
+    assert len(drained) == 1                           # drained once, not at every failure
+    set_health(fake, True)
+    assert gate.before_round("j1", inv.gpus).ok and gate.failures == 0 and not gate.problem()
+
+
+def test_gate_waits_for_a_dead_ranks_processes_to_leave_its_gpus(tmp_path):
+    from elasticd.gpu_health import wait_released
+    gate, inv, fake, drained, events = gate_for(tmp_path)
+    with open(fake) as fh:
+        doc = json.load(fh)
+    doc["processes"] = {"1": [4242]}
+    fake.write_text(json.dumps(doc))
+    r = gate.before_round("j1", inv.gpus)
+    assert not r.ok and "GPU 1: still used by pid 4242" in r.reason
+    assert gate.before_round("j1", inv.gpus[:1]).ok      # GPU 0 is free
+    now = [0.0]
+
+    def sleep(s):   # the process leaves while we wait
+        now[0] += s
+        doc["processes"] = {}
+        fake.write_text(json.dumps(doc))
+    doc["processes"] = {"1": [4242]}
+    fake.write_text(json.dumps(doc))
+    assert wait_released(inv, inv.gpus, str(fake), 5.0, clock=lambda: now[0], sleep=sleep) == []
+
+
+def test_gate_runs_the_health_command_with_a_timeout(tmp_path):
+    script = tmp_path / "check.sh"
+    script.write_text("#!/bin/sh\necho \"bad $ELASTICD_GPUS\"\nexit 4\n")
+    script.chmod(0o755)
+    gate, inv, *_ = gate_for(tmp_path, command=str(script))
+    r = gate.before_round("j1", inv.gpus)
+    assert r.reason == "health command exited 4: bad 0,1"
+    slow = tmp_path / "slow.sh"
+    slow.write_text("#!/bin/sh\nsleep 30 &\nsleep 30\n")
+    slow.chmod(0o755)
+    from elasticd.gpu_health import run_hook
+    t0 = time.monotonic()
+    assert "did not answer within 0.5s" in run_hook(str(slow), inv.gpus, "n", "j", 0.5)[0]
+    assert time.monotonic() - t0 < 20

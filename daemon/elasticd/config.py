@@ -74,6 +74,10 @@ class DaemonSettings:
     gpu_health_timeout: float = _setting(30.0, "seconds the GPU health check and command may "
                                                "take (no answer counts as a failure)",
                                          min=0, exclusive_min=True, max=3600)
+    gpu_release_timeout: float = _setting(30.0, "seconds to wait, before a round, for the "
+                                                "processes left on a job's GPUs (a dead rank's) "
+                                                "to be gone; still there: a health failure",
+                                          min=0, max=3600)
     gpu_health_retry_interval: float = _setting(10.0, "seconds a node whose GPU health check "
                                                       "failed waits before checking again",
                                                 min=0, exclusive_min=True, max=3600)

@@ -114,9 +114,10 @@ class Daemon:
         cluster = Cluster(cfg, store, lambda: (holder["m"].slots_total - holder["m"].slots_used(),
                                                holder["m"].active_jobs()),
                           gpu_info=lambda: holder["m"].gpu_record())
-        health = HealthGate(cfg, inventory, registry,
-                            lambda why: cluster.set_drain(d.node_id, True, "elasticd: " + why[:200]),
-                            metrics, nvml=nvml_module() if inventory.source == "nvml" else None)
+        health = HealthGate(
+            cfg, inventory, registry,
+            lambda why: cluster.set_drain(d.node_id, True, "elasticd: " + why[:200]),
+            metrics, nvml=nvml_module() if inventory.source == "nvml" else None)
         manager = holder["m"] = JobManager(cfg, registry, cluster, view, metrics,
                                            codec=self.codec, policy=policy,
                                            gpus=GpuLedger(inventory), health=health)

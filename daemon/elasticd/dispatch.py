@@ -130,11 +130,13 @@ class Dispatcher:
                        if j.live and j.id not in self._manager.active_jobs()]
             pending = sum(j.nproc_per_node for j in waiting)
             free = self._manager.slots_total - self._manager.slots_used() - pending
-            gpus_free = self._manager.gpus_free() - sum(self._manager.gpus_needed(j)
-                                                        for j in waiting)
+            # (a job needing more GPUs than the node has never starts here: not counted)
+            total_gpus = self._manager.gpus.total
+            gpus_free = self._manager.gpus_free() - sum(
+                n for n in map(self._manager.gpus_needed, waiting) if n <= total_gpus)
             joined = len(keys.joins.get(keys.state.round, {}))
             ok, why = eligible(keys.spec, keys.state, joined, me, free, draining, os.geteuid(),
-                               gpus_free, self._manager.gpus.total)
+                               gpus_free, total_gpus)
             if not ok:
                 log.debug("%s: not joining: %s", ctx(job=job_id, node=me), why)
                 continue

@@ -3,6 +3,9 @@
 Before this node joins a round of a job that uses GPUs here, the job's agent
 asks ``HealthGate.before_round``. It runs, on the job's devices:
 
+- the devices must run no process: a dead rank's memory is free only once its
+  process is gone from the device, so it waits up to ``daemon.gpu_release_timeout``
+  for the compute processes on them (NVML, nvidia-smi, the fake file) to go;
 - the quick check of the inventory's source (``quick_check``): the fake
   file's ``healthy``/``problem`` (tests); NVML: each device answers, no page
   is pending retirement, no critical XID event since the last check, enough
@@ -24,8 +27,10 @@ from __future__ import annotations
 import logging
 import os
 import shlex
+import signal
 import subprocess
 import threading
+import time
 from dataclasses import dataclass
 
 from .gpu_inventory import Gpu, Inventory, InventoryError, read_fake, run_nvidia_smi
@@ -72,6 +77,70 @@ def parse_smi_health(text: str, indices) -> list[str]:
             problems.append(f"GPU {index}: pages pending retirement (reset the GPU or reboot)")
     problems += [f"GPU {i}: nvidia-smi does not list it" for i in indices if i not in seen]
     return problems
+
+
+def parse_smi_apps(text: str) -> dict[str, list[int]]:
+    """``nvidia-smi --query-compute-apps=gpu_uuid,pid --format=csv,noheader``: the pids
+    of compute processes by GPU UUID. Strict: InventoryError on a line that does not
+    parse ("No running processes found" is not printed in CSV mode)."""
+    apps: dict[str, list[int]] = {}
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        fields = [f.strip() for f in line.split(",")]
+        if len(fields) != 2 or not fields[1].isdigit() or not fields[0].startswith(("GPU-",
+                                                                                    "MIG-")):
+            raise InventoryError(f"nvidia-smi compute apps: {line[:120]!r} does not parse")
+        apps.setdefault(fields[0], []).append(int(fields[1]))
+    return apps
+
+
+def processes_on(inv: Inventory, gpus: tuple, fake_file: str, timeout: float,
+                 nv=None) -> dict[int, list[int]]:
+    """Compute processes on these GPUs, by index ({} where the source cannot tell)."""
+    if inv.source == "fake":
+        try:
+            procs = read_fake(fake_file).processes
+        except InventoryError:
+            return {}
+        return {g.index: list(procs[g.index]) for g in gpus if procs.get(g.index)}
+    if inv.source == "nvml" and nv is not None:
+        out = {}
+        for g in gpus:
+            try:
+                h = nv.nvmlDeviceGetHandleByIndex(g.index)
+                pids = [int(p.pid) for p in nv.nvmlDeviceGetComputeRunningProcesses(h)]
+            except Exception:  # an unanswering device is the quick check's to report
+                continue
+            if pids:
+                out[g.index] = pids
+        return out
+    if inv.source == "nvidia-smi":
+        text = run_nvidia_smi(["--query-compute-apps=gpu_uuid,pid", "--format=csv,noheader"],
+                              timeout)
+        try:
+            apps = parse_smi_apps(text or "")
+        except InventoryError as exc:
+            log.warning("%s", exc)
+            return {}
+        return {g.index: apps[g.uuid] for g in gpus if apps.get(g.uuid)}
+    return {}
+
+
+def wait_released(inv: Inventory, gpus: tuple, fake_file: str, timeout: float, nv=None,
+                  poll: float = 0.25, clock=time.monotonic, sleep=time.sleep) -> list[str]:
+    """Wait up to ``timeout`` for the job's GPUs to run no process (a dead rank's memory
+    is only free once its process is gone from the device); problems if some stay."""
+    deadline = clock() + timeout
+    while True:
+        busy = processes_on(inv, gpus, fake_file, timeout, nv)
+        if not busy:
+            return []
+        if clock() >= deadline:
+            return [f"GPU {i}: still used by pid {','.join(map(str, pids[:5]))} after "
+                    f"{timeout:g}s (daemon.gpu_release_timeout)"
+                    for i, pids in sorted(busy.items())]
+        sleep(poll)
 
 
 def quick_check(inv: Inventory, gpus: tuple, fake_file: str, timeout: float,
@@ -159,19 +228,33 @@ def run_hook(command: str, gpus: tuple, node_id: str, job_id: str, timeout: floa
            "ELASTICD_JOB_ID": job_id,
            "ELASTICD_GPUS": ",".join(str(g.index) for g in gpus),
            "ELASTICD_GPU_UUIDS": ",".join(g.uuid for g in gpus)}
-    try:
-        done = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, env=env, timeout=timeout,
-                              close_fds=True, start_new_session=True)
-    except subprocess.TimeoutExpired:
-        return [f"health command did not answer within {timeout:g}s (daemon.gpu_health_timeout)"]
+    try:  # its own session: on a timeout the whole group goes, children it left too
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, env=env, close_fds=True,
+                                start_new_session=True)
     except OSError as exc:
         return [f"health command {argv[0]}: {exc.strerror or exc}"]
-    if done.returncode == 0:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        return [f"health command did not answer within {timeout:g}s (daemon.gpu_health_timeout)"]
+    _kill_group(proc)  # exited: whatever it left in its group must not live on
+    if proc.returncode == 0:
         return []
-    first = next((ln.strip() for ln in done.stdout[:HOOK_OUTPUT_MAX].decode(errors="replace")
+    first = next((ln.strip() for ln in out[:HOOK_OUTPUT_MAX].decode(errors="replace")
                   .splitlines() if ln.strip()), "")
-    return [f"health command exited {done.returncode}" + (f": {first[:200]}" if first else "")]
+    return [f"health command exited {proc.returncode}" + (f": {first[:200]}" if first else "")]
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    if proc.stdout is not None:
+        proc.stdout.close()
+    proc.wait()
 
 
 class HealthGate:
@@ -184,6 +267,7 @@ class HealthGate:
         self._registry = registry
         self._drain = drain
         self._metrics = metrics
+        self._nv = nvml
         self._nvml = NvmlEvents(nvml, inv) if nvml is not None and inv.source == "nvml" else None
         self._lock = threading.Lock()
         self.failures = 0
@@ -199,8 +283,10 @@ class HealthGate:
         """Check ``gpus`` (the job's devices here) before joining a round."""
         d = self._cfg.daemon
         with self._lock:  # one check at a time: jobs starting together share the devices
-            problems = quick_check(self._inv, gpus, d.fake_gpus_file, d.gpu_health_timeout,
-                                   self._nvml)
+            problems = wait_released(self._inv, gpus, d.fake_gpus_file, d.gpu_release_timeout,
+                                     self._nv)
+            problems += quick_check(self._inv, gpus, d.fake_gpus_file, d.gpu_health_timeout,
+                                    self._nvml)
             if not problems and d.gpu_health_command:
                 problems = run_hook(d.gpu_health_command, gpus, d.node_id, job_id,
                                     d.gpu_health_timeout)

@@ -114,6 +114,7 @@ class FakeState:
     gpus: tuple
     healthy: bool
     problem: str
+    processes: dict            # GPU index -> pids of compute processes on it
 
 
 def read_fake(path: str) -> FakeState:
@@ -121,7 +122,7 @@ def read_fake(path: str) -> FakeState:
 
         {"gpus": [{"index": 0, "uuid": "GPU-fake-0", "memory_mib": 81920,
                    "numa_node": 0, "cpus": "0-1"}, ...],
-         "healthy": true, "problem": ""}
+         "healthy": true, "problem": "", "processes": {"0": [1234]}}
 
     Read at start for the inventory and again at every health check (so a test
     flips ``healthy``). It is root's setting, yet checked like any input: a
@@ -148,6 +149,12 @@ def read_fake(path: str) -> FakeState:
     healthy, problem = doc.get("healthy", True), doc.get("problem", "")
     if not isinstance(healthy, bool) or not isinstance(problem, str):
         raise InventoryError(f"fake GPU file {path}: healthy must be a bool, problem a string")
+    procs = doc.get("processes", {})
+    if not isinstance(procs, dict) or len(procs) > MAX_GPUS or not all(
+            isinstance(k, str) and k.isdigit() and len(k) <= 3 and isinstance(v, list)
+            and len(v) <= 1024 and all(type(p) is int and 0 < p < 2**31 for p in v)
+            for k, v in procs.items()):
+        raise InventoryError(f"fake GPU file {path}: processes must map GPU indices to pids")
     if len(doc["gpus"]) > MAX_GPUS:
         raise InventoryError(f"fake GPU file {path}: more than {MAX_GPUS} GPUs")
     gpus = []
@@ -159,7 +166,8 @@ def read_fake(path: str) -> FakeState:
                              g.get("numa_node", -1), _cpu_list(g.get("cpus", ""))))
         except InventoryError as exc:
             raise InventoryError(f"fake GPU file {path}: gpus[{i}]: {exc}") from None
-    return FakeState(_checked(gpus), healthy, problem[:500])
+    return FakeState(_checked(gpus), healthy, problem[:500],
+                     {int(k): tuple(v) for k, v in procs.items()})
 
 
 def _gpu(index, uuid, memory_mib, numa_node, cpus: tuple, bus_id: str = "") -> Gpu:
