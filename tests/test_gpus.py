@@ -271,7 +271,7 @@ def gpu_node():
         fh.write(PROBE)
     d = DaemonProc(root, node_id="gpu-a", slots=8, extra_args=(
         "--set", f"daemon.fake_gpus_file={fake}", "--set", "agent.warm_spares=false",
-        "--set", "agent.restart_backoff_initial=0.1"))
+        "--set", "agent.restart_backoff_initial=0.1", "--set", "daemon.suspect_jobs=2"))
     d.start()
     d.fake, d.out, d.probe = fake, out, probe
     yield d
@@ -508,3 +508,43 @@ def test_gate_runs_the_health_command_with_a_timeout(tmp_path):
     t0 = time.monotonic()
     assert "did not answer within 0.5s" in run_hook(str(slow), inv.gpus, "n", "j", 0.5)[0]
     assert time.monotonic() - t0 < 20
+
+
+# ---------------------------------------------------------------- a suspect node
+
+def test_judge_counts_different_jobs_within_the_window():
+    from elasticd.node_suspicion import SuspectTracker, judge
+    fails = [(100.0, "a"), (101.0, "a"), (102.0, "a")]
+    assert not judge(fails, 110.0, 60.0, 2).suspect                 # one job, many times
+    fails.append((105.0, "b"))
+    v = judge(fails, 110.0, 60.0, 2)
+    assert v.suspect and v.jobs == ("a", "b") and "2 different jobs" in v.reason
+    assert not judge(fails, 200.0, 60.0, 2).suspect                 # aged out
+    assert not judge(fails, 110.0, 60.0, 0).suspect                 # turned off
+    now = [1000.0]
+    t = SuspectTracker("n1", 60.0, 2, clock=lambda: now[0])
+    t.on_event({"kind": "worker_exit", "node_id": "n1", "job_id": "a", "time": 999.0})
+    t.on_event({"kind": "worker_exit", "node_id": "n2", "job_id": "b", "time": 999.0})  # a peer's
+    t.on_event({"kind": "state", "node_id": "n1", "job_id": "c", "time": 999.0})
+    assert not t.verdict().suspect
+    t.on_event({"kind": "worker_exit", "node_id": "n1", "job_id": "d", "time": 999.5})
+    assert t.verdict().suspect
+
+
+def test_a_suspect_node_lets_others_take_a_round_first():
+    state = RoundState(round=1, status=OPEN, opened_at=100.0)
+    spec = {"nproc_per_node": 1, "max_nodes": 2, "uid": 0}
+    ok, why = eligible(spec, state, 0, "n1", 4, False, 0, hold_back=10.0, now=105.0)
+    assert not ok and "suspect" in why
+    assert eligible(spec, state, 0, "n1", 4, False, 0, hold_back=10.0, now=111.0) == (True, "")
+
+
+def test_workers_failing_in_different_jobs_make_the_node_suspect(gpu_node):
+    d = gpu_node
+    for _ in range(2):
+        job = submit(d, "--max-restarts", "0", "--gpus-per-node", "0", "--",
+                     PY, "-c", "import sys; sys.exit(5)")
+        assert d.wait_job(job).state == pb.FAILED
+    me = next(n for n in ctl_json(d, "nodes")["nodes"] if n["node_id"] == "gpu-a")
+    assert any(p.startswith("suspect, preferred last") for p in me["problems"]), me["problems"]
+    assert "suspect" in d.ctl("nodes").stdout

@@ -266,6 +266,8 @@ def nodes_table(resp: control_pb2.ListNodesResponse) -> str:
     text += f"\nstore: {store} ({resp.store_health or 'unknown'})"
     for n in resp.nodes:
         text += "".join(f"\nproblem on {n.node_id}: {p}" for p in n.problems)
+        if n.suspect and not any(n.suspect in p for p in n.problems):
+            text += f"\nsuspect: {n.node_id}: {n.suspect}"
     return text
 
 

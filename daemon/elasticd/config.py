@@ -84,6 +84,16 @@ class DaemonSettings:
     gpu_health_failures_to_drain: int = _setting(3, "GPU health failures in a row after which "
                                                     "the node drains itself (0: never)",
                                                  min=0, max=1_000_000)
+    # A suspect node (node_suspicion.py)
+    suspect_jobs: int = _setting(3, "this node is suspect once workers of this many different "
+                                    "jobs failed here within daemon.suspect_window (0: never)",
+                                 min=0, max=1_000_000)
+    suspect_window: float = _setting(3600.0, "seconds a worker failure counts toward "
+                                             "daemon.suspect_jobs", min=0, exclusive_min=True,
+                                     max=30 * 86400)
+    suspect_adopt_delay: float = _setting(10.0, "seconds a suspect node lets a cluster job's "
+                                                "round wait for other nodes before it joins",
+                                          min=0, max=3600)
 
 
 @dataclass(frozen=True)

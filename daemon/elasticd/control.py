@@ -102,6 +102,10 @@ def _page_key(token: str) -> tuple[float, str] | None:
                                      f"{token[:60]!r}") from None
 
 
+def _suspect_line(reason: str) -> str:
+    return f"suspect, preferred last for cluster jobs: {reason}" if reason else ""
+
+
 def _settled(job: JobRecord) -> bool:
     """Ended, and every node's last worker rows published (none still running)."""
     return job.state in TERMINAL_STATES and not any(w["state"] == "running"
@@ -440,7 +444,8 @@ class ControlServicer(pb_grpc.ControlServicer):
         except OSError as exc:
             return [f"state dir {self._cfg.daemon.state_dir}: {exc}"]
         return [p for p in (space.problem(self._cfg.daemon.state_dir),
-                            self._manager.gpu_problem()) if p]
+                            self._manager.gpu_problem(),
+                            _suspect_line(self._manager.suspect_reason())) if p]
 
     @_handle
     def SetNodeState(self, request, context, caller):

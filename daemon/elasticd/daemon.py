@@ -35,6 +35,7 @@ from .eventlog import EventLog
 from .gpu_alloc import GpuLedger
 from .gpu_health import HealthGate
 from .gpu_inventory import Inventory, InventoryError, discover, nvml_module
+from .node_suspicion import SuspectTracker
 from .manager import JobManager
 from .metrics import Metrics
 from .rendezvous.view import JobsView
@@ -113,14 +114,18 @@ class Daemon:
         inventory = _gpu_inventory(cfg)
         cluster = Cluster(cfg, store, lambda: (holder["m"].slots_total - holder["m"].slots_used(),
                                                holder["m"].active_jobs()),
-                          gpu_info=lambda: holder["m"].gpu_record())
+                          gpu_info=lambda: dict(holder["m"].gpu_record(),
+                                                suspect=suspicion.verdict().reason))
+        suspicion = SuspectTracker(d.node_id, d.suspect_window, d.suspect_jobs)
+        registry.listeners.append(suspicion.on_event)
         health = HealthGate(
             cfg, inventory, registry,
             lambda why: cluster.set_drain(d.node_id, True, "elasticd: " + why[:200]),
             metrics, nvml=nvml_module() if inventory.source == "nvml" else None)
         manager = holder["m"] = JobManager(cfg, registry, cluster, view, metrics,
                                            codec=self.codec, policy=policy,
-                                           gpus=GpuLedger(inventory), health=health)
+                                           gpus=GpuLedger(inventory), health=health,
+                                           suspicion=suspicion)
         self.cluster = cluster
         metrics.attach(registry, manager)
         metrics.attach_cluster(cluster)  # metrics: the node lease
@@ -168,7 +173,7 @@ class Daemon:
         stops.callback(manager.shutdown, d.shutdown_timeout)
         manager.resume()
         dispatcher = Dispatcher(cfg, view, registry, manager, cluster, policy=policy,
-                                metrics=metrics)
+                                metrics=metrics, suspicion=suspicion)
         dispatcher.start()
         stops.callback(dispatcher.stop)
 

@@ -31,9 +31,12 @@ log = logging.getLogger("elasticd.dispatch")
 
 
 def eligible(spec: dict, state, joined: int, node_id: str, free_slots: int, draining: bool,
-             daemon_uid: int, free_gpus: int = 0, node_gpus: int = 0) -> tuple[bool, str]:
+             daemon_uid: int, free_gpus: int = 0, node_gpus: int = 0,
+             hold_back: float = 0.0, now: float = 0.0) -> tuple[bool, str]:
     """(whether this node should join the job, why not). ``free_gpus`` of the
-    node's ``node_gpus``: the job takes gpu_alloc.needed() of them."""
+    node's ``node_gpus``: the job takes gpu_alloc.needed() of them. ``hold_back``
+    (a suspect node, node_suspicion.py): join only a round open (or closed) for
+    at least that many seconds at ``now``, so other nodes go first."""
     if draining:
         return False, "this node is draining"
     nodes = spec.get("nodes") or []
@@ -58,6 +61,10 @@ def eligible(spec: dict, state, joined: int, node_id: str, free_slots: int, drai
         return False, "it already runs on its max nodes"
     if state.status not in (OPEN, CLOSED):
         return False, f"it is {state.status}"
+    since = state.opened_at if state.status == OPEN else state.closed_at
+    if hold_back > 0 and now - since < hold_back:
+        return False, f"this node is suspect: it lets other nodes take the job first " \
+                      f"(for {hold_back:g}s, daemon.suspect_adopt_delay)"
     if daemon_uid != 0 and uid != daemon_uid:
         return False, f"this daemon cannot run jobs as uid {uid}"
     return True, ""
@@ -65,8 +72,9 @@ def eligible(spec: dict, state, joined: int, node_id: str, free_slots: int, drai
 
 class Dispatcher:
     def __init__(self, cfg, view, registry, manager, cluster, interval: float = 1.0,
-                 policy=None, metrics=None):
+                 policy=None, metrics=None, suspicion=None):
         self._cfg = cfg
+        self._suspicion = suspicion   # node_suspicion.SuspectTracker, or None
         self._policy = policy
         self._metrics = metrics
         self._reported: dict[str, Rejection] = {}   # job id -> what was reported
@@ -135,8 +143,10 @@ class Dispatcher:
             gpus_free = self._manager.gpus_free() - sum(
                 n for n in map(self._manager.gpus_needed, waiting) if n <= total_gpus)
             joined = len(keys.joins.get(keys.state.round, {}))
+            hold = (self._cfg.daemon.suspect_adopt_delay if self._suspicion is not None
+                    and self._suspicion.verdict().suspect else 0.0)
             ok, why = eligible(keys.spec, keys.state, joined, me, free, draining, os.geteuid(),
-                               gpus_free, total_gpus)
+                               gpus_free, total_gpus, hold, time.time())
             if not ok:
                 log.debug("%s: not joining: %s", ctx(job=job_id, node=me), why)
                 continue

@@ -92,12 +92,14 @@ def record_from_spec(spec: dict) -> JobRecord:
 
 class JobManager:
     def __init__(self, cfg: Config, registry: JobRegistry, cluster, view, metrics=None,
-                 codec=None, policy=None, gpus: GpuLedger | None = None, health=None):
+                 codec=None, policy=None, gpus: GpuLedger | None = None, health=None,
+                 suspicion=None):
         self._cfg = cfg
         # This node's GPUs and who holds them (gpu_alloc.py), changed under self._lock;
         # the health gate agents ask before joining a round (gpu_health.py).
         self.gpus = gpus if gpus is not None else GpuLedger(Inventory((), "off"))
         self._health = health
+        self._suspicion = suspicion   # node_suspicion.SuspectTracker: this node suspect?
         # Seals every spec this node writes to the store (clusterspec.py); the
         # daemon passes the cluster key's, a test without one gets a throwaway key.
         if codec is None:
@@ -144,6 +146,10 @@ class JobManager:
 
     def gpu_problem(self) -> str:
         return self._health.problem() if self._health is not None else ""
+
+    def suspect_reason(self) -> str:
+        """Why this node is suspect (node_suspicion.py); "" when it is not."""
+        return self._suspicion.verdict().reason if self._suspicion is not None else ""
 
     # -- requests ------------------------------------------------------------
     def submit(self, req: JobRequest, caller: Caller) -> JobRecord:

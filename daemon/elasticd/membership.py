@@ -48,7 +48,8 @@ _INT32_MAX = 2**31 - 1
 _RECORD_FIELDS = {"slots": int, "slots_free": int, "pid": int, "started_at": (int, float),
                   "lease_ttl": (int, float),
                   "host": str, "address": str, "version": str,
-                  "gpus": int, "gpus_free": int, "gpu_source": str, "gpu_health": str}
+                  "gpus": int, "gpus_free": int, "gpu_source": str, "gpu_health": str,
+                  "suspect": str}
 
 
 def parse_node(key: str, value: str | None) -> dict | None:
@@ -70,7 +71,7 @@ def parse_node(key: str, value: str | None) -> dict | None:
     for name in ("slots", "slots_free", "gpus", "gpus_free"):
         if not 0 <= data.get(name, 0) <= _INT32_MAX:
             return None
-    for name in ("gpu_source", "gpu_health"):
+    for name in ("gpu_source", "gpu_health", "suspect"):
         if len(data.get(name, "")) > 500:
             return None
     jobs = data.get("jobs", [])

@@ -103,7 +103,8 @@ def node_to_proto(rec: dict, state: str, age: float) -> pb.Node:
                    jobs=[str(j) for j in rec.get("jobs", [])][:1000],
                    gpus=int(rec.get("gpus", 0)), gpus_free=int(rec.get("gpus_free", 0)),
                    gpu_source=str(rec.get("gpu_source", "")),
-                   gpu_health=str(rec.get("gpu_health", "")))
+                   gpu_health=str(rec.get("gpu_health", "")),
+                   suspect=str(rec.get("suspect", "")))
 
 
 def gpus_to_proto(msg: pb.Node, inv, holders: dict) -> None:
