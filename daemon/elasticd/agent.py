@@ -28,6 +28,7 @@ from typing import Callable, Sequence
 
 from . import failures, jobstore_env
 from .config import Config
+from .gpu_alloc import Binding
 from .jobs import JobRecord, JobRegistry
 from .ladder import Layer, round_layer
 from .logsetup import ctx
@@ -40,7 +41,6 @@ from .rendezvous.protocol import CANCELLED, FAILED, SUCCEEDED, Result, RoundStat
 from .states import TERMINAL_STATES, JobState
 from .store import StoreError
 from .storehost import JobStoreHost
-from .gpu_alloc import Binding
 from .workers import GroupSpec, SpawnError, SparePool, WorkerGroup
 
 log = logging.getLogger("elasticd.agent")
@@ -261,8 +261,7 @@ class Agent:
         failure the node stays out: the reason says why, and after
         daemon.gpu_health_retry_interval the loop looks again (RoundFinal if the
         job ended meanwhile without this node)."""
-        if self._health is None or not (self._binding.gpus or (
-                self._binding.node_has_gpus and self._cfg.daemon.gpu_health_command)):
+        if self._health is None or not self._binding.gpus:
             return True
         result = self._health.before_round(self.job_id, self._binding.gpus)
         if result.ok:

@@ -271,13 +271,13 @@ class HealthGate:
         self._nvml = NvmlEvents(nvml, inv) if nvml is not None and inv.source == "nvml" else None
         self._lock = threading.Lock()
         self.failures = 0
-        self.last: HealthResult = OK
+        self.last: HealthResult | None = None     # None: not checked yet
         self.drained = False
 
     @property
     def active(self) -> bool:
-        """Whether a check has anything to look at on this node."""
-        return self._inv.count > 0 or bool(self._cfg.daemon.gpu_health_command)
+        """Whether there is anything to check on this node (it has GPUs)."""
+        return self._inv.count > 0
 
     def before_round(self, job_id: str, gpus: tuple) -> HealthResult:
         """Check ``gpus`` (the job's devices here) before joining a round."""
@@ -296,8 +296,8 @@ class HealthGate:
             failures = self.failures
             drain = not result.ok and should_drain(failures, d.gpu_health_failures_to_drain) \
                 and not self.drained
-            if result.ok:
-                self.drained = False
+            # Claimed here, under the lock: two jobs failing at once drain it once.
+            self.drained = drain or (self.drained and not result.ok)
         if self._metrics is not None:
             self._metrics.gpu_health(result.ok)
         if result.ok:
@@ -313,19 +313,20 @@ class HealthGate:
                    f"(daemon.gpu_health_failures_to_drain): {result.reason}")
             try:
                 self._drain(why)
-                self.drained = True
                 log.error("%s: draining this node: %s; `elasticctl uncordon %s` takes it back",
                           where, why, d.node_id)
                 self._registry.event(job_id, "gpu_health", f"node {d.node_id} drained itself: "
                                      f"{why}")
             except Exception as exc:  # etcd away: try again at the next failure
                 log.warning("%s: could not drain this node: %s", where, exc)
+                with self._lock:
+                    self.drained = False
         return result
 
     def problem(self) -> str:
         """The node's GPU problem for `elasticctl nodes`; "" when the last check passed."""
         with self._lock:
-            if self.last.ok:
+            if self.last is None or self.last.ok:
                 return ""
             threshold = self._cfg.daemon.gpu_health_failures_to_drain
             tail = f"; drains after {threshold}" if threshold and not self.drained else ""
@@ -333,9 +334,11 @@ class HealthGate:
                     f"{self.last.reason}")
 
     def status(self) -> str:
-        """ok | failing: <why> | "" (nothing to check)."""
+        """ok | failing: <why> | "" (no GPUs, or not checked yet)."""
         if not self.active:
             return ""
         with self._lock:
+            if self.last is None:
+                return ""
             return "ok" if self.last.ok else f"failing: {self.last.reason}"[:300]
 

@@ -343,7 +343,7 @@ class JobManager:
                 if list(binding.indices) != list(job.gpu_indices):
                     self._registry.update(job.id, gpu_indices=binding.indices)
                 return binding
-            held = sorted({j for j in self.gpus.held()})
+            held = sorted(self.gpus.held())
             why = (f"waiting for {count} free GPUs: {len(self.gpus.free())} of {total} free"
                    + (f" (held by job {', '.join(held)})" if held else ""))
         if job.state is JobState.PENDING and job.reason != why:
