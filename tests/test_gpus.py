@@ -548,3 +548,24 @@ def test_workers_failing_in_different_jobs_make_the_node_suspect(gpu_node):
     me = next(n for n in ctl_json(d, "nodes")["nodes"] if n["node_id"] == "gpu-a")
     assert any(p.startswith("suspect, preferred last") for p in me["problems"]), me["problems"]
     assert "suspect" in d.ctl("nodes").stdout
+
+
+def test_metrics_export_gpus_free_and_total():
+    from prometheus_client import generate_latest
+    from elasticd.metrics import Metrics
+
+    class Mgr:   # the two things the collector reads, from a real ledger
+        def __init__(self):
+            self.gpus = GpuLedger(inventory(4))
+            self.gpus.take("j1", 3)
+
+        def gpus_free(self):
+            return len(self.gpus.free())
+
+    m = Metrics("n1")
+    mgr = Mgr()
+    m.attach_gpus(mgr)
+    m.gpu_health(False)
+    text = generate_latest(m.registry).decode()
+    assert "elasticd_gpus 4.0" in text and "elasticd_gpus_free 1.0" in text
+    assert 'elasticd_gpu_health_checks_total{result="failed"} 1.0' in text
