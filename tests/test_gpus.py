@@ -569,3 +569,33 @@ def test_metrics_export_gpus_free_and_total():
     text = generate_latest(m.registry).decode()
     assert "elasticd_gpus 4.0" in text and "elasticd_gpus_free 1.0" in text
     assert 'elasticd_gpu_health_checks_total{result="failed"} 1.0' in text
+
+
+def test_a_restarted_daemon_gives_a_job_back_its_devices(tmp_path):
+    root = short_tmpdir("gpu-")
+    fake = os.path.join(root, "gpus.json")
+    write_fake(fake, 4)
+    out = os.path.join(root, "out")
+    os.makedirs(out)
+    probe = os.path.join(root, "probe.py")
+    with open(probe, "w") as fh:
+        fh.write(PROBE)
+    d = DaemonProc(root, node_id="gpu-r", slots=8, extra_args=(
+        "--set", f"daemon.fake_gpus_file={fake}", "--set", "agent.warm_spares=false"))
+    try:
+        d.start()
+        blocker = submit(d, "--gpus-per-node", "2", "--", PY, probe, out, "hold")
+        wait_for(lambda: records(out, blocker), what="the blocker")
+        job = submit(d, "--gpus-per-node", "2", "--", PY, probe, out, "hold")
+        first = wait_for(lambda: records(out, job), what="the job")[0]
+        assert first["gpus"] == "2,3"
+        assert d.ctl("cancel", blocker).returncode == 0      # 0,1 free: the lowest again
+        d.wait_job(blocker)
+        d.stop()
+        d.start()
+        again = wait_for(lambda: records(out, job, 1), 90, "the job resumed")[0]
+        assert again["gpus"] == "2,3" and again["cuda"] == first["cuda"]
+        assert d.ctl("cancel", job).returncode == 0
+        d.wait_job(job)
+    finally:
+        d.cleanup()
