@@ -16,10 +16,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from .gpu_inventory import Gpu, Inventory, cpu_list_text
+from .gpu_inventory import Inventory, cpu_list_text
 
 CPU_BIND_MODES = ("none", "numa")
-DEFAULT_GPUS = -1          # one per local rank where the node has GPUs
 
 
 def needed(gpus_per_node: int, nproc: int, node_gpus: int) -> int:
@@ -125,6 +124,3 @@ def binding_for(gpus: tuple, cpu_bind: str, node_has_gpus: bool, allowed=None) -
     cpus = numa_cpus(gpus, allowed) if cpu_bind == "numa" else ()
     return Binding(tuple(gpus), cpus, node_has_gpus)
 
-
-__all__ = ["Binding", "GpuLedger", "Gpu", "binding_for", "needed", "pick", "numa_cpus",
-           "CPU_BIND_MODES", "DEFAULT_GPUS"]

@@ -33,7 +33,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from .gpu_inventory import Gpu, Inventory, InventoryError, read_fake, run_nvidia_smi
+from .gpu_inventory import Inventory, InventoryError, read_fake, run_nvidia_smi
 from .logsetup import ctx
 
 log = logging.getLogger("elasticd.gpus")
