@@ -348,6 +348,40 @@ def test_submit_sends_cwd_env_and_command(daemon, capsys, monkeypatch):
     assert req.env["FROM_SHELL"] == "1" and req.env["LR"] == "3e-4"
 
 
+def test_submit_sends_gpus_per_node_only_when_given(daemon, capsys):
+    assert cli.main(["--socket", daemon.path, "submit", "--", "python", "t.py"]) == 0
+    assert cli.main(["--socket", daemon.path, "submit", "--gpus-per-node", "0",
+                     "--cpu-bind", "numa", "--", "python", "t.py"]) == 0
+    default, given = daemon.submits[-2:]
+    assert not default.HasField("gpus_per_node") and default.cpu_bind == "none"
+    assert given.HasField("gpus_per_node") and given.gpus_per_node == 0
+    assert given.cpu_bind == "numa"
+
+
+def test_status_and_nodes_tables_show_gpus():
+    job = failed_job(gpus_per_node=2, cpu_bind="numa")
+    for w in job.workers:
+        w.gpus.extend([4, 5])
+        w.cpus = "48-95"
+    lines = output.job_detail(job).splitlines()
+    assert "gpus:         2 per node, CPUs bound to their NUMA node" in lines
+    at = lines.index("workers:")
+    assert lines[at + 1].split()[-2:] == ["GPUS", "CPUS"]
+    assert lines[at + 2].split()[-2:] == ["4,5", "48-95"]
+    resp = pb.ListNodesResponse(store="etcd3", store_health="ok", nodes=[
+        pb.Node(node_id="n1", state="ready", slots=8, slots_free=4, gpus=8, gpus_free=6,
+                gpu_source="nvml", gpu_health="ok",
+                devices=[pb.NodeGpu(index=0, uuid="GPU-a", memory_mib=81559, numa_node=0,
+                                    cpus="0-47", job_id="j1")]),
+        pb.Node(node_id="n2", state="draining", slots=8, slots_free=8, suspect="workers of 3 "
+                "different jobs failed here")])
+    text = output.nodes_table(resp)
+    assert "6/8" in text and "FREE/GPUS" in text
+    assert "GPUs of n1 (nvml, health ok):" in text
+    assert "0  GPU-a  81559 MiB  numa 0  cpus 0-47  job j1" in text
+    assert "suspect: n2: workers of 3 different jobs failed here" in text
+
+
 def test_submit_wait_json_exits_with_job_code(daemon, capsys):
     rc = cli.main(["--socket", daemon.path, "-o", "json", "submit", "--wait", "--", "true"])
     assert rc == 0

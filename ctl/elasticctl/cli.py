@@ -184,7 +184,8 @@ def cmd_submit(ctx: Context) -> int:
                            nodes=[n for n in a.nodes.split(",") if n],
                            inprocess=a.inprocess,
                            max_restarts=a.max_restarts,
-                           max_restarts_per_window=a.max_restarts_per_window)
+                           max_restarts_per_window=a.max_restarts_per_window,
+                           gpus_per_node=a.gpus_per_node, cpu_bind=a.cpu_bind)
     job = ctx.client.call("Submit", req).job
     if not a.wait:
         ctx.printer.submitted(job)
@@ -321,6 +322,15 @@ def _add_arguments(name: str, sp: argparse.ArgumentParser) -> None:
                              "hour): the budget that ends a job failing over and over, while "
                              "one failing now and then runs on (default: the daemon's, "
                              "agent.default_max_restarts_per_window = 10; -1: none)")
+        sp.add_argument("--gpus-per-node", type=_int_at_least(-1, "--gpus-per-node"),
+                        default=None, metavar="N",
+                        help="GPUs the job takes on each node, listed (by UUID) in every "
+                             "worker's CUDA_VISIBLE_DEVICES; LOCAL_RANK indexes into them "
+                             "(default: one per local rank on a node with GPUs, none "
+                             "otherwise); the job waits PENDING until they are free")
+        sp.add_argument("--cpu-bind", choices=("none", "numa"), default="none",
+                        help="numa: bind the workers to the CPUs of their GPUs' NUMA node "
+                             "(default none)")
         sp.add_argument("--env", type=parse_env, action="append", default=[], metavar="K=V",
                         help="set an environment variable for the workers (repeatable); the "
                              "rest of your environment is passed as it is")

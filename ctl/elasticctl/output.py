@@ -226,12 +226,19 @@ def job_detail(job: control_pb2.Job, now: float | None = None) -> str:
                         if st.nodes > 1 and st.rank_node_id else
                         f" on node {st.node_id}" if st.node_id else "")
                      + ")")
+    if job.gpus_per_node >= 0 or job.cpu_bind == "numa":
+        lines.append("gpus:         " + (f"{job.gpus_per_node} per node" if job.gpus_per_node
+                                         >= 0 else "one per local rank on nodes with GPUs")
+                     + (", CPUs bound to their NUMA node" if job.cpu_bind == "numa" else ""))
     if job.workers:
+        bound = any(w.gpus or w.cpus for w in job.workers)
         rows = [[w.rank, w.local_rank, w.node_id or "-", w.pid or "-", w.state,
                  w.exit_code if w.state in ("failed", "succeeded") else "-"]
+                + ([",".join(map(str, w.gpus)) or "-", w.cpus or "-"] if bound else [])
                 for w in sorted(job.workers, key=lambda w: w.rank)]
         lines += ["workers:"] + ["  " + r for r in table(
-            rows, ["RANK", "LOCAL", "NODE", "PID", "STATE", "EXIT"]).splitlines()]
+            rows, ["RANK", "LOCAL", "NODE", "PID", "STATE", "EXIT"]
+            + (["GPUS", "CPUS"] if bound else [])).splitlines()]
     return "\n".join(lines)
 
 
@@ -246,14 +253,24 @@ def jobs_table(jobs: Iterable[control_pb2.Job], now: float | None = None) -> str
 
 def nodes_table(resp: control_pb2.ListNodesResponse) -> str:
     rows = [[n.node_id, n.state, n.host or "-", n.address or "-", f"{n.slots_free}/{n.slots}",
+             f"{n.gpus_free}/{n.gpus}" if n.gpus else "-",
              n.version or "-", _heartbeat(n), ",".join(n.jobs) or "-"]
             for n in resp.nodes]
-    text = table(rows, ["NODE", "STATE", "HOST", "ADDRESS", "FREE/SLOTS", "VERSION",
-                        "HEARTBEAT", "JOBS"])
+    text = table(rows, ["NODE", "STATE", "HOST", "ADDRESS", "FREE/SLOTS", "FREE/GPUS",
+                        "VERSION", "HEARTBEAT", "JOBS"])
+    for n in resp.nodes:
+        if n.devices:
+            text += f"\nGPUs of {n.node_id} ({n.gpu_source}, health " \
+                    f"{n.gpu_health or 'not checked yet'}):"
+            text += "".join(f"\n  {g.index}  {g.uuid}  {g.memory_mib} MiB  numa "
+                            f"{g.numa_node if g.numa_node >= 0 else '-'}  cpus {g.cpus or '-'}  "
+                            f"{'job ' + g.job_id if g.job_id else 'free'}" for g in n.devices)
     store = resp.store or "?"
     text += f"\nstore: {store} ({resp.store_health or 'unknown'})"
     for n in resp.nodes:
         text += "".join(f"\nproblem on {n.node_id}: {p}" for p in n.problems)
+        if n.suspect and not any(n.suspect in p for p in n.problems):
+            text += f"\nsuspect: {n.node_id}: {n.suspect}"
     return text
 
 

@@ -28,6 +28,7 @@ from typing import Callable
 
 from . import failures, jobstore_env
 from .config import Config
+from .gpu_alloc import Binding
 from .jobs import JobRecord, JobRegistry
 from .ladder import Layer, round_layer
 from .records import Failure, FailureKind, WorkerRow
@@ -141,8 +142,13 @@ def decide(look: Snapshot) -> Decision:
 
 class Agent:
     def __init__(self, job_id: str, cfg: Config, registry: JobRegistry,
-                 rendezvous: ClusterRendezvous, on_exit: Callable[[str], None], metrics=None):
+                 rendezvous: ClusterRendezvous, on_exit: Callable[[str], None], metrics=None,
+                 binding: Binding | None = None, health=None):
         self.job_id = job_id
+        # The job's GPUs and CPUs on this node (gpu_alloc.py), the same for every
+        # attempt and replaced rank; the GPU health gate asked before each round.
+        self._binding = binding or Binding()
+        self._health = health
         self._cfg = cfg
         self._registry = registry
         self._rdzv = rendezvous
@@ -233,6 +239,8 @@ class Agent:
             self.wake.clear()
             store_port = self._start_job_store(job) if job.inprocess else 0
             try:
+                if not self._gpus_healthy(job):
+                    continue
                 result = self._rdzv.next_round(self.wake, store_port)
             except RoundFinal as final:
                 self._end_as(final.state, None)
@@ -294,6 +302,27 @@ class Agent:
                                              self._rdzv.publish_phases, self._rdzv.delete_phases)
             self._phase_pub.start()
         self._phase_pub.offer(self._progress.snapshot(result.round))
+
+    def _gpus_healthy(self, job: JobRecord) -> bool:
+        """GPU health before joining a round (gpu_health.py): True to join. On a
+        failure the node stays out: the reason says why, and after
+        daemon.gpu_health_retry_interval the loop looks again (RoundFinal if the
+        job ended meanwhile without this node)."""
+        if self._health is None or not self._binding.gpus:
+            return True
+        result = self._health.before_round(self.job_id, self._binding.gpus)
+        if result.ok:
+            return True
+        retry = self._cfg.daemon.gpu_health_retry_interval
+        self._registry.update(self.job_id, reason=f"GPU health check failing on "
+                              f"{self._cfg.daemon.node_id}, not joining (again in {retry:g}s): "
+                              f"{result.reason}")
+        final = self._rdzv.final_state()
+        if final is not None:
+            raise RoundFinal(final)
+        self.wake.wait(retry)
+        self.wake.clear()
+        return False
 
     def _next_round_number(self, job: JobRecord) -> int:
         state = self._rdzv.last_state
@@ -565,7 +594,8 @@ class Agent:
             world_size=rdzv.world_size, rank_offset=rdzv.rank_offset,
             master_addr=rdzv.master_addr, master_port=rdzv.master_port,
             log_dir=os.path.join(self._cfg.logs_dir, job.id),
-            run_dir=os.path.join(self._cfg.jobs_run_dir, job.id), node_id=d.node_id)
+            run_dir=os.path.join(self._cfg.jobs_run_dir, job.id), node_id=d.node_id,
+            device_env=self._binding.env(), cpus=self._binding.cpus)
 
     def _start_job_store(self, job: JobRecord) -> int:
         """For --inprocess jobs: this node's job store, up before it joins a round; its port.
@@ -637,4 +667,7 @@ class Agent:
                                self._cfg.daemon.node_id, kind)
 
     def _worker_rows(self, group: WorkerGroup) -> list[WorkerRow]:
-        return failures.worker_rows(group.workers, self._cfg.daemon.node_id)
+        b = self._binding  # every worker of the job here: the whole set (LOCAL_RANK indexes)
+        return [dataclasses.replace(row, gpus=tuple(b.indices),
+                                    gpu_uuids=tuple(g.uuid for g in b.gpus), cpus=b.cpus_text)
+                for row in failures.worker_rows(group.workers, self._cfg.daemon.node_id)]

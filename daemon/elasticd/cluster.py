@@ -71,8 +71,9 @@ def advertised_address(cfg: Config) -> str:
 
 
 class Cluster:
-    def __init__(self, cfg: Config, store: Store, slots_info=None):
+    def __init__(self, cfg: Config, store: Store, slots_info=None, gpu_info=None):
         self.cfg = cfg
+        self._gpu_info = gpu_info              # () -> the GPU fields of the record
         self.store = store
         self.address = advertised_address(cfg)
         self._slots_info = slots_info          # () -> (slots_free, [job ids]); see capacity_from
@@ -87,11 +88,13 @@ class Cluster:
         self._drain_follower = Follower(store, DRAIN, "drain-watch", m.watch_retry,
                                         self._drain_reset, self._drain_event)
 
-    def capacity_from(self, slots_info) -> None:
+    def capacity_from(self, slots_info, gpu_info=None) -> None:
         """Where this node's record reads its free slots and its jobs: ``() ->
         (slots_free, [job ids])``, the job manager's (made after the cluster,
-        which it needs); set before ``start``."""
+        which it needs), and its GPU fields (``() -> dict``, gpus.py); set before
+        ``start``."""
         self._slots_info = slots_info
+        self._gpu_info = gpu_info
 
     @property
     def kind(self) -> str:
@@ -104,7 +107,7 @@ class Cluster:
                 "address": self.address, "slots": self.cfg.daemon.slots, "slots_free": free,
                 "version": __version__, "started_at": self._started_at, "pid": os.getpid(),
                 "lease_ttl": self.cfg.membership.lease_ttl,
-                "jobs": sorted(jobs)}
+                "jobs": sorted(jobs), **(self._gpu_info() if self._gpu_info else {})}
 
     def start(self) -> None:
         """Register (NodeIdInUse if the id is taken) and start the loops."""

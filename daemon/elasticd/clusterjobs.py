@@ -44,7 +44,7 @@ def worker_rows(keys: JobKeys, skip: str = "") -> list[WorkerRow]:
             continue
         for w in published:
             try:
-                row = WorkerRow.from_dict(w, node)
+                row = WorkerRow.from_dict(w, node)  # bounds the GPU binding too
             except (KeyError, TypeError, ValueError, OverflowError):
                 continue
             rows.append(replace(row, create_time=0.0))  # a peer's clock: not ours to use

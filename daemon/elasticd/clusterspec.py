@@ -14,7 +14,8 @@ cluster key (clusterkey.py):
 
       {"format": "elasticd-spec/1", "id", "name", "cwd", "uid", "gid", "user",
        "min_nodes", "max_nodes", "nproc_per_node", "max_restarts", "nodes",
-       "created_at", "submitted_on", "inprocess", "sealed": b64(nonce|ct), "mac": hex}
+       "created_at", "submitted_on", "inprocess", "gpus_per_node", "cpu_bind",
+       "sealed": b64(nonce|ct), "mac": hex}
 
 * ``open``: the other way round, refusing with a typed ``Rejection`` (a
   bounded ``RejectReason``) anything that is not exactly that: unknown or
@@ -52,7 +53,8 @@ _NONCE = 12
 # Stored in clear (signed); "sealed" holds the rest.
 CLEAR_FIELDS = ("id", "name", "cwd", "uid", "gid", "user", "min_nodes", "max_nodes",
                 "nproc_per_node", "max_restarts", "max_restarts_per_window", "restart_window",
-                "nodes", "created_at", "submitted_on", "inprocess")
+                "nodes", "created_at", "submitted_on", "inprocess",
+                "gpus_per_node", "cpu_bind")  # GPUs: gpu_alloc.py
 SECRET_FIELDS = ("command", "env")
 SIGNED_FIELDS = ("format", *CLEAR_FIELDS, "sealed")
 _STORED = frozenset(SIGNED_FIELDS) | {"mac"}

@@ -60,6 +60,40 @@ class DaemonSettings:
                                        min=0, exclusive_min=True)
     main_loop_interval: float = _setting(0.5, "seconds between main-loop ticks (watchdog pings)",
                                          min=0.01, max=60)
+    # GPUs (gpu_inventory.py, gpu_alloc.py, gpu_health.py)
+    gpus: str = _setting("auto", "this node's GPUs: auto (NVML if nvidia-ml-py is installed, "
+                                 "else nvidia-smi, else none), none, or indices like 0,1,3")
+    fake_gpus_file: str = _setting("", "TEST ONLY: a JSON file describing fake GPUs and their "
+                                       "health, read instead of NVML/nvidia-smi (see README, "
+                                       "GPUs); empty on real nodes")
+    nvidia_smi_timeout: float = _setting(10.0, "seconds nvidia-smi may take to answer",
+                                         min=0, exclusive_min=True, max=600)
+    gpu_health_command: str = _setting("", "command run (as the daemon's user, not the job's) "
+                                           "before this node joins a round of a job using GPUs; "
+                                           "non-zero exit: the node does not join; empty: none")
+    gpu_health_timeout: float = _setting(30.0, "seconds the GPU health check and command may "
+                                               "take (no answer counts as a failure)",
+                                         min=0, exclusive_min=True, max=3600)
+    gpu_release_timeout: float = _setting(30.0, "seconds to wait, before a round, for the "
+                                                "processes left on a job's GPUs (a dead rank's) "
+                                                "to be gone; still there: a health failure",
+                                          min=0, max=3600)
+    gpu_health_retry_interval: float = _setting(10.0, "seconds a node whose GPU health check "
+                                                      "failed waits before checking again",
+                                                min=0, exclusive_min=True, max=3600)
+    gpu_health_failures_to_drain: int = _setting(3, "GPU health failures in a row after which "
+                                                    "the node drains itself (0: never)",
+                                                 min=0, max=1_000_000)
+    # A suspect node (node_suspicion.py)
+    suspect_jobs: int = _setting(3, "this node is suspect once workers of this many different "
+                                    "jobs failed here within daemon.suspect_window (0: never)",
+                                 min=0, max=1_000_000)
+    suspect_window: float = _setting(3600.0, "seconds a worker failure counts toward "
+                                             "daemon.suspect_jobs", min=0, exclusive_min=True,
+                                     max=30 * 86400)
+    suspect_adopt_delay: float = _setting(10.0, "seconds a suspect node lets a cluster job's "
+                                                "round wait for other nodes before it joins",
+                                          min=0, max=3600)
 
 
 @dataclass(frozen=True)
@@ -533,6 +567,21 @@ def _check_relations(cfg: Config, errors: list[str]) -> None:
         errors.append(f"daemon.socket: must be an absolute path, got {d.socket!r}")
     elif len(d.socket.encode()) + len(".cred") > 107:
         errors.append(f"daemon.socket: path too long for a unix socket ({len(d.socket)} bytes)")
+    from .gpu_inventory import InventoryError, parse_setting
+    try:
+        parse_setting(d.gpus)
+    except InventoryError as exc:
+        errors.append(f"daemon.gpus: {exc}")
+    if d.fake_gpus_file and not os.path.isabs(d.fake_gpus_file):
+        errors.append(f"daemon.fake_gpus_file: must be an absolute path, got "
+                      f"{d.fake_gpus_file!r}")
+    if d.gpu_health_command:
+        import shlex
+        try:
+            if not shlex.split(d.gpu_health_command):
+                raise ValueError("empty")
+        except ValueError as exc:
+            errors.append(f"daemon.gpu_health_command: not a command line ({exc})")
     if not os.path.isabs(d.state_dir):
         errors.append(f"daemon.state_dir: must be an absolute path, got {d.state_dir!r}")
     if not cfg.etcd.prefix.startswith("/") or cfg.etcd.prefix.endswith("/") and cfg.etcd.prefix != "/":

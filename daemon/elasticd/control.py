@@ -24,7 +24,7 @@ from .config import Config
 from .jobs import JobNotFound, JobRecord, JobRegistry
 from .logfiles import LogReader
 from .manager import JobManager, check_access
-from .messages import (add_worker, event_to_proto, job_to_proto, node_to_proto,
+from .messages import (add_worker, event_to_proto, gpus_to_proto, job_to_proto, node_to_proto,
                        rejection_to_proto)
 from .store import StoreError
 from .streamgate import StreamGate
@@ -100,6 +100,10 @@ def _page_key(token: str) -> tuple[float, str] | None:
     except ValueError:
         raise errors.InvalidArgument(f"page_token: not one this daemon gave, got "
                                      f"{token[:60]!r}") from None
+
+
+def _suspect_line(reason: str) -> str:
+    return f"suspect, preferred last for cluster jobs: {reason}" if reason else ""
 
 
 def _settled(job: JobRecord) -> bool:
@@ -421,6 +425,8 @@ class ControlServicer(pb_grpc.ControlServicer):
             msg = node_to_proto(rec, "draining" if node_id in drains else "ready", age)
             if node_id == me:
                 msg.problems.extend(self._problems())
+                gpus_to_proto(msg, self._manager.gpus.inventory, self._manager.gpu_holders())
+                msg.gpus_free = self._manager.gpus_free()  # now, not at the last refresh
             nodes.append(msg)
         for node_id, (lost_at, rec) in sorted(view.lost.items()):
             if node_id not in live:
@@ -437,7 +443,9 @@ class ControlServicer(pb_grpc.ControlServicer):
                                         self._cfg.limits.state_min_free_bytes)
         except OSError as exc:
             return [f"state dir {self._cfg.daemon.state_dir}: {exc}"]
-        return [p for p in (space.problem(self._cfg.daemon.state_dir),) if p]
+        return [p for p in (space.problem(self._cfg.daemon.state_dir),
+                            self._manager.gpu_problem(),
+                            _suspect_line(self._manager.suspect_reason())) if p]
 
     @_handle
     def SetNodeState(self, request, context, caller):

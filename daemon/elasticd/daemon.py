@@ -32,6 +32,10 @@ from .logrotate import LogKeeper
 from .logsetup import ctx
 from .dispatch import Dispatcher
 from .eventlog import EventLog
+from .gpu_alloc import GpuLedger
+from .gpu_health import HealthGate
+from .gpu_inventory import Inventory, InventoryError, discover, nvml_module
+from .node_suspicion import SuspectTracker
 from .manager import JobManager
 from .metrics import Metrics
 from .rendezvous.view import JobsView
@@ -107,13 +111,23 @@ class Daemon:
         view = JobsView(store, retry=cfg.membership.watch_retry, open_spec=self.codec.open,
                         on_bad_phases=metrics.phase_records_rejected.inc)
         policy = ClusterPolicy.from_settings(cfg.cluster)
+        inventory = _gpu_inventory(cfg)
+        suspicion = SuspectTracker(d.node_id, d.suspect_window, d.suspect_jobs)
+        registry.listeners.append(suspicion.on_event)
         cluster = Cluster(cfg, store)
+        health = HealthGate(
+            cfg, inventory, registry,
+            lambda why: cluster.set_drain(d.node_id, True, "elasticd: " + why[:200]),
+            metrics, nvml=nvml_module() if inventory.source == "nvml" else None)
         manager = JobManager(cfg, registry, cluster, view, metrics, codec=self.codec,
-                             policy=policy)
-        cluster.capacity_from(manager.capacity)
+                             policy=policy, gpus=GpuLedger(inventory), health=health,
+                             suspicion=suspicion)
+        cluster.capacity_from(manager.capacity, lambda: dict(
+            manager.gpu_record(), suspect=suspicion.verdict().reason))
         self.cluster = cluster
         metrics.attach(registry, manager)
         metrics.attach_cluster(cluster)  # metrics: the node lease
+        metrics.attach_gpus(manager)  # metrics: GPUs free/total, health
         issuer = TokenIssuer(cfg.control.token_ttl)
         gid = socket_gid(cfg)
         if gid is None and os.geteuid() == 0:
@@ -157,7 +171,7 @@ class Daemon:
         stops.callback(manager.shutdown, d.shutdown_timeout)
         manager.resume()
         dispatcher = Dispatcher(cfg, view, registry, manager, cluster, policy=policy,
-                                metrics=metrics)
+                                metrics=metrics, suspicion=suspicion)
         dispatcher.start()
         stops.callback(dispatcher.stop)
 
@@ -168,6 +182,24 @@ class Daemon:
             interval = min(interval, wd)
         while not self.stop_event.wait(interval):
             self._notifier.watchdog()
+
+
+def _gpu_inventory(cfg: Config) -> Inventory:
+    """This node's GPUs (gpu_inventory.py), logged once; RuntimeError if the setting
+    names GPUs the node does not have or a source answers garbage."""
+    d = cfg.daemon
+    try:
+        inv = discover(d.gpus, d.fake_gpus_file, d.nvidia_smi_timeout)
+    except InventoryError as exc:
+        raise RuntimeError(f"GPUs: {exc} (daemon.gpus, daemon.fake_gpus_file)") from None
+    if inv.count:
+        log.info("%s: %d GPU(s) from %s: %s", ctx(node=d.node_id), inv.count, inv.source,
+                 ", ".join(f"{g.index} {g.uuid} {g.memory_mib} MiB numa {g.numa_node}"
+                           for g in inv.gpus))
+        if inv.source == "fake":
+            log.warning("%s: FAKE GPUs from %s (daemon.fake_gpus_file is for tests only)",
+                        ctx(node=d.node_id), d.fake_gpus_file)
+    return inv
 
 
 def _fit_open_files(cfg: Config) -> None:

@@ -21,6 +21,7 @@ import os
 import threading
 import time
 
+from .gpu_alloc import needed
 from .logsetup import ctx
 from .rejections import RejectReason, Rejection
 from .rendezvous.protocol import CLOSED, OPEN
@@ -30,8 +31,12 @@ log = logging.getLogger("elasticd.dispatch")
 
 
 def eligible(spec: dict, state, joined: int, node_id: str, free_slots: int, draining: bool,
-             daemon_uid: int) -> tuple[bool, str]:
-    """(whether this node should join the job, why not)."""
+             daemon_uid: int, free_gpus: int = 0, node_gpus: int = 0,
+             hold_back: float = 0.0, now: float = 0.0) -> tuple[bool, str]:
+    """(whether this node should join the job, why not). ``free_gpus`` of the
+    node's ``node_gpus``: the job takes gpu_alloc.needed() of them. ``hold_back``
+    (a suspect node, node_suspicion.py): join only a round open (or closed) for
+    at least that many seconds at ``now``, so other nodes go first."""
     if draining:
         return False, "this node is draining"
     nodes = spec.get("nodes") or []
@@ -44,12 +49,22 @@ def eligible(spec: dict, state, joined: int, node_id: str, free_slots: int, drai
         return False, "unreadable spec"
     if nproc > free_slots:
         return False, f"needs {nproc} slots, {free_slots} free"
+    try:
+        gpus = needed(int(spec.get("gpus_per_node", -1)), nproc, node_gpus)
+    except (TypeError, ValueError):
+        return False, "unreadable spec"
+    if gpus > free_gpus:
+        return False, f"needs {gpus} GPUs, {free_gpus} free of {node_gpus}"
     if state.status == OPEN and joined >= max_nodes:
         return False, "its round already has its max nodes"
     if state.status == CLOSED and len(state.members) >= max_nodes:
         return False, "it already runs on its max nodes"
     if state.status not in (OPEN, CLOSED):
         return False, f"it is {state.status}"
+    since = state.opened_at if state.status == OPEN else state.closed_at
+    if hold_back > 0 and now - since < hold_back:
+        return False, f"this node is suspect: it lets other nodes take the job first " \
+                      f"(for {hold_back:g}s, daemon.suspect_adopt_delay)"
     if daemon_uid != 0 and uid != daemon_uid:
         return False, f"this daemon cannot run jobs as uid {uid}"
     return True, ""
@@ -57,8 +72,9 @@ def eligible(spec: dict, state, joined: int, node_id: str, free_slots: int, drai
 
 class Dispatcher:
     def __init__(self, cfg, view, registry, manager, cluster, interval: float = 1.0,
-                 policy=None, metrics=None):
+                 policy=None, metrics=None, suspicion=None):
         self._cfg = cfg
+        self._suspicion = suspicion   # node_suspicion.SuspectTracker, or None
         self._policy = policy
         self._metrics = metrics
         self._reported: dict[str, Rejection] = {}   # job id -> what was reported
@@ -117,11 +133,19 @@ class Dispatcher:
                 continue
             if draining is None:
                 draining = me in self._cluster.drain_states()
-            pending = sum(j.nproc_per_node for j in known.values()
-                          if j.live and j.id not in self._manager.active_jobs())
+            waiting = [j for j in known.values()
+                       if j.live and j.id not in self._manager.active_jobs()]
+            pending = sum(j.nproc_per_node for j in waiting)
             free = self._manager.slots_total - self._manager.slots_used() - pending
+            # (a job needing more GPUs than the node has never starts here: not counted)
+            total_gpus = self._manager.gpus.total
+            gpus_free = self._manager.gpus_free() - sum(
+                n for n in map(self._manager.gpus_needed, waiting) if n <= total_gpus)
             joined = len(keys.joins.get(keys.state.round, {}))
-            ok, why = eligible(keys.spec, keys.state, joined, me, free, draining, os.geteuid())
+            hold = (self._cfg.daemon.suspect_adopt_delay if self._suspicion is not None
+                    and self._suspicion.verdict().suspect else 0.0)
+            ok, why = eligible(keys.spec, keys.state, joined, me, free, draining, os.geteuid(),
+                               gpus_free, total_gpus, hold, time.time())
             if not ok:
                 log.debug("%s: not joining: %s", ctx(job=job_id, node=me), why)
                 continue

@@ -108,6 +108,12 @@ class JobRecord:
     # the learning after a daemon restart; the slowest rank (stragglers.Straggler dict).
     hang_timeouts: list = field(default_factory=list)
     straggler: dict | None = None
+    # GPUs (gpu_alloc.py): per node asked (-1: one per local rank where the node has
+    # GPUs), CPU binding (none | numa), and the indices it holds on this node (kept
+    # so a restarted daemon gives it the same devices).
+    gpus_per_node: int = -1
+    cpu_bind: str = "none"
+    gpu_indices: list = field(default_factory=list)
 
     @property
     def live(self) -> bool:

@@ -25,6 +25,8 @@ from . import errors, jobstore_env
 from .agent import Agent
 from .auth import Caller
 from .config import Config
+from .gpu_alloc import GpuLedger, binding_for, needed
+from .gpu_inventory import Inventory
 from .jobs import (JobExists, JobNotFound, JobRecord, JobRegistry, NameInUse, NotPersisted,
                    new_job_id, spec_bytes)
 from .logsetup import ctx
@@ -52,6 +54,8 @@ class JobRequest:
     max_restarts_per_window: int | None = None   # None: the daemon's default; -1: none
     nodes: tuple = ()
     inprocess: bool = False
+    gpus_per_node: int = -1                      # -1: one per local rank on a GPU node
+    cpu_bind: str = "none"                       # none | numa
 
 
 def job_spec(rec: JobRecord, nodes: tuple = ()) -> dict:
@@ -64,7 +68,8 @@ def job_spec(rec: JobRecord, nodes: tuple = ()) -> dict:
             "max_restarts_per_window": rec.max_restarts_per_window,
             "restart_window": rec.restart_window,
             "nodes": list(nodes), "created_at": rec.created_at, "submitted_on": rec.node_id,
-            "inprocess": rec.inprocess}
+            "inprocess": rec.inprocess,
+            "gpus_per_node": rec.gpus_per_node, "cpu_bind": rec.cpu_bind}
 
 
 def record_from_spec(spec: dict) -> JobRecord:
@@ -81,13 +86,21 @@ def record_from_spec(spec: dict) -> JobRecord:
         created_at=float(spec.get("created_at", 0.0)), node_id=str(spec.get("submitted_on", "")),
         inprocess=bool(spec.get("inprocess", False)),
         nodes=[str(n) for n in spec.get("nodes") or []],
+        gpus_per_node=int(spec.get("gpus_per_node", -1)),
+        cpu_bind=str(spec.get("cpu_bind", "none")),
         reason="adopted from the cluster")
 
 
 class JobManager:
     def __init__(self, cfg: Config, registry: JobRegistry, cluster, view, metrics=None,
-                 codec=None, policy=None):
+                 codec=None, policy=None, gpus: GpuLedger | None = None, health=None,
+                 suspicion=None):
         self._cfg = cfg
+        # This node's GPUs and who holds them (gpu_alloc.py), changed under self._lock;
+        # the health gate agents ask before joining a round (gpu_health.py).
+        self.gpus = gpus if gpus is not None else GpuLedger(Inventory((), "off"))
+        self._health = health
+        self._suspicion = suspicion   # node_suspicion.SuspectTracker: this node suspect?
         # Seals every spec this node writes to the store (clusterspec.py); the
         # daemon passes the cluster key's, a test without one gets a throwaway key.
         if codec is None:
@@ -113,6 +126,32 @@ class JobManager:
         with self._lock:
             return sum(self._registry.get(j).nproc_per_node for j in self._agents)
 
+    def gpus_needed(self, job: JobRecord) -> int:
+        """GPUs the job takes on this node."""
+        return needed(job.gpus_per_node, job.nproc_per_node, self.gpus.total)
+
+    def gpus_free(self) -> int:
+        with self._lock:
+            return len(self.gpus.free())
+
+    def gpu_holders(self) -> dict[int, str]:
+        """GPU index -> the job holding it ("" free), for `elasticctl nodes`."""
+        with self._lock:
+            return {g.index: self.gpus.holder(g.index) for g in self.gpus.inventory.gpus}
+
+    def gpu_record(self) -> dict:
+        """The GPU fields of this node's record in the cluster (membership.parse_node)."""
+        health = self._health.status() if self._health is not None else ""
+        return {"gpus": self.gpus.total, "gpus_free": self.gpus_free(),
+                "gpu_source": self.gpus.inventory.source, "gpu_health": health}
+
+    def gpu_problem(self) -> str:
+        return self._health.problem() if self._health is not None else ""
+
+    def suspect_reason(self) -> str:
+        """Why this node is suspect (node_suspicion.py); "" when it is not."""
+        return self._suspicion.verdict().reason if self._suspicion is not None else ""
+
     # -- requests ------------------------------------------------------------
     def submit(self, req: JobRequest, caller: Caller) -> JobRecord:
         if self._stopping:
@@ -127,6 +166,12 @@ class JobManager:
             raise errors.FailedPrecondition(
                 f"the job needs {req.nproc_per_node} worker slots but this node has "
                 f"{self.slots_total} (elasticd --slots); lower --nproc-per-node")
+        want = needed(req.gpus_per_node, req.nproc_per_node, self.gpus.total)
+        only_here = self._cfg.daemon.standalone or tuple(req.nodes) == (self._cfg.daemon.node_id,)
+        if only_here and want > self.gpus.total:
+            raise errors.FailedPrecondition(
+                f"the job needs {want} GPUs per node but this node has {self.gpus.total} "
+                f"(daemon.gpus, found by {self.gpus.inventory.source}); lower --gpus-per-node")
         self._check_cluster_policy(req, caller)
         a = self._cfg.agent
         max_restarts = a.default_max_restarts if req.max_restarts < 0 else req.max_restarts
@@ -148,6 +193,7 @@ class JobManager:
             max_restarts_per_window=per_window, restart_window=a.restart_window,
             reason="waiting for free slots", node_id=self._cfg.daemon.node_id,
             inprocess=req.inprocess, nodes=list(req.nodes),
+            gpus_per_node=req.gpus_per_node, cpu_bind=req.cpu_bind,
             created_at=time.time())
         # The local record first: this node's own dispatcher, woken by the
         # store write, must find the job known here and not adopt it again.
@@ -273,11 +319,37 @@ class JobManager:
             for job in waiting:
                 if job.nproc_per_node > free:
                     continue
+                binding = self._bind(job)
+                if binding is None:
+                    continue
                 free -= job.nproc_per_node
                 agent = Agent(job.id, self._cfg, self._registry, self._rendezvous_for(job),
-                              on_exit=self._agent_exited, metrics=self._metrics)
+                              on_exit=self._agent_exited, metrics=self._metrics,
+                              binding=binding, health=self._health)
                 self._agents[job.id] = agent
                 agent.start()
+
+    def _bind(self, job: JobRecord):
+        """The job's devices on this node (gpu_alloc.Binding), taken from the ledger;
+        None, with the job's reason saying why, while not enough are free."""
+        count = self.gpus_needed(job)
+        total = self.gpus.total
+        if count > total:
+            why = (f"needs {count} GPUs per node; this node has {total} "
+                   f"(daemon.gpus, found by {self.gpus.inventory.source})")
+        else:
+            gpus = self.gpus.take(job.id, count, prefer=job.gpu_indices)
+            if gpus is not None:
+                binding = binding_for(gpus, job.cpu_bind, total > 0)
+                if list(binding.indices) != list(job.gpu_indices):
+                    self._registry.update(job.id, gpu_indices=binding.indices)
+                return binding
+            held = sorted(self.gpus.held())
+            why = (f"waiting for {count} free GPUs: {len(self.gpus.free())} of {total} free"
+                   + (f" (held by job {', '.join(held)})" if held else ""))
+        if job.state is JobState.PENDING and job.reason != why:
+            self._registry.update(job.id, reason=why)
+        return None
 
     def _rendezvous_for(self, job: JobRecord) -> ClusterRendezvous:
         r = self._cfg.rendezvous
@@ -333,6 +405,7 @@ class JobManager:
     def _agent_exited(self, job_id: str) -> None:
         with self._lock:
             self._agents.pop(job_id, None)
+            self.gpus.release(job_id)
         self.schedule()
 
     def capacity(self) -> tuple[int, list[str]]:

@@ -47,7 +47,9 @@ def node_key(node_id: str) -> str:
 _INT32_MAX = 2**31 - 1
 _RECORD_FIELDS = {"slots": int, "slots_free": int, "pid": int, "started_at": (int, float),
                   "lease_ttl": (int, float),
-                  "host": str, "address": str, "version": str}
+                  "host": str, "address": str, "version": str,
+                  "gpus": int, "gpus_free": int, "gpu_source": str, "gpu_health": str,
+                  "suspect": str}
 
 
 def parse_node(key: str, value: str | None) -> dict | None:
@@ -66,8 +68,11 @@ def parse_node(key: str, value: str | None) -> dict | None:
         got = data.get(name)
         if got is not None and (isinstance(got, bool) or not isinstance(got, kinds)):
             return None
-    for name in ("slots", "slots_free"):
+    for name in ("slots", "slots_free", "gpus", "gpus_free"):
         if not 0 <= data.get(name, 0) <= _INT32_MAX:
+            return None
+    for name in ("gpu_source", "gpu_health", "suspect"):
+        if len(data.get(name, "")) > 500:
             return None
     jobs = data.get("jobs", [])
     if not isinstance(jobs, list) or not all(isinstance(j, str) for j in jobs):

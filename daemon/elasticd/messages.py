@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 
+from .gpu_inventory import cpu_list_text
 from .jobs import JobRecord
 from .records import WorkerRow
 from .restartpolicy import RestartPlan, RestartWindow
@@ -66,13 +67,15 @@ def job_to_proto(job: JobRecord) -> pb.Job:
             rank_node_id=s.get("rank_node", "")))
     for w in job.workers:
         add_worker(msg, w)
+    msg.gpus_per_node, msg.cpu_bind = job.gpus_per_node, job.cpu_bind
     return msg
 
 
 def add_worker(msg: pb.Job, w: WorkerRow) -> None:
     """One worker row into the job message's ``workers``."""
     msg.workers.add(rank=w.rank, local_rank=w.local_rank, pid=w.pid, state=w.state.value,
-                    exit_code=w.exit_code, node_id=w.node_id)
+                    exit_code=w.exit_code, node_id=w.node_id, gpus=w.gpus,
+                    gpu_uuids=w.gpu_uuids, cpus=w.cpus)
 
 
 def event_to_proto(ev: dict) -> pb.Event:
@@ -101,4 +104,16 @@ def node_to_proto(rec: dict, state: str, age: float) -> pb.Node:
                    slots_free=int(rec.get("slots_free", 0)), version=str(rec.get("version", "")),
                    started_at=float(rec.get("started_at", 0.0)), heartbeat_age_seconds=age,
                    lease_ttl_seconds=float(rec.get("lease_ttl", 0) or 0),
-                   jobs=[str(j) for j in rec.get("jobs", [])][:1000])
+                   jobs=[str(j) for j in rec.get("jobs", [])][:1000],
+                   gpus=int(rec.get("gpus", 0)), gpus_free=int(rec.get("gpus_free", 0)),
+                   gpu_source=str(rec.get("gpu_source", "")),
+                   gpu_health=str(rec.get("gpu_health", "")),
+                   suspect=str(rec.get("suspect", "")))
+
+
+def gpus_to_proto(msg: pb.Node, inv, holders: dict) -> None:
+    """This node's own devices (gpu_inventory.Inventory) and who holds each."""
+    for g in inv.gpus:
+        msg.devices.add(index=g.index, uuid=g.uuid, memory_mib=g.memory_mib,
+                        numa_node=g.numa_node, cpus=cpu_list_text(g.cpus),
+                        job_id=holders.get(g.index, ""))

@@ -143,6 +143,11 @@ class Metrics:
         self._live: set[str] = set()
         self._ended: dict[str, int] = {s: 0 for s in _TERMINAL}
         self._server = None
+        self.gpu_health_checks = Counter(  # gpu_health.py
+            "elasticd_gpu_health_checks_total", "GPU health checks before a round, by result",
+            ["result"], registry=r)
+        for result in ("ok", "failed"):
+            self.gpu_health_checks.labels(result)
 
     def attach(self, registry, manager) -> None:
         """Count registry events; export job and worker gauges at scrape time."""
@@ -165,6 +170,13 @@ class Metrics:
     def attach_cluster(self, cluster) -> None:
         """Export the node lease kept by ``cluster.keeper`` at scrape time."""
         self.registry.register(_LeaseCollector(cluster.keeper))
+
+    def attach_gpus(self, manager) -> None:
+        """Export this node's GPUs, total and free, at scrape time."""
+        self.registry.register(_GpuCollector(manager))
+
+    def gpu_health(self, ok: bool) -> None:
+        self.gpu_health_checks.labels("ok" if ok else "failed").inc()
 
     def timed_store(self, store: Store) -> "TimedStore":
         """``store``, with every request timed and every error counted."""
@@ -503,3 +515,21 @@ class _StateCollector:
                                   "by rotation (the oldest output)", value=k.dropped_bytes)
         yield CounterMetricFamily("elasticd_log_rotation_errors", "Rotations of rank logs "
                                   "that failed (disk full, ...)", value=k.errors)
+
+
+# -- GPUs (gpu_alloc.py, gpu_health.py) ----------------------------------------------
+class _GpuCollector:
+    """This node's GPUs, total and free, read at scrape time (no per-device labels)."""
+
+    def __init__(self, manager):
+        self._manager = manager
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        yield GaugeMetricFamily("elasticd_gpus", "GPUs of this node (daemon.gpus)",
+                                value=self._manager.gpus.total)
+        yield GaugeMetricFamily("elasticd_gpus_free", "GPUs of this node no job holds",
+                                value=self._manager.gpus_free())
+

@@ -102,11 +102,15 @@ class WorkerRow:
     exit_code: int = 0
     node_id: str = ""
     create_time: float = 0.0     # its process's start (psutil), 0 once it ended; local only
+    gpus: tuple[int, ...] = ()       # its job's devices on this node (LOCAL_RANK indexes them)
+    gpu_uuids: tuple[str, ...] = ()
+    cpus: str = ""                   # its CPU affinity as a list ("0-7,16-23"); "" when unbound
 
     def to_dict(self) -> dict:
         return {"rank": self.rank, "local_rank": self.local_rank, "pid": self.pid,
                 "state": self.state.value, "exit_code": self.exit_code,
-                "node_id": self.node_id, "create_time": self.create_time}
+                "node_id": self.node_id, "create_time": self.create_time,
+                "gpus": list(self.gpus), "gpu_uuids": list(self.gpu_uuids), "cpus": self.cpus}
 
     @classmethod
     def from_dict(cls, d: dict, node_id: str | None = None) -> "WorkerRow":
@@ -115,7 +119,13 @@ class WorkerRow:
         ValueError (an unknown state among them) for a row that does not parse."""
         if not isinstance(d, dict):
             raise TypeError(f"a worker row is an object, not {type(d).__name__}")
+        gpus, uuids = d.get("gpus") or [], d.get("gpu_uuids") or []
+        if not isinstance(gpus, list) or not isinstance(uuids, list) or len(gpus) > 64 \
+                or len(uuids) > 64:
+            raise ValueError("bad GPU binding")
         return cls(rank=int(d["rank"]), local_rank=int(d["local_rank"]), pid=int(d["pid"]),
                    state=WorkerState(str(d["state"])), exit_code=int(d["exit_code"]),
                    node_id=str(node_id if node_id is not None else d.get("node_id", "")),
-                   create_time=float(d.get("create_time") or 0.0))
+                   create_time=float(d.get("create_time") or 0.0),
+                   gpus=tuple(int(i) for i in gpus), gpu_uuids=tuple(str(u)[:100] for u in uuids),
+                   cpus=str(d.get("cpus") or "")[:2000])

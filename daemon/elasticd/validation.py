@@ -11,6 +11,8 @@ import re
 
 from .config import ControlSettings
 from .errors import InvalidArgument
+from .gpu_alloc import CPU_BIND_MODES
+from .gpu_inventory import MAX_GPUS
 from .manager import JobRequest
 from .workers import can_enter, cwd_unusable
 
@@ -79,11 +81,13 @@ def submit_request(req, limits: ControlSettings) -> JobRequest:
     if nodes and len(set(nodes)) < min_nodes:
         raise InvalidArgument(f"nodes: {len(set(nodes))} node(s) named but the job needs at "
                               f"least {min_nodes}")
+    gpus = _gpus_per_node(req.gpus_per_node if req.HasField("gpus_per_node") else -1)
     return JobRequest(command=tuple(command), cwd=cwd, env=env, name=name,
                       min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc,
                       max_restarts=max_restarts, max_restarts_per_window=per_window,
                       nodes=tuple(sorted(set(nodes))),
-                      inprocess=bool(req.inprocess))
+                      inprocess=bool(req.inprocess),
+                      gpus_per_node=gpus, cpu_bind=_cpu_bind(req.cpu_bind or "none"))
 
 
 # -- the pieces a submission and a cluster spec share ------------------------------
@@ -135,12 +139,26 @@ def _nodes(nodes: tuple, limits: ControlSettings) -> tuple:
     return nodes
 
 
+def _gpus_per_node(value: int) -> int:
+    """-1 (one per local rank where the node has GPUs), or 0..MAX_GPUS."""
+    return _count("gpus_per_node", value, -1, MAX_GPUS,
+                  "-1 or unset: one per local rank on a node with GPUs")
+
+
+def _cpu_bind(value: str) -> str:
+    if value not in CPU_BIND_MODES:
+        raise InvalidArgument(f"cpu_bind: must be one of {', '.join(CPU_BIND_MODES)}, got "
+                              f"{value[:40]!r}")
+    return value
+
+
 # -- a job spec read from etcd (clusterspec.py) --------------------------------------
 _SPEC_TYPES = {"id": str, "name": str, "command": list, "cwd": str, "env": dict, "uid": int,
                "gid": int, "user": str, "min_nodes": int, "max_nodes": int,
                "nproc_per_node": int, "max_restarts": int, "max_restarts_per_window": int,
                "restart_window": float, "nodes": list,
-               "created_at": float, "submitted_on": str, "inprocess": bool}
+               "created_at": float, "submitted_on": str, "inprocess": bool,
+               "gpus_per_node": int, "cpu_bind": str}
 _MAX_ID = 2**32 - 2
 _MAX_RESTART_WINDOW = 365 * 86400.0  # agent.restart_window's own upper bound
 
@@ -200,4 +218,6 @@ def cluster_spec(spec: dict, limits: ControlSettings) -> dict:
             "max_restarts": max_restarts, "max_restarts_per_window": per_window,
             "restart_window": window,
             "nodes": list(_nodes(tuple(spec["nodes"]), limits)), "created_at": created,
-            "submitted_on": submitted_on, "inprocess": spec["inprocess"]}
+            "submitted_on": submitted_on, "inprocess": spec["inprocess"],
+            "gpus_per_node": _gpus_per_node(spec["gpus_per_node"]),
+            "cpu_bind": _cpu_bind(spec["cpu_bind"])}

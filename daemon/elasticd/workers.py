@@ -37,7 +37,7 @@ _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True
 _prctl = _libc.prctl
 
 
-def _child_setup(cwd: bytes):
+def _child_setup(cwd: bytes, cpus: tuple = ()):
     """What the child runs between fork and exec, after subprocess switched it to
     the job's uid/gid/groups (it does so before calling this): die with the
     thread that started it, then enter the job's directory as the job's user.
@@ -45,12 +45,30 @@ def _child_setup(cwd: bytes):
     Popen's own ``cwd=`` would chdir while still root, before the switch, so
     a user could run in (and learn about) directories she cannot enter.
     Only syscall wrappers on a ready-made bytes path run here: the daemon is
-    multi-threaded and this runs in a forked copy of it.
+    multi-threaded and this runs in a forked copy of it. ``cpus``: the CPUs the
+    process (and all it starts) may run on (``--cpu-bind numa``), set before exec
+    so even the interpreter's first threads inherit it.
     """
     def setup() -> None:
         _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if cpus:
+            os.sched_setaffinity(0, cpus)
         os.chdir(cwd)
     return setup
+
+
+def bind_cpus(pid: int, cpus: tuple) -> None:
+    """Bind every thread of a running process (a warm spare taking a worker's place)
+    to ``cpus``; a thread gone meanwhile is skipped."""
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        tids = [pid]
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, cpus)
+        except OSError:
+            pass
 
 
 def cwd_unusable(cwd: str, uid: int) -> str:
@@ -86,6 +104,10 @@ class GroupSpec:
     run_dir: str
     node_id: str = ""
     extra_env: dict = field(default_factory=dict)
+    # The job's devices on this node (gpu_alloc.Binding.env) and the CPUs its
+    # workers are bound to (() : not bound).
+    device_env: dict = field(default_factory=dict)
+    cpus: tuple = ()
 
 
 def base_env(spec: GroupSpec) -> dict[str, str]:
@@ -127,6 +149,7 @@ def worker_env(spec: GroupSpec, local_rank: int) -> dict[str, str]:
         "ELASTICD_NODE_ID": spec.node_id,
     })
     env.update(progress.rank_env(spec.run_dir, rank))  # hang detection: where it beats
+    env.update(spec.device_env)  # its GPUs: over whatever the submitter's shell had
     env.update(spec.extra_env)
     if jobstore_env.ADDR in spec.extra_env:  # in-process restart: where it reports
         env[inprocess_reports.ENV] = inprocess_reports.report_path(spec.run_dir, rank,
@@ -210,6 +233,8 @@ class WorkerGroup:
         _mark_log(spec, rank, f"{what} {how}".strip())
         proc = None
         if spare is not None:
+            if spec.cpus:
+                bind_cpus(spare.pid, spec.cpus)
             proc = _hand_over(spare, env, spec.cwd, warm_args(spec.command))
         if proc is None:
             proc = start_process(spec, list(spec.command), rank, env, user_kwargs, stdin=None)
@@ -286,7 +311,7 @@ def start_process(spec: GroupSpec, argv: list, rank: int, env: dict, user_kwargs
                 stdin=subprocess.DEVNULL if stdin is None else stdin,
                 stdout=logf if stdout is None else stdout,
                 stderr=logf if stdout is not None else subprocess.STDOUT, close_fds=True,
-                process_group=0, preexec_fn=_child_setup(os.fsencode(spec.cwd)),
+                process_group=0, preexec_fn=_child_setup(os.fsencode(spec.cwd), spec.cpus),
                 umask=WORKER_UMASK, **user_kwargs)
         except subprocess.SubprocessError:
             # The only step of _child_setup that can fail is the chdir.

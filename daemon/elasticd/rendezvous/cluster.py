@@ -96,6 +96,12 @@ class ClusterRendezvous:
         """Our last write is not in the view yet: deciding now would act on old news."""
         return self._view.revision < self._written
 
+    def final_state(self) -> RoundState | None:
+        """The job's round state if it ended (as the view last saw it), else None."""
+        keys = self._view.job(self.job_id)
+        state = keys.state if keys else None
+        return state if state is not None and state.final else None
+
     # -- joining -----------------------------------------------------------------
     def next_round(self, stop: threading.Event, store_port: int = 0) -> Result:
         """Join rounds until one that includes this node closes; its result.

@@ -29,7 +29,7 @@ CANCELLED: JobState
 REJECTED: JobState
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("name", "command", "cwd", "env", "min_nodes", "max_nodes", "nproc_per_node", "max_restarts", "inprocess", "nodes", "max_restarts_per_window")
+    __slots__ = ("name", "command", "cwd", "env", "min_nodes", "max_nodes", "nproc_per_node", "max_restarts", "inprocess", "nodes", "max_restarts_per_window", "gpus_per_node", "cpu_bind")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +48,8 @@ class SubmitRequest(_message.Message):
     INPROCESS_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
     MAX_RESTARTS_PER_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    GPUS_PER_NODE_FIELD_NUMBER: _ClassVar[int]
+    CPU_BIND_FIELD_NUMBER: _ClassVar[int]
     name: str
     command: _containers.RepeatedScalarFieldContainer[str]
     cwd: str
@@ -59,7 +61,9 @@ class SubmitRequest(_message.Message):
     inprocess: bool
     nodes: _containers.RepeatedScalarFieldContainer[str]
     max_restarts_per_window: int
-    def __init__(self, name: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., cwd: _Optional[str] = ..., env: _Optional[_Mapping[str, str]] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., nproc_per_node: _Optional[int] = ..., max_restarts: _Optional[int] = ..., inprocess: _Optional[bool] = ..., nodes: _Optional[_Iterable[str]] = ..., max_restarts_per_window: _Optional[int] = ...) -> None: ...
+    gpus_per_node: int
+    cpu_bind: str
+    def __init__(self, name: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., cwd: _Optional[str] = ..., env: _Optional[_Mapping[str, str]] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., nproc_per_node: _Optional[int] = ..., max_restarts: _Optional[int] = ..., inprocess: _Optional[bool] = ..., nodes: _Optional[_Iterable[str]] = ..., max_restarts_per_window: _Optional[int] = ..., gpus_per_node: _Optional[int] = ..., cpu_bind: _Optional[str] = ...) -> None: ...
 
 class SubmitResponse(_message.Message):
     __slots__ = ("job",)
@@ -124,23 +128,29 @@ class Failure(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., cause: _Optional[str] = ..., traceback: _Optional[str] = ..., time: _Optional[float] = ..., restart: _Optional[int] = ..., node_id: _Optional[str] = ...) -> None: ...
 
 class Worker(_message.Message):
-    __slots__ = ("rank", "local_rank", "pid", "state", "exit_code", "node_id")
+    __slots__ = ("rank", "local_rank", "pid", "state", "exit_code", "node_id", "gpus", "gpu_uuids", "cpus")
     RANK_FIELD_NUMBER: _ClassVar[int]
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    GPU_UUIDS_FIELD_NUMBER: _ClassVar[int]
+    CPUS_FIELD_NUMBER: _ClassVar[int]
     rank: int
     local_rank: int
     pid: int
     state: str
     exit_code: int
     node_id: str
-    def __init__(self, rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., state: _Optional[str] = ..., exit_code: _Optional[int] = ..., node_id: _Optional[str] = ...) -> None: ...
+    gpus: _containers.RepeatedScalarFieldContainer[int]
+    gpu_uuids: _containers.RepeatedScalarFieldContainer[str]
+    cpus: str
+    def __init__(self, rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., state: _Optional[str] = ..., exit_code: _Optional[int] = ..., node_id: _Optional[str] = ..., gpus: _Optional[_Iterable[int]] = ..., gpu_uuids: _Optional[_Iterable[str]] = ..., cpus: _Optional[str] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("id", "name", "state", "reason", "command", "cwd", "uid", "gid", "user", "min_nodes", "max_nodes", "nproc_per_node", "max_restarts", "restarts", "round", "created_at", "started_at", "finished_at", "exit_code", "last_failure", "workers", "node_id", "seconds_in_state", "inprocess", "restarts_by_layer", "restart_budget", "attempts", "rejected_reason", "hang_timeouts", "straggler", "max_restarts_per_window", "restart_window_seconds", "restarts_in_window", "last_restart_plan")
+    __slots__ = ("id", "name", "state", "reason", "command", "cwd", "uid", "gid", "user", "min_nodes", "max_nodes", "nproc_per_node", "max_restarts", "restarts", "round", "created_at", "started_at", "finished_at", "exit_code", "last_failure", "workers", "node_id", "seconds_in_state", "inprocess", "restarts_by_layer", "restart_budget", "attempts", "rejected_reason", "hang_timeouts", "straggler", "max_restarts_per_window", "restart_window_seconds", "restarts_in_window", "last_restart_plan", "gpus_per_node", "cpu_bind")
     class SecondsInStateEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -196,6 +206,8 @@ class Job(_message.Message):
     RESTART_WINDOW_SECONDS_FIELD_NUMBER: _ClassVar[int]
     RESTARTS_IN_WINDOW_FIELD_NUMBER: _ClassVar[int]
     LAST_RESTART_PLAN_FIELD_NUMBER: _ClassVar[int]
+    GPUS_PER_NODE_FIELD_NUMBER: _ClassVar[int]
+    CPU_BIND_FIELD_NUMBER: _ClassVar[int]
     id: str
     name: str
     state: JobState
@@ -230,7 +242,9 @@ class Job(_message.Message):
     restart_window_seconds: float
     restarts_in_window: int
     last_restart_plan: RestartPlan
-    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., cwd: _Optional[str] = ..., uid: _Optional[int] = ..., gid: _Optional[int] = ..., user: _Optional[str] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., nproc_per_node: _Optional[int] = ..., max_restarts: _Optional[int] = ..., restarts: _Optional[int] = ..., round: _Optional[int] = ..., created_at: _Optional[float] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., exit_code: _Optional[int] = ..., last_failure: _Optional[_Union[Failure, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., node_id: _Optional[str] = ..., seconds_in_state: _Optional[_Mapping[str, float]] = ..., inprocess: _Optional[bool] = ..., restarts_by_layer: _Optional[_Mapping[str, int]] = ..., restart_budget: _Optional[_Mapping[str, int]] = ..., attempts: _Optional[_Iterable[_Union[RestartAttempt, _Mapping]]] = ..., rejected_reason: _Optional[str] = ..., hang_timeouts: _Optional[_Iterable[_Union[PhaseTimeout, _Mapping]]] = ..., straggler: _Optional[_Union[Straggler, _Mapping]] = ..., max_restarts_per_window: _Optional[int] = ..., restart_window_seconds: _Optional[float] = ..., restarts_in_window: _Optional[int] = ..., last_restart_plan: _Optional[_Union[RestartPlan, _Mapping]] = ...) -> None: ...
+    gpus_per_node: int
+    cpu_bind: str
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., cwd: _Optional[str] = ..., uid: _Optional[int] = ..., gid: _Optional[int] = ..., user: _Optional[str] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., nproc_per_node: _Optional[int] = ..., max_restarts: _Optional[int] = ..., restarts: _Optional[int] = ..., round: _Optional[int] = ..., created_at: _Optional[float] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., exit_code: _Optional[int] = ..., last_failure: _Optional[_Union[Failure, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., node_id: _Optional[str] = ..., seconds_in_state: _Optional[_Mapping[str, float]] = ..., inprocess: _Optional[bool] = ..., restarts_by_layer: _Optional[_Mapping[str, int]] = ..., restart_budget: _Optional[_Mapping[str, int]] = ..., attempts: _Optional[_Iterable[_Union[RestartAttempt, _Mapping]]] = ..., rejected_reason: _Optional[str] = ..., hang_timeouts: _Optional[_Iterable[_Union[PhaseTimeout, _Mapping]]] = ..., straggler: _Optional[_Union[Straggler, _Mapping]] = ..., max_restarts_per_window: _Optional[int] = ..., restart_window_seconds: _Optional[float] = ..., restarts_in_window: _Optional[int] = ..., last_restart_plan: _Optional[_Union[RestartPlan, _Mapping]] = ..., gpus_per_node: _Optional[int] = ..., cpu_bind: _Optional[str] = ...) -> None: ...
 
 class PhaseTimeout(_message.Message):
     __slots__ = ("phase", "soft_seconds", "hard_seconds", "learned", "longest_gap_seconds", "gaps")
@@ -377,7 +391,7 @@ class ListNodesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Node(_message.Message):
-    __slots__ = ("node_id", "state", "host", "address", "slots", "slots_free", "version", "started_at", "heartbeat_age_seconds", "jobs", "lost_at", "lease_ttl_seconds", "problems")
+    __slots__ = ("node_id", "state", "host", "address", "slots", "slots_free", "version", "started_at", "heartbeat_age_seconds", "jobs", "lost_at", "lease_ttl_seconds", "problems", "gpus", "gpus_free", "gpu_source", "gpu_health", "devices", "suspect")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
@@ -391,6 +405,12 @@ class Node(_message.Message):
     LOST_AT_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PROBLEMS_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FREE_FIELD_NUMBER: _ClassVar[int]
+    GPU_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    GPU_HEALTH_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    SUSPECT_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     state: str
     host: str
@@ -404,7 +424,29 @@ class Node(_message.Message):
     lost_at: float
     lease_ttl_seconds: float
     problems: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, node_id: _Optional[str] = ..., state: _Optional[str] = ..., host: _Optional[str] = ..., address: _Optional[str] = ..., slots: _Optional[int] = ..., slots_free: _Optional[int] = ..., version: _Optional[str] = ..., started_at: _Optional[float] = ..., heartbeat_age_seconds: _Optional[float] = ..., jobs: _Optional[_Iterable[str]] = ..., lost_at: _Optional[float] = ..., lease_ttl_seconds: _Optional[float] = ..., problems: _Optional[_Iterable[str]] = ...) -> None: ...
+    gpus: int
+    gpus_free: int
+    gpu_source: str
+    gpu_health: str
+    devices: _containers.RepeatedCompositeFieldContainer[NodeGpu]
+    suspect: str
+    def __init__(self, node_id: _Optional[str] = ..., state: _Optional[str] = ..., host: _Optional[str] = ..., address: _Optional[str] = ..., slots: _Optional[int] = ..., slots_free: _Optional[int] = ..., version: _Optional[str] = ..., started_at: _Optional[float] = ..., heartbeat_age_seconds: _Optional[float] = ..., jobs: _Optional[_Iterable[str]] = ..., lost_at: _Optional[float] = ..., lease_ttl_seconds: _Optional[float] = ..., problems: _Optional[_Iterable[str]] = ..., gpus: _Optional[int] = ..., gpus_free: _Optional[int] = ..., gpu_source: _Optional[str] = ..., gpu_health: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[NodeGpu, _Mapping]]] = ..., suspect: _Optional[str] = ...) -> None: ...
+
+class NodeGpu(_message.Message):
+    __slots__ = ("index", "uuid", "memory_mib", "numa_node", "cpus", "job_id")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    UUID_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_MIB_FIELD_NUMBER: _ClassVar[int]
+    NUMA_NODE_FIELD_NUMBER: _ClassVar[int]
+    CPUS_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    uuid: str
+    memory_mib: int
+    numa_node: int
+    cpus: str
+    job_id: str
+    def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., memory_mib: _Optional[int] = ..., numa_node: _Optional[int] = ..., cpus: _Optional[str] = ..., job_id: _Optional[str] = ...) -> None: ...
 
 class SetNodeStateRequest(_message.Message):
     __slots__ = ("node_id", "state")
