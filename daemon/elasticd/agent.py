@@ -31,6 +31,7 @@ from .config import Config
 from .jobs import JobRecord, JobRegistry
 from .ladder import Layer, round_layer
 from .logsetup import ctx
+from .newcomer import NewcomerWarmup, WarmVerdict
 from .progress import ProgressTracker
 from .recovery import Recovery
 from .restartpolicy import (AttemptProgress, BackoffSettings, made_progress, plan_restart,
@@ -125,6 +126,11 @@ class Agent:
         self.wake = threading.Event()
         self.shutting_down = False
         self._spares = SparePool()
+        # Before this node asks to join a running round: its spares first (newcomer.py).
+        self._newcomer = NewcomerWarmup(
+            self._spares, cfg.rendezvous.newcomer_warm_timeout if cfg.agent.warm_spares else 0,
+            cfg.agent.warm_preload, cfg.agent.warm_spare_nice)
+        rendezvous.ready_to_join = self._ready_to_join
         self._store_host = JobStoreHost()
         self._store_secret = jobstore_env.new_secret()
         self._group: WorkerGroup | None = None    # the running attempt's workers
@@ -215,6 +221,7 @@ class Agent:
                 log.warning("%s: rendezvous interrupted: %s; trying again", self._where(), exc)
                 self.wake.wait(self._cfg.membership.watch_retry)
                 continue
+            self._newcomer.reset()
             state = self._rdzv.last_state
             job = self._registry.update(
                 self.job_id, round=result.round,
@@ -247,6 +254,22 @@ class Agent:
             decision = self._monitor(group, result, started_warm)
             if not self._apply(decision, group, result):
                 return
+
+    def _ready_to_join(self, state: RoundState) -> bool:
+        """Asked by the rendezvous before this node says it waits to join ``state``'s
+        running round: once its spares are warm (newcomer.py)."""
+        job = self._registry.get(self.job_id)
+        n, offset = len(state.members), sum(m.nproc for m in state.members)
+        check, first = self._newcomer.check(lambda: self._group_spec(job, Result(
+            round=state.round + 1, group_rank=n, group_world_size=n + 1,
+            world_size=offset + job.nproc_per_node, rank_offset=offset, master_addr="",
+            master_port=0)))
+        if first and check.verdict is not WarmVerdict.NOTHING:
+            log.info("%s: %s", self._where(state.round), check.sentence())
+            self._registry.event(self.job_id, "info",
+                                 f"round {state.round}: {check.sentence()}",
+                                 duration=check.waited)
+        return check.ask
 
     def _next_round_number(self, job: JobRecord) -> int:
         state = self._rdzv.last_state

@@ -67,6 +67,11 @@ class ClusterRendezvous:
         # This node's job store for in-process restart (the agent starts it before
         # joining; 0: none). The round's first member's is the one its ranks share.
         self.store_port = 0
+        # Asked, while this node is not in the job's running round, before it says it
+        # waits to join (which makes every member restart to let it in): True once it
+        # can start its ranks warm (the agent's newcomer warm-up). Called on the
+        # agent's thread, from next_round.
+        self.ready_to_join: Callable[[RoundState], bool] = lambda state: True
 
     @property
     def address(self) -> str:
@@ -132,7 +137,8 @@ class ClusterRendezvous:
                     self.prev_rank = result.group_rank
                     self._forget_old_joins(state.round)
                     return result
-                if len(state.members) < self.limits.max_nodes:
+                if len(state.members) < self.limits.max_nodes \
+                        and self.ready_to_join(state):
                     self._join(state.round + 1)     # waiting: the members see us
             self._view.wait(self._poll, seen)
 
