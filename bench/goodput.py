@@ -409,8 +409,10 @@ def show_breakdown(run: Run, events, log0: str, pb) -> None:
         until = kills[i + 1] if i + 1 < len(kills) else float("inf")
         first = next((t for t in firsts if k < t < until), None)
         end = first if first is not None else until
-        stopped = [t for t, to, _ in moves if k <= t < end and to == "RESTARTING"]
         running = [(t, why) for t, to, why in moves if k <= t < end and to == "RUNNING"]
+        # the stops of the first restart (a node back later moves to RESTARTING too)
+        stop_end = running[0][0] if running else end
+        stopped = [t for t, to, _ in moves if k <= t < stop_end and to == "RESTARTING"]
         rounds = {why.split(":")[0] for _, why in running}
 
         def s(t):
