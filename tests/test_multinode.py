@@ -604,11 +604,21 @@ def test_a_node_joining_a_running_job_warms_its_spares_before_it_asks(make_clust
     wait_for(lambda: "FIRST_STEP" in rank_log(c["n1"], job, 0), 120, "the first step",
              interval=0.3)
     c.add("n2")
+    wait_for(lambda: any("starting warm spares" in e.get("reason", "")
+                         for e in events(c["n2"], job)), 120, "n2 to start its warm-up",
+             interval=0.2)
+    # A fault while n2 warms up: the round it opens expects n1 only; n2 must not
+    # join it cold (its members would wait for its imports) but ask once warm.
+    os.kill(local_rows(c["n1"], job)[0]["pid"], 9)
     running_on(c["n1"], job, 2, timeout=180)
     evs = events(c["n2"], job)
-    asked = [e for e in evs if "asking to join" in e.get("reason", "")]
+    asked = [e for e in evs if "; asking to join" in e.get("reason", "")]
     assert asked and "warm spares ready after" in asked[0]["reason"], evs
-    moves = state_moves(evs)
+    ran = [e for e in evs if e["kind"] == "state" and e.get("to_state") == "RUNNING"
+           and e.get("node_id") == "n2"]
+    assert ran and ran[0]["time"] >= asked[0]["time"], (asked, ran)
+    moves = state_moves(events(c["n1"], job))
+    assert any(to == "RUNNING" and "of 1 on 1 node(s)" in why for _, to, why in moves), moves
     assert any(to == "RUNNING" and "of 2 on 2 node(s)" in why for _, to, why in moves), moves
     log = rank_log(c["n2"], job, 1)
     banners = [line for line in log.splitlines() if line.startswith("==== elasticd:")]

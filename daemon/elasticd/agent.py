@@ -256,15 +256,22 @@ class Agent:
                 return
 
     def _ready_to_join(self, state: RoundState) -> bool:
-        """Asked by the rendezvous before this node says it waits to join ``state``'s
-        running round: once its spares are warm (newcomer.py)."""
+        """Asked by the rendezvous before this node, not in the job's last round, says
+        it waits to join ``state``'s running round or joins an open round that does not
+        expect it: once its spares are warm (newcomer.py)."""
         job = self._registry.get(self.job_id)
-        n, offset = len(state.members), sum(m.nproc for m in state.members)
+        # The ranks it will most likely get: after the running round's members (an open
+        # round has none yet: after the nodes it expects, as many ranks each as ours).
+        n = len(state.members) or len(state.expected)
+        offset = sum(m.nproc for m in state.members) if state.members \
+            else n * job.nproc_per_node
         check, first = self._newcomer.check(lambda: self._group_spec(job, Result(
             round=state.round + 1, group_rank=n, group_world_size=n + 1,
             world_size=offset + job.nproc_per_node, rank_offset=offset, master_addr="",
             master_port=0)))
-        if first and check.verdict is not WarmVerdict.NOTHING:
+        said = (first and check.verdict is not WarmVerdict.NOTHING) or (
+            check.verdict is WarmVerdict.WARMING and self._newcomer.just_began)
+        if said:
             log.info("%s: %s", self._where(state.round), check.sentence())
             self._registry.event(self.job_id, "info",
                                  f"round {state.round}: {check.sentence()}",

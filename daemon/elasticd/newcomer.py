@@ -78,14 +78,17 @@ class NewcomerWarmup:
         self._since: float | None = None
         self._wanted = 0
         self._asked: WarmCheck | None = None
+        self.just_began = False      # the last check() started the warm-up
 
     def check(self, spec: Callable[[], GroupSpec]) -> tuple[WarmCheck, bool]:
         """Start the spares on the first call (``spec``: the group this node would
         run), then say whether to ask; and whether this is the first call that asks
         (for the one log line and event). Once asked, it asks until ``reset()``."""
         if self._asked is not None:
+            self.just_began = False
             return self._asked, False
         now = self._clock()
+        self.just_began = self._since is None
         if self._since is None:
             self._since = now
             if self._timeout > 0:
