@@ -317,9 +317,12 @@ def run_elasticd3(run: Run, a, work: str, faults: Faults, etcd) -> None:
         text = read_text(log0)
         job = n1.job(job_id)
         run.restarts = job.restarts
-        if a.verbose and run.faults:
+        if run.faults:
             from elasticd.v1 import control_pb2 as pb
-            show_timeline(t0, run, n1.events(job_id), text, pb)
+            evs = n1.events(job_id)
+            if a.verbose:
+                show_timeline(t0, run, evs, text, pb)
+            show_breakdown(run, evs, text, pb)
         parse(run, text)
         run.restarts = job.restarts
     finally:
@@ -391,6 +394,33 @@ def run_torchrun3(run: Run, a, work: str, faults: Faults, etcd) -> None:
             if p is not None:
                 own_tree(p.pid)
         kill_owned()
+
+
+def show_breakdown(run: Run, events, log0: str, pb) -> None:
+    """Per fault of an elasticd run: seconds from the kill until every node had stopped
+    (its last RESTARTING event), until the ranks ran again on every node (the last
+    RUNNING before the next first step), until that first step; the rounds formed."""
+    firsts = sorted(float(m.group(1)) for m in map(FIRST_RE.match, log0.splitlines()) if m)
+    moves = sorted((e.time, pb.JobState.Name(e.to_state), e.reason) for e in events
+                   if e.kind == "state")
+    rows = []
+    kills = sorted(run.kills)
+    for i, k in enumerate(kills):
+        until = kills[i + 1] if i + 1 < len(kills) else float("inf")
+        first = next((t for t in firsts if k < t < until), None)
+        end = first if first is not None else until
+        running = [(t, why) for t, to, why in moves if k <= t < end and to == "RUNNING"]
+        # the stops of the first restart (a node back later moves to RESTARTING too)
+        stop_end = running[0][0] if running else end
+        stopped = [t for t, to, _ in moves if k <= t < stop_end and to == "RESTARTING"]
+        rounds = {why.split(":")[0] for _, why in running}
+
+        def s(t):
+            return f"{t - k:.2f}" if t is not None else "-"
+        rows.append([f"{i + 1}", s(stopped[-1] if stopped else None),
+                     s(running[-1][0] if running else None), s(first), len(rounds)])
+    print(table(rows, ["fault", "-> all stopped (s)", "-> running everywhere (s)",
+                       "-> first step (s)", "rounds"]))
 
 
 def show_timeline(t0: float, run: Run, events, log0: str, pb) -> None:

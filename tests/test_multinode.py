@@ -589,6 +589,61 @@ def test_fourth_node_started_later_joins_a_running_job(make_cluster):
     assert any(to == "RUNNING" and "of 4 on 4 node(s)" in why for _, to, why in moves), moves
 
 
+def test_a_node_joining_a_running_job_warms_its_spares_before_it_asks(make_cluster):
+    """Issue 22, 3-node goodput: a node that came back (or started later) asked to
+    join at once; every member restarted to let it in, and then waited in
+    init_process_group while the newcomer's rank imported torch cold (seconds:
+    each node that came back stalled the job for its cold start). It now starts
+    its warm spares first, asks once they have imported, and its rank takes over
+    a spare; the job trains on meanwhile."""
+    c = make_cluster(1)          # warm spares on (the defaults)
+    job = submit(c["n1"], "--nnodes", "1:2",
+                 cmd=c.train_cmd("warmjoin", "--steps", "100000", "--step-time", "0.05",
+                                 "--checkpoint-every", "20", "--log-every", "1000"))
+    running_on(c["n1"], job, 1, timeout=120)
+    wait_for(lambda: "FIRST_STEP" in rank_log(c["n1"], job, 0), 120, "the first step",
+             interval=0.3)
+    c.add("n2")
+    wait_for(lambda: any("starting warm spares" in e.get("reason", "")
+                         for e in events(c["n2"], job)), 120, "n2 to start its warm-up",
+             interval=0.2)
+    # A fault while n2 warms up: the round it opens expects n1 only; n2 must not
+    # join it cold (its members would wait for its imports) but ask once warm.
+    os.kill(local_rows(c["n1"], job)[0]["pid"], 9)
+    running_on(c["n1"], job, 2, timeout=180)
+    evs = events(c["n2"], job)
+    asked = [e for e in evs if "; asking to join" in e.get("reason", "")]
+    assert asked and "warm spares ready after" in asked[0]["reason"], evs
+    ran = [e for e in evs if e["kind"] == "state" and e.get("to_state") == "RUNNING"
+           and e.get("node_id") == "n2"]
+    assert ran and ran[0]["time"] >= asked[0]["time"], (asked, ran)
+    moves = state_moves(events(c["n1"], job))
+    assert any(to == "RUNNING" and "of 1 on 1 node(s)" in why for _, to, why in moves), moves
+    assert any(to == "RUNNING" and "of 2 on 2 node(s)" in why for _, to, why in moves), moves
+    log = rank_log(c["n2"], job, 1)
+    banners = [line for line in log.splitlines() if line.startswith("==== elasticd:")]
+    assert banners and "from a warm spare" in banners[0], log[-2000:]
+    ctl_ok(c["n1"], "cancel", job)
+    assert wait_done(c["n1"], job, 60)["state"] == "CANCELLED"
+
+
+def test_a_joining_node_asks_at_once_with_the_warm_up_off(make_cluster):
+    """rendezvous.newcomer_warm_timeout=0: the node asks as soon as it sees the job
+    (as before issue 22's fix); its rank starts cold."""
+    c = make_cluster(1)
+    job = submit(c["n1"], "--nnodes", "1:2",
+                 cmd=c.probe_cmd("sleep", "600", "600"))
+    running_on(c["n1"], job, 1)
+    c.add("n2", ("--set", "rendezvous.newcomer_warm_timeout=0"))
+    running_on(c["n1"], job, 2, timeout=120)
+    assert not [e for e in events(c["n2"], job) if "asking to join" in e.get("reason", "")]
+    banners = [line for line in rank_log(c["n2"], job, 1).splitlines()
+               if line.startswith("==== elasticd:")]
+    assert banners and "from a warm spare" not in banners[0], banners
+    ctl_ok(c["n1"], "cancel", job)
+    assert wait_done(c["n1"], job, 60)["state"] == "CANCELLED"
+
+
 # ---------------------------------------------------------------- submit vs. dispatch
 
 class InProcessNode:

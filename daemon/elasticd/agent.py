@@ -33,6 +33,7 @@ from .jobs import JobRecord, JobRegistry
 from .ladder import Layer, round_layer
 from .records import Failure, FailureKind, WorkerRow
 from .logsetup import ctx
+from .newcomer import NewcomerWarmup, WarmVerdict
 from .phase_board import JobPeers, PhasePublisher
 from .progress import ProgressTracker
 from .recovery import Recovery
@@ -157,6 +158,11 @@ class Agent:
         self.wake = threading.Event()
         self.shutting_down = False
         self._spares = SparePool()
+        # Before this node asks to join a running round: its spares first (newcomer.py).
+        self._newcomer = NewcomerWarmup(
+            self._spares, cfg.rendezvous.newcomer_warm_timeout if cfg.agent.warm_spares else 0,
+            cfg.agent.warm_preload, cfg.agent.warm_spare_nice)
+        rendezvous.ready_to_join = self._ready_to_join
         self._store_host = JobStoreHost()
         self._store_secret = jobstore_env.new_secret()
         self._group: WorkerGroup | None = None    # the running attempt's workers
@@ -251,6 +257,7 @@ class Agent:
                 log.warning("%s: rendezvous interrupted: %s; trying again", self._where(), exc)
                 self.wake.wait(self._cfg.membership.watch_retry)
                 continue
+            self._newcomer.reset()
             state = self._rdzv.last_state
             job = self._registry.update(
                 self.job_id, round=result.round,
@@ -323,6 +330,29 @@ class Agent:
         self.wake.wait(retry)
         self.wake.clear()
         return False
+
+    def _ready_to_join(self, state: RoundState) -> bool:
+        """Asked by the rendezvous before this node, not in the job's last round, says
+        it waits to join ``state``'s running round or joins an open round that does not
+        expect it: once its spares are warm (newcomer.py)."""
+        job = self._registry.get(self.job_id)
+        # The ranks it will most likely get: after the running round's members (an open
+        # round has none yet: after the nodes it expects, as many ranks each as ours).
+        n = len(state.members) or len(state.expected)
+        offset = sum(m.nproc for m in state.members) if state.members \
+            else n * job.nproc_per_node
+        check, first = self._newcomer.check(lambda: self._group_spec(job, Result(
+            round=state.round + 1, group_rank=n, group_world_size=n + 1,
+            world_size=offset + job.nproc_per_node, rank_offset=offset, master_addr="",
+            master_port=0)))
+        said = (first and check.verdict is not WarmVerdict.NOTHING) or (
+            check.verdict is WarmVerdict.WARMING and self._newcomer.just_began)
+        if said:
+            log.info("%s: %s", self._where(state.round), check.sentence())
+            self._registry.event(self.job_id, "info",
+                                 f"round {state.round}: {check.sentence()}",
+                                 duration=check.waited)
+        return check.ask
 
     def _next_round_number(self, job: JobRecord) -> int:
         state = self._rdzv.last_state

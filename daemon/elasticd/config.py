@@ -157,6 +157,12 @@ class RendezvousSettings:
                              choices=("immediate", "on_restart"))
     poll: float = _setting(0.5, "longest wait between two looks at a round (changes wake it "
                                 "sooner)", min=0.01, max=60)
+    # -- goodput (issue 22) --
+    newcomer_warm_timeout: float = _setting(
+        60.0, "seconds a node that is to join a running job (started later, or back after a "
+              "crash) spends starting its warm spares (torch imported) before it asks for "
+              "ranks, so that the restart every member makes to let it in is a warm one; "
+              "past it, it asks anyway (0: ask at once)", min=0, max=3600)
 
 
 @dataclass(frozen=True)

@@ -421,6 +421,13 @@ class SparePool:
         """How many spares are alive, waiting for a worker's identity."""
         return sum(1 for spare in self._spares.values() if spare.poll() is None)
 
+    def imported(self) -> int:
+        """How many spares finished their imports: blocked reading their stdin, where
+        the worker's identity comes (warmstart.main). A spare still importing counts
+        in ready() but not here."""
+        return sum(1 for spare in self._spares.values()
+                   if spare.poll() is None and _reading_stdin(spare.pid))
+
     def take(self, local_rank: int, rank: int) -> subprocess.Popen | None:
         """The spare for a local rank, if alive and its output goes to ``rank``'s log.
 
@@ -450,6 +457,24 @@ class SparePool:
                 spare.stdin.close()
         self._spares.clear()
         self._ranks.clear()
+
+
+# The number of read(2) on this machine's architecture, as /proc/PID/syscall shows it.
+_READ_SYSCALL = {"x86_64": "0", "aarch64": "63", "riscv64": "63", "ppc64le": "3",
+                 "s390x": "3"}.get(os.uname().machine)
+
+
+def _reading_stdin(pid: int) -> bool:
+    """Whether process ``pid`` is blocked in read(0, ...), from /proc/PID/syscall (the
+    daemon's own child: readable by it). Unknown architecture: alive counts as ready."""
+    if _READ_SYSCALL is None:
+        return True
+    try:
+        with open(f"/proc/{pid}/syscall", "rb") as fh:
+            fields = fh.read(256).split()
+    except OSError:
+        return False
+    return len(fields) > 1 and fields[0] == _READ_SYSCALL.encode() and fields[1] == b"0x0"
 
 
 def _killpg(pgid: int, sig: int) -> None:

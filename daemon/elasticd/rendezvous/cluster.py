@@ -71,6 +71,12 @@ class ClusterRendezvous:
         # joining; 0: none), as next_round was last given it. The round's first
         # member's is the one its ranks share.
         self._store_port = 0
+        # Asked, while this node is not in the job's running round, before it says it
+        # waits to join (which makes every member restart to let it in), or joins a
+        # round opened after a fault that does not expect it: True once it can start
+        # its ranks warm (the agent's newcomer warm-up). Called on the agent's thread,
+        # from next_round.
+        self.ready_to_join: Callable[[RoundState], bool] = lambda state: True
 
     @property
     def address(self) -> str:
@@ -121,6 +127,12 @@ class ClusterRendezvous:
             if state.final:
                 raise RoundFinal(state)
             if state.status == OPEN:
+                if state.expected and self.node_id not in state.expected \
+                        and not self.ready_to_join(state):
+                    # A round after a fault that does not wait for us (we were not in
+                    # the last one): joining it cold would stall its members.
+                    self._view.wait(self._poll, seen)
+                    continue
                 self._join(state.round)
                 joins = list(keys.joins.get(state.round, {}).values())
                 if decider(joins) == self.node_id and not self._view_behind():
@@ -145,7 +157,8 @@ class ClusterRendezvous:
                     self.prev_rank = result.group_rank
                     self._forget_old_joins(state.round)
                     return result
-                if len(state.members) < self.limits.max_nodes:
+                if len(state.members) < self.limits.max_nodes \
+                        and self.ready_to_join(state):
                     self._join(state.round + 1)     # waiting: the members see us
             self._view.wait(self._poll, seen)
 
