@@ -15,6 +15,10 @@ def test_asks_anyway_after_the_timeout():
     assert judge(imported=0, wanted=2, waited=60, timeout=60) is WarmVerdict.TIMED_OUT
 
 
+def test_asks_at_once_when_a_spare_exited_before_it_was_ready():
+    assert judge(imported=1, wanted=2, waited=5, timeout=60, alive=1) is WarmVerdict.GONE
+
+
 def test_asks_at_once_without_spares_or_with_the_warm_up_off():
     assert judge(imported=0, wanted=0, waited=0, timeout=60) is WarmVerdict.NOTHING
     assert judge(imported=0, wanted=2, waited=0, timeout=0) is WarmVerdict.NOTHING

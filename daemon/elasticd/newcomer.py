@@ -33,6 +33,7 @@ class WarmVerdict(enum.Enum):
     WARMING = "warming"      # spares still importing: do not ask yet
     WARM = "warm"            # every local rank has an imported spare: ask
     TIMED_OUT = "timed_out"  # newcomer_warm_timeout passed: ask, ranks start cold
+    GONE = "gone"            # a spare exited before it was ready: ask, ranks start cold
     NOTHING = "nothing"      # no spares for this job (off, or not python): ask at once
 
 
@@ -51,17 +52,22 @@ class WarmCheck:
         if self.verdict is WarmVerdict.TIMED_OUT:
             return (f"warm spares not ready after {self.waited:.0f}s; asking to join "
                     "anyway (ranks start cold)")
+        if self.verdict is WarmVerdict.GONE:
+            return "a warm spare exited; asking to join anyway (ranks start cold)"
         if self.verdict is WarmVerdict.NOTHING:
             return "asking to join"
         return "starting warm spares before asking to join"
 
 
-def judge(imported: int, wanted: int, waited: float, timeout: float) -> WarmVerdict:
-    """Whether to ask now (no I/O)."""
+def judge(imported: int, wanted: int, waited: float, timeout: float,
+          alive: int | None = None) -> WarmVerdict:
+    """Whether to ask now (no I/O); ``alive``: spares still running (None: all)."""
     if wanted <= 0 or timeout <= 0:
         return WarmVerdict.NOTHING
     if imported >= wanted:
         return WarmVerdict.WARM
+    if alive is not None and alive < wanted:
+        return WarmVerdict.GONE
     if waited >= timeout:
         return WarmVerdict.TIMED_OUT
     return WarmVerdict.WARMING
@@ -102,7 +108,7 @@ class NewcomerWarmup:
                                     ctx(job=group.job_id, node=group.node_id), exc)
                     self._wanted = self._spares.ready()  # those that could be started
         check = WarmCheck(judge(self._spares.imported(), self._wanted, now - self._since,
-                                self._timeout), now - self._since)
+                                self._timeout, self._spares.ready()), now - self._since)
         if check.ask:
             self._asked = check
         return check, check.ask
