@@ -91,8 +91,10 @@ class DaemonSettings:
     suspect_window: float = _setting(3600.0, "seconds a worker failure counts toward "
                                              "daemon.suspect_jobs", min=0, exclusive_min=True,
                                      max=30 * 86400)
-    suspect_adopt_delay: float = _setting(10.0, "seconds a suspect node lets a cluster job's "
-                                                "round wait for other nodes before it joins",
+    suspect_adopt_delay: float = _setting(1.0, "seconds a suspect node lets a cluster job's "
+                                               "round wait for other nodes before it joins; "
+                                               "below rendezvous.last_call it still joins a "
+                                               "round with room, losing only when nodes compete",
                                           min=0, max=3600)
 
 
