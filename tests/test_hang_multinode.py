@@ -77,7 +77,7 @@ CHECKPOINT_ON_N2 = PREAMBLE + textwrap.dedent("""
 HANG_ON_N2 = PREAMBLE + textwrap.dedent("""
     if attempt == 0:
         time.sleep(float(os.environ["WARM"]))
-    for i in range(100):
+    for i in range(100 if attempt == 0 else 20):   # after the recovery: a few steps
         if attempt == 0 and node == "n2" and i == 60:
             print(f"HANG {time.time():.3f}", flush=True)
             time.sleep(3600)
