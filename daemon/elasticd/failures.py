@@ -128,5 +128,6 @@ def worker_rows(workers: list[Worker], node_id: str) -> list[dict]:
             started = 0.0
         rows.append({"rank": w.rank, "local_rank": w.local_rank, "pid": w.pid,
                      "state": state.value, "exit_code": rc if rc is not None else 0,
-                     "node_id": node_id, "create_time": started})
+                     "node_id": node_id, "create_time": started,
+                     "start_path": w.start_path})
     return rows

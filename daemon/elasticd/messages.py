@@ -66,7 +66,11 @@ def job_to_proto(job: JobRecord) -> pb.Job:
             node_id=s.get("node_id", "")))
     for w in job.workers:
         msg.workers.add(rank=w["rank"], local_rank=w["local_rank"], pid=w["pid"],
-                        state=w["state"], exit_code=w["exit_code"], node_id=w["node_id"])
+                        state=w["state"], exit_code=w["exit_code"], node_id=w["node_id"],
+                        start_path=w.get("start_path", ""))
+    msg.template_state, msg.template_reason = job.template_state, job.template_reason
+    msg.template_rss_bytes, msg.start_path = job.template_rss_bytes, job.start_path
+    msg.start_seconds = job.start_seconds
     return msg
 
 
@@ -80,7 +84,8 @@ def event_to_proto(ev: dict) -> pb.Event:
                     duration_seconds=ev.get("duration_seconds", 0.0),
                     rejected_reason=ev.get("rejected_reason", ""),
                     restart_rule=ev.get("restart_rule", ""),
-                    restart_delay_seconds=ev.get("restart_delay_seconds", 0.0))
+                    restart_delay_seconds=ev.get("restart_delay_seconds", 0.0),
+                    start_path=ev.get("start_path", ""))
 
 
 def rejection_to_proto(rej, node_id: str) -> pb.Job:

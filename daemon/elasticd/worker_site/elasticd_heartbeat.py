@@ -289,6 +289,19 @@ def _write_record(now, phase):
             _exit_hooked = True
 
 
+def _become_new_process():
+    """Called by elasticd's worker template in a child it forked to be a rank:
+    this process speaks for the rank now, with nothing of the template's state."""
+    global _last, _last_call, _written_phase, _written_ns, _owner_pid, _path, _steps
+    global _busy_us, _step_end, _forward_end, _steady, _import_pid
+    _last = _last_call = _step_end = _forward_end = 0.0
+    _written_phase, _written_ns, _owner_pid, _path = None, 0, 0, None
+    _steps = _busy_us = 0
+    _steady = TRAIN
+    del _stack[:]
+    _import_pid = os.getpid()
+
+
 def _spawned_child():
     """A process a rank started with multiprocessing (spawn or forkserver): not the rank."""
     mp = sys.modules.get("multiprocessing")
