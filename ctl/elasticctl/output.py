@@ -223,6 +223,14 @@ def job_detail(job: control_pb2.Job, now: float | None = None) -> str:
                      f"step ({st.step_seconds:.3f}s vs {st.median_step_seconds:.3f}s, "
                      f"{st.ranks} ranks" + (f" on node {st.node_id}" if st.node_id else "")
                      + ")")
+    if job.template_state:
+        rss = job.template_rss_bytes
+        lines.append(f"template:     {job.template_state}"
+                     + (f", {rss / (1 << 20):.0f} MiB resident" if rss else "")
+                     + (f" — {job.template_reason}" if job.template_reason else ""))
+    if job.start_path:
+        lines.append(f"last start:   {job.start_path}, {job.start_seconds:.3f}s to start "
+                     "this node's ranks")
     if job.workers:
         rows = [[w.rank, w.local_rank, w.node_id or "-", w.pid or "-", w.state,
                  w.exit_code if w.state in ("failed", "succeeded") else "-"]

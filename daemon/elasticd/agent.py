@@ -190,6 +190,10 @@ class Agent:
                 log.exception("%s: could not record agent crash", self._where())
         finally:
             self._template.stop()
+            try:
+                self._note_template()  # stopped: no RSS any more
+            except Exception:
+                log.exception("%s: could not record the template's end", self._where())
             self._spares.clear()
             self._store_host.stop()
             self._on_exit(self.job_id)

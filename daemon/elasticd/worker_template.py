@@ -127,7 +127,10 @@ class WorkerTemplate:
         while args and args[0] in ("-u", "-B"):
             flags.append(args.pop(0))
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        env = dict(workers.base_env(spec), ELASTICD_WARM_PRELOAD=",".join(self._preload))
+        # ELASTICD_JOB_ID: the template and every rank it forks read as the job's in
+        # /proc/PID/environ (a rank's is the template's: see README "Worker template").
+        env = dict(workers.base_env(spec), ELASTICD_WARM_PRELOAD=",".join(self._preload),
+                   ELASTICD_JOB_ID=spec.job_id)
         try:
             workers.prepare_dirs(spec)
             self._proc = workers.start_process(
