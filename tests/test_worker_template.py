@@ -266,6 +266,31 @@ def _alive(p: psutil.Process) -> bool:
         return False
 
 
+def test_a_template_killed_takes_its_ranks_and_the_restart_forks_from_a_new_one(
+        node, user, work):
+    cwd, out = work
+    job_id = submit(node, user, "--nproc-per-node", "2", "--max-restarts", "1", "--",
+                    PY, os.path.join(cwd, "train.py"), "sleep", out, cwd=cwd)
+    wait_for(lambda: os.path.exists(os.path.join(out, "sleep-rank1-restart0.json")), 240,
+             "both ranks running")
+    (template,) = [p for p in psutil.Process(node.proc.pid).children()
+                   if "--template" in " ".join(p.cmdline())]
+    ranks = [psutil.Process(seen(out, "sleep", r)["pid"]) for r in (0, 1)]
+    template.kill()
+    wait_for(lambda: not any(_alive(p) for p in ranks), 30, "the ranks to die with it")
+    wait_for(lambda: os.path.exists(os.path.join(out, "sleep-rank1-restart1.json")), 240,
+             "the restarted ranks")
+    assert seen(out, "sleep", 0, restart=1)["pre"] is True
+    assert seen(out, "sleep", 1, restart=1)["pid"] != ranks[1].pid
+    job = status(node, job_id)
+    assert job["restarts"] == 1 and "SIGKILL" in job["last_failure"]["cause"], job
+    reasons = [e["reason"] for e in events(node, job_id) if e["kind"] == "template"]
+    assert any(r.startswith("starting a new worker template") for r in reasons), reasons
+    assert [e["start_path"] for e in starts(node, job_id)] == ["template", "template"]
+    node.ctl("cancel", job_id)
+    node.wait_job(job_id, timeout=60)
+
+
 # ---------------------------------------------------------------- fallbacks
 
 def test_a_template_that_cannot_be_made_or_forked_falls_back_to_cold(node, user, work):

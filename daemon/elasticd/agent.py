@@ -233,6 +233,10 @@ class Agent:
                    if state else {}))
             spec = self._with_job_store(job, self._group_spec(job, result), result)
             self._recovery.start_attempt(job, jobstore_env.ADDR in spec.extra_env)
+            if self._template.revivable():  # it died with its ranks: a new one for them
+                self._registry.event(self.job_id, "template", "starting a new worker "
+                                     f"template: {self._template.reason}")
+                self._start_template()
             if self._template.state is TemplateState.STARTING:
                 self._template.ready()  # a first start waits for its imports (bounded)
                 self._note_template()

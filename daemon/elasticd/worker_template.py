@@ -111,6 +111,8 @@ class WorkerTemplate:
         self._boot_args: list | None = None
         self.started_at = 0.0
         self.ready_seconds = 0.0
+        self.was_ready = False    # it served ranks before (then a death may be revived)
+        self._unsafe = False      # it refused as unsafe to fork: a new one would too
 
     def _where(self) -> str:
         return ctx(job=self.job_id, node=self._node_id)
@@ -145,10 +147,16 @@ class WorkerTemplate:
             theirs.close()
         self._sock = ours
         self._sock.setblocking(False)
+        self._buf, self._replies = b"", {}
         self._boot_args = [*flags, *args]
         self.state, self.reason = TemplateState.STARTING, ""
         self.started_at = time.monotonic()
         log.info("%s: worker template starting, pid %d", self._where(), self._proc.pid)
+
+    def revivable(self) -> bool:
+        """Whether it died after serving ranks (not: could not be made, or unsafe), so
+        that a new one is worth its start (once per round: the agent's rule)."""
+        return self.state is TemplateState.FAILED and self.was_ready and not self._unsafe
 
     def ready(self, timeout: float | None = None) -> bool:
         """Whether the template can fork ranks, waiting for it up to ``timeout`` (default:
@@ -236,6 +244,7 @@ class WorkerTemplate:
             return None, f"worker template {self.state.value}: {self.reason}"
         if "refused" in reply:
             why = str(reply["refused"])[:300]
+            self._unsafe = True
             self._fail(f"unsafe to fork: {why}")
             return None, f"worker template unsafe to fork: {why}"
         pid = reply.get("pid")
@@ -249,7 +258,7 @@ class WorkerTemplate:
         return proc, ""
 
     # -- the channel -------------------------------------------------------
-    def pump(self, timeout: float) -> None:
+    def pump(self, timeout: float, check: bool = True) -> None:
         """Read what the template said (waiting up to ``timeout`` for something)."""
         if self._sock is None:
             return
@@ -258,7 +267,8 @@ class WorkerTemplate:
         except (OSError, ValueError):
             readable = []
         if not readable:
-            self._check_alive()
+            if check:
+                self._check_alive()
             return
         while self._sock is not None:
             try:
@@ -297,9 +307,10 @@ class WorkerTemplate:
                     self._statuses[pid] = status
         elif "ready" in msg and self.state is TemplateState.STARTING:
             if msg.get("unsafe"):
+                self._unsafe = True
                 self._fail(f"unsafe to fork: {str(msg['unsafe'])[:300]}")
                 return
-            self.state = TemplateState.READY
+            self.state, self.was_ready = TemplateState.READY, True
             self.ready_seconds = time.monotonic() - self.started_at
             log.info("%s: worker template ready in %.2f s (pid %d, %d modules)",
                      self._where(), self.ready_seconds, self.pid, int(msg.get("modules", 0)))
@@ -309,13 +320,19 @@ class WorkerTemplate:
     def _check_alive(self) -> None:
         if self._proc is not None and self._proc.poll() is not None \
                 and self.state in (TemplateState.STARTING, TemplateState.READY):
-            self.pump(0.05)  # its last words first (exit statuses)
+            self.pump(0.05, check=False)  # its last words first (exit statuses)
             if self.state in (TemplateState.STARTING, TemplateState.READY):
                 self._gone()
 
     def _gone(self) -> None:
-        code = self._proc.wait() if self._proc is not None else None
-        what = workers.describe_exit(code)[2] if code is not None else "gone"
+        """Its end of the channel closed: it exited (or is about to)."""
+        code = None
+        if self._proc is not None:
+            try:
+                code = self._proc.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:  # it closed the channel and lives on
+                workers.kill_group(self._proc.pid, signal.SIGKILL)
+        what = workers.describe_exit(code)[2] if code is not None else "closed its channel"
         self._fail(f"it exited ({what}); see template.log")
 
     def _fail(self, reason: str, state: TemplateState = TemplateState.FAILED) -> None:
