@@ -397,7 +397,7 @@ class _JobCollector:
         workers = 0
         budget_used = 0.0
         stragglers: list[tuple[str, dict]] = []
-        templates: list[tuple[str, int]] = []
+        templates: list[int] = []
         for job_id in live:
             try:
                 job = self._jobs.get(job_id)
@@ -417,7 +417,7 @@ class _JobCollector:
             if job.straggler and job.state is JobState.RUNNING:
                 stragglers.append((job.id, job.straggler))
             if job.template_rss_bytes and job.state in LIVE_STATES:
-                templates.append((job.id, job.template_rss_bytes))
+                templates.append(job.template_rss_bytes)
         g = GaugeMetricFamily("elasticd_jobs", "Jobs known to this node, by state",
                               labels=["state"])
         for state, n in by_state.items():
@@ -455,12 +455,13 @@ class _JobCollector:
             slowest.add_metric([job_id], straggler.get("rank", -1))
         yield ratio
         yield slowest
-        rss = GaugeMetricFamily(
-            "elasticd_job_template_rss_bytes", "Resident memory of the live job's worker "
-            "template on this node (no sample: no template running)", labels=["job_id"])
-        for job_id, size in templates:
-            rss.add_metric([job_id], size)
-        yield rss
+        yield GaugeMetricFamily(
+            "elasticd_job_template_rss_bytes", "Resident memory of the live jobs' worker "
+            "templates on this node, summed (elasticctl status: each job's)",
+            value=sum(templates))
+        yield GaugeMetricFamily(
+            "elasticd_job_templates", "Live jobs with a worker template running on this node",
+            value=len(templates))
         yield GaugeMetricFamily("elasticd_workers_running", "Worker processes running",
                                 value=workers)
         yield GaugeMetricFamily("elasticd_slots", "Worker slots of this node",
