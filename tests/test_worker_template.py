@@ -38,6 +38,7 @@ USER = "h16_tmpl"
 SCRIPT = textwrap.dedent("""\
     import json, os, signal, sys
     PRE = "torch" in sys.modules
+    PRE_PSUTIL = "psutil" in sys.modules
     MASK = os.umask(0); os.umask(MASK)
     SIGS = {n: repr(signal.getsignal(getattr(signal, n)))
             for n in ("SIGINT", "SIGTERM", "SIGCHLD", "SIGPIPE", "SIGHUP", "SIGUSR2")}
@@ -52,7 +53,7 @@ SCRIPT = textwrap.dedent("""\
     @record
     def main():
         mode, out = sys.argv[1], sys.argv[2]
-        seen = {"pre": PRE, "name": __name__, "argv": sys.argv, "path0": sys.path[0],
+        seen = {"pre": PRE, "pre_psutil": PRE_PSUTIL, "name": __name__, "argv": sys.argv, "path0": sys.path[0],
                 "cwd": os.getcwd(), "uid": os.getuid(), "gid": os.getgid(),
                 "groups": sorted(os.getgroups()), "env": dict(os.environ),
                 "pid": os.getpid(), "pgid": os.getpgid(0), "sid": os.getsid(0),
@@ -65,9 +66,15 @@ SCRIPT = textwrap.dedent("""\
             os._exit(13)  # a fault in the first second of the round
         if mode == "raise":
             raise ValueError("h16 boom from rank %d" % RANK)
-        if mode == "sleep":
+        if mode == "sleep" or (mode == "learn" and RESTART == 0):
+            if mode == "learn":  # a module of its own, then its first step
+                import psutil
+                opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+                opt.step()
             import time
             time.sleep(600)
+        if mode == "learn":
+            return
         dist.init_process_group("gloo")
         t = torch.ones(1)
         dist.all_reduce(t)
@@ -289,6 +296,27 @@ def test_a_template_killed_takes_its_ranks_and_the_restart_forks_from_a_new_one(
     assert [e["start_path"] for e in starts(node, job_id)] == ["template", "template"]
     node.ctl("cancel", job_id)
     node.wait_job(job_id, timeout=60)
+
+
+def test_the_next_template_preloads_what_the_first_step_imported(node, user, work):
+    cwd, out = work
+    job_id = submit(node, user, "--max-restarts", "1", "--",
+                    PY, os.path.join(cwd, "train.py"), "learn", out, cwd=cwd)
+
+    def learned():
+        return [e["reason"] for e in events(node, job_id)
+                if e["kind"] == "template" and e["reason"].startswith("learned preload")]
+    (reason,) = wait_for(learned, 240, "the learned preload")
+    assert "psutil" in reason and "torch," not in reason, reason
+    assert seen(out, "learn", 0)["pre_psutil"] is False
+    (template,) = [p for p in psutil.Process(node.proc.pid).children()
+                   if "--template" in " ".join(p.cmdline())]
+    template.kill()  # its rank dies with it; the restart starts a new template
+    job = node.wait_job(job_id, timeout=240)
+    assert state(job) == "SUCCEEDED", node.rank_log(job_id, 0)
+    again = seen(out, "learn", 0, restart=1)
+    assert again["pre"] is True and again["pre_psutil"] is True
+    assert "psutil" in status(node, job_id)["learned_preload"]
 
 
 # ---------------------------------------------------------------- fallbacks

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from . import failures, jobstore_env
+from . import failures, jobstore_env, preload
 from .config import Config
 from .jobs import JobRecord, JobRegistry
 from .ladder import Layer, round_layer
@@ -130,6 +130,7 @@ class Agent:
         self._template = WorkerTemplate(job_id, cfg.daemon.node_id, a.warm_preload,
                                         a.template_ready_timeout, a.template_fork_timeout)
         self._template_noted: tuple = ()  # (state, reason, rss) last written to the record
+        self._preload_read = False        # the learned preload was read (once per job)
         self._store_host = JobStoreHost()
         self._store_secret = jobstore_env.new_secret()
         self._group: WorkerGroup | None = None    # the running attempt's workers
@@ -323,6 +324,8 @@ class Agent:
                     log.info("%s: warm spares started for the next restart",
                              self._where(result.round))
             self._note_template()
+            if self._first_beat is not None and not self._preload_read:
+                self._learn_preload(group.spec)
             self.wake.wait(interval)
             self.wake.clear()
 
@@ -505,7 +508,8 @@ class Agent:
             return
         self._template.start(self._group_spec(job, Result(
             round=0, group_rank=0, group_world_size=1, world_size=job.nproc_per_node,
-            rank_offset=0, master_addr="", master_port=0)))
+            rank_offset=0, master_addr="", master_port=0)),
+            learned=job.learned_preload[:self._cfg.agent.template_preload_max])
         self._note_template()
 
     def _note_template(self) -> None:
@@ -529,6 +533,23 @@ class Agent:
                                  f"{rss / (1 << 20):.0f} MiB)", duration=t.ready_seconds)
         self._registry.update(self.job_id, template_state=t.state.value,
                               template_reason=t.reason, template_rss_bytes=rss)
+
+    def _learn_preload(self, spec: GroupSpec) -> None:
+        """After the first beat: what local rank 0 imported, for the job's next template."""
+        a = self._cfg.agent
+        if not a.worker_template or not a.template_preload_max:
+            self._preload_read = True
+            return
+        names = preload.read_report(spec.run_dir, spec.uid, a.template_preload_max,
+                                    already={n.split(".")[0] for n in a.warm_preload})
+        if names is None:
+            return  # not written yet (its first step is still to come)
+        self._preload_read = True
+        if names and names != self._registry.get(self.job_id).learned_preload:
+            self._registry.update(self.job_id, learned_preload=names)
+            self._registry.event(self.job_id, "template", "learned preload: "
+                                 f"{', '.join(names)} (the job's next worker template "
+                                 "imports them)")
 
     def _note_start(self, group: WorkerGroup, result: Result) -> None:
         """The event and record of how this round's ranks started, and how long it took."""

@@ -201,6 +201,12 @@ class AgentSettings:
                                                   "a request to fork a rank before it counts "
                                                   "as broken (ranks then start cold)",
                                             min=0, exclusive_min=True, max=600)
+    template_preload_max: int = _setting(32, "most modules a worker template learns to "
+                                             "import ahead (the top-level non-stdlib "
+                                             "modules a rank imported by its first step, "
+                                             "imported by the job's next template, each "
+                                             "tried in a throw-away child first); 0: off",
+                                         min=0, max=256)
     # -- hang detection (progress.py) --
     hang_detection: bool = _setting(True, "watch each rank's progress beats (every optimizer "
                                           "step, or elasticd_heartbeat.heartbeat()); dump the "

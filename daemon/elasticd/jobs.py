@@ -115,6 +115,9 @@ class JobRecord:
     template_rss_bytes: int = 0
     start_path: str = ""
     start_seconds: float = 0.0
+    # Modules the job's ranks imported by their first step (preload.py), which its
+    # next worker template imports ahead (after agent.warm_preload).
+    learned_preload: list = field(default_factory=list)
 
     @property
     def live(self) -> bool:

@@ -71,6 +71,7 @@ def job_to_proto(job: JobRecord) -> pb.Job:
     msg.template_state, msg.template_reason = job.template_state, job.template_reason
     msg.template_rss_bytes, msg.start_path = job.template_rss_bytes, job.start_path
     msg.start_seconds = job.start_seconds
+    msg.learned_preload.extend(job.learned_preload)
     return msg
 
 

@@ -27,6 +27,7 @@ import json
 import os
 import runpy
 import sys
+import time
 
 TEMPLATE_FLAG = "--template"
 
@@ -253,9 +254,58 @@ def _become_rank(request: dict, log_fd: int, template_pid: int, boot_args: list)
     _become(request, boot_args)
 
 
+def _preload_learned(timeout: float = 60.0) -> None:
+    """Import the modules the daemon learned this job uses (preload.py), only those a
+    throw-away child imported without error and without starting a thread or CUDA."""
+    import select
+    names = [n for n in os.environ.get("ELASTICD_LEARNED_PRELOAD", "").split(",") if n]
+    if not names:
+        return
+    rfd, wfd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the probe
+        os.close(rfd)
+        ok = []
+        for name in names:
+            try:
+                __import__(name)
+            except BaseException:
+                continue
+            if _fork_unsafe():
+                break  # this one started something: it and the rest stay out
+            ok.append(name)
+        os.write(wfd, ",".join(ok).encode())
+        os._exit(0)
+    os.close(wfd)
+    data, deadline = b"", time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        readable, _, _ = select.select([rfd], [], [], max(0.0, deadline - time.monotonic()))
+        chunk = os.read(rfd, 65536) if readable else b""
+        if not chunk:
+            break
+        data += chunk
+    os.close(rfd)
+    try:
+        os.kill(pid, 9)
+    except OSError:
+        pass
+    os.waitpid(pid, 0)
+    good = [n for n in data.decode(errors="replace").split(",") if n in names]
+    for name in good:
+        try:
+            __import__(name)
+        except BaseException:
+            pass
+    skipped = [n for n in names if n not in good]
+    sys.stderr.write("elasticd worker template: preloaded %s%s\n" % (
+        ", ".join(good) or "nothing learned",
+        ("; skipped " + ", ".join(skipped)) if skipped else ""))
+
+
 def template_main(fd: int, boot_args: list) -> None:
     if _set_entry(boot_args):
         _preload()
+        _preload_learned()
     else:
         sys.stderr.write("elasticd worker template: the job's script is not there\n")
         sys.exit(2)

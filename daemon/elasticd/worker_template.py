@@ -118,8 +118,10 @@ class WorkerTemplate:
         return ctx(job=self.job_id, node=self._node_id)
 
     # -- life --------------------------------------------------------------
-    def start(self, spec: workers.GroupSpec) -> None:
-        """Start the template for ``spec``'s job; does not wait for it (see ``ready``)."""
+    def start(self, spec: workers.GroupSpec, learned: list | None = None) -> None:
+        """Start the template for ``spec``'s job; does not wait for it (see ``ready``).
+        ``learned``: modules it imports after the preload if a probe child could
+        (preload.py)."""
         args = workers.warm_args(spec.command)
         if args is None:
             self._fail("the command is not `python SCRIPT` or `python -m MODULE`",
@@ -132,7 +134,8 @@ class WorkerTemplate:
         # ELASTICD_JOB_ID: the template and every rank it forks read as the job's in
         # /proc/PID/environ (a rank's is the template's: see README "Worker template").
         env = dict(workers.base_env(spec), ELASTICD_WARM_PRELOAD=",".join(self._preload),
-                   ELASTICD_JOB_ID=spec.job_id)
+                   ELASTICD_JOB_ID=spec.job_id,
+                   ELASTICD_LEARNED_PRELOAD=",".join(learned or []))
         try:
             workers.prepare_dirs(spec)
             self._proc = workers.start_process(

@@ -23,7 +23,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 
-from . import inprocess_reports, jobstore_env, progress, statedir, workerfiles
+from . import inprocess_reports, jobstore_env, preload, progress, statedir, workerfiles
 from .logsetup import ctx
 
 log = logging.getLogger("elasticd.workers")
@@ -127,6 +127,8 @@ def worker_env(spec: GroupSpec, local_rank: int) -> dict[str, str]:
         "ELASTICD_NODE_ID": spec.node_id,
     })
     env.update(progress.rank_env(spec.run_dir, rank))  # hang detection: where it beats
+    if local_rank == 0:  # learned preload: what it imported by its first step
+        env[preload.ENV] = preload.report_path(spec.run_dir)
     env.update(spec.extra_env)
     if jobstore_env.ADDR in spec.extra_env:  # in-process restart: where it reports
         env[inprocess_reports.ENV] = inprocess_reports.report_path(spec.run_dir, rank,
