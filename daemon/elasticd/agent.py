@@ -239,7 +239,9 @@ class Agent:
                                      f"template: {self._template.reason}")
                 self._start_template()
             if self._template.state is TemplateState.STARTING:
-                self._template.ready()  # a first start waits for its imports (bounded)
+                # A first start waits for its imports (bounded; a cancel or a shutdown
+                # ends the wait: the monitor then acts on it).
+                self._template.ready(stop=self.wake)
                 self._note_template()
             group = self._group = WorkerGroup(
                 spec, self._template if self._cfg.agent.worker_template else None)

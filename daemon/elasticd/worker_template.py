@@ -161,14 +161,17 @@ class WorkerTemplate:
         that a new one is worth its start (once per round: the agent's rule)."""
         return self.state is TemplateState.FAILED and self.was_ready and not self._unsafe
 
-    def ready(self, timeout: float | None = None) -> bool:
+    def ready(self, timeout: float | None = None, stop=None) -> bool:
         """Whether the template can fork ranks, waiting for it up to ``timeout`` (default:
-        what is left of its ready timeout) while it is still importing."""
+        what is left of its ready timeout) while it is still importing; a set ``stop``
+        event (threading.Event: cancel, shutdown) ends the wait early."""
         if self.state is TemplateState.STARTING:
             left = self._ready_timeout - (time.monotonic() - self.started_at)
             deadline = time.monotonic() + max(0.0, left if timeout is None else
                                               min(timeout, left))
             while self.state is TemplateState.STARTING:
+                if stop is not None and stop.is_set():
+                    break
                 self.pump(max(0.0, min(0.5, deadline - time.monotonic())))
                 if self.state is TemplateState.STARTING and time.monotonic() >= deadline:
                     if time.monotonic() - self.started_at >= self._ready_timeout:
