@@ -388,6 +388,12 @@ class SparePool:
     Owned by the job's agent thread (their PDEATHSIG is tied to it). A
     restart hands each new worker's identity to a spare instead of starting
     a fresh interpreter, which saves the interpreter start and torch import.
+
+    The fallback of the worker template (worker_template.py): the agent starts
+    spares only while a job has no usable template. They stay because a spare
+    never forks: it is the warm path left when the template is unsafe to fork
+    (a thread or CUDA context started by the job's own sitecustomize or
+    preload), could not be made, or is turned off (agent.worker_template).
     """
 
     def __init__(self) -> None:
