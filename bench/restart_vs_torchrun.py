@@ -18,9 +18,10 @@ its first step of the new attempt. Both stamps come from the workers' own
 clock, so no launcher's log buffering enters the number.
 
 Launchers (run in the same invocation, order rotated each repetition):
-  elasticd-warm  python -m elasticd --standalone, default settings (warm
-                 spare interpreters with torch imported take over at restart)
+  elasticd-warm  python -m elasticd --standalone, default settings (the job's
+                 worker template forks every rank; see bench/template_start.py)
   elasticd-cold  the same with --set agent.warm_spares=false
+                 --set agent.worker_template=false
   torchrun       torchrun --standalone --nnodes 1 --nproc-per-node 2
                  --max-restarts 1 --monitor-interval 0.1 -m elasticd.examples.train ...
                  with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: with torch 2.13's
@@ -171,7 +172,9 @@ def run_elasticd(d: BenchDaemon, run: Run, a, work: str) -> None:
             if restart != "0" and "starting" in what:
                 starts.append((datetime.datetime.fromisoformat(stamp).timestamp(), what))
     warm = sum("warm spare" in what for _, what in starts)
-    run.note = f"{warm}/2 ranks from warm spares" if run.launcher == "elasticd-warm" else ""
+    forked = sum("worker template" in what for _, what in starts)
+    run.note = (f"{forked}/2 ranks forked from the template, {warm}/2 from warm spares"
+                if run.launcher == "elasticd-warm" else "")
     events = d.events(job_id)
     m = run.marks
     for ev in events:
@@ -360,7 +363,8 @@ def main(argv=None) -> int:
             daemons["elasticd-warm"] = BenchDaemon(slots=4)
         if "elasticd-cold" in launchers:
             daemons["elasticd-cold"] = BenchDaemon(
-                slots=4, extra_args=("--set", "agent.warm_spares=false"))
+                slots=4, extra_args=("--set", "agent.warm_spares=false",
+                                     "--set", "agent.worker_template=false"))
         for d in daemons.values():
             d.start()
         plan = [(rep, False) for rep in range(1, a.reps + 1)]

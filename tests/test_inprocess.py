@@ -282,6 +282,9 @@ def test_a_rank_that_exits_is_replaced_and_joins_the_next_iteration(daemon_facto
     assert [it for it, _ in _iterations(survivor)] == [0, 1]
     assert len({pid for _, pid in _iterations(survivor)}) == 1     # rank 0 never restarted
     assert "replacing pid" in replaced and replaced.count("==== elasticd:") == 2
+    # The new process is forked from the job's worker template (on by default).
+    assert "from the worker template" in replaced.split("replacing pid", 1)[1].splitlines()[0]
+    assert any(e.kind == "replace" and "(template)" in e.reason for e in d.events(job_id))
     its = _iterations(replaced)
     assert [it for it, _ in its] == [0, 1] and its[0][1] != its[1][1]  # a new process
     for text in (survivor, replaced):

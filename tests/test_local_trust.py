@@ -157,7 +157,13 @@ if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
 """
 
 
-def test_a_torch_py_planted_in_a_shared_cwd_is_never_imported(node, users):
+@pytest.mark.parametrize("warm", ["spare", "template"])
+def test_a_torch_py_planted_in_a_shared_cwd_is_never_imported(daemon_factory, users, warm):
+    # Two warm paths import torch ahead of the job: a warm spare (the template off)
+    # and the worker template (which then forks both attempts).
+    node = daemon_factory(slots=2, extra_args=(
+        "--set", f"daemon.socket_group={NOGROUP}", "--set", "agent.warm_spare_delay=0.5",
+        "--set", f"agent.worker_template={'false' if warm == 'spare' else 'true'}")).start()
     alice, mallory = users["alice"], users["mallory"]
     shared = os.path.join(node.root, "shared")
     os.mkdir(shared)
@@ -172,17 +178,22 @@ def test_a_torch_py_planted_in_a_shared_cwd_is_never_imported(node, users):
 
     job_id = submitted(submit_as(node, alice, "--max-restarts", "1", "--",
                                  PY, script, go, cwd=shared))
-    # The first attempt (a cold start) runs; its spare starts beside it.
+    # The first attempt (a cold start, or forked from the template) runs; a spare
+    # starts beside it (the template was there before it).
     wait_for(lambda: [p for p in psutil.process_iter(["cmdline", "uids"])
                       if "warmstart.py" in " ".join(p.info["cmdline"] or [])
                       and p.info["uids"] and p.info["uids"].real == alice.uid],
-             120, "a warm spare for alice's job")
+             120, f"a warm {warm} for alice's job")
+    log_path = os.path.join(node.state_dir, "logs", job_id, "rank-0.log")
+    wait_for(lambda: os.path.exists(log_path) and "TORCH_FILE" in node.rank_log(job_id, 0),
+             120, "the first attempt")
     time.sleep(1.0)
-    open(go, "w").close()  # the first attempt fails; the spare becomes the second
+    open(go, "w").close()  # the first attempt fails; the spare/template makes the second
     job = node.wait_job(job_id, timeout=240)
     log = node.rank_log(job_id, 0)
     assert pb.JobState.Name(job.state) == "SUCCEEDED", log
-    assert job.restarts == 1 and "from a warm spare" in log, log
+    marks = {"spare": "from a warm spare", "template": "from the worker template"}
+    assert job.restarts == 1 and marks[warm] in log, log
     files = re.findall(r"TORCH_FILE (\S+)", log)
     assert len(files) == 2 and all("site-packages" in f for f in files), log
     assert not os.path.exists(os.path.join(shared, "PWNED")), \

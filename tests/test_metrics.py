@@ -144,6 +144,13 @@ def test_counters_follow_the_job_through_its_fault(faulted):
     assert value(found, "elasticd_jobs", state="RUNNING") == 0
     assert value(found, "elasticd_workers_started_total") == 2 * moves.count("RUNNING")
     assert value(found, "elasticd_workers_running") == 0
+    # Every start of the ranks went through the worker template (on by default).
+    paths = [e.start_path for e in events if e.kind == "start"]
+    assert paths == ["template"] * moves.count("RUNNING"), paths
+    assert value(found, "elasticd_rank_starts_total", path="template") == len(paths)
+    assert value(found, "elasticd_rank_start_duration_seconds_count", path="template") == \
+        len(paths)
+    assert value(found, "elasticd_job_templates") == 0  # it ended with its job
     # Each RUNNING came after a RENDEZVOUS; each restart was recovered.
     assert value(found, "elasticd_rendezvous_duration_seconds_count") == moves.count("RUNNING")
     assert value(found, "elasticd_rendezvous_round_nodes_count") == moves.count("RUNNING")
@@ -177,7 +184,8 @@ def test_labels_stay_bounded(faulted):
     text, _, _ = faulted
     allowed = {"to_state", "state", "layer", "cause", "operation", "error", "method", "code",
                "le", "version", "node_id", "store",
-               "reason"}  # elasticd_cluster_specs_rejected_total: one of RejectReason
+               "reason",  # elasticd_cluster_specs_rejected_total: one of RejectReason
+               "path"}  # elasticd_rank_starts_total: template | spare | cold (StartPath)
     for family in text_string_to_metric_families(text):
         assert family.name.startswith("elasticd_"), family.name
         for s in family.samples:

@@ -230,6 +230,14 @@ def job_detail(job: control_pb2.Job, now: float | None = None) -> str:
         lines.append("gpus:         " + (f"{job.gpus_per_node} per node" if job.gpus_per_node
                                          >= 0 else "one per local rank on nodes with GPUs")
                      + (", CPUs bound to their NUMA node" if job.cpu_bind == "numa" else ""))
+    if job.template_state:
+        rss = job.template_rss_bytes
+        lines.append(f"template:     {job.template_state}"
+                     + (f", {rss / (1 << 20):.0f} MiB resident" if rss else "")
+                     + (f" — {job.template_reason}" if job.template_reason else ""))
+    if job.start_path:
+        lines.append(f"last start:   {job.start_path}, {job.start_seconds:.3f}s to start "
+                     "this node's ranks")
     if job.workers:
         bound = any(w.gpus or w.cpus for w in job.workers)
         rows = [[w.rank, w.local_rank, w.node_id or "-", w.pid or "-", w.state,

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from . import failures, jobstore_env
+from . import failures, jobstore_env, preload
 from .config import Config
 from .gpu_alloc import Binding
 from .jobs import JobRecord, JobRegistry
@@ -46,6 +46,7 @@ from .rendezvous.status import CURRENT, RoundStatus, StatusKind
 from .states import TERMINAL_STATES, JobState
 from .store import StoreError
 from .storehost import JobStoreHost
+from .worker_template import StartPath, TemplateState, WorkerTemplate
 from .workers import GroupSpec, SpawnError, SparePool, WorkerGroup
 
 log = logging.getLogger("elasticd.agent")
@@ -163,6 +164,11 @@ class Agent:
             self._spares, cfg.rendezvous.newcomer_warm_timeout if cfg.agent.warm_spares else 0,
             cfg.agent.warm_preload, cfg.agent.warm_spare_nice)
         rendezvous.ready_to_join = self._ready_to_join
+        a = cfg.agent
+        self._template = WorkerTemplate(job_id, cfg.daemon.node_id, a.warm_preload,
+                                        a.template_ready_timeout, a.template_fork_timeout)
+        self._template_noted: tuple = ()  # (state, reason, rss) last written to the record
+        self._preload_read = False        # the learned preload was read (once per job)
         self._store_host = JobStoreHost()
         self._store_secret = jobstore_env.new_secret()
         self._group: WorkerGroup | None = None    # the running attempt's workers
@@ -206,6 +212,7 @@ class Agent:
     # -- the loop ------------------------------------------------------------
     def _run(self) -> None:
         try:
+            self._start_template()
             self._loop()
         except Exception as exc:
             log.exception("%s: agent crashed", self._where())
@@ -224,6 +231,11 @@ class Agent:
         finally:
             if self._phase_pub is not None:
                 self._phase_pub.stop()
+            self._template.stop()
+            try:
+                self._note_template()  # stopped: no RSS any more
+            except Exception:
+                log.exception("%s: could not record the template's end", self._where())
             self._spares.clear()
             self._store_host.stop()
             self._on_exit(self.job_id)
@@ -266,8 +278,18 @@ class Agent:
             spec = self._with_job_store(job, self._group_spec(job, result), result)
             # In-process restart is on where _with_job_store gave the ranks a store.
             self._recovery.start_attempt(job, job.inprocess and bool(result.store_port))
-            group = self._group = WorkerGroup(spec)
-            started_warm = self._spares.ready() > 0
+            if self._template.revivable():  # it died with its ranks: a new one for them
+                self._registry.event(self.job_id, "template", "starting a new worker "
+                                     f"template: {self._template.reason}")
+                self._start_template()
+            if self._template.state is TemplateState.STARTING:
+                # A first start waits for its imports (bounded; a cancel or a shutdown
+                # ends the wait: the monitor then acts on it).
+                self._template.ready(stop=self.wake)
+                self._note_template()
+            group = self._group = WorkerGroup(
+                spec, self._template if self._cfg.agent.worker_template else None)
+            started_warm = self._spares.ready() > 0 or self._template.ready(0)
             self._beats, self._first_beat = 0, None
             self._attempt_started = time.monotonic()
             try:
@@ -284,6 +306,7 @@ class Agent:
                 f"{result.world_size} on {result.group_world_size} node(s)",
                 workers=self._worker_rows(group))
             self._recovery.recovered()
+            self._note_start(group, result)
             self._publish(group)
             if self._metrics:
                 self._metrics.workers_started_n(len(group.workers))
@@ -334,7 +357,10 @@ class Agent:
     def _ready_to_join(self, state: RoundState) -> bool:
         """Asked by the rendezvous before this node, not in the job's last round, says
         it waits to join ``state``'s running round or joins an open round that does not
-        expect it: once its spares are warm (newcomer.py)."""
+        expect it: once its spares are warm (newcomer.py), or its worker template is."""
+        if self._cfg.agent.worker_template and self._template.state in (
+                TemplateState.STARTING, TemplateState.READY):
+            return self._template.ready(0)
         job = self._registry.get(self.job_id)
         # The ranks it will most likely get: after the running round's members (an open
         # round has none yet: after the nodes it expects, as many ranks each as ours).
@@ -404,9 +430,13 @@ class Agent:
                                      a.warm_spare_delay, a.warm_spare_restart_delay):
                 refill = False
                 if (max_restarts < 0 or restarts < max_restarts) \
+                        and not self._template.ready(0) \
                         and self._spares.fill(group.spec, a.warm_preload, a.warm_spare_nice):
                     log.info("%s: warm spares started for the next restart",
                              self._where(result.round))
+            self._note_template()
+            if self._first_beat is not None and not self._preload_read:
+                self._learn_preload(group.spec)
             self.wake.wait(interval)
             self.wake.clear()
 
@@ -606,12 +636,82 @@ class Agent:
                             rank=w.rank), cause, new.pid)
             self._registry.event(self.job_id, "replace",
                                  f"{cause}; replaced in-process by pid {new.pid} "
+                                 f"({new.start_path}) "
                                  f"({used} of {self._recovery.ladder.inprocess_budget})",
                                  rank=w.rank, layer=Layer.INPROCESS.value)
         if failure is not None:
             self._registry.update(self.job_id, last_failure=failure,
                                   workers=self._worker_rows(group), **self._recovery.fields())
             self._publish(group)
+
+    # -- the worker template (worker_template.py) ------------------------------
+    def _start_template(self) -> None:
+        """Start the job's template as soon as the job is here, ready for its first start."""
+        job = self._registry.get(self.job_id)
+        if not self._cfg.agent.worker_template or job.state in TERMINAL_STATES:
+            return
+        self._template.start(self._group_spec(job, Result(
+            round=0, group_rank=0, group_world_size=1, world_size=job.nproc_per_node,
+            rank_offset=0, master_addr="", master_port=0)),
+            learned=job.learned_preload[:self._cfg.agent.template_preload_max])
+        self._note_template()
+
+    def _note_template(self) -> None:
+        """The template's state, reason and RSS into the job's record (when they changed:
+        the RSS by a tenth or more); an event when it became unusable."""
+        t = self._template
+        if not self._cfg.agent.worker_template:
+            return
+        t.ready(0)
+        rss = t.rss_bytes()
+        state, reason, old_rss = self._template_noted or ("", "", 0)
+        if (t.state.value, t.reason) == (state, reason) and abs(rss - old_rss) * 10 <= old_rss:
+            return
+        self._template_noted = (t.state.value, t.reason, rss)
+        if t.state is TemplateState.FAILED and t.state.value != state:
+            self._registry.event(self.job_id, "template", f"worker template unusable: "
+                                 f"{t.reason}; ranks start cold")
+        elif t.state is TemplateState.READY and t.state.value != state:
+            self._registry.event(self.job_id, "template", f"worker template ready in "
+                                 f"{t.ready_seconds:.2f} s (pid {t.pid}, "
+                                 f"{rss / (1 << 20):.0f} MiB)", duration=t.ready_seconds)
+        self._registry.update(self.job_id, template_state=t.state.value,
+                              template_reason=t.reason, template_rss_bytes=rss)
+
+    def _learn_preload(self, spec: GroupSpec) -> None:
+        """After the first beat: what local rank 0 imported, for the job's next template."""
+        a = self._cfg.agent
+        if not a.worker_template or not a.template_preload_max:
+            self._preload_read = True
+            return
+        names = preload.read_report(spec.run_dir, spec.uid, a.template_preload_max,
+                                    already={n.split(".")[0] for n in a.warm_preload})
+        if names is None:
+            return  # not written yet (its first step is still to come)
+        self._preload_read = True
+        if names and names != self._registry.get(self.job_id).learned_preload:
+            self._registry.update(self.job_id, learned_preload=names)
+            self._registry.event(self.job_id, "template", "learned preload: "
+                                 f"{', '.join(names)} (the job's next worker template "
+                                 "imports them)")
+
+    def _note_start(self, group: WorkerGroup, result: Result) -> None:
+        """The event and record of how this round's ranks started, and how long it took."""
+        order = [StartPath.COLD.value, StartPath.SPARE.value, StartPath.TEMPLATE.value]
+        paths = [w.start_path for w in group.workers]
+        slowest = min(paths, key=order.index) if paths else StartPath.COLD.value
+        counts = ", ".join(f"{paths.count(p)} {p}" for p in reversed(order) if p in paths)
+        why = next((w.cold_reason for w in group.workers if w.cold_reason), "")
+        if not why and self._template.state is TemplateState.OFF and self._template.reason:
+            why = f"no worker template: {self._template.reason}"
+        self._registry.event(
+            self.job_id, "start", f"round {result.round}: {len(paths)} rank(s) started in "
+            f"{group.start_seconds:.3f} s ({counts})" + (f"; not from the template: {why}"
+                                                          if why else ""),
+            duration=group.start_seconds, start_path=slowest)
+        self._registry.update(self.job_id, start_path=slowest,
+                              start_seconds=group.start_seconds)
+        self._note_template()
 
     # -- helpers -------------------------------------------------------------
     def _group_spec(self, job: JobRecord, rdzv: Result) -> GroupSpec:

@@ -226,6 +226,29 @@ class AgentSettings:
                                         "0: off (under a sustained load from elsewhere, "
                                         "niced spares may not be ready by the next fault)",
                                     min=0, max=19)
+    # -- the worker template (worker_template.py) --
+    worker_template: bool = _setting(True, "keep one process per job on this node, started "
+                                           "as the job's user with agent.warm_preload "
+                                           "imported, that forks every rank (first start, "
+                                           "restarts, in-process replacements) in "
+                                           "milliseconds; only for `python SCRIPT` / "
+                                           "`python -m MODULE` jobs; warm spares are then "
+                                           "kept only while it is unusable")
+    template_ready_timeout: float = _setting(60.0, "seconds the first start of a job waits "
+                                                   "for its worker template to finish its "
+                                                   "imports before giving up on it (its "
+                                                   "ranks then start cold)",
+                                             min=0, exclusive_min=True, max=3600)
+    template_fork_timeout: float = _setting(10.0, "seconds the worker template has to answer "
+                                                  "a request to fork a rank before it counts "
+                                                  "as broken (ranks then start cold)",
+                                            min=0, exclusive_min=True, max=600)
+    template_preload_max: int = _setting(32, "most modules a worker template learns to "
+                                             "import ahead (the top-level non-stdlib "
+                                             "modules a rank imported by its first step, "
+                                             "imported by the job's next template, each "
+                                             "tried in a throw-away child first); 0: off",
+                                         min=0, max=256)
     # -- hang detection (progress.py) --
     hang_detection: bool = _setting(True, "watch each rank's progress beats (every optimizer "
                                           "step, or elasticd_heartbeat.heartbeat()); dump the "

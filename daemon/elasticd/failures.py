@@ -128,5 +128,5 @@ def worker_rows(workers: list[Worker], node_id: str) -> list[WorkerRow]:
             started = 0.0
         rows.append(WorkerRow(rank=w.rank, local_rank=w.local_rank, pid=w.pid, state=state,
                               exit_code=rc if rc is not None else 0, node_id=node_id,
-                              create_time=started))
+                              create_time=started, start_path=w.start_path))
     return rows

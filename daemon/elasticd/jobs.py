@@ -114,6 +114,18 @@ class JobRecord:
     gpus_per_node: int = -1
     cpu_bind: str = "none"
     gpu_indices: list = field(default_factory=list)
+    # The worker template on this node (worker_template.py): its state, why not
+    # ready when it is not, its resident memory; and how the latest start of this
+    # node's ranks went: template | spare | cold (the slowest path any rank took),
+    # and how long starting them took, in seconds.
+    template_state: str = ""
+    template_reason: str = ""
+    template_rss_bytes: int = 0
+    start_path: str = ""
+    start_seconds: float = 0.0
+    # Modules the job's ranks imported by their first step (preload.py), which its
+    # next worker template imports ahead (after agent.warm_preload).
+    learned_preload: list = field(default_factory=list)
 
     @property
     def live(self) -> bool:
@@ -352,10 +364,11 @@ class JobRegistry:
             return copy.deepcopy(rec)
 
     def event(self, job_id: str, kind: str, reason: str, rank: int = -1, layer: str = "",
-              duration: float = 0.0) -> None:
+              duration: float = 0.0, start_path: str = "") -> None:
         with self._lock:
             rec = self._require(job_id)
-            self._append_event(rec, kind, reason, rank=rank, layer=layer, duration=duration)
+            self._append_event(rec, kind, reason, rank=rank, layer=layer, duration=duration,
+                               start_path=start_path)
 
     def record_rejection(self, rej) -> None:
         """An event for a job spec from etcd this node refused (rejections.Rejection):
@@ -414,15 +427,15 @@ class JobRegistry:
     def _append_event(self, rec: JobRecord, kind: str, reason: str, *,
                       from_state: JobState | None = None, to_state: JobState | None = None,
                       rank: int = -1, layer: str = "", duration: float = 0.0,
-                      plan: RestartPlan | None = None) -> None:
+                      plan: RestartPlan | None = None, start_path: str = "") -> None:
         self._announce(self._insert_event(rec, kind, reason, from_state=from_state,
                                           to_state=to_state, rank=rank, layer=layer,
-                                          duration=duration, plan=plan))
+                                          duration=duration, plan=plan, start_path=start_path))
 
     def _insert_event(self, rec: JobRecord, kind: str, reason: str, *,
                       from_state: JobState | None = None, to_state: JobState | None = None,
                       rank: int = -1, layer: str = "", duration: float = 0.0,
-                      plan: RestartPlan | None = None) -> dict:
+                      plan: RestartPlan | None = None, start_path: str = "") -> dict:
         ev = {"job_id": rec.id, "time": self._clock(), "kind": kind,
               "from_state": from_state.value if from_state else "",
               "to_state": to_state.value if to_state else "",
@@ -430,6 +443,8 @@ class JobRegistry:
               "rank": rank, "restart": rec.restarts}
         if layer:
             ev["layer"], ev["duration_seconds"] = layer, duration
+        if start_path:  # a start of ranks: the path they took and how long it took
+            ev["start_path"], ev["duration_seconds"] = start_path, duration
         if plan is not None:
             ev["restart_rule"], ev["restart_delay_seconds"] = plan.rule.value, plan.delay
         cur = self._db.execute("INSERT INTO events (job_id, data) VALUES (?, ?)",

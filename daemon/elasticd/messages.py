@@ -68,6 +68,10 @@ def job_to_proto(job: JobRecord) -> pb.Job:
     for w in job.workers:
         add_worker(msg, w)
     msg.gpus_per_node, msg.cpu_bind = job.gpus_per_node, job.cpu_bind
+    msg.template_state, msg.template_reason = job.template_state, job.template_reason
+    msg.template_rss_bytes, msg.start_path = job.template_rss_bytes, job.start_path
+    msg.start_seconds = job.start_seconds
+    msg.learned_preload.extend(job.learned_preload)
     return msg
 
 
@@ -75,7 +79,7 @@ def add_worker(msg: pb.Job, w: WorkerRow) -> None:
     """One worker row into the job message's ``workers``."""
     msg.workers.add(rank=w.rank, local_rank=w.local_rank, pid=w.pid, state=w.state.value,
                     exit_code=w.exit_code, node_id=w.node_id, gpus=w.gpus,
-                    gpu_uuids=w.gpu_uuids, cpus=w.cpus)
+                    gpu_uuids=w.gpu_uuids, cpus=w.cpus, start_path=w.start_path)
 
 
 def event_to_proto(ev: dict) -> pb.Event:
@@ -88,7 +92,8 @@ def event_to_proto(ev: dict) -> pb.Event:
                     duration_seconds=ev.get("duration_seconds", 0.0),
                     rejected_reason=ev.get("rejected_reason", ""),
                     restart_rule=ev.get("restart_rule", ""),
-                    restart_delay_seconds=ev.get("restart_delay_seconds", 0.0))
+                    restart_delay_seconds=ev.get("restart_delay_seconds", 0.0),
+                    start_path=ev.get("start_path", ""))
 
 
 def rejection_to_proto(rej, node_id: str) -> pb.Job:

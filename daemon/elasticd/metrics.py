@@ -41,6 +41,7 @@ from .records import Failure
 from .rejections import RejectReason
 from .restartpolicy import RestartWindow
 from .states import LIVE_STATES, TERMINAL_STATES, JobState, WorkerState
+from .worker_template import StartPath
 from .store import (KV, CompareFailed, KeyExists, Lease, LeaseNotFound, Store,
                     StoreAuthError, StoreCorrupt, StoreError, StoreUnavailable,
                     WatchCompacted, WatchEvent)
@@ -49,6 +50,7 @@ from .store import (KV, CompareFailed, KeyExists, Lease, LeaseNotFound, Store,
 LAYERS = tuple(layer.value for layer in Layer)
 CAUSES = ("exit", "signal", "hang", "node_lost")
 _TERMINAL = frozenset(s.value for s in TERMINAL_STATES)
+_START_PATHS = frozenset(p.value for p in StartPath)
 
 STORE_OPERATIONS = ("get", "list", "put", "create", "compare_and_swap", "delete",
                     "delete_prefix", "grant_lease", "refresh_lease", "revoke_lease",
@@ -98,6 +100,13 @@ class Metrics:
             registry=r, buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512))
         self.workers_started = Counter(
             "elasticd_workers_started_total", "Worker processes started", registry=r)
+        self.rank_starts = Counter(
+            "elasticd_rank_starts_total", "Starts of a node's ranks for a round, by the "
+            "slowest path a rank took: template | spare | cold", ["path"], registry=r)
+        self.rank_start_seconds = Histogram(
+            "elasticd_rank_start_duration_seconds", "How long starting a node's ranks for a "
+            "round took, by the slowest path a rank took", ["path"], registry=r,
+            buckets=_FAST_BUCKETS)
         self.rpc_seconds = Histogram(
             "elasticd_control_rpc_duration_seconds", "Control RPC latency, by method and code",
             ["method", "code"], registry=r, buckets=_FAST_BUCKETS)
@@ -189,6 +198,11 @@ class Metrics:
         self.specs_rejected.labels(RejectReason(reason).value).inc()
 
     def _on_event(self, ev: dict) -> None:
+        if ev["kind"] == "start" and ev.get("start_path") in _START_PATHS:
+            self.rank_starts.labels(ev["start_path"]).inc()
+            self.rank_start_seconds.labels(ev["start_path"]).observe(
+                ev.get("duration_seconds", 0.0))
+            return
         if ev["kind"] != "state" or not ev["to_state"]:
             return
         job, to, at = ev["job_id"], ev["to_state"], ev["time"]
@@ -395,6 +409,7 @@ class _JobCollector:
         workers = 0
         budget_used = 0.0
         stragglers: list[tuple[str, dict]] = []
+        templates: list[int] = []
         for job_id in live:
             try:
                 job = self._jobs.get(job_id)
@@ -413,6 +428,8 @@ class _JobCollector:
             workers += sum(1 for w in job.workers if w.state is WorkerState.RUNNING)
             if job.straggler and job.state is JobState.RUNNING:
                 stragglers.append((job.id, job.straggler))
+            if job.template_rss_bytes and job.state in LIVE_STATES:
+                templates.append(job.template_rss_bytes)
         g = GaugeMetricFamily("elasticd_jobs", "Jobs known to this node, by state",
                               labels=["state"])
         for state, n in by_state.items():
@@ -450,6 +467,13 @@ class _JobCollector:
             slowest.add_metric([job_id], straggler.get("rank", -1))
         yield ratio
         yield slowest
+        yield GaugeMetricFamily(
+            "elasticd_job_template_rss_bytes", "Resident memory of the live jobs' worker "
+            "templates on this node, summed (elasticctl status: each job's)",
+            value=sum(templates))
+        yield GaugeMetricFamily(
+            "elasticd_job_templates", "Live jobs with a worker template running on this node",
+            value=len(templates))
         yield GaugeMetricFamily("elasticd_workers_running", "Worker processes running",
                                 value=workers)
         yield GaugeMetricFamily("elasticd_slots", "Worker slots of this node",

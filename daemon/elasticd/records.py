@@ -105,12 +105,14 @@ class WorkerRow:
     gpus: tuple[int, ...] = ()       # its job's devices on this node (LOCAL_RANK indexes them)
     gpu_uuids: tuple[str, ...] = ()
     cpus: str = ""                   # its CPU affinity as a list ("0-7,16-23"); "" when unbound
+    start_path: str = ""             # template | spare | cold: how its process came to be
 
     def to_dict(self) -> dict:
         return {"rank": self.rank, "local_rank": self.local_rank, "pid": self.pid,
                 "state": self.state.value, "exit_code": self.exit_code,
                 "node_id": self.node_id, "create_time": self.create_time,
-                "gpus": list(self.gpus), "gpu_uuids": list(self.gpu_uuids), "cpus": self.cpus}
+                "gpus": list(self.gpus), "gpu_uuids": list(self.gpu_uuids), "cpus": self.cpus,
+                "start_path": self.start_path}
 
     @classmethod
     def from_dict(cls, d: dict, node_id: str | None = None) -> "WorkerRow":
@@ -128,4 +130,5 @@ class WorkerRow:
                    node_id=str(node_id if node_id is not None else d.get("node_id", "")),
                    create_time=float(d.get("create_time") or 0.0),
                    gpus=tuple(int(i) for i in gpus), gpu_uuids=tuple(str(u)[:100] for u in uuids),
-                   cpus=str(d.get("cpus") or "")[:2000])
+                   cpus=str(d.get("cpus") or "")[:2000],
+                   start_path=str(d.get("start_path") or "")[:20])

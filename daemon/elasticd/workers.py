@@ -23,7 +23,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 
-from . import inprocess_reports, jobstore_env, progress, statedir, workerfiles
+from . import inprocess_reports, jobstore_env, preload, progress, statedir, workerfiles
 from .logsetup import ctx
 
 log = logging.getLogger("elasticd.workers")
@@ -150,6 +150,8 @@ def worker_env(spec: GroupSpec, local_rank: int) -> dict[str, str]:
     })
     env.update(progress.rank_env(spec.run_dir, rank))  # hang detection: where it beats
     env.update(spec.device_env)  # its GPUs: over whatever the submitter's shell had
+    if local_rank == 0:  # learned preload: what it imported by its first step
+        env[preload.ENV] = preload.report_path(spec.run_dir)
     env.update(spec.extra_env)
     if jobstore_env.ADDR in spec.extra_env:  # in-process restart: where it reports
         env[inprocess_reports.ENV] = inprocess_reports.report_path(spec.run_dir, rank,
@@ -176,6 +178,10 @@ class Worker:
     # The worker wrote its error file (torch's @record does so just before the
     # exception unwinds the process): it has failed, even while still exiting.
     reported_error: bool = False
+    # How its process came to be (worker_template.StartPath value), and why not
+    # from the template when it was not ("" when it was, or none was wanted).
+    start_path: str = "cold"
+    cold_reason: str = ""
 
     @property
     def outcome(self) -> int | None:
@@ -192,20 +198,24 @@ class Worker:
 class WorkerGroup:
     """One attempt's local workers. Owned by the job's agent thread."""
 
-    def __init__(self, spec: GroupSpec):
+    def __init__(self, spec: GroupSpec, template=None):
         self.spec = spec
         self.workers: list[Worker] = []
+        self.template = template  # worker_template.WorkerTemplate, or None
+        self.start_seconds = 0.0  # how long start() took, all ranks
 
     def start(self, spares: "SparePool | None" = None) -> None:
         spec = self.spec
         user_kwargs = as_user_kwargs(spec.uid, spec.gid)
         prepare_dirs(spec)
+        began = time.monotonic()
         try:
             for local_rank in range(spec.nproc):
                 self.workers.append(self._spawn(local_rank, user_kwargs, spares))
         except BaseException:
             self.stop(grace=0)
             raise
+        self.start_seconds = time.monotonic() - began
 
     def replace(self, old: Worker, spares: "SparePool | None", extra_env: dict,
                 why: str) -> Worker:
@@ -228,20 +238,32 @@ class WorkerGroup:
             os.unlink(err)
         except FileNotFoundError:
             pass
-        spare = spares.take(local_rank, rank) if spares is not None else None
-        how = "from a warm spare" if spare is not None else ""
-        _mark_log(spec, rank, f"{what} {how}".strip())
-        proc = None
-        if spare is not None:
-            if spec.cpus:
-                bind_cpus(spare.pid, spec.cpus)
-            proc = _hand_over(spare, env, spec.cwd, warm_args(spec.command))
+        proc, path, cold_reason = None, "cold", ""
+        args = warm_args(spec.command)
+        if self.template is not None and args is not None:
+            _mark_log(spec, rank, f"{what} from the worker template")
+            proc, cold_reason = self.template.fork(spec, rank, env, args)
+            path = "template"
+        spare = None
         if proc is None:
-            proc = start_process(spec, list(spec.command), rank, env, user_kwargs, stdin=None)
-        log.info("%s: worker started pid %d%s", ctx(job=spec.job_id, node=spec.node_id,
-                                                     round=spec.round, rank=rank), proc.pid,
-                 f" ({how})" if spare is not None and proc is spare else "")
-        return Worker(rank=rank, local_rank=local_rank, proc=proc, error_file=err)
+            spare = spares.take(local_rank, rank) if spares is not None else None
+            how = "from a warm spare" if spare is not None else ""
+            _mark_log(spec, rank, f"{what} {how}".strip() +
+                      (f" (no worker template: {cold_reason})" if cold_reason else ""))
+            if spare is not None:
+                if spec.cpus:
+                    bind_cpus(spare.pid, spec.cpus)
+                proc, path = _hand_over(spare, env, spec.cwd, args), "spare"
+        if proc is None:
+            proc, path = start_process(spec, list(spec.command), rank, env, user_kwargs,
+                                       stdin=None), "cold"
+        log.info("%s: worker started pid %d (%s)%s",
+                 ctx(job=spec.job_id, node=spec.node_id, round=spec.round, rank=rank),
+                 proc.pid, {"template": "forked from the worker template",
+                            "spare": "from a warm spare", "cold": "cold"}[path],
+                 f"; no template: {cold_reason}" if cold_reason and path != "template" else "")
+        return Worker(rank=rank, local_rank=local_rank, proc=proc, error_file=err,
+                      start_path=path, cold_reason="" if path == "template" else cold_reason)
 
     def poll(self) -> list[Worker]:
         """Refresh each worker's return code and error report; returns the workers."""
@@ -284,33 +306,43 @@ class WorkerGroup:
 
 def _mark_log(spec: GroupSpec, rank: int, what: str) -> None:
     stamp = datetime.datetime.now().astimezone().isoformat(timespec="milliseconds")
-    with _open_log(log_file_path(spec.log_dir, rank)) as logf:
+    with open_log(log_file_path(spec.log_dir, rank)) as logf:
         logf.write((f"==== elasticd: job {spec.job_id} rank {rank} {what} "
                     f"(restart {spec.restart_count}, round {spec.round}) at {stamp} ====\n"
                     ).encode())
 
 
-def _open_log(path: str):
+def open_log(path: str):
     """A rank's log for appending: root's, 0600 (its user reads it through
     elasticctl), O_APPEND so the daemon's rotation can truncate it under a
     worker that keeps writing (logfiles.LogKeeper)."""
     return open(statedir.open_private(path), "ab", buffering=0)
 
 
+def start_job_process(spec: GroupSpec, argv: list, env: dict, log_path: str,
+                      pass_fds: tuple = ()) -> subprocess.Popen:
+    """A process of the job that is no rank (the worker template): the same start as a
+    worker's (``start_process``), stdin /dev/null, its output to ``log_path``."""
+    return start_process(spec, argv, -1, env, as_user_kwargs(spec.uid, spec.gid), stdin=None,
+                         log_path=log_path, pass_fds=pass_fds)
+
+
 def start_process(spec: GroupSpec, argv: list, rank: int, env: dict, user_kwargs: dict,
-                  stdin, stdout=None, log_path: str | None = None) -> subprocess.Popen:
+                  stdin, stdout=None, log_path: str | None = None,
+                  pass_fds: tuple = ()) -> subprocess.Popen:
     """Start one process of the job: its user, its own process group, dies with us.
 
     Its output goes to the rank's log, or ``log_path`` (stderr always; stdout
     unless given). It enters ``spec.cwd`` only once it is the job's user; a
     directory that user cannot enter fails the start (``cwd_unusable``)."""
-    with _open_log(log_path or log_file_path(spec.log_dir, rank)) as logf:
+    with open_log(log_path or log_file_path(spec.log_dir, rank)) as logf:
         try:
             return subprocess.Popen(
                 argv, env=env,
                 stdin=subprocess.DEVNULL if stdin is None else stdin,
                 stdout=logf if stdout is None else stdout,
                 stderr=logf if stdout is not None else subprocess.STDOUT, close_fds=True,
+                pass_fds=pass_fds,
                 process_group=0, preexec_fn=_child_setup(os.fsencode(spec.cwd), spec.cpus),
                 umask=WORKER_UMASK, **user_kwargs)
         except subprocess.SubprocessError:
@@ -381,6 +413,12 @@ class SparePool:
     Owned by the job's agent thread (their PDEATHSIG is tied to it). A
     restart hands each new worker's identity to a spare instead of starting
     a fresh interpreter, which saves the interpreter start and torch import.
+
+    The fallback of the worker template (worker_template.py): the agent starts
+    spares only while a job has no usable template. They stay because a spare
+    never forks: it is the warm path left when the template is unsafe to fork
+    (a thread or CUDA context started by the job's own sitecustomize or
+    preload), could not be made, or is turned off (agent.worker_template).
     """
 
     def __init__(self) -> None:
@@ -475,6 +513,9 @@ def _reading_stdin(pid: int) -> bool:
     except OSError:
         return False
     return len(fields) > 1 and fields[0] == _READ_SYSCALL.encode() and fields[1] == b"0x0"
+def kill_group(pgid: int, sig: int) -> None:
+    """Signal a process group; one that is gone (or not ours) is left alone."""
+    _killpg(pgid, sig)
 
 
 def _killpg(pgid: int, sig: int) -> None:
@@ -539,8 +580,3 @@ def describe_exit(returncode: int) -> tuple[int, int, str]:
             name = f"signal {sig}"
         return -1, sig, f"killed by {name}"
     return returncode, 0, f"exit code {returncode}"
-
-
-# The names these had before they were public (storehost.py used them): kept only
-# until the branches written against them have merged; nothing here uses them.
-_popen, _user_kwargs = start_process, as_user_kwargs

@@ -128,7 +128,7 @@ class Failure(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., cause: _Optional[str] = ..., traceback: _Optional[str] = ..., time: _Optional[float] = ..., restart: _Optional[int] = ..., node_id: _Optional[str] = ...) -> None: ...
 
 class Worker(_message.Message):
-    __slots__ = ("rank", "local_rank", "pid", "state", "exit_code", "node_id", "gpus", "gpu_uuids", "cpus")
+    __slots__ = ("rank", "local_rank", "pid", "state", "exit_code", "node_id", "gpus", "gpu_uuids", "cpus", "start_path")
     RANK_FIELD_NUMBER: _ClassVar[int]
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +138,7 @@ class Worker(_message.Message):
     GPUS_FIELD_NUMBER: _ClassVar[int]
     GPU_UUIDS_FIELD_NUMBER: _ClassVar[int]
     CPUS_FIELD_NUMBER: _ClassVar[int]
+    START_PATH_FIELD_NUMBER: _ClassVar[int]
     rank: int
     local_rank: int
     pid: int
@@ -147,10 +148,11 @@ class Worker(_message.Message):
     gpus: _containers.RepeatedScalarFieldContainer[int]
     gpu_uuids: _containers.RepeatedScalarFieldContainer[str]
     cpus: str
-    def __init__(self, rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., state: _Optional[str] = ..., exit_code: _Optional[int] = ..., node_id: _Optional[str] = ..., gpus: _Optional[_Iterable[int]] = ..., gpu_uuids: _Optional[_Iterable[str]] = ..., cpus: _Optional[str] = ...) -> None: ...
+    start_path: str
+    def __init__(self, rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., state: _Optional[str] = ..., exit_code: _Optional[int] = ..., node_id: _Optional[str] = ..., gpus: _Optional[_Iterable[int]] = ..., gpu_uuids: _Optional[_Iterable[str]] = ..., cpus: _Optional[str] = ..., start_path: _Optional[str] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("id", "name", "state", "reason", "command", "cwd", "uid", "gid", "user", "min_nodes", "max_nodes", "nproc_per_node", "max_restarts", "restarts", "round", "created_at", "started_at", "finished_at", "exit_code", "last_failure", "workers", "node_id", "seconds_in_state", "inprocess", "restarts_by_layer", "restart_budget", "attempts", "rejected_reason", "hang_timeouts", "straggler", "max_restarts_per_window", "restart_window_seconds", "restarts_in_window", "last_restart_plan", "gpus_per_node", "cpu_bind")
+    __slots__ = ("id", "name", "state", "reason", "command", "cwd", "uid", "gid", "user", "min_nodes", "max_nodes", "nproc_per_node", "max_restarts", "restarts", "round", "created_at", "started_at", "finished_at", "exit_code", "last_failure", "workers", "node_id", "seconds_in_state", "inprocess", "restarts_by_layer", "restart_budget", "attempts", "rejected_reason", "hang_timeouts", "straggler", "max_restarts_per_window", "restart_window_seconds", "restarts_in_window", "last_restart_plan", "gpus_per_node", "cpu_bind", "template_state", "template_reason", "template_rss_bytes", "start_path", "start_seconds", "learned_preload")
     class SecondsInStateEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -208,6 +210,12 @@ class Job(_message.Message):
     LAST_RESTART_PLAN_FIELD_NUMBER: _ClassVar[int]
     GPUS_PER_NODE_FIELD_NUMBER: _ClassVar[int]
     CPU_BIND_FIELD_NUMBER: _ClassVar[int]
+    TEMPLATE_STATE_FIELD_NUMBER: _ClassVar[int]
+    TEMPLATE_REASON_FIELD_NUMBER: _ClassVar[int]
+    TEMPLATE_RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    START_PATH_FIELD_NUMBER: _ClassVar[int]
+    START_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LEARNED_PRELOAD_FIELD_NUMBER: _ClassVar[int]
     id: str
     name: str
     state: JobState
@@ -244,7 +252,13 @@ class Job(_message.Message):
     last_restart_plan: RestartPlan
     gpus_per_node: int
     cpu_bind: str
-    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., cwd: _Optional[str] = ..., uid: _Optional[int] = ..., gid: _Optional[int] = ..., user: _Optional[str] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., nproc_per_node: _Optional[int] = ..., max_restarts: _Optional[int] = ..., restarts: _Optional[int] = ..., round: _Optional[int] = ..., created_at: _Optional[float] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., exit_code: _Optional[int] = ..., last_failure: _Optional[_Union[Failure, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., node_id: _Optional[str] = ..., seconds_in_state: _Optional[_Mapping[str, float]] = ..., inprocess: _Optional[bool] = ..., restarts_by_layer: _Optional[_Mapping[str, int]] = ..., restart_budget: _Optional[_Mapping[str, int]] = ..., attempts: _Optional[_Iterable[_Union[RestartAttempt, _Mapping]]] = ..., rejected_reason: _Optional[str] = ..., hang_timeouts: _Optional[_Iterable[_Union[PhaseTimeout, _Mapping]]] = ..., straggler: _Optional[_Union[Straggler, _Mapping]] = ..., max_restarts_per_window: _Optional[int] = ..., restart_window_seconds: _Optional[float] = ..., restarts_in_window: _Optional[int] = ..., last_restart_plan: _Optional[_Union[RestartPlan, _Mapping]] = ..., gpus_per_node: _Optional[int] = ..., cpu_bind: _Optional[str] = ...) -> None: ...
+    template_state: str
+    template_reason: str
+    template_rss_bytes: int
+    start_path: str
+    start_seconds: float
+    learned_preload: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., cwd: _Optional[str] = ..., uid: _Optional[int] = ..., gid: _Optional[int] = ..., user: _Optional[str] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., nproc_per_node: _Optional[int] = ..., max_restarts: _Optional[int] = ..., restarts: _Optional[int] = ..., round: _Optional[int] = ..., created_at: _Optional[float] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., exit_code: _Optional[int] = ..., last_failure: _Optional[_Union[Failure, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., node_id: _Optional[str] = ..., seconds_in_state: _Optional[_Mapping[str, float]] = ..., inprocess: _Optional[bool] = ..., restarts_by_layer: _Optional[_Mapping[str, int]] = ..., restart_budget: _Optional[_Mapping[str, int]] = ..., attempts: _Optional[_Iterable[_Union[RestartAttempt, _Mapping]]] = ..., rejected_reason: _Optional[str] = ..., hang_timeouts: _Optional[_Iterable[_Union[PhaseTimeout, _Mapping]]] = ..., straggler: _Optional[_Union[Straggler, _Mapping]] = ..., max_restarts_per_window: _Optional[int] = ..., restart_window_seconds: _Optional[float] = ..., restarts_in_window: _Optional[int] = ..., last_restart_plan: _Optional[_Union[RestartPlan, _Mapping]] = ..., gpus_per_node: _Optional[int] = ..., cpu_bind: _Optional[str] = ..., template_state: _Optional[str] = ..., template_reason: _Optional[str] = ..., template_rss_bytes: _Optional[int] = ..., start_path: _Optional[str] = ..., start_seconds: _Optional[float] = ..., learned_preload: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PhaseTimeout(_message.Message):
     __slots__ = ("phase", "soft_seconds", "hard_seconds", "learned", "longest_gap_seconds", "gaps")
@@ -351,7 +365,7 @@ class EventsRequest(_message.Message):
     def __init__(self, id: _Optional[str] = ..., follow: _Optional[bool] = ..., after_seq: _Optional[int] = ...) -> None: ...
 
 class Event(_message.Message):
-    __slots__ = ("seq", "job_id", "time", "kind", "from_state", "to_state", "reason", "node_id", "round", "rank", "restart", "layer", "duration_seconds", "rejected_reason", "restart_rule", "restart_delay_seconds")
+    __slots__ = ("seq", "job_id", "time", "kind", "from_state", "to_state", "reason", "node_id", "round", "rank", "restart", "layer", "duration_seconds", "rejected_reason", "restart_rule", "restart_delay_seconds", "start_path")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     TIME_FIELD_NUMBER: _ClassVar[int]
@@ -368,6 +382,7 @@ class Event(_message.Message):
     REJECTED_REASON_FIELD_NUMBER: _ClassVar[int]
     RESTART_RULE_FIELD_NUMBER: _ClassVar[int]
     RESTART_DELAY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    START_PATH_FIELD_NUMBER: _ClassVar[int]
     seq: int
     job_id: str
     time: float
@@ -384,7 +399,8 @@ class Event(_message.Message):
     rejected_reason: str
     restart_rule: str
     restart_delay_seconds: float
-    def __init__(self, seq: _Optional[int] = ..., job_id: _Optional[str] = ..., time: _Optional[float] = ..., kind: _Optional[str] = ..., from_state: _Optional[_Union[JobState, str]] = ..., to_state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., node_id: _Optional[str] = ..., round: _Optional[int] = ..., rank: _Optional[int] = ..., restart: _Optional[int] = ..., layer: _Optional[str] = ..., duration_seconds: _Optional[float] = ..., rejected_reason: _Optional[str] = ..., restart_rule: _Optional[str] = ..., restart_delay_seconds: _Optional[float] = ...) -> None: ...
+    start_path: str
+    def __init__(self, seq: _Optional[int] = ..., job_id: _Optional[str] = ..., time: _Optional[float] = ..., kind: _Optional[str] = ..., from_state: _Optional[_Union[JobState, str]] = ..., to_state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., node_id: _Optional[str] = ..., round: _Optional[int] = ..., rank: _Optional[int] = ..., restart: _Optional[int] = ..., layer: _Optional[str] = ..., duration_seconds: _Optional[float] = ..., rejected_reason: _Optional[str] = ..., restart_rule: _Optional[str] = ..., restart_delay_seconds: _Optional[float] = ..., start_path: _Optional[str] = ...) -> None: ...
 
 class ListNodesRequest(_message.Message):
     __slots__ = ()

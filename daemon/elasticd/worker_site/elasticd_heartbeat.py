@@ -174,6 +174,8 @@ def _step():
         _busy_us += int((end - _step_end) * 1e6)
     _steps += 1
     _step_end = now
+    if _steps == 1:
+        _report_imports()
     if not _stack:
         _steady = TRAIN
     if now - _last >= MIN_INTERVAL or _written_phase != current_phase():
@@ -287,6 +289,50 @@ def _write_record(now, phase):
         if not _exit_hooked:
             atexit.register(_at_exit)
             _exit_hooked = True
+
+
+PRELOAD_ENV = "ELASTICD_PRELOAD_REPORT"
+PRELOAD_MAX = 64
+
+
+def _report_imports():
+    """At the rank's first step: the top-level non-stdlib modules it imported, one a
+    line, into ``ELASTICD_PRELOAD_REPORT`` (the daemon's learned preload, preload.py)."""
+    path = os.environ.get(PRELOAD_ENV, "")
+    std = getattr(sys, "stdlib_module_names", None)
+    if not path or std is None or os.getpid() != _import_pid or _spawned_child():
+        return
+    try:
+        skip = set(std) | set(sys.builtin_module_names) | {
+            "sitecustomize", "usercustomize", "elasticd_heartbeat"}
+        names = []
+        for name in sorted({n.split(".")[0] for n in list(sys.modules)}):
+            if name in skip or name.startswith("_") or name in names:
+                continue
+            if getattr(sys.modules.get(name), "__file__", None):
+                names.append(name)
+        data = ("\n".join(names[:PRELOAD_MAX]) + "\n").encode("ascii", "replace")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+                     | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0), 0o644)
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+    except Exception:
+        pass
+
+
+def _become_new_process():
+    """Called by elasticd's worker template in a child it forked to be a rank:
+    this process speaks for the rank now, with nothing of the template's state."""
+    global _last, _last_call, _written_phase, _written_ns, _owner_pid, _path, _steps
+    global _busy_us, _step_end, _forward_end, _steady, _import_pid
+    _last = _last_call = _step_end = _forward_end = 0.0
+    _written_phase, _written_ns, _owner_pid, _path = None, 0, 0, None
+    _steps = _busy_us = 0
+    _steady = TRAIN
+    del _stack[:]
+    _import_pid = os.getpid()
 
 
 def _spawned_child():

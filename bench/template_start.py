@@ -1,0 +1,177 @@
+"""The worker template: submit -> first step, and a fault in the first second -> first
+step after the restart, against torchrun --standalone and a cold elasticd.
+
+    python bench/template_start.py [--reps 3] [--idle 5]
+
+The same job under each launcher, 2 ranks on this node, gloo, one restart:
+
+    python -m elasticd.examples.train --steps 40 --step-time 0.05 [--crash-at-step 5
+        --crash-rank 1 --crash-mode exit --checkpoint-every 1000]
+
+Launchers (same invocation, order rotated each repetition):
+  template   python -m elasticd --standalone, defaults (the worker template forks
+             every rank; it starts when the job is submitted)
+  cold       the same daemon settings with agent.worker_template=false and
+             agent.warm_spares=false (every start cold)
+  torchrun   torchrun --standalone --nnodes 1 --nproc-per-node 2 --max-restarts 1
+             --monitor-interval 0.1 (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, see
+             restart_vs_torchrun.py)
+
+Measures (wall clock of this machine; workers stamp their own lines):
+  start    from just before Submit (or torchrun's exec) to rank 0's
+           ``FIRST_STEP <time> attempt=0`` line;
+  restart  from the crashing rank's ``CRASH <time>`` (step 5, ~0.3 s into
+           training) to ``FIRST_STEP <time> attempt=1``.
+Then the template's RSS (status) and the daemon's CPU while a job's template
+idles (its ranks sleep) for --idle seconds.
+
+Prints medians and ratios; never asserts a timing.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import time
+
+import psutil
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import (BenchDaemon, machine, median, read_text, revision,  # noqa: E402
+                    start_torchrun, stop_torchrun, table, tempdir, torchrun_env)
+
+from elasticd.v1 import control_pb2 as pb  # noqa: E402
+
+CRASH_RE = re.compile(r"^CRASH (\d+\.\d+) rank=", re.M)
+FIRST_RE = re.compile(r"^FIRST_STEP (\d+\.\d+) attempt=(\d+)", re.M)
+LAUNCHERS = ("template", "cold", "torchrun")
+SLEEPER = "import time\ntime.sleep(float(__import__('sys').argv[1]))\n"
+
+
+def train_args(crash: bool) -> list[str]:
+    args = ["--steps", "40", "--step-time", "0.05", "--log-every", "1000",
+            "--checkpoint-every", "1000"]
+    if crash:
+        args += ["--crash-at-step", "5", "--crash-rank", "1", "--crash-mode", "exit"]
+    return args
+
+
+def marks(text: str) -> tuple:
+    crash = [float(t) for t in CRASH_RE.findall(text)]
+    first = {}
+    for t, att in FIRST_RE.findall(text):
+        first.setdefault(int(att), float(t))
+    return (min(crash) if crash else None), first
+
+
+def run_daemon(d: BenchDaemon, work: str, crash: bool) -> tuple:
+    """(seconds submit -> first step, seconds fault -> first step after, start paths)."""
+    cmd = [sys.executable, "-m", "elasticd.examples.train", *train_args(crash)]
+    t0 = time.time()
+    job_id = d.submit(cmd, cwd=work, nproc=2, max_restarts=1, env=torchrun_env())
+    job = d.wait_job(job_id, timeout=300)
+    text = d.rank_log(job_id, 0) + "\n" + d.rank_log(job_id, 1)
+    if pb.JobState.Name(job.state) != "SUCCEEDED":
+        raise RuntimeError(f"job {job_id} {pb.JobState.Name(job.state)}: {job.reason}")
+    fault, first = marks(text)
+    paths = [e.start_path for e in d.events(job_id) if e.kind == "start"]
+    return (first.get(0, 0) - t0, (first[1] - fault) if crash and 1 in first else None,
+            paths, job.template_rss_bytes)
+
+
+def run_torchrun(work: str, crash: bool, rep: int) -> tuple:
+    base = os.path.join(work, f"torchrun-{rep}-{int(crash)}")
+    t0 = time.time()
+    proc = start_torchrun(["--standalone", "--nnodes", "1", "--nproc-per-node", "2",
+                           "--max-restarts", "1", "--monitor-interval", "0.1", "-m",
+                           "elasticd.examples.train", *train_args(crash)], work, base)
+    try:
+        proc.wait(300)
+    finally:
+        stop_torchrun(proc)
+    fault, first = marks(read_text(base + ".out"))
+    if 0 not in first or (crash and 1 not in first):
+        raise RuntimeError(f"torchrun run failed: {read_text(base + '.err')[-2000:]}")
+    return first[0] - t0, (first[1] - fault) if crash else None, ["torchrun"], 0
+
+
+def idle_cost(d: BenchDaemon, work: str, seconds: float) -> tuple:
+    """(template RSS bytes, daemon CPU % of one core) while a job's ranks sleep."""
+    script = os.path.join(work, "sleeper.py")
+    with open(script, "w") as fh:
+        fh.write(SLEEPER)
+    job_id = d.submit([sys.executable, script, str(seconds + 60)], cwd=work, nproc=1,
+                      env=torchrun_env())
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        job = d.get_job(job_id)
+        if job.start_path and job.template_rss_bytes:
+            break
+        time.sleep(0.2)
+    time.sleep(1.0)
+    proc = psutil.Process(d.pid)
+    c0 = sum(proc.cpu_times()[:2])
+    time.sleep(seconds)
+    cpu = (sum(proc.cpu_times()[:2]) - c0) / seconds * 100
+    rss = d.get_job(job_id).template_rss_bytes
+    d.cancel(job_id)
+    d.wait_job(job_id, timeout=60)
+    return rss, cpu
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--idle", type=float, default=5.0)
+    a = p.parse_args()
+    work = tempdir("edb-tmpl-")
+    daemons = {
+        "template": BenchDaemon(extra_args=("--set", "agent.warm_spares=false")),
+        "cold": BenchDaemon(extra_args=("--set", "agent.worker_template=false",
+                                        "--set", "agent.warm_spares=false")),
+    }
+    for d in daemons.values():
+        d.start()
+    results = {name: {"start": [], "restart": [], "paths": [], "rss": []} for name in LAUNCHERS}
+    try:
+        for rep in range(a.reps):
+            order = LAUNCHERS[rep % 3:] + LAUNCHERS[:rep % 3]
+            for name in order:
+                for crash in (False, True):
+                    if name == "torchrun":
+                        start, restart, paths, rss = run_torchrun(work, crash, rep)
+                    else:
+                        start, restart, paths, rss = run_daemon(daemons[name], work, crash)
+                    r = results[name]
+                    r["start"].append(start)
+                    if crash:
+                        r["restart"].append(restart)
+                    r["paths"].append("/".join(paths))
+                    if rss:
+                        r["rss"].append(rss)
+                    print(f"rep {rep} {name:9s} crash={crash!s:5s} start {start:.3f}s"
+                          + (f" restart {restart:.3f}s" if restart is not None else "")
+                          + f" paths {'/'.join(paths)}", flush=True)
+        rss, cpu = idle_cost(daemons["template"], work, a.idle)
+    finally:
+        for d in daemons.values():
+            d.stop()
+    print()
+    print(f"machine: {machine()}; revision {revision()}; {a.reps} reps")
+    rows = []
+    tr = results["torchrun"]
+    for name in LAUNCHERS:
+        r = results[name]
+        s, f = median(r["start"]), median(r["restart"])
+        rows.append([name, f"{s:.3f}s", f"{median(tr['start']) / s:.2f}x",
+                     f"{f:.3f}s", f"{median(tr['restart']) / f:.2f}x",
+                     ", ".join(sorted(set(r["paths"])))])
+    print(table(rows, ["LAUNCHER", "SUBMIT->STEP", "VS TORCHRUN", "FAULT@5->STEP",
+                       "VS TORCHRUN", "START PATHS"]))
+    print(f"template RSS (status): {rss / (1 << 20):.0f} MiB; daemon CPU while a template idles: "
+          f"{cpu:.2f}% of one core over {a.idle:g}s")
+
+
+if __name__ == "__main__":
+    main()
