@@ -160,7 +160,7 @@ def job_store():
     assert line[:1] == ["ELASTICD_STORE"], line
     yield line[1], line[2]
     proc.stdin.close()
-    proc.wait(10)
+    proc.wait(60)  # it exits once stdin closes; generous: a loaded machine took over 10s
 
 
 def run_ranks(store, world, args, tmp_path, **extra_env):
