@@ -113,7 +113,7 @@ class Daemon:
         policy = ClusterPolicy.from_settings(cfg.cluster)
         inventory = _gpu_inventory(cfg)
         suspicion = SuspectTracker(d.node_id, d.suspect_window, d.suspect_jobs)
-        registry.listeners.append(suspicion.on_event)
+        registry.subscribe(suspicion.on_event)
         cluster = Cluster(cfg, store)
         health = HealthGate(
             cfg, inventory, registry,
