@@ -331,6 +331,7 @@ def _listening(pid: int) -> list[tuple[str, int]]:
     return found
 
 
+@pytest.mark.slow  # 60-80 s of a real attack; test_jobstore_auth.py covers forging by default
 def test_the_job_store_listens_on_loopback_and_another_user_cannot_fail_the_job(node, users):
     alice, mallory = users["alice"], users["mallory"]
     work = alice.mkdir(os.path.join(node.root, "alice-inproc"))

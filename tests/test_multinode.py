@@ -589,6 +589,7 @@ def test_fourth_node_started_later_joins_a_running_job(make_cluster):
     assert any(to == "RUNNING" and "of 4 on 4 node(s)" in why for _, to, why in moves), moves
 
 
+@pytest.mark.slow
 def test_a_node_joining_a_running_job_warms_its_spares_before_it_asks(make_cluster):
     """Issue 22, 3-node goodput: a node that came back (or started later) asked to
     join at once; every member restarted to let it in, and then waited in
@@ -596,14 +597,15 @@ def test_a_node_joining_a_running_job_warms_its_spares_before_it_asks(make_clust
     each node that came back stalled the job for its cold start). It now starts
     its warm spares first, asks once they have imported, and its rank takes over
     a spare; the job trains on meanwhile."""
-    c = make_cluster(1)          # warm spares on (the defaults)
+    spares_only = ("--set", "agent.worker_template=false")  # warm spares: the fallback path
+    c = make_cluster(1, spares_only)
     job = submit(c["n1"], "--nnodes", "1:2",
                  cmd=c.train_cmd("warmjoin", "--steps", "100000", "--step-time", "0.05",
                                  "--checkpoint-every", "20", "--log-every", "1000"))
     running_on(c["n1"], job, 1, timeout=120)
     wait_for(lambda: "FIRST_STEP" in rank_log(c["n1"], job, 0), 120, "the first step",
              interval=0.3)
-    c.add("n2")
+    c.add("n2")                  # the cluster's extra args: spares only there too
     wait_for(lambda: any("starting warm spares" in e.get("reason", "")
                          for e in events(c["n2"], job)), 120, "n2 to start its warm-up",
              interval=0.2)
@@ -623,6 +625,32 @@ def test_a_node_joining_a_running_job_warms_its_spares_before_it_asks(make_clust
     log = rank_log(c["n2"], job, 1)
     banners = [line for line in log.splitlines() if line.startswith("==== elasticd:")]
     assert banners and "from a warm spare" in banners[0], log[-2000:]
+    ctl_ok(c["n1"], "cancel", job)
+    assert wait_done(c["n1"], job, 60)["state"] == "CANCELLED"
+
+
+@pytest.mark.slow
+def test_a_node_joining_a_running_job_waits_for_its_worker_template(make_cluster):
+    """The same with the worker template (the default): the joining node asks once its
+    template has imported torch, and its rank is forked from it, never cold."""
+    c = make_cluster(1)
+    job = submit(c["n1"], "--nnodes", "1:2",
+                 cmd=c.train_cmd("tmpljoin", "--steps", "100000", "--step-time", "0.05",
+                                 "--checkpoint-every", "20", "--log-every", "1000"))
+    running_on(c["n1"], job, 1, timeout=120)
+    wait_for(lambda: "FIRST_STEP" in rank_log(c["n1"], job, 0), 120, "the first step",
+             interval=0.3)
+    c.add("n2")
+    running_on(c["n1"], job, 2, timeout=180)
+    evs = events(c["n2"], job)
+    asked = [e for e in evs if "worker template ready; asking to join" in e.get("reason", "")]
+    assert asked, evs
+    ran = [e for e in evs if e["kind"] == "state" and e.get("to_state") == "RUNNING"
+           and e.get("node_id") == "n2"]
+    assert ran and ran[0]["time"] >= asked[0]["time"], (asked, ran)
+    log = rank_log(c["n2"], job, 1)
+    banners = [line for line in log.splitlines() if line.startswith("==== elasticd:")]
+    assert banners and "from the worker template" in banners[0], log[-2000:]
     ctl_ok(c["n1"], "cancel", job)
     assert wait_done(c["n1"], job, 60)["state"] == "CANCELLED"
 

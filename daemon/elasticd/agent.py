@@ -164,6 +164,7 @@ class Agent:
             self._spares, cfg.rendezvous.newcomer_warm_timeout if cfg.agent.warm_spares else 0,
             cfg.agent.warm_preload, cfg.agent.warm_spare_nice)
         rendezvous.ready_to_join = self._ready_to_join
+        self._join_said: set[str] = set()  # what _ready_to_join said of the template
         a = cfg.agent
         self._template = WorkerTemplate(job_id, cfg.daemon.node_id, a.warm_preload,
                                         a.template_ready_timeout, a.template_fork_timeout)
@@ -360,7 +361,15 @@ class Agent:
         expect it: once its spares are warm (newcomer.py), or its worker template is."""
         if self._cfg.agent.worker_template and self._template.state in (
                 TemplateState.STARTING, TemplateState.READY):
-            return self._template.ready(0)
+            ready = self._template.ready(0)
+            said = "ready" if ready else "waiting"
+            if said not in self._join_said:  # once each: waiting, then ready
+                self._join_said.add(said)
+                why = ("worker template ready; asking to join" if ready else
+                       "waiting for the worker template's imports before asking to join")
+                log.info("%s: %s", self._where(state.round), why)
+                self._registry.event(self.job_id, "info", f"round {state.round}: {why}")
+            return ready
         job = self._registry.get(self.job_id)
         # The ranks it will most likely get: after the running round's members (an open
         # round has none yet: after the nodes it expects, as many ranks each as ours).
