@@ -1,3 +1,4 @@
+"""``python -m elasticd``: the daemon's command line (cli.py)."""
 import sys
 
 from .cli import main

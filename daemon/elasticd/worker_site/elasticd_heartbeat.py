@@ -182,7 +182,7 @@ def _step():
         _write_current(now)
 
 
-def _forward_hook(module, args, output):
+def forward_hook(module, args, output):
     """torch's global module forward hook: called after every module's forward."""
     global _forward_end, _last_call
     now = _forward_end = _last_call = _mono()
@@ -197,7 +197,7 @@ def _forward_beat(now):
     _write_current(now)
 
 
-def _optimizer_step_hook(optimizer, args, kwargs):
+def optimizer_step_hook(optimizer, args, kwargs):
     """``torch.optim`` global step post-hook: one step per optimizer step."""
     _step()
 

@@ -89,15 +89,15 @@ class _LoaderThenHook(object):
 def _register_step_hook(optimizer_module):
     register = getattr(optimizer_module, "register_optimizer_step_post_hook", None)
     if register is not None:
-        from elasticd_heartbeat import _optimizer_step_hook
-        register(_optimizer_step_hook)
+        from elasticd_heartbeat import optimizer_step_hook
+        register(optimizer_step_hook)
 
 
 def _register_forward_hook(module_module):
     register = getattr(module_module, "register_module_forward_hook", None)
     if register is not None:
-        from elasticd_heartbeat import _forward_hook
-        register(_forward_hook)
+        from elasticd_heartbeat import forward_hook
+        register(forward_hook)
 
 
 def _wrapper_of(phase, *names):
