@@ -38,7 +38,7 @@ from etcd_server import EtcdServer  # noqa: E402
 
 from elasticd.v1 import control_pb2 as pb  # noqa: E402
 
-HAS_KEYS = importlib.util.find_spec("elasticd.clusterkey") is not None
+HAS_KEYS = importlib.util.find_spec("elasticd.trust.clusterkey") is not None
 
 
 def _spec() -> dict:
@@ -67,8 +67,8 @@ def codec_part(reps: int) -> None:
 
     from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-    from elasticd.clusterkey import ephemeral
-    from elasticd.clusterspec import SpecCodec, _canonical
+    from elasticd.trust.clusterkey import ephemeral
+    from elasticd.trust.specs import SpecCodec, _canonical
     from elasticd.config import ControlSettings
 
     spec = _spec()

@@ -10,7 +10,7 @@
 (b) iteration: the coordination of one clean in-process iteration (every rank:
     enter, start barrier, finish with the ``ok`` verdict; a fault scan per rank
     between them, as a monitor tick does) on a real torch TCPStore served by
-    ``jobstore.py``, W ranks as threads with a connection each; median and p90
+    ``jobstore/server.py``, W ranks as threads with a connection each; median and p90
     per iteration over --iterations. The code measured is whatever ``elasticd``
     this interpreter imports: run it with PYTHONPATH pointing at another
     checkout's daemon/ for the "before" figure (an ``IterationStore`` without
@@ -33,7 +33,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import machine, median, percentile, revision, table  # noqa: E402
 
-from elasticd import jobstore_env  # noqa: E402
+from elasticd.jobstore import address as jobstore_env  # noqa: E402
 from elasticd.inprocess import coord as coord_mod  # noqa: E402
 
 
@@ -66,7 +66,7 @@ def part_codec(reps: int) -> None:
 
 def _store():
     jobstore = os.path.join(os.path.dirname(os.path.abspath(jobstore_env.__file__)),
-                            "jobstore.py")
+                            "jobstore/server.py")
     proc = subprocess.Popen([sys.executable, jobstore, "--host", "127.0.0.1"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     line = proc.stdout.readline().split()

@@ -22,7 +22,7 @@ and after:
             that went through consensus (same meaning for v2 and v3)
 
 Implementations (each measurement in a fresh Python process):
-  ours              elasticd.rendezvous.cluster.ClusterRendezvous.next_round on
+  ours              elasticd.rendezvous.round.ClusterRendezvous.next_round on
                     the etcd3 store, ONE JobsView (one watch stream) PER
                     participant, as every daemon runs one; each participant
                     writes its own join key (with its own lease); the decider
@@ -107,7 +107,7 @@ def free_port() -> int:
 
 def setup_ours(n: int, url: str, shared_view: bool):
     """N participants of one job; returns (calls, check, cleanup)."""
-    from elasticd.rendezvous.cluster import ClusterRendezvous, create_job
+    from elasticd.rendezvous.round import ClusterRendezvous, create_job
     from elasticd.rendezvous.protocol import JobLimits
     from elasticd.rendezvous.view import JobsView
     from elasticd.store import open_store

@@ -10,9 +10,9 @@ import textwrap
 
 import pytest
 
-from elasticd.agent import Action, Snapshot, decide, restart_delay
-from elasticd.failures import read_error_file
-from elasticd.ladder import Layer
+from elasticd.agent.loop import Action, Snapshot, decide, restart_delay
+from elasticd.agent.failures import read_error_file
+from elasticd.agent.ladder import Layer
 from elasticd.rendezvous.protocol import RoundCause
 from elasticd.rendezvous.status import CURRENT, RoundStatus, StatusKind
 

@@ -22,9 +22,9 @@ import time
 import pytest
 
 from elasticd import config
-from elasticd.eventlog import EVENTS, EventLog, event_key, parse_event, parse_key, shared
-from elasticd.jobs import JobRecord, JobRegistry
-from elasticd.states import JobState
+from elasticd.cluster.eventlog import EVENTS, EventLog, event_key, parse_event, parse_key, shared
+from elasticd.jobs.registry import JobRecord, JobRegistry
+from elasticd.jobs.states import JobState
 from elasticd.store import MemoryStore, StoreUnavailable, open_store
 from etcd_cluster import (NO_SPARES_NOBODY_MAY_CALL as NO_SPARES, cluster_daemon, fresh_prefix,
                           wait_for)

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from elasticctl import cli
-from elasticd.membership import parse_node
+from elasticd.cluster.membership import parse_node
 from elasticd.store import open_store
 from etcd_cluster import (DEFAULT_TTL, cluster_daemon, ctl_json, fresh_prefix, states,
                           submit_on, wait_for)

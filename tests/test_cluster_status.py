@@ -1,6 +1,6 @@
 """`elasticctl status/wait/events/cancel JOB` on a node that never ran the job.
 
-The pure part (clusterjobs.py: the record the cluster's keys make of a job,
+The pure part (cluster/remote_jobs.py: the record the cluster's keys make of a job,
 the round status as a job state, resolving a live name) is tested on its
 own; then three real daemons on one real etcd, driven with the real
 ``elasticctl``: a 2-node job on n1 and n2 whose rank on n2 fails once, seen
@@ -16,12 +16,12 @@ import sys
 
 import pytest
 
-from elasticd.clusterjobs import AmbiguousName, find, job_state, nodes_of, record_from_keys
-from elasticd.manager import job_spec
-from elasticd.jobs import JobRecord
+from elasticd.cluster.remote_jobs import AmbiguousName, find, job_state, nodes_of, record_from_keys
+from elasticd.jobs.scheduler import job_spec
+from elasticd.jobs.registry import JobRecord
 from elasticd.rendezvous.protocol import Join, Member, RoundState
 from elasticd.rendezvous.view import JobKeys
-from elasticd.states import JobState
+from elasticd.jobs.states import JobState
 from etcd_cluster import (NO_SPARES_NOBODY_MAY_CALL as NO_SPARES, cluster_daemon, ctl_json,
                           fresh_prefix, wait_for)
 from etcd_server import EtcdServer, etcd_binary
@@ -100,7 +100,7 @@ def test_every_nodes_recovery_summary_makes_the_layers_last_failure_and_history(
     assert len(rec.last_failure.traceback) == 4000
     assert [(a.layer.value, a.node_id) for a in rec.attempts] == [("process", "n1"),
                                                                   ("inprocess", "n2")]
-    from elasticd.messages import job_to_proto
+    from elasticd.control.messages import job_to_proto
     assert job_to_proto(rec).last_failure.exit_code == 3  # what status sends, from n3
 
 

@@ -24,11 +24,11 @@ import uuid
 import pytest
 
 from daemons import DaemonProc, cluster_key_path, short_tmpdir
-from elasticd import clusterkey
-from elasticd.clusterspec import SpecCodec
+from elasticd.trust import clusterkey
+from elasticd.trust.specs import SpecCodec
 from elasticd.config import ControlSettings
-from elasticd.manager import job_spec
-from elasticd.jobs import JobRecord
+from elasticd.jobs.scheduler import job_spec
+from elasticd.jobs.registry import JobRecord
 from elasticd.rendezvous.protocol import OPEN, RoundState
 from etcd_cluster import NO_SPARES_NOBODY_MAY_CALL as NO_SPARES, fresh_prefix, scrape, wait_for
 from etcd_server import EtcdServer, etcd_binary, free_port

@@ -1,5 +1,5 @@
-"""The cluster key file and sealed job specs, without a daemon (clusterkey.py,
-clusterspec.py): what a key file must be, what a changed spec turns into, whom
+"""The cluster key file and sealed job specs, without a daemon (trust/clusterkey.py,
+trust/specs.py): what a key file must be, what a changed spec turns into, whom
 the uid policy lets through. The daemons and etcd: test_cluster_trust.py."""
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ import sys
 
 import pytest
 
-from elasticd import clusterkey
-from elasticd.clusterspec import ClusterPolicy, SpecCodec
+from elasticd.trust import clusterkey
+from elasticd.trust.specs import ClusterPolicy, SpecCodec
 from elasticd.config import ControlSettings
-from elasticd.jobs import JobRecord
-from elasticd.manager import job_spec
-from elasticd.rejections import RejectReason, SpecRejected
+from elasticd.jobs.registry import JobRecord
+from elasticd.jobs.scheduler import job_spec
+from elasticd.trust.rejections import RejectReason, SpecRejected
 
 LIMITS = ControlSettings()
 

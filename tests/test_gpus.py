@@ -20,14 +20,15 @@ import uuid as uuidlib
 import pytest
 
 from daemons import DaemonProc, short_tmpdir
-from elasticd import validation
+from elasticd.control import validation
 from elasticd.config import ControlSettings
-from elasticd.dispatch import eligible
+from elasticd.cluster.dispatch import eligible
 from elasticd.errors import InvalidArgument
-from elasticd.gpu_alloc import Binding, GpuLedger, binding_for, needed, pick
-from elasticd.gpu_health import parse_smi_health, should_drain
-from elasticd.gpu_inventory import (Gpu, Inventory, InventoryError, cpu_list_text, numa_of,
-                                    parse_nvidia_smi, parse_setting, read_fake, sysfs_bus_id)
+from elasticd.gpus.alloc import Binding, GpuLedger, binding_for, needed, pick
+from elasticd.gpus.health import parse_smi_health, should_drain
+from elasticd.gpus.inventory import (
+    Gpu, Inventory, InventoryError, cpu_list_text, numa_of, parse_nvidia_smi, parse_setting,
+    read_fake, sysfs_bus_id)
 from elasticd.rendezvous.protocol import OPEN, RoundState
 from elasticd.v1 import control_pb2 as pb
 from etcd_server import EtcdServer, etcd_binary
@@ -425,7 +426,7 @@ def test_a_node_failing_its_gpu_health_check_stays_out_and_drains():
 # ---------------------------------------------------------------- the health gate (no daemon)
 
 def test_compute_apps_output():
-    from elasticd.gpu_health import parse_smi_apps
+    from elasticd.gpus.health import parse_smi_apps
     out = "GPU-aaaa-1, 1234\nGPU-aaaa-1, 1240\nGPU-bbbb-2, 77\n"
     assert parse_smi_apps(out) == {"GPU-aaaa-1": [1234, 1240], "GPU-bbbb-2": [77]}
     assert parse_smi_apps("") == {}
@@ -444,7 +445,7 @@ class Events:
 
 def gate_for(tmp_path, threshold=2, release=0.0, command=""):
     from elasticd import config
-    from elasticd.gpu_health import HealthGate
+    from elasticd.gpus.health import HealthGate
     fake = tmp_path / "gpus.json"
     write_fake(fake, 2)
     cfg = config.load(path="/dev/null", env={}, overrides={
@@ -474,7 +475,7 @@ def test_gate_drains_after_failures_in_a_row_and_a_pass_resets(tmp_path):
 
 
 def test_gate_waits_for_a_dead_ranks_processes_to_leave_its_gpus(tmp_path):
-    from elasticd.gpu_health import wait_released
+    from elasticd.gpus.health import wait_released
     gate, inv, fake, drained, events = gate_for(tmp_path)
     with open(fake) as fh:
         doc = json.load(fh)
@@ -504,7 +505,7 @@ def test_gate_runs_the_health_command_with_a_timeout(tmp_path):
     slow = tmp_path / "slow.sh"
     slow.write_text("#!/bin/sh\nsleep 30 &\nsleep 30\n")
     slow.chmod(0o755)
-    from elasticd.gpu_health import run_hook
+    from elasticd.gpus.health import run_hook
     t0 = time.monotonic()
     assert "did not answer within 0.5s" in run_hook(str(slow), inv.gpus, "n", "j", 0.5)[0]
     assert time.monotonic() - t0 < 20
@@ -513,7 +514,7 @@ def test_gate_runs_the_health_command_with_a_timeout(tmp_path):
 # ---------------------------------------------------------------- a suspect node
 
 def test_judge_counts_different_jobs_within_the_window():
-    from elasticd.node_suspicion import SuspectTracker, judge
+    from elasticd.cluster.suspicion import SuspectTracker, judge
     fails = [(100.0, "a"), (101.0, "a"), (102.0, "a")]
     assert not judge(fails, 110.0, 60.0, 2).suspect                 # one job, many times
     fails.append((105.0, "b"))

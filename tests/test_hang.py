@@ -17,9 +17,10 @@ import pytest
 
 from daemons import DaemonProc
 from elasticd import config
-from elasticd.progress import (HEARTBEAT_ENV, WORKER_SITE, BeatRecord, HangAction, HangLimits,
-                               ProgressTracker, heartbeat_file, judge)
-from elasticd.records import Failure, FailureKind
+from elasticd.hangs.detector import (
+    HEARTBEAT_ENV, WORKER_SITE, BeatRecord, HangAction, HangLimits, ProgressTracker,
+    heartbeat_file, judge)
+from elasticd.jobs.records import Failure, FailureKind
 from elasticd.v1 import control_pb2 as pb
 
 PY = sys.executable

@@ -14,12 +14,12 @@ import textwrap
 import pytest
 
 from elasticd import config
-from elasticd.hang_timeouts import (HangLimits, LearnSettings, PhaseRecord, decode_limits,
-                                    encode_limits, limits_table, observe, phase_limit,
-                                    read_limits_file, write_limits_file)
-from elasticd.progress import HEARTBEAT_ENV, WORKER_SITE, BeatRecord, ProgressTracker
-from elasticd.stragglers import RankSamples, Straggler, crossed, find_straggler
-from elasticd.worker_contract import beats as contract
+from elasticd.hangs.timeouts import (
+    HangLimits, LearnSettings, PhaseRecord, decode_limits, encode_limits, limits_table, observe,
+    phase_limit, read_limits_file, write_limits_file)
+from elasticd.hangs.detector import HEARTBEAT_ENV, WORKER_SITE, BeatRecord, ProgressTracker
+from elasticd.hangs.stragglers import RankSamples, Straggler, crossed, find_straggler
+from elasticd.workers.contract import beats as contract
 from test_hang import FakeGroup, FakeOps, FakeRegistry, beat
 
 PY = sys.executable

@@ -1,7 +1,7 @@
 """Hang timeouts and stragglers of jobs across nodes: two real daemons on one real etcd,
 real torch gloo workers, at the default hang settings.
 
-Each node publishes its ranks' phases and step times (phase_board.py) under the
+Each node publishes its ranks' phases and step times (hangs/phase_board.py) under the
 job's keys; the other node decides on them:
 
 * no false alarm: the rank on node n2 writes a 20 s torch.save checkpoint while

@@ -1,7 +1,7 @@
 """In-process restart (elasticd.inprocess): real torch gloo ranks, a real store process.
 
 The ranks are started here with the environment the daemon gives them and
-the job store elasticd hosts outside the ranks (jobstore.py); the daemon
+the job store elasticd hosts outside the ranks (jobstore/server.py); the daemon
 side of ``--inprocess`` is not wired up yet.
 """
 from __future__ import annotations
@@ -15,14 +15,14 @@ import time
 
 import pytest
 
-from elasticd import jobstore_env
+from elasticd.jobstore import address as jobstore_env
 from elasticd.inprocess.coord import BarrierTimeout, IterationStore
 from elasticd.inprocess.records import RecordSealer
 from elasticd.v1 import control_pb2 as pb
 
 PY = sys.executable
 JOBSTORE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                        "daemon", "elasticd", "jobstore.py")
+                        "daemon", "elasticd", "jobstore/server.py")
 
 
 class DictStore:
@@ -133,7 +133,7 @@ def test_the_first_rejection_of_each_kind_is_told_once():
         assert c.fault() is None and not c.opened("start")
     assert told == ["fault", "start marker"]
     assert seal.rejected == {"fault": 6, "start marker": 3}
-    from elasticd.inprocess_reports import parse_line
+    from elasticd.workers.inprocess_reports import parse_line
     assert parse_line(json.dumps({"kind": "forged", "record": "x" * 500}).encode()) == \
         {"kind": "forged", "record": "x" * 40}
 

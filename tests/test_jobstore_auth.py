@@ -123,7 +123,7 @@ def test_a_user_who_reads_the_job_store_cannot_forge_or_replay_its_records(node,
         PY, "-m", "elasticd.examples.train_inprocess", "--steps", "240", "--step-time", "0.05",
         "--crash-at-step", "25", "--checkpoint-every", "10", "--log-every", "20", cwd=work))
     store = wait_for(lambda: [p for p in psutil.process_iter(["cmdline", "uids"])
-                              if "jobstore.py" in " ".join(p.info["cmdline"] or [])
+                              if "jobstore/server.py" in " ".join(p.info["cmdline"] or [])
                               and p.info["uids"] and p.info["uids"].real == victim.uid],
                      120, "the victim's job store")[0]
     port = wait_for(lambda: _listening(store.pid), 60, "the job store listening")[0][1]

@@ -1,14 +1,14 @@
-"""The restart ladder's decisions and records, without I/O (ladder.py, agent.decide,
-inprocess_reports.py)."""
+"""The restart ladder's decisions and records, without I/O (agent/ladder.py, agent.decide,
+workers/inprocess_reports.py)."""
 from __future__ import annotations
 
 import json
 import os
 
-from elasticd.agent import Action, Snapshot
-from elasticd.agent import decide as decide_on
-from elasticd.inprocess_reports import ReportReader, parse_line
-from elasticd.ladder import Attempt, Ladder, Layer, chain_text, round_layer
+from elasticd.agent.loop import Action, Snapshot
+from elasticd.agent.loop import decide as decide_on
+from elasticd.workers.inprocess_reports import ReportReader, parse_line
+from elasticd.agent.ladder import Attempt, Ladder, Layer, chain_text, round_layer
 from elasticd.rendezvous.protocol import RoundCause, RoundState
 from elasticd.rendezvous.status import RoundStatus, StatusKind
 
@@ -191,10 +191,10 @@ def test_inprocess_reports_become_events_a_ladder_record_and_metrics(tmp_path):
     from types import SimpleNamespace
 
     from elasticd.config import Config
-    from elasticd.inprocess_reports import report_path
-    from elasticd.jobs import JobRecord, JobRegistry
+    from elasticd.workers.inprocess_reports import report_path
+    from elasticd.jobs.registry import JobRecord, JobRegistry
     from elasticd.metrics import Metrics
-    from elasticd.recovery import Recovery
+    from elasticd.agent.recovery import Recovery
 
     registry = JobRegistry(str(tmp_path / "state"), "node-a")
     job = registry.create(JobRecord(id="j1", command=["python", "t.py"], cwd="/", uid=0, gid=0,

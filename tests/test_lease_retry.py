@@ -9,7 +9,7 @@ endpoint after such a failure, so the first retry must go at once.
 """
 from __future__ import annotations
 
-from elasticd.membership import LeaseKeeper
+from elasticd.cluster.membership import LeaseKeeper
 from elasticd.store import StoreUnavailable, open_store
 
 

@@ -181,7 +181,7 @@ def test_a_torch_py_planted_in_a_shared_cwd_is_never_imported(daemon_factory, us
     # The first attempt (a cold start, or forked from the template) runs; a spare
     # starts beside it (the template was there before it).
     wait_for(lambda: [p for p in psutil.process_iter(["cmdline", "uids"])
-                      if "warmstart.py" in " ".join(p.info["cmdline"] or [])
+                      if "workers/warmstart.py" in " ".join(p.info["cmdline"] or [])
                       and p.info["uids"] and p.info["uids"].real == alice.uid],
              120, f"a warm {warm} for alice's job")
     log_path = os.path.join(node.state_dir, "logs", job_id, "rank-0.log")
@@ -340,7 +340,7 @@ def test_the_job_store_listens_on_loopback_and_another_user_cannot_fail_the_job(
         PY, "-m", "elasticd.examples.train_inprocess", "--steps", "1200", "--step-time", "0.05",
         "--log-every", "20", cwd=work))
     store = wait_for(lambda: [p for p in psutil.process_iter(["cmdline", "uids"])
-                              if "jobstore.py" in " ".join(p.info["cmdline"] or [])
+                              if "jobstore/server.py" in " ".join(p.info["cmdline"] or [])
                               and p.info["uids"] and p.info["uids"].real == alice.uid],
                      120, "alice's job store")[0]
     addrs = wait_for(lambda: _listening(store.pid), 60, "the job store listening")

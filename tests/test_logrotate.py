@@ -1,4 +1,4 @@
-"""Bounded rank logs (logrotate.py) and reading across their rotation (logfiles.py),
+"""Bounded rank logs (workers/logrotate.py) and reading across their rotation (control/logs.py),
 on real files in a temp dir; the daemon-level case is in test_limits_privacy.py."""
 from __future__ import annotations
 
@@ -6,8 +6,10 @@ import os
 
 import pytest
 
-from elasticd import errors, logfiles, logrotate
-from elasticd.streamgate import StreamGate
+from elasticd import errors
+from elasticd.control import logs as logfiles
+from elasticd.workers import logrotate
+from elasticd.control.streamgate import StreamGate
 
 CAP = 1 << 20
 

@@ -17,11 +17,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from daemons import DaemonProc, short_tmpdir
 from elasticd import __version__
-from elasticd.jobs import JobRecord, JobRegistry
-from elasticd.ladder import Layer
+from elasticd.jobs.registry import JobRecord, JobRegistry
+from elasticd.agent.ladder import Layer
 from elasticd.metrics import CAUSES, LAYERS, Metrics
-from elasticd.records import Failure, FailureKind
-from elasticd.states import JobState
+from elasticd.jobs.records import Failure, FailureKind
+from elasticd.jobs.states import JobState
 from elasticd.store import CompareFailed, KeyExists, LeaseNotFound, MemoryStore
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -546,7 +546,7 @@ def test_rank0_node_killed_its_successor_logs_as_rank0(make_cluster):
         ready = 0
         for node, pid in daemon_pids.items():
             kids = psutil.Process(pid).children(recursive=True)
-            ready += any("warmstart.py" in " ".join(k.cmdline()) for k in kids)
+            ready += any("workers/warmstart.py" in " ".join(k.cmdline()) for k in kids)
         return ready == 2
     wait_for(spares_ready, 60, "warm spares on the survivors", interval=0.3)
     c.remember_children()
@@ -680,9 +680,9 @@ class InProcessNode:
 
     def __init__(self, root: str, node_id: str = "n1"):
         from elasticd.config import load
-        from elasticd.dispatch import Dispatcher
-        from elasticd.jobs import JobRegistry
-        from elasticd.manager import JobManager
+        from elasticd.cluster.dispatch import Dispatcher
+        from elasticd.jobs.registry import JobRegistry
+        from elasticd.jobs.scheduler import JobManager
         from elasticd.rendezvous.view import JobsView
         from elasticd.store import MemoryStore
 
@@ -711,8 +711,8 @@ class InProcessNode:
                                      self.cluster)
 
     def submit(self, *command: str, **kw):
-        from elasticd.auth import Caller
-        from elasticd.manager import JobRequest
+        from elasticd.control.auth import Caller
+        from elasticd.jobs.scheduler import JobRequest
         return self.manager.submit(JobRequest(command=tuple(command), cwd=self.root,
                                               env=dict(os.environ), **kw),
                                    Caller(os.geteuid(), os.getegid(), os.getpid()))
@@ -781,7 +781,7 @@ def test_named_submit_is_not_refused_because_of_itself(tmp_short):
 
 def test_an_agent_crash_ends_the_job_cluster_wide(tmp_short, monkeypatch):
     from elasticd.rendezvous.protocol import RoundState
-    from elasticd.states import JobState
+    from elasticd.jobs.states import JobState
 
     node = InProcessNode(tmp_short)
     real = node.registry.transition
@@ -806,7 +806,7 @@ def test_an_agent_crash_ends_the_job_cluster_wide(tmp_short, monkeypatch):
 # ---------------------------------------------------------------- cost of a round
 
 def test_a_round_costs_one_join_write_per_node_and_one_close(etcd):
-    from elasticd.rendezvous.cluster import ClusterRendezvous, create_job
+    from elasticd.rendezvous.round import ClusterRendezvous, create_job
     from elasticd.rendezvous.protocol import JobLimits
     from elasticd.rendezvous.view import JobsView
     from elasticd.store import open_store

@@ -1,9 +1,9 @@
-"""newcomer.py: when a node about to join a running job asks for ranks (no I/O here;
+"""agent/newcomer.py: when a node about to join a running job asks for ranks (no I/O here;
 tests/test_multinode.py runs it on real daemons)."""
 from __future__ import annotations
 
-from elasticd.newcomer import NewcomerWarmup, WarmVerdict, judge
-from elasticd.workers import GroupSpec
+from elasticd.agent.newcomer import NewcomerWarmup, WarmVerdict, judge
+from elasticd.workers.group import GroupSpec
 
 
 def test_asks_once_every_rank_has_an_imported_spare():

@@ -1,4 +1,4 @@
-"""Phases across nodes (phase_board.py): the record, its checks, and the tracker's decisions
+"""Phases across nodes (hangs/phase_board.py): the record, its checks, and the tracker's decisions
 on its peers' records. Pure decisions on a fake clock (as test_hang_learning.py); the real
 daemons on a real etcd are in test_hang_multinode.py.
 """
@@ -12,9 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from elasticd.hang_timeouts import PhaseRecord
-from elasticd.phase_board import (MAX_RANKS, RECORD_MAX, JobPeers, NodePhases, PeerPhases,
-                                  PhasePublisher, RankPhase, merge_learned)
+from elasticd.hangs.timeouts import PhaseRecord
+from elasticd.hangs.phase_board import (
+    MAX_RANKS, RECORD_MAX, JobPeers, NodePhases, PeerPhases, PhasePublisher, RankPhase,
+    merge_learned)
 from test_hang import FakeGroup, beat
 from test_hang_learning import tracker
 
@@ -236,7 +237,7 @@ def test_the_publisher_writes_the_latest_record_at_once_on_a_phase_change_and_de
 # ---------------------------------------------------------------- through the store
 
 def test_records_cross_the_store_and_garbage_from_a_peer_is_ignored_and_counted():
-    from elasticd.rendezvous.cluster import ClusterRendezvous, create_job
+    from elasticd.rendezvous.round import ClusterRendezvous, create_job
     from elasticd.rendezvous.protocol import JobLimits
     from elasticd.rendezvous.view import JobsView
     from elasticd.store import open_store

@@ -5,10 +5,10 @@ import json
 
 import pytest
 
-from elasticd.jobs import JobRecord
-from elasticd.ladder import Attempt, Layer, Outcome
-from elasticd.records import CAUSE_LIMIT, TRACEBACK_LIMIT, Failure, FailureKind, WorkerRow
-from elasticd.states import WorkerState
+from elasticd.jobs.registry import JobRecord
+from elasticd.agent.ladder import Attempt, Layer, Outcome
+from elasticd.jobs.records import CAUSE_LIMIT, TRACEBACK_LIMIT, Failure, FailureKind, WorkerRow
+from elasticd.jobs.states import WorkerState
 
 
 def test_a_failure_round_trips_through_its_json_form():

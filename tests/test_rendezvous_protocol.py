@@ -17,7 +17,7 @@ from elasticd.rendezvous.protocol import (CANCELLED, CLOSED, FAILED, OPEN, SUCCE
                                           JobLimits, Member, RoundClock, RoundState,
                                           decide_open_round, decider, final_job_state,
                                           order_members, reopen, result_for)
-from elasticd.states import JobState
+from elasticd.jobs.states import JobState
 
 LIMITS = JobLimits(min_nodes=2, max_nodes=4, max_restarts=3, last_call=2.0, join_timeout=30.0)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import time
 
-from elasticd.rendezvous.cluster import ClusterRendezvous, create_job
+from elasticd.rendezvous.round import ClusterRendezvous, create_job
 from elasticd.rendezvous.protocol import JobLimits
 from elasticd.rendezvous.view import JobsView
 from elasticd.store import StoreUnavailable, open_store

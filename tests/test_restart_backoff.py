@@ -16,7 +16,7 @@ from elasticd.v1 import control_pb2 as pb
 
 PY = sys.executable
 
-# Trains with an optimizer (every step beats, see progress.py), then rank 1
+# Trains with an optimizer (every step beats, see hangs/detector.py), then rank 1
 # SIGKILLs itself after ``STEPS`` steps, on each of the first ``FAULTS`` attempts.
 KILLED_AFTER_PROGRESS = textwrap.dedent("""
     import os, sys, time

@@ -1,11 +1,12 @@
 """The wait before a restart and the budget over a window, decided without I/O
-(restartpolicy.py; the window as the round state counts it, protocol.reopen)."""
+(agent/restartpolicy.py; the window as the round state counts it, protocol.reopen)."""
 import pytest
 
 from elasticd.config import AgentSettings
 from elasticd.rendezvous.protocol import FAILED, OPEN, JobLimits, RoundState, reopen
-from elasticd.restartpolicy import (AttemptProgress, BackoffSettings, RestartPlan, RestartRule,
-                                    RestartWindow, plan_restart, spares_due, window_text)
+from elasticd.agent.restartpolicy import (
+    AttemptProgress, BackoffSettings, RestartPlan, RestartRule, RestartWindow, plan_restart,
+    spares_due, window_text)
 
 S = BackoffSettings(initial=0.0, step=0.5, maximum=30.0, min_beats=2, min_runtime=600.0)
 
@@ -163,7 +164,7 @@ def test_the_window_is_counted_cluster_wide_whichever_node_restarts(tmp_path):
     import time
     from dataclasses import replace
 
-    from elasticd.rendezvous.cluster import ClusterRendezvous, create_job
+    from elasticd.rendezvous.round import ClusterRendezvous, create_job
     from elasticd.rendezvous.protocol import CLOSED, Member, Result
     from elasticd.rendezvous.view import JobsView
     from elasticd.store import MemoryStore

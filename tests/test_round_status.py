@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import time
 
-from elasticd.rendezvous.cluster import ClusterRendezvous, RendezvousStopped, create_job
+from elasticd.rendezvous.round import ClusterRendezvous, RendezvousStopped, create_job
 from elasticd.rendezvous.protocol import FAILED, JobLimits, RoundCause
 from elasticd.rendezvous.status import StatusKind
 from elasticd.rendezvous.view import JobsView

@@ -5,7 +5,7 @@ import os
 import sys
 
 from elasticd.v1 import control_pb2 as pb
-from elasticd.workers import WORKER_UMASK
+from elasticd.workers.group import WORKER_UMASK
 
 
 def test_workers_start_with_a_login_umask_whatever_the_daemons(daemon_factory):

@@ -13,9 +13,9 @@ import threading
 
 import pytest
 
-from elasticd import warmstart, workerfiles
-from elasticd.failures import UNREADABLE, describe, read_error_file
-from elasticd.workerfiles import Problem
+from elasticd.workers import warmstart, files as workerfiles
+from elasticd.agent.failures import UNREADABLE, describe, read_error_file
+from elasticd.workers.files import Problem
 
 ME = os.geteuid()
 

@@ -72,7 +72,7 @@ def overrides_from(args: argparse.Namespace) -> dict:
 
 
 def keygen_main(argv: list[str]) -> int:
-    from . import clusterkey
+    from .trust import clusterkey
     p = argparse.ArgumentParser(
         prog="elasticd keygen", description="Write a new random cluster key (mode 0600). "
         "Every node of a cluster needs the same key: make it once, then copy the file "
@@ -92,7 +92,7 @@ def keygen_main(argv: list[str]) -> int:
 
 
 def etcd_roles_main(argv: list[str]) -> int:
-    from . import etcdroles
+    from .trust import etcdroles
     p = argparse.ArgumentParser(
         prog="elasticd etcd-roles", description="Print (or, with --apply, make) the etcd "
         f"roles: {etcdroles.DAEMON_ROLE} read-write on the daemons' prefix only, "

@@ -60,7 +60,7 @@ class DaemonSettings:
                                        min=0, exclusive_min=True)
     main_loop_interval: float = _setting(0.5, "seconds between main-loop ticks (watchdog pings)",
                                          min=0.01, max=60)
-    # GPUs (gpu_inventory.py, gpu_alloc.py, gpu_health.py)
+    # GPUs (gpus/inventory.py, gpus/alloc.py, gpus/health.py)
     gpus: str = _setting("auto", "this node's GPUs: auto (NVML if nvidia-ml-py is installed, "
                                  "else nvidia-smi, else none), none, or indices like 0,1,3")
     fake_gpus_file: str = _setting("", "TEST ONLY: a JSON file describing fake GPUs and their "
@@ -84,7 +84,7 @@ class DaemonSettings:
     gpu_health_failures_to_drain: int = _setting(3, "GPU health failures in a row after which "
                                                     "the node drains itself (0: never)",
                                                  min=0, max=1_000_000)
-    # A suspect node (node_suspicion.py)
+    # A suspect node (cluster/suspicion.py)
     suspect_jobs: int = _setting(3, "this node is suspect once workers of this many different "
                                     "jobs failed here within daemon.suspect_window (0: never)",
                                  min=0, max=1_000_000)
@@ -115,7 +115,7 @@ class EtcdSettings:
 
 @dataclass(frozen=True)
 class ClusterSettings:
-    """Who may run what from etcd (clusterspec.py): every job spec a daemon writes is
+    """Who may run what from etcd (trust/specs.py): every job spec a daemon writes is
     signed and its secrets encrypted with keys derived from the cluster key; adopting
     daemons verify, validate and check the job's uid before they run anything."""
     key_file: str = _setting("/etc/elasticd/cluster.key", "the cluster key, the same file on "
@@ -226,7 +226,7 @@ class AgentSettings:
                                         "0: off (under a sustained load from elsewhere, "
                                         "niced spares may not be ready by the next fault)",
                                     min=0, max=19)
-    # -- the worker template (worker_template.py) --
+    # -- the worker template (workers/template.py) --
     worker_template: bool = _setting(True, "keep one process per job on this node, started "
                                            "as the job's user with agent.warm_preload "
                                            "imported, that forks every rank (first start, "
@@ -249,7 +249,7 @@ class AgentSettings:
                                              "imported by the job's next template, each "
                                              "tried in a throw-away child first); 0: off",
                                          min=0, max=256)
-    # -- hang detection (progress.py) --
+    # -- hang detection (hangs/detector.py) --
     hang_detection: bool = _setting(True, "watch each rank's progress beats (every optimizer "
                                           "step, or elasticd_heartbeat.heartbeat()); dump the "
                                           "stacks of, then kill, a rank that stops beating")
@@ -273,7 +273,7 @@ class AgentSettings:
                                               "jobs' logs (a log may pass log_max_bytes by "
                                               "what a rank writes in this time)",
                                          min=0.05, max=3600)
-    # -- learned hang timeouts (hang_timeouts.py); the two above stay the upper bound --
+    # -- learned hang timeouts (hangs/timeouts.py); the two above stay the upper bound --
     hang_learn_floor: float = _setting(10.0, "the shortest learned hang timeout: a phase's "
                                              "timeout is max(floor, factor x the longest gap "
                                              "between beats seen in that phase)",
@@ -291,13 +291,13 @@ class AgentSettings:
     hang_learn_persist_interval: float = _setting(5.0, "seconds between writes of what was "
                                                        "learned into the job record",
                                                   min=0, max=3600)
-    # -- stragglers (stragglers.py) --
+    # -- stragglers (hangs/stragglers.py) --
     straggler_threshold: float = _setting(2.0, "a rank whose work per step is this many times "
                                                "the median rank's is named a straggler (an "
                                                "event)", min=1, exclusive_min=True, max=1000)
     straggler_window: float = _setting(60.0, "seconds of beats the per-rank step times are "
                                              "computed over", min=1, max=86400)
-    # -- phases across nodes (phase_board.py): jobs on several nodes --
+    # -- phases across nodes (hangs/phase_board.py): jobs on several nodes --
     phase_publish_interval: float = _setting(1.0, "seconds between writes of this node's "
                                                   "ranks' phases and step times for a job "
                                                   "across nodes (one etcd key per node per "
@@ -380,8 +380,8 @@ class ControlSettings:
 
 @dataclass(frozen=True)
 class LimitsSettings:
-    """What one user, or everyone together, may hold of the daemon (control.py,
-    manager.py). An error over a limit names it, e.g. RESOURCE_EXHAUSTED "uid
+    """What one user, or everyone together, may hold of the daemon (control/service.py,
+    jobs/scheduler.py). An error over a limit names it, e.g. RESOURCE_EXHAUSTED "uid
     1001 has 100 unfinished jobs (limits.jobs_per_user 100)". root counts as
     one user like any other."""
     streams_total: int = _setting(64, "long-lived calls (logs -f, events, wait) served at "
@@ -433,7 +433,7 @@ class MetricsSettings:
 
 @dataclass(frozen=True)
 class EventsSettings:
-    """Job events shared across the cluster (eventlog.py): ``elasticctl events`` on any
+    """Job events shared across the cluster (cluster/eventlog.py): ``elasticctl events`` on any
     node shows every node's transitions, worker exits and restarts."""
     share: bool = _setting(True, "publish this node's job events to etcd and mirror the other "
                                  "nodes' into the local event log (ignored when standalone)")
@@ -598,7 +598,7 @@ def _check_relations(cfg: Config, errors: list[str]) -> None:
         errors.append(f"daemon.socket: must be an absolute path, got {d.socket!r}")
     elif len(d.socket.encode()) + len(".cred") > 107:
         errors.append(f"daemon.socket: path too long for a unix socket ({len(d.socket)} bytes)")
-    from .gpu_inventory import InventoryError, parse_setting
+    from .gpus.inventory import InventoryError, parse_setting
     try:
         parse_setting(d.gpus)
     except InventoryError as exc:

@@ -21,22 +21,22 @@ import threading
 import time
 
 from . import __version__, statedir
-from .auth import CredentialServer, TokenIssuer
-from .cluster import Cluster, ClusterStartError, open_cluster_store
-from .clusterkey import ClusterKeyError
-from .clusterspec import ClusterPolicy, codec_for
+from .control.auth import CredentialServer, TokenIssuer
+from .cluster.node import Cluster, ClusterStartError, open_cluster_store
+from .trust.clusterkey import ClusterKeyError
+from .trust.specs import ClusterPolicy, codec_for
 from .config import Config, socket_gid
-from .control import ControlServer, ControlServicer
-from .jobs import JobRegistry
-from .logrotate import LogKeeper
+from .control.service import ControlServer, ControlServicer
+from .jobs.registry import JobRegistry
+from .workers.logrotate import LogKeeper
 from .logsetup import ctx
-from .dispatch import Dispatcher
-from .eventlog import EventLog
-from .gpu_alloc import GpuLedger
-from .gpu_health import HealthGate
-from .gpu_inventory import Inventory, InventoryError, discover, nvml_module
-from .node_suspicion import SuspectTracker
-from .manager import JobManager
+from .cluster.dispatch import Dispatcher
+from .cluster.eventlog import EventLog
+from .gpus.alloc import GpuLedger
+from .gpus.health import HealthGate
+from .gpus.inventory import Inventory, InventoryError, discover, nvml_module
+from .cluster.suspicion import SuspectTracker
+from .jobs.scheduler import JobManager
 from .metrics import Metrics
 from .rendezvous.view import JobsView
 from .sdnotify import Notifier
@@ -107,7 +107,7 @@ class Daemon:
         metrics = Metrics(d.node_id)
         store = metrics.timed_store(store)  # metrics: store request latency and errors
         # Every spec read from etcd is verified, decrypted and checked as it
-        # enters the view (clusterspec.py); a refused one never reads as a job.
+        # enters the view (trust/specs.py); a refused one never reads as a job.
         view = JobsView(store, retry=cfg.membership.watch_retry, open_spec=self.codec.open,
                         on_bad_phases=metrics.phase_records_rejected.inc)
         policy = ClusterPolicy.from_settings(cfg.cluster)
@@ -185,7 +185,7 @@ class Daemon:
 
 
 def _gpu_inventory(cfg: Config) -> Inventory:
-    """This node's GPUs (gpu_inventory.py), logged once; RuntimeError if the setting
+    """This node's GPUs (gpus/inventory.py), logged once; RuntimeError if the setting
     names GPUs the node does not have or a source answers garbage."""
     d = cfg.daemon
     try:

@@ -1,4 +1,4 @@
-"""Errors the daemon reports to callers; control.py maps each to a gRPC code.
+"""Errors the daemon reports to callers; control/service.py maps each to a gRPC code.
 
 Kept free of grpc so the job logic can raise them without knowing how they
 travel. Messages are for a person: say what is wrong and what to do.

@@ -35,13 +35,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import start_http_server
 
 from . import __version__, statedir
-from .jobs import JobNotFound, JobRecord
-from .ladder import Layer
-from .records import Failure
-from .rejections import RejectReason
-from .restartpolicy import RestartWindow
-from .states import LIVE_STATES, TERMINAL_STATES, JobState, WorkerState
-from .worker_template import StartPath
+from .jobs.registry import JobNotFound, JobRecord
+from .agent.ladder import Layer
+from .jobs.records import Failure
+from .trust.rejections import RejectReason
+from .agent.restartpolicy import RestartWindow
+from .jobs.states import LIVE_STATES, TERMINAL_STATES, JobState, WorkerState
+from .workers.template import StartPath
 from .store import (KV, CompareFailed, KeyExists, Lease, LeaseNotFound, Store,
                     StoreAuthError, StoreCorrupt, StoreError, StoreUnavailable,
                     WatchCompacted, WatchEvent)
@@ -152,7 +152,7 @@ class Metrics:
         self._live: set[str] = set()
         self._ended: dict[str, int] = {s: 0 for s in _TERMINAL}
         self._server = None
-        self.gpu_health_checks = Counter(  # gpu_health.py
+        self.gpu_health_checks = Counter(  # gpus/health.py
             "elasticd_gpu_health_checks_total", "GPU health checks before a round, by result",
             ["result"], registry=r)
         for result in ("ok", "failed"):
@@ -509,7 +509,7 @@ class _LeaseCollector:
 
 
 class _StateCollector:
-    """The state dir's filesystem and the bounding of rank logs (logrotate.py)."""
+    """The state dir's filesystem and the bounding of rank logs (workers/logrotate.py)."""
 
     def __init__(self, cfg, keeper):
         self._dir = cfg.daemon.state_dir
@@ -541,7 +541,7 @@ class _StateCollector:
                                   "that failed (disk full, ...)", value=k.errors)
 
 
-# -- GPUs (gpu_alloc.py, gpu_health.py) ----------------------------------------------
+# -- GPUs (gpus/alloc.py, gpus/health.py) ----------------------------------------------
 class _GpuCollector:
     """This node's GPUs, total and free, read at scrape time (no per-device labels)."""
 

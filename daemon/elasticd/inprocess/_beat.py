@@ -1,6 +1,6 @@
 """The heartbeat functions, shared with worker_site/elasticd_heartbeat.py (the worker
-contract, see elasticd/worker_contract.py): one module, one rate limiter."""
-from ..worker_contract import beats as _hb
+contract, see elasticd/workers/contract.py): one module, one rate limiter."""
+from ..workers.contract import beats as _hb
 
 heartbeat = _hb.heartbeat
 keepalive = _hb.keepalive

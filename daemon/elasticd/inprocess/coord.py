@@ -2,7 +2,7 @@
 
 All keys of iteration N live under ``it<N>/`` of the job's in-process prefix
 (``<job store id>/elasticd/inprocess/r<round>a<process restart count>/``,
-see ``elasticd.jobstore_env``), so an iteration never reads another's
+see ``elasticd.jobstore.address``), so an iteration never reads another's
 leftovers and a process restart of the whole group starts clean. Keys:
 
     entered        written by every rank entering the iteration (a

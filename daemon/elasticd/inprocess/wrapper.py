@@ -4,7 +4,7 @@ One restart iteration, on every rank:
 
 1. meet every rank at the iteration's start barrier in the job's store (a
    ``torch.distributed.TCPStore`` the daemon hosts outside the ranks; see
-   jobstore.py), then build the default process group on a store prefix of
+   jobstore/server.py), then build the default process group on a store prefix of
    its own (``it<N>/pg/``), with the hard timeout as its collective timeout;
 2. call the function (with ``iteration=N`` if it takes that argument) while
    a monitor thread watches the store for a fault reported by any rank, and
@@ -15,13 +15,13 @@ One restart iteration, on every rank:
 The store is open to anyone who can connect (torch's TCPStore has no
 authentication): every record the ranks act on is sealed with a key derived
 from the job's secret (ELASTICD_STORE_SECRET, required), which never reaches
-the store, and one that does not verify is ignored (coord.py, records.py).
+the store, and one that does not verify is ignored (coord.py, jobs/records.py).
 
 A fault is: the function raised on some rank; or, after this rank's first
 step of the iteration, no beat for the soft timeout. The soft timeout, and
 the grace (hard - soft) below, are those the daemon learned for the phase
 the rank is in (train, forward, checkpoint, a section: see
-elasticd/hang_timeouts.py), read from the file ELASTICD_HANG_LIMITS_FILE
+elasticd/hangs/timeouts.py), read from the file ELASTICD_HANG_LIMITS_FILE
 names about once a second, when it learned them; else the settings below,
 which always bound them. The rank that hits it
 reports it to the store, then aborts its process group, which closes its
@@ -54,7 +54,7 @@ only a fresh process clears), or a ``BaseException`` (SystemExit,
 KeyboardInterrupt) in the function.
 
 Every iteration after the first, and every give-up, is reported as a JSON
-line to ``ELASTICD_INPROCESS_REPORT`` (see elasticd/inprocess_reports.py),
+line to ``ELASTICD_INPROCESS_REPORT`` (see elasticd/workers/inprocess_reports.py),
 which the daemon turns into events, metrics and the job's restart ladder.
 
 Settings (constructor argument, else the environment variable the daemon
@@ -95,7 +95,9 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from .. import hang_timeouts, inprocess_reports, jobstore_env
+from ..hangs import timeouts as hang_timeouts
+from ..workers import inprocess_reports
+from ..jobstore import address as jobstore_env
 from ._beat import current_phase, keepalive, last_beat, steps
 from .coord import BarrierTimeout, IterationStore, latest_iteration
 from .records import RecordSealer

@@ -1,1 +1,1 @@
-"""Forming the node group of one job round (see local.py for one node)."""
+"""Forming the node group of one job round: protocol (pure), status, round (this node's part), view, torchrun adapter."""

@@ -28,8 +28,8 @@ import enum
 import json
 from dataclasses import asdict, dataclass, field, replace
 
-from ..restartpolicy import RestartWindow
-from ..states import JobState
+from ..agent.restartpolicy import RestartWindow
+from ..jobs.states import JobState
 
 OPEN, CLOSED = "open", "closed"
 SUCCEEDED, FAILED, CANCELLED = "succeeded", "failed", "cancelled"

@@ -36,7 +36,7 @@ from torch.distributed.elastic.rendezvous.api import (RendezvousConnectionError,
                                                       RendezvousTimeoutError)
 
 from ..store import LeaseNotFound, StoreError, open_store
-from .cluster import ClusterRendezvous, RendezvousStopped, RoundFinal, create_job
+from .round import ClusterRendezvous, RendezvousStopped, RoundFinal, create_job
 from .protocol import CANCELLED, FINAL, JobLimits, Result
 from .status import StatusKind
 from .view import JobsView

@@ -19,8 +19,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from ..phase_board import NodePhases
-from ..rejections import Rejection, SpecRejected
+from ..hangs.phase_board import NodePhases
+from ..trust.rejections import Rejection, SpecRejected
 from ..store import EVENT_PUT, Store
 from ..store.follow import Follower
 from .protocol import Join, RoundState

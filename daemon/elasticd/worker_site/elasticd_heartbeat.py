@@ -297,7 +297,7 @@ PRELOAD_MAX = 64
 
 def _report_imports():
     """At the rank's first step: the top-level non-stdlib modules it imported, one a
-    line, into ``ELASTICD_PRELOAD_REPORT`` (the daemon's learned preload, preload.py)."""
+    line, into ``ELASTICD_PRELOAD_REPORT`` (the daemon's learned preload, workers/preload.py)."""
     path = os.environ.get(PRELOAD_ENV, "")
     std = getattr(sys, "stdlib_module_names", None)
     if not path or std is None or os.getpid() != _import_pid or _spawned_child():

@@ -1,0 +1,1 @@
+"""The per-job restart loop: decide, restart (ladder, policy), record what failed."""

@@ -1,0 +1,132 @@
+"""What failed in a worker group and why: the failure record the agent keeps.
+
+Reads torch's ``@record`` error files (untrusted: bounded, never fatal),
+decides which of several failed workers seen together is to blame, and
+turns a worker's end into the cause of the ``records.Failure`` stored as a
+job's ``last_failure`` and into the rows ``elasticctl status`` shows. No state.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from typing import NamedTuple
+
+import psutil
+
+from ..workers import files as workerfiles
+from ..jobs.records import Failure, FailureKind, WorkerRow
+from ..jobs.states import WorkerState
+from ..workers.group import Worker, describe_exit
+
+DEFAULT_MAX_BYTES = 1 << 20   # agent.error_file_max_bytes
+UNREADABLE = "unreadable error file"
+
+# Signals that mean "we or a peer's teardown stopped it", not a fault of its own.
+_STOP_SIGNALS = {-signal.SIGTERM, -signal.SIGINT, -signal.SIGPIPE}
+
+
+def blame_order(outcome: int, error_file_mtime: float) -> int:
+    """Which of several failed workers seen together caused it: lower first.
+
+    A worker killed by a signal of its own (SIGKILL from the OOM killer,
+    SIGSEGV, SIGABRT) comes before those that wrote an error file, since its
+    peers then fail with "connection reset" errors of their own; then error
+    files (by time), then the rest (by rank).
+    """
+    if outcome < 0 and outcome not in _STOP_SIGNALS:
+        return 0
+    return 1 if error_file_mtime else 2
+
+
+class ErrorReport(NamedTuple):
+    """What a worker's error file said: blanks when it wrote none; ``problem`` when
+    the file is there but not safe to read (a link, a FIFO, another owner, too big)."""
+    message: str
+    traceback: str
+    mtime: float
+    problem: workerfiles.Problem | None = None
+
+
+def read_error_file(path: str, uid: int | None = None, max_bytes: int = DEFAULT_MAX_BYTES,
+                    limit: int = 16 * 1024) -> ErrorReport:
+    """What a torch ``@record`` error file says (``limit`` characters of each part).
+
+    The worker wrote it, as ``uid`` (default: ours): read with
+    ``workerfiles.read`` (no links, no blocking, at most ``max_bytes``)."""
+    got = workerfiles.read(path, os.geteuid() if uid is None else uid, max_bytes)
+    if got.problem is workerfiles.Problem.MISSING:
+        return ErrorReport("", "", 0.0)
+    if got.problem is not None:
+        return ErrorReport("", "", got.mtime, got.problem)
+    try:
+        data = json.loads(got.data)
+        msg = data.get("message", {})
+        if isinstance(msg, str):
+            return ErrorReport(msg[:limit], "", got.mtime)
+        text = str(msg.get("message", ""))
+        tb = str(msg.get("extraInfo", {}).get("py_callstack", ""))
+        return ErrorReport(text[:limit], tb[-limit:], got.mtime)
+    except (ValueError, AttributeError, TypeError, RecursionError):
+        # Whatever a worker left there, a bad file must not stop the restart loop.
+        return ErrorReport("", "", 0.0)
+
+
+def most_to_blame(workers: list[Worker], uid: int | None = None,
+                  max_bytes: int = DEFAULT_MAX_BYTES) -> tuple[Worker, ErrorReport] | None:
+    """(worker, its error report) of the failed worker to blame, or None."""
+    candidates = []
+    for w in workers:
+        if w.outcome not in (None, 0) and (w.reported_error or not w.stopped_by_us):
+            report = read_error_file(w.error_file, uid, max_bytes)
+            candidates.append((blame_order(w.outcome, report.mtime), report.mtime, w.rank, w,
+                               report))
+    if not candidates:
+        return None
+    candidates.sort(key=lambda c: c[:3])
+    _, _, _, w, report = candidates[0]
+    return w, report
+
+
+def describe(w: Worker, message: str,
+             problem: workerfiles.Problem | None = None) -> tuple[int, int, str]:
+    """(exit_code, signal, cause) of a failed worker: ``rank 1 exited with exit code 3: ...``."""
+    exit_code, sig, text = describe_exit(w.outcome)
+    cause = f"rank {w.rank} {'exited with ' if not sig else ''}{text}"
+    if problem is not None:
+        cause += f" ({UNREADABLE}: {problem.value})"
+    elif message:
+        cause += f": {message.splitlines()[0] if message.strip() else message}"
+    return exit_code, sig, cause
+
+
+def record(rank: int, exit_code: int, sig: int, cause: str, traceback: str, restart: int,
+           node_id: str, kind: FailureKind = FailureKind.WORKER) -> Failure:
+    """A failure seen now, as the job record keeps it (the proto's ``Failure``)."""
+    return Failure(rank=rank, exit_code=exit_code, signal=sig, cause=cause,
+                   traceback=traceback, time=time.time(), restart=restart, node_id=node_id,
+                   kind=kind)
+
+
+def worker_rows(workers: list[Worker], node_id: str) -> list[WorkerRow]:
+    """The job record's rows for these workers (the proto's ``Worker``)."""
+    rows = []
+    for w in workers:
+        rc = w.outcome
+        if rc is None:
+            state = WorkerState.RUNNING
+        elif w.stopped_by_us and not w.reported_error:
+            state = WorkerState.STOPPED
+        elif rc == 0:
+            state = WorkerState.SUCCEEDED
+        else:
+            state = WorkerState.FAILED
+        try:
+            started = psutil.Process(w.pid).create_time() if rc is None else 0.0
+        except psutil.Error:
+            started = 0.0
+        rows.append(WorkerRow(rank=w.rank, local_rank=w.local_rank, pid=w.pid, state=state,
+                              exit_code=rc if rc is not None else 0, node_id=node_id,
+                              create_time=started, start_path=w.start_path))
+    return rows

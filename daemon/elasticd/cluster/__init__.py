@@ -1,0 +1,1 @@
+"""This node among the others: the store and lease, the node list, adopting jobs, shared events."""

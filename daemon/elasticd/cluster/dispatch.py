@@ -1,0 +1,182 @@
+"""Which cluster jobs this node takes on.
+
+Every daemon watches the job list (rendezvous.view.JobsView). The
+dispatcher adopts a job submitted on another node when this node may and
+can run it: not draining, named by the job (or the job names no nodes),
+enough free slots, and the job's round not already at its max nodes. It
+also ends the local record of a job that ended elsewhere while it waited
+here. ``eligible()`` decides without I/O.
+
+It also reports, once each, the specs this node refuses: those the jobs
+view could not verify or validate (``JobKeys.rejection``) and those whose
+user this node does not run from the cluster (``ClusterPolicy``): a log
+line, ``elasticd_cluster_specs_rejected_total{reason}``, and a ``rejected``
+event in the local registry (``elasticctl events``); ``status`` reads the
+rejection from the view.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+from ..gpus.alloc import needed
+from ..logsetup import ctx
+from ..trust.rejections import RejectReason, Rejection
+from ..rendezvous.protocol import CLOSED, OPEN
+from ..store import StoreError
+
+log = logging.getLogger("elasticd.cluster.dispatch")
+
+
+def eligible(spec: dict, state, joined: int, node_id: str, free_slots: int, draining: bool,
+             daemon_uid: int, free_gpus: int = 0, node_gpus: int = 0,
+             hold_back: float = 0.0, now: float = 0.0) -> tuple[bool, str]:
+    """(whether this node should join the job, why not). ``free_gpus`` of the
+    node's ``node_gpus``: the job takes gpu_alloc.needed() of them. ``hold_back``
+    (a suspect node, cluster/suspicion.py): join only a round open (or closed) for
+    at least that many seconds at ``now``, so other nodes go first."""
+    if draining:
+        return False, "this node is draining"
+    nodes = spec.get("nodes") or []
+    if nodes and node_id not in nodes:
+        return False, "the job names other nodes"
+    try:
+        nproc, max_nodes, uid = int(spec["nproc_per_node"]), int(spec["max_nodes"]), \
+            int(spec["uid"])
+    except (KeyError, TypeError, ValueError):
+        return False, "unreadable spec"
+    if nproc > free_slots:
+        return False, f"needs {nproc} slots, {free_slots} free"
+    try:
+        gpus = needed(int(spec.get("gpus_per_node", -1)), nproc, node_gpus)
+    except (TypeError, ValueError):
+        return False, "unreadable spec"
+    if gpus > free_gpus:
+        return False, f"needs {gpus} GPUs, {free_gpus} free of {node_gpus}"
+    if state.status == OPEN and joined >= max_nodes:
+        return False, "its round already has its max nodes"
+    if state.status == CLOSED and len(state.members) >= max_nodes:
+        return False, "it already runs on its max nodes"
+    if state.status not in (OPEN, CLOSED):
+        return False, f"it is {state.status}"
+    since = state.opened_at if state.status == OPEN else state.closed_at
+    if hold_back > 0 and now - since < hold_back:
+        return False, f"this node is suspect: it lets other nodes take the job first " \
+                      f"(for {hold_back:g}s, daemon.suspect_adopt_delay)"
+    if daemon_uid != 0 and uid != daemon_uid:
+        return False, f"this daemon cannot run jobs as uid {uid}"
+    return True, ""
+
+
+class Dispatcher:
+    def __init__(self, cfg, view, registry, manager, cluster, interval: float = 1.0,
+                 policy=None, metrics=None, suspicion=None):
+        self._cfg = cfg
+        self._suspicion = suspicion   # node_suspicion.SuspectTracker, or None
+        self._policy = policy
+        self._metrics = metrics
+        self._reported: dict[str, Rejection] = {}   # job id -> what was reported
+        self._view = view
+        self._registry = registry
+        self._manager = manager
+        self._cluster = cluster
+        self._interval = interval
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="dispatch", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._view.wake_waiters()
+        if self._thread is not None:
+            self._thread.join(timeout=self._interval + 2)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            seen = self._view.revision
+            try:
+                self.tick()
+            except StoreError as exc:
+                log.debug("dispatch: etcd unavailable: %s", exc)
+            except Exception:
+                log.exception("dispatch failed")
+            self._view.wait(self._interval, seen, self._stop)
+
+    def tick(self) -> list[str]:
+        """One look at the job list; returns what it did, a sentence per job."""
+        done = []
+        known = {j.id: j for j in self._registry.list()}
+        me = self._cfg.daemon.node_id
+        draining = None
+        ids = self._view.job_ids()
+        for gone in set(self._reported) - set(ids):  # its keys were deleted
+            del self._reported[gone]
+        for job_id in ids:
+            keys = self._view.job(job_id)
+            if keys is None:
+                continue
+            local = known.get(job_id)
+            if local is not None:  # ours: its round state is all that matters here
+                if keys.state is not None and keys.state.final and local.live:
+                    self._manager.end_from_cluster(job_id, keys.state)
+                    done.append(f"job {job_id} ended elsewhere: {keys.state.status}")
+                continue
+            if keys.rejection is not None:
+                self._report(keys.rejection)
+                continue
+            if keys.spec is None or keys.state is None or keys.state.final:
+                continue
+            if draining is None:
+                draining = me in self._cluster.drain_states()
+            waiting = [j for j in known.values()
+                       if j.live and j.id not in self._manager.active_jobs()]
+            pending = sum(j.nproc_per_node for j in waiting)
+            free = self._manager.slots_total - self._manager.slots_used() - pending
+            # (a job needing more GPUs than the node has never starts here: not counted)
+            total_gpus = self._manager.gpus.total
+            gpus_free = self._manager.gpus_free() - sum(
+                n for n in map(self._manager.gpus_needed, waiting) if n <= total_gpus)
+            joined = len(keys.joins.get(keys.state.round, {}))
+            hold = (self._cfg.daemon.suspect_adopt_delay if self._suspicion is not None
+                    and self._suspicion.verdict().suspect else 0.0)
+            ok, why = eligible(keys.spec, keys.state, joined, me, free, draining, os.geteuid(),
+                               gpus_free, total_gpus, hold, time.time())
+            if not ok:
+                log.debug("%s: not joining: %s", ctx(job=job_id, node=me), why)
+                continue
+            refused = self._refusal(job_id, keys.spec)  # it would join, but may it?
+            if refused is not None:
+                self._report(refused)
+                continue
+            if self._manager.adopt(keys.spec) is not None:
+                known = {j.id: j for j in self._registry.list()}
+                done.append(f"adopted job {job_id}")
+        return done
+
+    def _refusal(self, job_id: str, spec: dict) -> Rejection | None:
+        if self._policy is None:
+            return None
+        why = self._policy.refusal(spec["uid"], spec["gid"])
+        return Rejection(job_id, RejectReason.UID_NOT_ALLOWED, why, time.time(),
+                         spec["uid"]) if why else None
+
+    def _report(self, rej: Rejection) -> None:
+        """Log, count and record a refused spec, once per job id and reason (the
+        registry remembers across restarts: no second event after one)."""
+        seen = self._reported.get(rej.job_id)
+        if seen is not None and seen.reason is rej.reason:
+            return
+        self._reported[rej.job_id] = rej
+        me = self._cfg.daemon.node_id
+        if self._registry.has_rejection(rej.job_id, rej.reason.value):
+            return
+        log.warning("%s: refused a job spec from etcd: %s", ctx(job=rej.job_id[:80], node=me),
+                    rej.message)
+        if self._metrics is not None:
+            self._metrics.spec_rejected(rej.reason.value)
+        self._registry.record_rejection(rej)

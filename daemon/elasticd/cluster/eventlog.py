@@ -1,0 +1,262 @@
+"""Job events shared across the cluster: every node's, on every node.
+
+Each daemon keeps its job events in its own registry (jobs/registry.py). For a job
+that runs on several nodes a user on one node must see the others' too
+(a worker crash there, its RESTARTING), so ``EventLog`` does two things:
+
+* publish: a writer thread puts each of this node's events in etcd, one key
+  per event (one put each)::
+
+      /v1/events/<job>/<node>/<seq>     the event as JSON; seq is its seq in
+                                        that node's registry, zero-padded
+
+  The local registry is the queue: the writer reads it from the last seq it
+  published (kept in ``<state>/events.published``), so a transition never
+  waits for etcd, and events made while etcd is down, or while the daemon
+  was stopped, go out once it is back. The registry listener only wakes it.
+  Each node keeps its newest ``events.keep_per_job`` keys per job in etcd
+  and deletes older ones (job records themselves stay in etcd, as they do
+  today, so this is what bounds the prefix).
+* mirror: a ``Follower`` lists, then watches, ``/v1/events/`` and imports
+  the other nodes' events into the local registry
+  (``JobRegistry.import_events``, idempotent on node and origin seq), so
+  ``Events`` and its ``after_seq`` keep working on local seqs. Keys that do
+  not parse are logged once and skipped.
+
+Standalone daemons (one node, in-memory store) run none of this.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+
+from .. import statedir
+from ..logsetup import ctx
+from ..agent.restartpolicy import RestartRule
+from ..jobs.states import JobState
+from ..store import EVENT_PUT, Store, StoreError
+from ..store.follow import Follower
+
+log = logging.getLogger("elasticd.cluster.eventlog")
+
+EVENTS = "/v1/events"
+_STATES = frozenset(s.value for s in JobState) | {""}
+_TEXT = ("job_id", "kind", "from_state", "to_state", "reason", "node_id")
+_INTS = ("round", "rank", "restart")
+_RULES = frozenset(r.value for r in RestartRule)
+
+
+def event_key(job_id: str, node_id: str, seq: int) -> str:
+    return f"{EVENTS}/{job_id}/{node_id}/{seq:012d}"
+
+
+def parse_key(key: str) -> tuple[str, str, int]:
+    """(job, node, seq) of an event key; ValueError if it is not one."""
+    if not key.startswith(EVENTS + "/"):
+        raise ValueError("not under the events prefix")
+    parts = key[len(EVENTS) + 1:].split("/")
+    if len(parts) != 3 or not all(parts) or not parts[2].isdigit():
+        raise ValueError("expected /v1/events/<job>/<node>/<seq>")
+    return parts[0], parts[1], int(parts[2])
+
+
+def parse_event(key: str, value: str | None) -> dict:
+    """The event stored at ``key``, checked, as the registry stores it (with
+    ``origin_seq``); ValueError for anything that is not a well-formed event
+    whose job and node are the key's."""
+    job_id, node_id, seq = parse_key(key)
+    data = json.loads(value or "")
+    if not isinstance(data, dict):
+        raise ValueError("event is not an object")
+    try:
+        ev = {name: data[name] for name in _TEXT}
+        ev.update({name: data[name] for name in _INTS})
+        ev["time"] = data["time"]
+    except KeyError as exc:
+        raise ValueError(f"event has no {exc.args[0]}") from None
+    if not all(isinstance(ev[n], str) for n in _TEXT) \
+            or not all(type(ev[n]) is int for n in _INTS) \
+            or type(ev["time"]) not in (int, float):
+        raise ValueError("event field of the wrong type")
+    if (ev["job_id"], ev["node_id"]) != (job_id, node_id):
+        raise ValueError("event names another job or node than its key")
+    if ev["from_state"] not in _STATES or ev["to_state"] not in _STATES:
+        raise ValueError("unknown job state")
+    if "layer" in data:
+        if not isinstance(data["layer"], str) or \
+                type(data.get("duration_seconds", 0.0)) not in (int, float):
+            raise ValueError("event layer of the wrong type")
+        ev["layer"], ev["duration_seconds"] = data["layer"], data.get("duration_seconds", 0.0)
+    if "restart_rule" in data:
+        if data["restart_rule"] not in _RULES or \
+                type(data.get("restart_delay_seconds", 0.0)) not in (int, float):
+            raise ValueError("event restart plan of the wrong type")
+        ev["restart_rule"] = data["restart_rule"]
+        ev["restart_delay_seconds"] = data.get("restart_delay_seconds", 0.0)
+    ev["origin_seq"] = seq
+    return ev
+
+
+def shared(ev: dict, node_id: str) -> bool:
+    """Whether the writer publishes this registry event: this node's own, not imported,
+    and about a job (a refused spec's id is not one: each node keeps its own refusal)."""
+    return ev.get("node_id") == node_id and "origin_seq" not in ev \
+        and ev.get("kind") != "rejected"
+
+
+class EventLog:
+    """Owns the writer thread and the mirror's follower; started and stopped by
+    the daemon."""
+
+    def __init__(self, cfg, store: Store, registry):
+        self._node_id = cfg.daemon.node_id
+        self._store = store
+        self._registry = registry
+        self._retry = cfg.events.retry
+        self._keep = cfg.events.keep_per_job
+        self._mark_path = os.path.join(cfg.daemon.state_dir, "events.published")
+        self.published = self._read_mark()
+        self._counts: dict[str, int] = {}    # job -> our keys in etcd, once looked up
+        self._down = ""                       # why the last write failed, until one works
+        self._bad: set[str] = set()
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._mirror = Follower(store, EVENTS, "events-watch", cfg.membership.watch_retry,
+                                self._reset, self._event)
+        self.synced = self._mirror.synced
+
+    # -- life cycle ------------------------------------------------------------
+    def start(self) -> None:
+        self._registry.subscribe(self._on_local_event)
+        self._thread = threading.Thread(target=self._run, name="events-publish", daemon=True)
+        self._thread.start()
+        self._mirror.start()
+
+    def request_stop(self) -> None:
+        """The mirror's watch starts winding down (the writer keeps going)."""
+        self._mirror.request_stop()
+
+    def stop(self) -> None:
+        self._mirror.stop()
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self._retry + 2 * self._store.timeout + 2)
+
+    def _on_local_event(self, ev: dict) -> None:
+        # Called under the registry's lock: only wake the writer.
+        self._wake.set()
+
+    # -- publish ---------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.clear()
+            if not self._publish_some():
+                self._wake.wait(self._retry)
+        self._publish_some()  # one last pass; what is left goes out at the next start
+
+    def _publish_some(self) -> bool:
+        """One batch; True if there may be more right away."""
+        try:
+            return self.publish_batch()
+        except StoreError as exc:
+            if not self._down:
+                log.warning("%s: job events not shared while etcd is unavailable (%s); they "
+                            "wait in the local log", ctx(node=self._node_id), exc)
+            self._down = str(exc)
+        except Exception:
+            log.exception("publishing job events failed")
+        self._stop.wait(self._retry)
+        return False
+
+    def publish_batch(self, limit: int = 1000) -> bool:
+        """Put this node's events after the last published seq; True if it read a
+        full batch. Raises StoreError, having kept what was done."""
+        evs = self._registry.events(self.published, limit=limit)
+        try:
+            for ev in evs:
+                if shared(ev, self._node_id):
+                    self._put(ev)
+                self.published = ev["seq"]
+        finally:
+            if evs:
+                self._write_mark()
+        if self._down and evs:
+            log.info("%s: etcd is back; job events shared again", ctx(node=self._node_id))
+            self._down = ""
+        return len(evs) == limit
+
+    def _put(self, ev: dict) -> None:
+        body = {k: v for k, v in ev.items() if k != "seq"}
+        try:
+            key = event_key(ev["job_id"], self._node_id, ev["seq"])
+            self._store.put(key, json.dumps(body))
+        except ValueError as exc:  # a job or node id that is no key segment
+            log.warning("%s: event %d not shared: %s", ctx(job=ev["job_id"]), ev["seq"], exc)
+            return
+        self._trim(ev["job_id"])
+
+    def _trim(self, job_id: str) -> None:
+        """Keep our newest keep_per_job keys of the job; delete older ones in
+        batches of a tenth, so trimming costs a list per keep/10 events."""
+        count = self._counts.get(job_id)
+        if count is None:
+            kvs, _ = self._store.list(f"{EVENTS}/{job_id}/{self._node_id}")
+            count = len(kvs)
+        else:
+            count += 1
+        self._counts[job_id] = count
+        if count <= self._keep + self._keep // 10:
+            return
+        kvs, _ = self._store.list(f"{EVENTS}/{job_id}/{self._node_id}")
+        old = sorted(kvs, key=lambda kv: kv.key)[:max(0, len(kvs) - self._keep)]
+        for kv in old:
+            self._store.delete(kv.key)
+        self._counts[job_id] = len(kvs) - len(old)
+
+    def _read_mark(self) -> int:
+        """The last seq published; on a first start, the registry's last (what
+        came before is not sent)."""
+        try:
+            with open(self._mark_path) as fh:
+                return int(fh.read().strip())
+        except FileNotFoundError:
+            return self._registry.last_seq
+        except (OSError, ValueError) as exc:
+            log.warning("unreadable %s (%s); sharing events from now on", self._mark_path, exc)
+            return self._registry.last_seq
+
+    def _write_mark(self) -> None:
+        tmp = self._mark_path + ".tmp"
+        try:
+            with open(statedir.open_private(tmp, os.O_WRONLY | os.O_TRUNC), "w") as fh:
+                fh.write(f"{self.published}\n")
+            os.replace(tmp, self._mark_path)
+        except OSError as exc:  # at worst, events are put again at the next start
+            log.warning("cannot record published events in %s: %s", self._mark_path, exc)
+
+    # -- mirror ----------------------------------------------------------------
+    def _reset(self, kvs: list, revision: int) -> None:
+        self._import([(kv.key, kv.value) for kv in kvs])
+
+    def _event(self, ev) -> None:
+        if ev.type == EVENT_PUT:
+            self._import([(ev.key, ev.value)])
+
+    def _import(self, items: list[tuple[str, str | None]]) -> None:
+        evs = []
+        for key, value in items:
+            try:
+                ev = parse_event(key, value)
+            except (ValueError, TypeError) as exc:
+                if key not in self._bad:
+                    self._bad.add(key)
+                    log.warning("ignoring %s in etcd: %s", key, exc)
+                continue
+            if ev["node_id"] != self._node_id:
+                evs.append(ev)
+        if evs:
+            self._registry.import_events(evs)

@@ -1,0 +1,321 @@
+"""This node's lease key in etcd, and the cluster's node list.
+
+``LeaseKeeper`` owns ``<prefix>/v1/nodes/<node-id>``: registered with a lease
+at start (refusing a node id a live daemon holds), refreshed every
+``membership.refresh_interval`` (the only steady-state write), rewritten
+only when what it says changes, re-registered after an etcd outage, revoked
+on a clean stop.
+
+``NodeWatcher`` keeps the cluster view: it lists the nodes, then watches
+the prefix, so a node whose lease expires is seen as lost within the TTL;
+listeners (the rendezvous) are told at once. Lost nodes are remembered for
+``membership.lost_node_retention`` seconds so an operator sees what happened.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import psutil
+
+from ..logsetup import ctx
+from ..store import EVENT_PUT, CompareFailed, KeyExists, Lease, LeaseNotFound, Store, StoreError
+from ..store.follow import Follower
+
+log = logging.getLogger("elasticd.cluster.membership")
+
+NODES = "/v1/nodes"
+DRAIN = "/v1/drain"
+
+
+class NodeIdInUse(RuntimeError):
+    pass
+
+
+def node_key(node_id: str) -> str:
+    return f"{NODES}/{node_id}"
+
+
+# Fields of a node record and the types every reader may rely on.
+_INT32_MAX = 2**31 - 1
+_RECORD_FIELDS = {"slots": int, "slots_free": int, "pid": int, "started_at": (int, float),
+                  "lease_ttl": (int, float),
+                  "host": str, "address": str, "version": str,
+                  "gpus": int, "gpus_free": int, "gpu_source": str, "gpu_health": str,
+                  "suspect": str}
+
+
+def parse_node(key: str, value: str | None) -> dict | None:
+    """A node record from the store, or None if it is not one we understand."""
+    try:
+        data = json.loads(value or "")
+    except ValueError:
+        return None
+    if not isinstance(data, dict) or not isinstance(data.get("node_id"), str):
+        return None
+    if data["node_id"] != key.rsplit("/", 1)[-1]:
+        return None
+    # Every field a reader uses must have the type it expects (a record with
+    # "jobs": 7 or slots beyond int32 once made `elasticctl nodes` fail).
+    for name, kinds in _RECORD_FIELDS.items():
+        got = data.get(name)
+        if got is not None and (isinstance(got, bool) or not isinstance(got, kinds)):
+            return None
+    for name in ("slots", "slots_free", "gpus", "gpus_free"):
+        if not 0 <= data.get(name, 0) <= _INT32_MAX:
+            return None
+    for name in ("gpu_source", "gpu_health", "suspect"):
+        if len(data.get(name, "")) > 500:
+            return None
+    jobs = data.get("jobs", [])
+    if not isinstance(jobs, list) or not all(isinstance(j, str) for j in jobs):
+        return None
+    return data
+
+
+class LeaseKeeper:
+    def __init__(self, store: Store, node_id: str, ttl: int, interval: float,
+                 info: Callable[[], dict], clock=time.time):
+        self._store = store
+        self._node_id = node_id
+        self._ttl = ttl
+        self._interval = interval
+        self._info = info
+        self._clock = clock
+        self._lease: Lease | None = None
+        self._written: dict | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.health = "registering"
+        self.last_refresh = 0.0
+        self.refreshes = 0
+        self.reregistrations = 0
+        self.errors = 0
+        self._retry_at_once = False   # see _next_wait
+
+    # -- registration ----------------------------------------------------------
+    def register(self) -> None:
+        """Put our key under a new lease; NodeIdInUse if a live daemon holds it."""
+        key = node_key(self._node_id)
+        info = self._info()
+        lease = self._store.grant_lease(self._ttl)
+        try:
+            self._store.create(key, json.dumps(info), lease=lease)
+        except KeyExists:
+            current = self._store.get(key)
+            theirs = parse_node(key, current.value) if current else None
+            if theirs is not None and not _is_our_stale_key(theirs):
+                self._store.revoke_lease(lease)
+                raise NodeIdInUse(f"node id {self._node_id!r} is held by a live daemon (host "
+                                  f"{theirs.get('host')}, pid {theirs.get('pid')}); "
+                                  "give this one another --node-id") from None
+            if current is not None and theirs is None:
+                # No daemon writes a record we cannot read: garbage, take the key over.
+                log.warning("%s: replacing an unreadable record at %s", ctx(node=self._node_id),
+                            key)
+            try:  # our own key from before a crash, or it expired meanwhile
+                if current is not None:
+                    self._store.compare_and_swap(key, json.dumps(info), current.revision,
+                                                 lease=lease)
+                else:
+                    self._store.create(key, json.dumps(info), lease=lease)
+            except (CompareFailed, KeyExists):
+                self._store.revoke_lease(lease)
+                raise NodeIdInUse(f"node id {self._node_id!r} was just taken by another "
+                                  "daemon") from None
+        self._lease, self._written = lease, info
+        self.last_refresh = self._clock()
+        self.health = "ok"
+        log.info("%s: registered in the cluster (lease %d s)", ctx(node=self._node_id),
+                 self._ttl)
+
+    @property
+    def lease(self) -> Lease | None:
+        """The node's current lease: keys that must vanish with this node use it."""
+        return self._lease
+
+    # -- the loop ----------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="lease-keeper", daemon=True)
+        self._thread.start()
+
+    def poke(self) -> None:
+        """Our record changed (slots, jobs, state): write it at the next tick."""
+        self._written = None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._next_wait()):
+            self.tick()
+
+    def _next_wait(self) -> float:
+        """Seconds before the next tick. After the first failure following a
+        refresh, none: a refresh that hung on an unreachable member took up to
+        a request timeout of the lease's TTL (config checks refresh interval +
+        request timeout <= TTL), and the store already points at the next
+        endpoint; waiting any longer lets the lease expire under a healthy
+        cluster (a minority etcd member partitioned). Later failures: every
+        half second at most, so a dead cluster is not hammered."""
+        if self.health == "ok":
+            return self._interval
+        if self._retry_at_once:
+            self._retry_at_once = False
+            return 0.0
+        return min(self._interval, 0.5)
+
+    def tick(self) -> str:
+        """One refresh cycle; returns what it did, in one sentence."""
+        try:
+            if self._lease is None:
+                self.register()
+                self.reregistrations += 1
+                return "registered again after losing the lease"
+            self._store.refresh_lease(self._lease)
+            self.refreshes += 1
+            self.last_refresh = self._clock()
+            info = self._info()
+            if info != self._written:
+                self._store.put(node_key(self._node_id), json.dumps(info), lease=self._lease)
+                self._written = info
+            if self.health != "ok":
+                log.info("%s: etcd reachable again; lease kept", ctx(node=self._node_id))
+            self.health = "ok"
+            return "refreshed the lease"
+        except LeaseNotFound:
+            log.warning("%s: our lease expired (etcd was unreachable too long); "
+                        "registering again", ctx(node=self._node_id))
+            self._lease = None
+            self.errors += 1
+            return self.tick() if not self._stop.is_set() else "stopping"
+        except NodeIdInUse as exc:
+            self.health = f"conflict: {exc}"
+            log.error("%s: %s", ctx(node=self._node_id), exc)
+            return "node id taken"
+        except StoreError as exc:
+            self.errors += 1
+            if self.health == "ok":
+                self._retry_at_once = True
+                log.warning("%s: etcd unavailable: %s; jobs keep running, retrying",
+                            ctx(node=self._node_id), exc)
+            self.health = f"unavailable: {exc}"
+            return "etcd unavailable"
+
+    def stop(self) -> None:
+        """Stop refreshing and revoke the lease so peers see us leave at once."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self._store.timeout + self._interval + 1)
+        if self._lease is not None:
+            try:
+                self._store.revoke_lease(self._lease)
+            except StoreError as exc:
+                log.warning("%s: could not revoke the lease: %s (it expires in %d s)",
+                            ctx(node=self._node_id), exc, self._ttl)
+            self._lease = None
+
+
+def _is_our_stale_key(record: dict | None) -> bool:
+    """A record this host wrote from a daemon process that no longer runs."""
+    if not record or record.get("host") != socket.gethostname():
+        return False
+    pid = record.get("pid")
+    if not isinstance(pid, int) or pid == os.getpid():
+        return isinstance(pid, int)
+    try:
+        proc = psutil.Process(pid)
+        return "elasticd" not in " ".join(proc.cmdline())
+    except psutil.Error:
+        return True
+
+
+@dataclass
+class NodeView:
+    live: dict = field(default_factory=dict)       # node id -> record
+    lost: dict = field(default_factory=dict)       # node id -> (time lost, last record)
+
+
+class NodeWatcher:
+    def __init__(self, store: Store, node_id: str, retention: float, retry: float,
+                 clock=time.time):
+        self._node_id = node_id
+        self._retention = retention
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._view = NodeView()
+        self._follower = Follower(store, NODES, "node-watch", retry, self._reset,
+                                  lambda ev: self._apply(ev.key, ev.value
+                                                         if ev.type == EVENT_PUT else None))
+        self.listeners: list[Callable[[str, dict | None], None]] = []
+        self.synced = self._follower.synced
+
+    def start(self) -> None:
+        self._follower.start()
+
+    def request_stop(self) -> None:
+        self._follower.request_stop()
+
+    def stop(self) -> None:
+        self._follower.stop()
+
+    def snapshot(self) -> NodeView:
+        with self._lock:
+            now = self._clock()
+            self._view.lost = {k: v for k, v in self._view.lost.items()
+                               if now - v[0] < self._retention}
+            return NodeView(dict(self._view.live), dict(self._view.lost))
+
+    def _reset(self, kvs: list, revision: int) -> None:
+        seen = {}
+        for kv in kvs:
+            record = parse_node(kv.key, kv.value)
+            if record is None:
+                log.warning("ignoring unreadable node record at %s", kv.key)
+                continue
+            seen[record["node_id"]] = record
+        with self._lock:
+            gone = set(self._view.live) - set(seen)
+            self._view.live = seen
+        for node in gone:
+            self._lost(node)
+
+    def _apply(self, key: str, value: str | None) -> None:
+        node = key.rsplit("/", 1)[-1]
+        if value is None:
+            self._lost(node)
+            return
+        record = parse_node(key, value)
+        if record is None:
+            log.warning("ignoring unreadable node record at %s", key)
+            return
+        with self._lock:
+            fresh = node not in self._view.live
+            self._view.live[node] = record
+            self._view.lost.pop(node, None)
+        if fresh:
+            log.info("%s: node %s joined the cluster", ctx(node=self._node_id), node)
+            self._tell(node, record)
+
+    def _lost(self, node: str) -> None:
+        with self._lock:
+            record = self._view.live.pop(node, None)
+            if record is None:
+                return
+            self._view.lost[node] = (self._clock(), record)
+        if node == self._node_id:  # our clean stop, or a lapse the lease keeper reports
+            log.info("%s: this node's key is gone from the cluster", ctx(node=self._node_id))
+        else:
+            log.warning("%s: node %s lost (its lease expired or was revoked)",
+                        ctx(node=self._node_id), node)
+        self._tell(node, None)
+
+    def _tell(self, node: str, record: dict | None) -> None:
+        for listener in self.listeners:
+            try:
+                listener(node, record)
+            except Exception:
+                log.exception("node listener failed")

@@ -1,0 +1,185 @@
+"""The daemon's place in the cluster: store, lease keeper, node watcher.
+
+Standalone mode runs the very same parts on the in-memory store, so a
+single node and a cluster differ only in where the keys live.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from urllib.parse import urlparse
+
+from .. import __version__
+from ..config import Config
+from .membership import DRAIN, LeaseKeeper, NodeWatcher
+from ..store import EVENT_PUT, Store, StoreAuthError, StoreError, StoreUnavailable, open_store
+from ..store.follow import Follower
+
+log = logging.getLogger("elasticd.cluster.node")
+
+
+class ClusterStartError(RuntimeError):
+    pass
+
+
+def open_cluster_store(cfg: Config) -> Store:
+    """The store the config names; waits up to membership.startup_timeout for etcd."""
+    if cfg.daemon.standalone:
+        return open_store("memory", prefix=cfg.etcd.prefix)
+    e = cfg.etcd
+    password = None
+    if e.password_file:
+        with open(e.password_file) as fh:
+            password = fh.read().strip()
+    kind = {"auto": "auto", "v3": "etcd3", "v2": "etcd2"}[e.api]
+    deadline = time.monotonic() + cfg.membership.startup_timeout
+    while True:
+        try:
+            return open_store(kind, e.endpoints, prefix=e.prefix, timeout=e.request_timeout,
+                              ca_cert=e.ca_cert or None, cert=e.cert or None,
+                              key=e.key or None, username=e.username or None,
+                              password=password)
+        except StoreAuthError as exc:
+            raise ClusterStartError(f"etcd at {', '.join(e.endpoints)} refused us: {exc} "
+                                    "(check etcd.ca_cert, etcd.cert/key, etcd.username)") from None
+        except StoreError as exc:
+            if time.monotonic() >= deadline:
+                raise ClusterStartError(
+                    f"cannot reach etcd at {', '.join(e.endpoints)} within "
+                    f"{cfg.membership.startup_timeout:g}s: {exc}") from None
+            time.sleep(0.5)
+
+
+def advertised_address(cfg: Config) -> str:
+    """The address peers should use for this node (MASTER_ADDR when rank 0 is here)."""
+    if cfg.daemon.address:
+        return cfg.daemon.address
+    if cfg.daemon.standalone:
+        return "127.0.0.1"
+    host = urlparse(cfg.etcd.endpoints[0]).hostname or "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 2379))  # no packet is sent; this only picks the route
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+class Cluster:
+    def __init__(self, cfg: Config, store: Store, slots_info=None, gpu_info=None):
+        self.cfg = cfg
+        self._gpu_info = gpu_info              # () -> the GPU fields of the record
+        self.store = store
+        self.address = advertised_address(cfg)
+        self._slots_info = slots_info          # () -> (slots_free, [job ids]); see capacity_from
+        self._started_at = time.time()
+        m = cfg.membership
+        self.keeper = LeaseKeeper(store, cfg.daemon.node_id, m.lease_ttl, m.refresh_interval,
+                                  self.record)
+        self.watcher = NodeWatcher(store, cfg.daemon.node_id, m.lost_node_retention,
+                                   m.watch_retry)
+        self._drains: dict[str, dict] = {}
+        self._drain_lock = threading.Lock()
+        self._drain_follower = Follower(store, DRAIN, "drain-watch", m.watch_retry,
+                                        self._drain_reset, self._drain_event)
+
+    def capacity_from(self, slots_info, gpu_info=None) -> None:
+        """Where this node's record reads its free slots and its jobs: ``() ->
+        (slots_free, [job ids])``, the job manager's (made after the cluster,
+        which it needs), and its GPU fields (``() -> dict``, gpus.py); set before
+        ``start``."""
+        self._slots_info = slots_info
+        self._gpu_info = gpu_info
+
+    @property
+    def kind(self) -> str:
+        """The store's kind (memory, etcd2, etcd3), through any wrapper around it."""
+        return self.store.name
+
+    def record(self) -> dict:
+        free, jobs = self._slots_info()
+        return {"node_id": self.cfg.daemon.node_id, "host": socket.gethostname(),
+                "address": self.address, "slots": self.cfg.daemon.slots, "slots_free": free,
+                "version": __version__, "started_at": self._started_at, "pid": os.getpid(),
+                "lease_ttl": self.cfg.membership.lease_ttl,
+                "jobs": sorted(jobs), **(self._gpu_info() if self._gpu_info else {})}
+
+    def start(self) -> None:
+        """Register (NodeIdInUse if the id is taken) and start the loops."""
+        try:
+            self.keeper.register()
+        except StoreUnavailable as exc:
+            log.warning("etcd unavailable at start (%s); registering when it returns", exc)
+            self.keeper.health = f"unavailable: {exc}"
+        self.keeper.start()
+        self.watcher.start()
+        self._drain_follower.start()
+
+    def request_stop(self) -> None:
+        """Both watches start winding down (each sees it within a watch poll)."""
+        self._drain_follower.request_stop()
+        self.watcher.request_stop()
+
+    def stop(self) -> None:
+        """Stop the lease and the watches; the store stays open (its opener,
+        daemon.py, closes it once, after every part that uses it stopped)."""
+        self.request_stop()
+        self.keeper.stop()
+        self._drain_follower.stop()
+        self.watcher.stop()
+
+    def health(self) -> str:
+        return self.keeper.health
+
+    def drain_states(self) -> dict[str, dict]:
+        """Drain marks by node id, as last seen by the drain watch (no etcd call)."""
+        with self._drain_lock:
+            return dict(self._drains)
+
+    @staticmethod
+    def _drain_record(key: str, value: str | None) -> dict | None:
+        try:
+            data = json.loads(value or "")
+        except ValueError:
+            data = None
+        if not isinstance(data, dict):
+            log.warning("ignoring unreadable drain record at %s", key)
+            return None
+        return data
+
+    def _drain_reset(self, kvs: list, revision: int) -> None:
+        marks = {}
+        for kv in kvs:
+            record = self._drain_record(kv.key, kv.value)
+            if record is not None:
+                marks[kv.key.rsplit("/", 1)[-1]] = record
+        with self._drain_lock:
+            self._drains = marks
+
+    def _drain_event(self, ev) -> None:
+        node = ev.key.rsplit("/", 1)[-1]
+        record = self._drain_record(ev.key, ev.value) if ev.type == EVENT_PUT else None
+        with self._drain_lock:
+            if record is None:
+                self._drains.pop(node, None)
+            else:
+                self._drains[node] = record
+
+    def set_drain(self, node_id: str, draining: bool, by: str) -> None:
+        key = f"{DRAIN}/{node_id}"
+        record = {"state": "draining", "by": by, "at": time.time()}
+        if draining:
+            self.store.put(key, json.dumps(record))
+        else:
+            self.store.delete(key)
+        with self._drain_lock:  # the watch confirms it a moment later
+            if draining:
+                self._drains[node_id] = record
+            else:
+                self._drains.pop(node_id, None)
+        if node_id == self.cfg.daemon.node_id:
+            self.keeper.poke()

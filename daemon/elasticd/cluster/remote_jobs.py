@@ -1,0 +1,173 @@
+"""Cluster jobs this node knows only from etcd, as a user sees them.
+
+A cluster job has a local record (jobs/registry.py) only on the nodes that adopted
+it. Any other node still answers ``status``, ``wait`` and ``events`` for it
+from the job's keys in the ``JobsView`` (see rendezvous/protocol.py): the
+spec (what, whose, submitted where), the round state (round, restarts,
+open/closed/final and why) and the worker rows each running node publishes.
+Each running node also publishes a summary of its recovery (restarts per
+layer, the budgets, its last failure with a traceback excerpt, its latest
+ladder attempts: ``JobRecord.recovery_summary``), which ``recovery_of``
+merges. ``record_from_keys`` builds that record and ``find`` resolves an id
+or a live name; neither does I/O beyond reading the view. What other nodes
+published is checked field by field: a bad summary is skipped, never an
+error for the caller.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..jobs.registry import JobRecord
+from ..jobs.scheduler import record_from_spec
+from ..agent.ladder import Attempt
+from ..jobs.records import Failure, WorkerRow, clamp_int
+from ..rendezvous.protocol import CLOSED, OPEN, final_job_state
+from ..rendezvous.view import JobKeys
+from ..jobs.states import TERMINAL_STATES, JobState
+
+
+class AmbiguousName(ValueError):
+    """Several live cluster jobs carry the name; the ids are in ``ids``."""
+
+    def __init__(self, name: str, ids: list[str]):
+        super().__init__(f"{len(ids)} live jobs in the cluster are named {name!r} "
+                         f"({', '.join(ids)}); give the job id")
+        self.ids = ids
+
+
+def worker_rows(keys: JobKeys, skip: str = "") -> list[WorkerRow]:
+    """Every node's published worker rows (but ``skip``'s), as the record keeps
+    them; rows that do not parse are left out."""
+    rows = []
+    for node, published in sorted(keys.workers.items()):
+        if node == skip:
+            continue
+        for w in published:
+            try:
+                row = WorkerRow.from_dict(w, node)  # bounds the GPU binding too
+            except (KeyError, TypeError, ValueError, OverflowError):
+                continue
+            rows.append(replace(row, create_time=0.0))  # a peer's clock: not ours to use
+    return sorted(rows, key=lambda w: (w.rank, w.node_id))
+
+
+def recovery_of(keys: JobKeys) -> dict:
+    """Every node's recovery summary as one record's fields: restarts and budgets
+    per layer, the most any node counted (each node of a round sees its in-process
+    restarts and its process restarts); the newest last failure; the nodes'
+    attempts by time, the latest 20."""
+    by_layer: dict[str, int] = {}
+    budget: dict[str, int] = {}
+    failure, attempts = None, []
+    for node, summary in sorted(keys.summaries.items()):
+        try:
+            layers = {str(k): clamp_int(v)
+                      for k, v in (summary.get("restarts_by_layer") or {}).items()}
+            limits = {str(k): clamp_int(v)
+                      for k, v in (summary.get("restart_budget") or {}).items()}
+            f = summary.get("last_failure")
+            f = Failure.from_dict(f, node).bounded() if isinstance(f, dict) else None
+            tried = [_attempt(a, node) for a in (summary.get("attempts") or [])[-20:]
+                     if isinstance(a, dict)]
+        except (AttributeError, TypeError, ValueError, OverflowError):
+            continue  # what one node wrote does not parse: the others still count
+        for table, new in ((by_layer, layers), (budget, limits)):
+            for k, v in new.items():
+                table[k] = max(table.get(k, v), v)
+        if f is not None and (failure is None or f.time > failure.time):
+            failure = f
+        attempts.extend(tried)
+    attempts.sort(key=lambda a: a.time)
+    return {"restarts_by_layer": by_layer, "restart_budget": budget, "last_failure": failure,
+            "attempts": attempts[-20:]}
+
+
+def _attempt(a: dict, node: str) -> Attempt:
+    got = Attempt.from_dict(a, node)
+    return replace(got, cause=got.cause[:500])
+
+
+def nodes_of(keys: JobKeys) -> list[str]:
+    """The nodes that run the job: its round's members once closed (or final),
+    those joined so far while open; else whoever published workers."""
+    state = keys.state
+    nodes: list[str] = []
+    if state is not None:
+        nodes = state.member_ids() if state.status != OPEN else \
+            sorted(keys.joins.get(state.round, {}))
+    return nodes or sorted(keys.workers)
+
+
+def job_state(keys: JobKeys) -> JobState:
+    """The round status as a job state: closed is RUNNING; an open first round
+    is PENDING until a node joins, then RENDEZVOUS; a later open round (after a
+    fault or a change of nodes) is RESTARTING; final states map one to one."""
+    state = keys.state
+    if state.final:
+        return final_job_state(state.status)
+    if state.status == CLOSED:
+        return JobState.RUNNING
+    if state.restarts > 0 or state.round > 1:
+        return JobState.RESTARTING
+    return JobState.RENDEZVOUS if keys.joins.get(state.round) else JobState.PENDING
+
+
+def record_from_keys(keys: JobKeys, now: float) -> JobRecord | None:
+    """The job as the cluster knows it; None without a usable spec and state."""
+    state = keys.state
+    if keys.spec is None or state is None:
+        return None
+    try:
+        rec = record_from_spec(keys.spec)
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None
+    rec.state = job_state(keys)
+    nodes = ", ".join(nodes_of(keys))
+    if rec.state in TERMINAL_STATES:
+        where = f"ran on {nodes}" if nodes else "ran on no node"
+    elif state.status == OPEN:
+        where = f"joined so far: {nodes}" if nodes else "no node joined yet"
+    else:
+        where = f"running on {nodes}"
+    rec.reason = f"this node does not run it; {where}" + (f": {state.reason}"
+                                                            if state.reason else "")
+    rec.round, rec.restarts = state.round, state.restarts
+    rec.restart_times = list(state.restart_times)
+    rec.workers = worker_rows(keys)
+    for name, value in recovery_of(keys).items():
+        setattr(rec, name, value)
+    since = state.opened_at if state.status == OPEN else state.closed_at
+    rec.state_since = since if 0 < since <= now else now
+    if rec.state in TERMINAL_STATES:
+        rec.finished_at = state.closed_at
+        rec.exit_code = 1 if rec.state is JobState.FAILED else 0
+    return rec
+
+
+def find(view, key: str, may_see) -> tuple[str, JobKeys] | None:
+    """The cluster job with id ``key``, else the live one named ``key``:
+    (id, keys), or None. Among several live ones of that name, those
+    ``may_see(uid)`` allows count first; AmbiguousName if still several."""
+    keys = view.job(key)
+    if keys is not None and keys.spec is not None and keys.state is not None:
+        return key, keys
+    named = []
+    for job_id in view.job_ids():
+        keys = view.job(job_id)
+        if keys is None or keys.spec is None or keys.state is None or keys.state.final:
+            continue
+        if keys.spec.get("name") == key:
+            named.append((job_id, keys))
+    if len(named) > 1:
+        mine = [(j, k) for j, k in named if _uid(k) is not None and may_see(_uid(k))]
+        named = mine or named
+    if len(named) > 1:
+        raise AmbiguousName(key, sorted(j for j, _ in named))
+    return named[0] if named else None
+
+
+def _uid(keys: JobKeys) -> int | None:
+    try:
+        return int(keys.spec["uid"])
+    except (KeyError, TypeError, ValueError):
+        return None

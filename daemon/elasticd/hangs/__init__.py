@@ -1,0 +1,1 @@
+"""Progress beats from the ranks, and the verdicts drawn from them: hangs, learned timeouts, stragglers."""

@@ -1,0 +1,233 @@
+"""Each node's view of one job's ranks, shared with the job's other nodes through the store.
+
+A job across nodes has ranks that wait, in a collective, for a rank on another
+node: when that rank is in a checkpoint or a section, their silence is
+explained by a phase no daemon on their node sees. So each node of a round
+publishes one small record per job (``NodePhases``) under the job's keys::
+
+    /v1/jobs/<job>/phases/<node>     this node's ranks: phase, for how long, step
+                                     statistics; and the gaps learned per phase
+                                     (under the node's lease; deleted at the job's
+                                     end on that node)
+
+Built in one place (``ProgressTracker.snapshot``), serialised in one place
+(``NodePhases.to_json``), read in one place (``NodePhases.from_json``, called
+where the key enters the daemon: the jobs view). A peer's record is etcd
+input: anything malformed, too big, naming another node or out of range is
+refused there (ValueError), and the view ignores and counts it.
+
+``PhasePublisher`` is the one writer: a thread per job with a stop event that
+writes the latest record every ``agent.phase_publish_interval`` seconds, and at
+once when a rank's phase changes, so a peer sees a checkpoint begin within a
+tick. One key per node per job: the write load grows with the nodes, not the
+ranks or the steps.
+
+``JobPeers`` is what the tracker (hangs/detector.py) decides on: the other nodes'
+records of the round, and whether every other member's is fresh. Only then
+does a job across nodes get learned timeouts; otherwise the fixed bounds.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+from .timeouts import MAX_PHASES, PhaseRecord
+from ..logsetup import ctx
+from ..workers.contract import beats
+
+log = logging.getLogger("elasticd.phases")
+
+RECORD_MAX = 32 * 1024     # bytes of one node's record, as written and as accepted
+MAX_RANKS = 512            # ranks one node's record may list
+VERSION = 1
+
+
+@dataclass(frozen=True)
+class RankPhase:
+    """One rank as its node's daemon saw it at publish time."""
+    rank: int                      # global rank
+    phase: str                     # the worker contract's phase name
+    for_s: float                   # seconds it had been in that phase
+    steps: int                     # its step counter
+    step_seconds: float | None     # busy seconds per step over the straggler window
+
+
+@dataclass(frozen=True)
+class NodePhases:
+    node_id: str
+    round: int
+    ranks: tuple = ()              # RankPhase
+    learned: tuple = ()            # PhaseRecord: the gaps this node learned per phase
+
+    def to_json(self) -> str:
+        """The record as stored; the learned phases are cut to keep it under RECORD_MAX."""
+        ranks = [[r.rank, r.phase, round(r.for_s, 3), r.steps,
+                  None if r.step_seconds is None else round(r.step_seconds, 6)]
+                 for r in self.ranks[:MAX_RANKS]]
+        learned = [[p.phase, p.gaps, round(p.longest, 3)] for p in self.learned[:MAX_PHASES]]
+        while True:
+            text = json.dumps({"v": VERSION, "node": self.node_id, "round": self.round,
+                               "ranks": ranks, "learned": learned}, separators=(",", ":"))
+            if len(text) <= RECORD_MAX or not (learned or ranks):
+                return text
+            if learned:
+                learned.pop()
+            else:
+                ranks.pop()
+
+    @classmethod
+    def from_json(cls, text: str | None, node_id: str) -> "NodePhases":
+        """A peer's record from the store; ValueError for anything not exactly right."""
+        if text is None or len(text) > RECORD_MAX:
+            raise ValueError("phase record missing or over %d bytes" % RECORD_MAX)
+        doc = json.loads(text)
+        if not isinstance(doc, dict) or doc.get("v") != VERSION:
+            raise ValueError("phase record of an unknown version")
+        if doc.get("node") != node_id:
+            raise ValueError("phase record names another node")
+        rnd = doc.get("round")
+        ranks, learned = doc.get("ranks"), doc.get("learned")
+        if not _int(rnd, 0, 1 << 40) or not isinstance(ranks, list) \
+                or not isinstance(learned, list) or len(ranks) > MAX_RANKS \
+                or len(learned) > MAX_PHASES:
+            raise ValueError("phase record fields out of range")
+        return cls(node_id, rnd, tuple(_rank(r) for r in ranks),
+                   tuple(_learned(p) for p in learned))
+
+
+def _int(v, lo: int, hi: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+
+
+def _num(v, lo: float, hi: float) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            and lo <= v <= hi)
+
+
+def _rank(item) -> RankPhase:
+    if not isinstance(item, list) or len(item) != 5:
+        raise ValueError("rank entry is not [rank, phase, for_s, steps, step_seconds]")
+    rank, phase, for_s, steps, step_s = item
+    if not _int(rank, 0, 1 << 24) or not isinstance(phase, str) \
+            or not beats.valid_phase(phase) or not _num(for_s, 0, 1e8) \
+            or not _int(steps, 0, 1 << 62) or not (step_s is None or _num(step_s, 0, 1e7)):
+        raise ValueError("rank entry out of range")
+    return RankPhase(rank, phase, float(for_s), steps,
+                     None if step_s is None else float(step_s))
+
+
+def _learned(item) -> PhaseRecord:
+    if not isinstance(item, list) or len(item) != 3:
+        raise ValueError("learned entry is not [phase, gaps, longest]")
+    phase, gaps, longest = item
+    if not isinstance(phase, str) or not beats.valid_phase(phase) \
+            or not _int(gaps, 0, 1 << 62) or not _num(longest, 0, 1e7):
+        raise ValueError("learned entry out of range")
+    return PhaseRecord(phase, gaps, float(longest))
+
+
+@dataclass(frozen=True)
+class PeerPhases:
+    """Another node's record and how old it is here (seconds since this daemon got it)."""
+    record: NodePhases
+    age: float
+
+
+@dataclass(frozen=True)
+class JobPeers:
+    """The round's other nodes as the tracker sees them."""
+    records: tuple = ()       # PeerPhases of the round's other members
+    complete: bool = True     # every other member of the round has a fresh record
+
+    @classmethod
+    def of(cls, received: dict, members: list[str], node_id: str, rnd: int,
+           stale_after: float, now: float) -> "JobPeers":
+        """From the view's ``{node: (NodePhases, received_at)}`` for round ``rnd``."""
+        records, complete = [], True
+        for node in members:
+            if node == node_id:
+                continue
+            got = received.get(node)
+            if got is None or got[0].round != rnd or now - got[1] > stale_after:
+                complete = False
+                continue
+            records.append(PeerPhases(got[0], max(0.0, now - got[1])))
+        return cls(tuple(records), complete)
+
+
+def merge_learned(mine: dict, theirs, limit: int = MAX_PHASES) -> bool:
+    """Fold a peer's learned phases into ``mine`` ({phase: PhaseRecord}) as the max of
+    gaps and of the longest gap per phase; True if anything grew."""
+    grew = False
+    for p in theirs:
+        cur = mine.get(p.phase)
+        if cur is None:
+            if len(mine) >= limit:
+                continue
+            mine[p.phase], grew = p, True
+        elif p.gaps > cur.gaps or p.longest > cur.longest:
+            mine[p.phase] = PhaseRecord(p.phase, max(p.gaps, cur.gaps),
+                                        max(p.longest, cur.longest))
+            grew = True
+    return grew
+
+
+class PhasePublisher:
+    """Writes one job's ``NodePhases`` for this node: one owner thread, a stop event."""
+
+    def __init__(self, job_id: str, node_id: str, interval: float,
+                 put: Callable[[str], None], delete: Callable[[], None]):
+        self.job_id, self.node_id, self.interval = job_id, node_id, interval
+        self._put, self._delete = put, delete
+        self._lock = threading.Lock()
+        self._latest: NodePhases | None = None
+        self._shape: tuple = ()       # (rank, phase) pairs last offered: a change wakes the loop
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"phases-{job_id}", daemon=True)
+        self.writes = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def offer(self, record: NodePhases) -> None:
+        shape = tuple((r.rank, r.phase) for r in record.ranks) + (record.round,)
+        with self._lock:
+            self._latest = record
+            changed, self._shape = shape != self._shape, shape
+        if changed:
+            self._wake.set()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop writing and delete this node's key (best effort: its lease ends it too)."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        try:
+            self._delete()
+        except Exception as exc:  # etcd away: the node's lease removes the key
+            log.debug("%s: phase record not deleted: %s", ctx(job=self.job_id), exc)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self.interval)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            with self._lock:
+                record = self._latest
+            if record is None:
+                continue
+            try:
+                self._put(record.to_json())
+                self.writes += 1
+            except Exception as exc:  # etcd away: try again next interval
+                log.debug("%s: phase record not written: %s",
+                          ctx(job=self.job_id, node=self.node_id), exc)
+            # At most one write per tenth of the interval, however often phases change.
+            self._stop.wait(self.interval / 10)

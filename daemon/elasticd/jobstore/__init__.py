@@ -1,0 +1,1 @@
+"""The per-job store the daemon hosts for ``--inprocess`` jobs, and how ranks find it."""

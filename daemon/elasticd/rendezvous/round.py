@@ -1,0 +1,298 @@
+"""One node's part in the rounds of one job (see protocol.py for the keys).
+
+``ClusterRendezvous`` is used by the job's agent thread: ``next_round``
+blocks until a round that includes this node is closed (joining, and
+closing it when this node is the decider); ``reopen`` asks for a new round
+after a fault; ``status`` tells the agent, each monitor tick, whether its
+round still stands. Every write is this node's own key, or a
+compare-and-swap of the state.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from typing import Callable
+
+from ..logsetup import ctx
+from ..jobs.records import WorkerRow
+from ..store import CompareFailed, KeyExists, Lease, Store
+from .ports import free_port
+from .protocol import (
+    CLOSED, FINAL, OPEN, Join, JobLimits, Result, RoundCause, RoundClock, RoundState,
+    decide_open_round, decider, job_prefix, reopen, result_for)
+from .status import CURRENT, RoundStatus, StatusKind
+from .view import JobsView
+
+log = logging.getLogger("elasticd.rendezvous")
+
+
+class RoundFinal(Exception):
+    """The job is over cluster-wide (succeeded, failed or cancelled)."""
+
+    def __init__(self, state: RoundState):
+        super().__init__(state.reason or state.status)
+        self.state = state
+
+
+class RendezvousStopped(Exception):
+    """The caller asked to stop waiting (cancel, daemon shutdown)."""
+
+
+class ClusterRendezvous:
+    def __init__(self, store: Store, view: JobsView, job_id: str, node_id: str, address: str,
+                 nproc: int, lease: Callable[[], Lease | None], limits: JobLimits,
+                 scale_up: str = "immediate", poll: float = 0.5, clock=time.time,
+                 port: Callable[[], int] = free_port):
+        self._store = store
+        self._view = view
+        self.job_id = job_id
+        self.node_id = node_id
+        self._address = address
+        self._nproc = nproc
+        self._lease = lease
+        self.limits = limits
+        self._scale_up = scale_up
+        self._poll = poll
+        self._clock = clock
+        self._port = port
+        self._prefix = job_prefix(job_id)
+        self._round_clock = RoundClock()
+        self._joined: dict[int, int] = {}   # round -> revision of our join put
+        self._written = 0                    # revision of our last state write
+        self.prev_rank = -1
+        self.last_state: RoundState | None = None
+        # The last round next_round returned, and a new round we asked for that
+        # may not have reached etcd: a round is never run twice (see next_round).
+        self._ran: Result | None = None
+        # reopen's (reason, count_restart, cause)
+        self._wanted: tuple[str, bool, RoundCause] | None = None
+        # This node's job store for in-process restart (the agent starts it before
+        # joining; 0: none), as next_round was last given it. The round's first
+        # member's is the one its ranks share.
+        self._store_port = 0
+        # Asked, while this node is not in the job's running round, before it says it
+        # waits to join (which makes every member restart to let it in), or joins a
+        # round opened after a fault that does not expect it: True once it can start
+        # its ranks warm (the agent's newcomer warm-up). Called on the agent's thread,
+        # from next_round.
+        self.ready_to_join: Callable[[RoundState], bool] = lambda state: True
+
+    @property
+    def address(self) -> str:
+        """The address peers reach this node's workers (and job store) at."""
+        return self._address
+
+    # -- keys --------------------------------------------------------------------
+    def _key(self, *parts) -> str:
+        return "/".join((self._prefix, *map(str, parts)))
+
+    def _where(self, rnd: int | None = None) -> str:
+        return ctx(job=self.job_id, node=self.node_id, round=rnd)
+
+    def _cas_state(self, new: RoundState, revision: int) -> bool:
+        try:
+            self._written = max(self._written, self._store.compare_and_swap(
+                self._key("state"), new.to_json(), revision))
+            return True
+        except CompareFailed:
+            return False
+
+    def _view_behind(self) -> bool:
+        """Our last write is not in the view yet: deciding now would act on old news."""
+        return self._view.revision < self._written
+
+    def final_state(self) -> RoundState | None:
+        """The job's round state if it ended (as the view last saw it), else None."""
+        keys = self._view.job(self.job_id)
+        state = keys.state if keys else None
+        return state if state is not None and state.final else None
+
+    # -- joining -----------------------------------------------------------------
+    def next_round(self, stop: threading.Event, store_port: int = 0) -> Result:
+        """Join rounds until one that includes this node closes; its result.
+        ``store_port``: this node's job store for in-process restart (0: none),
+        offered in its joins."""
+        self._store_port = store_port
+        while True:
+            if stop.is_set():
+                raise RendezvousStopped()
+            seen = self._view.revision
+            keys = self._view.job(self.job_id)
+            state = keys.state if keys else None
+            if state is None:
+                self._view.wait(self._poll, seen)
+                continue
+            self.last_state = state
+            if state.final:
+                raise RoundFinal(state)
+            if state.status == OPEN:
+                if state.expected and self.node_id not in state.expected \
+                        and not self.ready_to_join(state):
+                    # A round after a fault that does not wait for us (we were not in
+                    # the last one): joining it cold would stall its members.
+                    self._view.wait(self._poll, seen)
+                    continue
+                self._join(state.round)
+                joins = list(keys.joins.get(state.round, {}).values())
+                if decider(joins) == self.node_id and not self._view_behind():
+                    new, why = decide_open_round(state, joins, self.limits, self._round_clock,
+                                                 self._clock())
+                    if new is not None and self._cas_state(new, keys.state_revision):
+                        log.info("%s: %s", self._where(state.round), why)
+            elif state.status == CLOSED:
+                result = result_for(state, self.node_id)
+                if result is not None and self._ran is not None \
+                        and state.round <= self._ran.round:
+                    # The view still shows a round we already ran: our ask for the next
+                    # one has not got through (etcd unreachable) or the view lags it.
+                    # Running it again would start a stale rank beside the round the
+                    # others may have formed meanwhile: ask again, then wait.
+                    if self._wanted is not None:
+                        self.reopen(self._ran, *self._wanted)
+                    self._view.wait(self._poll, seen)
+                    continue
+                if result is not None:
+                    self._ran, self._wanted = result, None
+                    self.prev_rank = result.group_rank
+                    self._forget_old_joins(state.round)
+                    return result
+                if len(state.members) < self.limits.max_nodes \
+                        and self.ready_to_join(state):
+                    self._join(state.round + 1)     # waiting: the members see us
+            self._view.wait(self._poll, seen)
+
+    def _join(self, rnd: int) -> None:
+        """Write our join key for a round once; again only if it vanished (lease lapsed)."""
+        if rnd in self._joined:
+            if self._view.revision < self._joined[rnd]:
+                return  # the view has not caught up with our own put yet
+            keys = self._view.job(self.job_id)
+            if keys and self.node_id in keys.joins.get(rnd, {}):
+                return
+        lease = self._lease()
+        join = Join(node_id=self.node_id, address=self._address, nproc=self._nproc,
+                    port=self._port(), prev_rank=self.prev_rank, time=self._clock(),
+                    store_port=self._store_port)
+        self._joined[rnd] = self._store.put(self._key("join", rnd, self.node_id),
+                                            join.to_json(), lease=lease)
+
+    def _forget_old_joins(self, current: int) -> None:
+        for rnd in sorted(r for r in self._joined if r < current):
+            try:
+                self._store.delete(self._key("join", rnd, self.node_id))
+            except Exception as exc:  # best effort: the lease removes them anyway
+                log.debug("could not delete old join key: %s", exc)
+            self._joined.pop(rnd, None)
+
+    # -- while running -------------------------------------------------------------
+    def status(self, result: Result) -> RoundStatus:
+        """Whether ``result``'s round still stands, and if not, why."""
+        keys = self._view.job(self.job_id)
+        state = keys.state if keys else None
+        if state is None:
+            return RoundStatus(StatusKind.SUPERSEDED, "the job's round state is gone")
+        self.last_state = state
+        if state.final:
+            return RoundStatus(StatusKind.FINAL, state.reason or state.status)
+        if state.round != result.round or state.status != CLOSED:
+            return RoundStatus(StatusKind.SUPERSEDED, state.reason or f"round {state.round} opened",
+                               cause=state.cause)
+        joined = keys.joins.get(state.round, {})
+        # Never ourselves: if our own lease lapsed (a stalled daemon), the peers
+        # see us lost and open a new round; alone, there is nobody to tell.
+        lost = [n for n in state.member_ids() if n not in joined and n != self.node_id]
+        if lost:
+            return RoundStatus(StatusKind.LOST, f"node(s) {', '.join(lost)} lost",
+                               nodes=tuple(lost), cause=RoundCause.NODE_LOST)
+        waiting = [n for n in keys.joins.get(state.round + 1, {}) if n not in state.member_ids()]
+        if waiting and self._scale_up == "immediate":
+            waiting.sort()
+            return RoundStatus(StatusKind.WAITING,
+                               f"node(s) {', '.join(waiting)} waiting to join",
+                               nodes=tuple(waiting), cause=RoundCause.NODE_WAITING)
+        return CURRENT
+
+    def reopen(self, result: Result, reason: str, count_restart: bool,
+               cause: RoundCause = RoundCause.FAULT) -> RoundState:
+        """Open the next round (once, cluster-wide) for ``cause``; returns the state
+        that then holds. A StoreError leaves the ask pending: next_round makes it again."""
+        self._wanted = (reason, count_restart, cause)
+        while True:
+            seen = self._view.revision
+            keys = self._view.job(self.job_id)
+            state = keys.state if keys else None
+            if state is None or state.final or state.round != result.round \
+                    or state.status != CLOSED:
+                self._wanted = None
+                return state
+            alive = [n for n in state.member_ids() if n in keys.joins.get(state.round, {})]
+            waiting = list(keys.joins.get(state.round + 1, {}))
+            new, why = reopen(state, reason, count_restart, self.limits, self._clock(),
+                              expected=tuple(set(alive) | set(waiting)), cause=cause)
+            if self._cas_state(new, keys.state_revision):
+                log.info("%s: %s", self._where(state.round), why)
+                self._wanted = None
+                return new
+            self._view.wait(self._poll, seen)  # someone else moved it; look again
+
+    def finish(self, status: str, reason: str) -> None:
+        """Move the job to a final state (first writer wins)."""
+        assert status in FINAL
+        while True:
+            seen = self._view.revision
+            keys = self._view.job(self.job_id)
+            state = keys.state if keys else None
+            if state is None or state.final:
+                return
+            new = RoundState(round=state.round, status=status, members=state.members,
+                             restarts=state.restarts, restart_times=state.restart_times,
+                             reason=reason, opened_at=state.opened_at,
+                             closed_at=self._clock())
+            if self._cas_state(new, keys.state_revision):
+                log.info("%s: job %s: %s", self._where(state.round), status, reason)
+                return
+            self._view.wait(self._poll, seen)
+
+    # -- exit barrier ----------------------------------------------------------------
+    def mark_done(self, rnd: int) -> None:
+        self._store.put(self._key("done", rnd, self.node_id), "{}", lease=self._lease())
+
+    def all_done(self, result: Result) -> bool:
+        keys = self._view.job(self.job_id)
+        done = keys.done.get(result.round, set()) if keys else set()
+        return set(result.members) <= done
+
+    def publish_workers(self, rows: list[WorkerRow], summary: dict | None = None) -> None:
+        """This node's worker rows and its recovery summary, for status on any node."""
+        value = {"rows": [r.to_dict() for r in rows], "summary": summary or {}}
+        self._store.put(self._key("workers", self.node_id), json.dumps(value),
+                        lease=self._lease())
+
+    # -- phases across nodes (hangs/phase_board.py) ---------------------------------------
+    def publish_phases(self, text: str) -> None:
+        """This node's phase record for the job (its lease: gone with the node)."""
+        self._store.put(self._key("phases", self.node_id), text, lease=self._lease())
+
+    def delete_phases(self) -> None:
+        self._store.delete(self._key("phases", self.node_id))
+
+    def peer_phases(self) -> dict:
+        """{node: (NodePhases, monotonic time got)} of the job, from the view."""
+        return self._view.phases(self.job_id)
+
+
+def create_job(store: Store, job_id: str, spec: dict, now: float, round: int = 1,
+               restarts: int = 0, restart_times: tuple = ()) -> None:
+    """Write a new job's spec and its first, open round."""
+    prefix = job_prefix(job_id)
+    try:
+        store.create(f"{prefix}/spec", json.dumps(spec, sort_keys=True))
+    except KeyExists:
+        raise ValueError(f"job id {job_id} already exists in the cluster") from None
+    first = RoundState(round=round, status=OPEN, opened_at=now, restarts=restarts,
+                       restart_times=tuple(restart_times),
+                       expected=tuple(sorted(spec.get("nodes") or ())),
+                       reason="submitted")
+    store.create(f"{prefix}/state", first.to_json())

@@ -1,0 +1,1 @@
+"""What makes a job spec read from etcd safe to run: the cluster key, sealed specs, refusals, RBAC."""

@@ -1,0 +1,172 @@
+"""Job specs in etcd: sealed by the submitting daemon, opened by the others.
+
+Anyone who can write etcd could otherwise make every daemon run anything as
+anyone, and anyone who can read it would see every job's environment. So,
+as Slurm does with MUNGE credentials, the daemon that accepted a submission
+(and learned the user from the kernel) vouches for the spec with the
+cluster key (trust/clusterkey.py):
+
+* ``seal``: the job's command and environment (where tokens and passwords
+  live) are encrypted with AES-256-GCM, the job id bound in as associated
+  data; then an HMAC-SHA256 is taken over a canonical encoding of every
+  field (a fixed tuple, versioned and labelled: ``FORMAT`` and
+  ``_MAC_LABEL``), the ciphertext included. What is stored::
+
+      {"format": "elasticd-spec/1", "id", "name", "cwd", "uid", "gid", "user",
+       "min_nodes", "max_nodes", "nproc_per_node", "max_restarts", "nodes",
+       "created_at", "submitted_on", "inprocess", "gpus_per_node", "cpu_bind",
+       "sealed": b64(nonce|ct), "mac": hex}
+
+* ``open``: the other way round, refusing with a typed ``Rejection`` (a
+  bounded ``RejectReason``) anything that is not exactly that: unknown or
+  missing fields, a MAC that does not match (any field changed), a spec
+  stored under another job's key (replay), a ciphertext that does not open,
+  then the same checks as a local submission (validation.cluster_spec).
+
+``ClusterPolicy.refusal`` decides, without I/O, whether this node runs a
+verified job's uid (no root jobs from the cluster by default). Nothing here
+logs or counts: the dispatcher reports each rejection once.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import hmac
+import json
+import os
+import time
+from dataclasses import dataclass
+from hashlib import sha256
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+from .clusterkey import DerivedKeys
+from ..errors import InvalidArgument
+from .rejections import RejectReason, Rejection, SpecRejected
+from ..control.validation import cluster_spec
+
+FORMAT = "elasticd-spec/1"
+_MAC_LABEL = b"elasticd/v1 job-spec mac\x00"
+_AAD_LABEL = b"elasticd/v1 job-spec secret\x00"
+_NONCE = 12
+# Stored in clear (signed); "sealed" holds the rest.
+CLEAR_FIELDS = ("id", "name", "cwd", "uid", "gid", "user", "min_nodes", "max_nodes",
+                "nproc_per_node", "max_restarts", "max_restarts_per_window", "restart_window",
+                "nodes", "created_at", "submitted_on", "inprocess",
+                "gpus_per_node", "cpu_bind")  # GPUs: gpus/alloc.py
+SECRET_FIELDS = ("command", "env")
+SIGNED_FIELDS = ("format", *CLEAR_FIELDS, "sealed")
+_STORED = frozenset(SIGNED_FIELDS) | {"mac"}
+
+
+def _canonical(values) -> bytes:
+    return json.dumps(values, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
+                      allow_nan=False).encode()
+
+
+class SpecCodec:
+    """Seals specs this daemon writes and opens those it reads (see the module doc)."""
+
+    def __init__(self, keys: DerivedKeys, limits, clock=time.time):
+        self._mac_key = keys.mac
+        self._aead = AESGCM(keys.enc)
+        self._limits = limits
+        self._clock = clock
+
+    # -- writing -------------------------------------------------------------
+    def seal(self, spec: dict) -> dict:
+        """The record to store for ``spec`` (manager.job_spec's shape)."""
+        job_id = spec["id"]
+        nonce = os.urandom(_NONCE)
+        secret = _canonical({f: spec[f] for f in SECRET_FIELDS})
+        ct = self._aead.encrypt(nonce, secret, _AAD_LABEL + job_id.encode())
+        record = {"format": FORMAT, **{f: spec[f] for f in CLEAR_FIELDS},
+                  "sealed": base64.b64encode(nonce + ct).decode()}
+        record["mac"] = self._mac(record)
+        return record
+
+    def _mac(self, record: dict) -> str:
+        return hmac.new(self._mac_key, _MAC_LABEL + _canonical([record[f] for f in
+                                                                 SIGNED_FIELDS]),
+                        sha256).hexdigest()
+
+    # -- reading -------------------------------------------------------------
+    def open(self, job_id: str, text: str) -> dict:
+        """The verified, decrypted and checked spec stored under ``job_id``, in
+        manager.job_spec's shape; SpecRejected otherwise."""
+        def reject(reason: RejectReason, detail: str, uid: int | None = None):
+            return SpecRejected(Rejection(job_id[:200], reason, detail[:500], self._clock(),
+                                          uid))
+        try:
+            record = json.loads(text)
+        except ValueError:
+            raise reject(RejectReason.MALFORMED, "not JSON") from None
+        if not isinstance(record, dict):
+            raise reject(RejectReason.MALFORMED, "not a JSON object")
+        if "mac" not in record or record.get("format") != FORMAT:
+            raise reject(RejectReason.UNSIGNED, "the spec carries no signature of the cluster "
+                         "key (written by something other than an elasticd daemon of this "
+                         "cluster, or by an older one)")
+        if set(record) != _STORED:
+            extra, missing = sorted(set(record) - _STORED), sorted(_STORED - set(record))
+            raise reject(RejectReason.MALFORMED, f"unexpected fields {extra[:5]}, missing "
+                         f"{missing[:5]}")
+        try:
+            expected = self._mac(record)
+        except (TypeError, ValueError):
+            raise reject(RejectReason.MALFORMED, "a field is not plain JSON") from None
+        mac = record["mac"]
+        if not isinstance(mac, str) or not hmac.compare_digest(expected, mac):
+            raise reject(RejectReason.BAD_SIGNATURE, "its signature does not match (changed "
+                         "after signing, or signed with another cluster key)")
+        uid = record["uid"] if type(record["uid"]) is int else None
+        if record["id"] != job_id:
+            raise reject(RejectReason.ID_MISMATCH, f"signed for job {str(record['id'])[:80]!r}, "
+                         "found under another id (replayed)", uid)
+        try:
+            raw = base64.b64decode(record["sealed"], validate=True)
+            secret = json.loads(self._aead.decrypt(raw[:_NONCE], raw[_NONCE:],
+                                                   _AAD_LABEL + job_id.encode()))
+            spec = {**{f: record[f] for f in CLEAR_FIELDS},
+                    **{f: secret[f] for f in SECRET_FIELDS}}
+        except (InvalidTag, binascii.Error, ValueError, TypeError, KeyError):
+            raise reject(RejectReason.UNDECRYPTABLE, "its secret fields do not decrypt",
+                         uid) from None
+        try:
+            return cluster_spec(spec, self._limits)
+        except InvalidArgument as exc:
+            raise reject(RejectReason.INVALID, str(exc), uid) from None
+
+
+@dataclass(frozen=True)
+class ClusterPolicy:
+    """Whose jobs from other nodes this node runs (the ``cluster`` settings)."""
+    allow_root_jobs: bool = False
+    min_uid: int = 1000
+    allowed_uids: frozenset = frozenset()
+
+    @classmethod
+    def from_settings(cls, s) -> "ClusterPolicy":
+        return cls(s.allow_root_jobs, s.min_uid, frozenset(int(u) for u in s.allowed_uids))
+
+    def refusal(self, uid: int, gid: int) -> str:
+        """Why this node does not run a cluster job as uid:gid ("" if it does)."""
+        if uid == 0 or gid == 0:
+            return "" if self.allow_root_jobs else (
+                f"it runs as {'uid' if uid == 0 else 'gid'} 0 and cluster.allow_root_jobs is "
+                "false: root's jobs run only on the node they were submitted on")
+        if uid < self.min_uid:
+            return f"uid {uid} is below cluster.min_uid {self.min_uid}"
+        if self.allowed_uids and uid not in self.allowed_uids:
+            return f"uid {uid} is not in cluster.allowed_uids"
+        return ""
+
+
+def codec_for(cfg) -> SpecCodec:
+    """The daemon's codec: keys from the cluster key file, or (standalone) ephemeral
+    ones. Raises clusterkey.ClusterKeyError when a daemon on etcd has no usable key."""
+    from . import clusterkey
+    keys = clusterkey.ephemeral() if cfg.daemon.standalone else clusterkey.load(
+        cfg.cluster.key_file)
+    return SpecCodec(keys, cfg.control)

@@ -1,0 +1,585 @@
+"""Spawning, watching and stopping one job's local worker processes.
+
+Each worker is started as the submitting user (uid, gid and groups switched
+before it enters the job's cwd, so it never runs where that user could not
+go), in its own process group, with PR_SET_PDEATHSIG=SIGKILL (so it dies
+with the thread that started it even if the daemon is SIGKILLed), with the
+torchrun environment, and with stdout/stderr appended to its per-rank log
+file. Stopping is SIGTERM to each
+process group, a grace period, then SIGKILL to whatever is left.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import datetime
+import json
+import logging
+import os
+import pwd
+import re
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+
+from . import inprocess_reports, preload, files as workerfiles
+from ..jobstore import address as jobstore_env
+from ..hangs import detector as progress
+from .. import statedir
+from ..logsetup import ctx
+
+log = logging.getLogger("elasticd.workers.group")
+
+_PR_SET_PDEATHSIG = 1
+# The umask workers start with, whatever the daemon's own (systemd gives it
+# 0077, so its records and logs are private): a login's default, so a job's
+# checkpoints and outputs get the modes its user expects.
+WORKER_UMASK = 0o022
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_prctl = _libc.prctl
+
+
+def _child_setup(cwd: bytes, cpus: tuple = ()):
+    """What the child runs between fork and exec, after subprocess switched it to
+    the job's uid/gid/groups (it does so before calling this): die with the
+    thread that started it, then enter the job's directory as the job's user.
+
+    Popen's own ``cwd=`` would chdir while still root, before the switch, so
+    a user could run in (and learn about) directories she cannot enter.
+    Only syscall wrappers on a ready-made bytes path run here: the daemon is
+    multi-threaded and this runs in a forked copy of it. ``cpus``: the CPUs the
+    process (and all it starts) may run on (``--cpu-bind numa``), set before exec
+    so even the interpreter's first threads inherit it.
+    """
+    def setup() -> None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+        os.chdir(cwd)
+    return setup
+
+
+def bind_cpus(pid: int, cpus: tuple) -> None:
+    """Bind every thread of a running process (a warm spare taking a worker's place)
+    to ``cpus``; a thread gone meanwhile is skipped."""
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        tids = [pid]
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, cpus)
+        except OSError:
+            pass
+
+
+def cwd_unusable(cwd: str, uid: int) -> str:
+    """The one message for a working directory a job cannot use: missing and not
+    accessible read the same, so nobody learns which hidden paths exist."""
+    return f"working directory {cwd[:200]} does not exist or is not accessible to uid {uid}"
+
+
+class SpawnError(Exception):
+    """A worker could not be started (bad command, cwd, user...)."""
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """Everything needed to start one job's workers on this node for one attempt."""
+    job_id: str
+    command: tuple
+    cwd: str
+    env: dict
+    uid: int
+    gid: int
+    nproc: int
+    restart_count: int
+    max_restarts: int
+    round: int
+    group_rank: int
+    group_world_size: int
+    world_size: int
+    rank_offset: int
+    master_addr: str
+    master_port: int
+    log_dir: str
+    run_dir: str
+    node_id: str = ""
+    extra_env: dict = field(default_factory=dict)
+    # The job's devices on this node (gpu_alloc.Binding.env) and the CPUs its
+    # workers are bound to (() : not bound).
+    device_env: dict = field(default_factory=dict)
+    cpus: tuple = ()
+
+
+def base_env(spec: GroupSpec) -> dict[str, str]:
+    """What every worker of the job shares: the submitter's env and our defaults."""
+    env = dict(spec.env)
+    # torchrun pins one OpenMP thread per worker when several share a node.
+    if spec.nproc > 1 and "OMP_NUM_THREADS" not in spec.env:
+        env["OMP_NUM_THREADS"] = "1"
+    # Logs are followed live; a block-buffered stdout would hide them.
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.update(progress.site_env(env))  # hang detection: sitecustomize on the path
+    return env
+
+
+def worker_env(spec: GroupSpec, local_rank: int) -> dict[str, str]:
+    """The worker's environment: the submitter's, plus what torchrun sets."""
+    rank = spec.rank_offset + local_rank
+    env = base_env(spec)
+    env.update({
+        "RANK": str(rank),
+        "LOCAL_RANK": str(local_rank),
+        "WORLD_SIZE": str(spec.world_size),
+        "LOCAL_WORLD_SIZE": str(spec.nproc),
+        "GROUP_RANK": str(spec.group_rank),
+        "GROUP_WORLD_SIZE": str(spec.group_world_size),
+        "ROLE_RANK": str(rank),
+        "ROLE_WORLD_SIZE": str(spec.world_size),
+        "ROLE_NAME": "default",
+        "MASTER_ADDR": spec.master_addr,
+        "MASTER_PORT": str(spec.master_port),
+        "TORCHELASTIC_RESTART_COUNT": str(spec.restart_count),
+        "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
+        "TORCHELASTIC_RUN_ID": spec.job_id,
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "TORCHELASTIC_ERROR_FILE": error_file_path(spec, rank),
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": spec.env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+        "ELASTICD_JOB_ID": spec.job_id,
+        "ELASTICD_ROUND": str(spec.round),
+        "ELASTICD_NODE_ID": spec.node_id,
+    })
+    env.update(progress.rank_env(spec.run_dir, rank))  # hang detection: where it beats
+    env.update(spec.device_env)  # its GPUs: over whatever the submitter's shell had
+    if local_rank == 0:  # learned preload: what it imported by its first step
+        env[preload.ENV] = preload.report_path(spec.run_dir)
+    env.update(spec.extra_env)
+    if jobstore_env.ADDR in spec.extra_env:  # in-process restart: where it reports
+        env[inprocess_reports.ENV] = inprocess_reports.report_path(spec.run_dir, rank,
+                                                                   spec.restart_count)
+    return env
+
+
+def error_file_path(spec: GroupSpec, rank: int) -> str:
+    return os.path.join(spec.run_dir, f"error-rank{rank}-restart{spec.restart_count}.json")
+
+
+def log_file_path(log_dir: str, rank: int) -> str:
+    return os.path.join(log_dir, f"rank-{rank}.log")
+
+
+@dataclass
+class Worker:
+    rank: int
+    local_rank: int
+    proc: subprocess.Popen
+    error_file: str
+    returncode: int | None = None
+    stopped_by_us: bool = False
+    # The worker wrote its error file (torch's @record does so just before the
+    # exception unwinds the process): it has failed, even while still exiting.
+    reported_error: bool = False
+    # How its process came to be (worker_template.StartPath value), and why not
+    # from the template when it was not ("" when it was, or none was wanted).
+    start_path: str = "cold"
+    cold_reason: str = ""
+
+    @property
+    def outcome(self) -> int | None:
+        """The return code to decide on: a reported error counts as exit 1 at once."""
+        if self.reported_error and (self.returncode is None or self.stopped_by_us):
+            return 1
+        return self.returncode
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+
+class WorkerGroup:
+    """One attempt's local workers. Owned by the job's agent thread."""
+
+    def __init__(self, spec: GroupSpec, template=None):
+        self.spec = spec
+        self.workers: list[Worker] = []
+        self.template = template  # worker_template.WorkerTemplate, or None
+        self.start_seconds = 0.0  # how long start() took, all ranks
+
+    def start(self, spares: "SparePool | None" = None) -> None:
+        spec = self.spec
+        user_kwargs = as_user_kwargs(spec.uid, spec.gid)
+        prepare_dirs(spec)
+        began = time.monotonic()
+        try:
+            for local_rank in range(spec.nproc):
+                self.workers.append(self._spawn(local_rank, user_kwargs, spares))
+        except BaseException:
+            self.stop(grace=0)
+            raise
+        self.start_seconds = time.monotonic() - began
+
+    def replace(self, old: Worker, spares: "SparePool | None", extra_env: dict,
+                why: str) -> Worker:
+        """Start a new process for ``old``'s rank, in its place; the rest keep running."""
+        index = self.workers.index(old)
+        _killpg(old.pid, signal.SIGKILL)  # whatever the dead rank left in its group
+        new = self._spawn(old.local_rank, as_user_kwargs(self.spec.uid, self.spec.gid), spares,
+                          extra_env=extra_env, what=f"replacing pid {old.pid} ({why})")
+        self.workers[index] = new
+        return new
+
+    def _spawn(self, local_rank: int, user_kwargs: dict, spares: "SparePool | None",
+               extra_env: dict | None = None, what: str = "starting") -> Worker:
+        spec = self.spec
+        rank = spec.rank_offset + local_rank
+        env = worker_env(spec, local_rank)
+        env.update(extra_env or {})
+        err = env["TORCHELASTIC_ERROR_FILE"]
+        try:
+            os.unlink(err)
+        except FileNotFoundError:
+            pass
+        proc, path, cold_reason = None, "cold", ""
+        args = warm_args(spec.command)
+        if self.template is not None and args is not None:
+            _mark_log(spec, rank, f"{what} from the worker template")
+            proc, cold_reason = self.template.fork(spec, rank, env, args)
+            path = "template"
+        spare = None
+        if proc is None:
+            spare = spares.take(local_rank, rank) if spares is not None else None
+            how = "from a warm spare" if spare is not None else ""
+            _mark_log(spec, rank, f"{what} {how}".strip() +
+                      (f" (no worker template: {cold_reason})" if cold_reason else ""))
+            if spare is not None:
+                if spec.cpus:
+                    bind_cpus(spare.pid, spec.cpus)
+                proc, path = _hand_over(spare, env, spec.cwd, args), "spare"
+        if proc is None:
+            proc, path = start_process(spec, list(spec.command), rank, env, user_kwargs,
+                                       stdin=None), "cold"
+        log.info("%s: worker started pid %d (%s)%s",
+                 ctx(job=spec.job_id, node=spec.node_id, round=spec.round, rank=rank),
+                 proc.pid, {"template": "forked from the worker template",
+                            "spare": "from a warm spare", "cold": "cold"}[path],
+                 f"; no template: {cold_reason}" if cold_reason and path != "template" else "")
+        return Worker(rank=rank, local_rank=local_rank, proc=proc, error_file=err,
+                      start_path=path, cold_reason="" if path == "template" else cold_reason)
+
+    def poll(self) -> list[Worker]:
+        """Refresh each worker's return code and error report; returns the workers."""
+        for w in self.workers:
+            if w.returncode is None:
+                w.returncode = w.proc.poll()
+            if w.returncode is None and not w.reported_error:
+                # lstat only: a link or FIFO there is never followed nor opened here.
+                w.reported_error = (workerfiles.regular_size(w.error_file) or 0) > 0
+        return self.workers
+
+    def stop(self, grace: float) -> None:
+        """SIGTERM every worker's process group, wait ``grace``, then SIGKILL."""
+        live = [w for w in self.workers if w.proc.poll() is None]
+        for w in live:
+            w.stopped_by_us = True
+            _killpg(w.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while live and time.monotonic() < deadline:
+            live = [w for w in live if w.proc.poll() is None]
+            if live:
+                time.sleep(0.02)
+        for w in self.workers:
+            # Killed by SIGKILL before we sent one: someone else (the OOM killer, a
+            # peer) did it, and that is a failure of its own, not our stop.
+            if w.stopped_by_us and w.proc.returncode == -signal.SIGKILL:
+                w.stopped_by_us = False
+        # SIGKILL the groups even of exited leaders: children they left behind.
+        for w in self.workers:
+            _killpg(w.pid, signal.SIGKILL)
+        for w in self.workers:
+            try:
+                w.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                log.error("%s: worker pid %d did not die after SIGKILL",
+                          ctx(job=self.spec.job_id, rank=w.rank), w.pid)
+            if w.returncode is None:
+                w.returncode = w.proc.returncode
+
+
+def _mark_log(spec: GroupSpec, rank: int, what: str) -> None:
+    stamp = datetime.datetime.now().astimezone().isoformat(timespec="milliseconds")
+    with open_log(log_file_path(spec.log_dir, rank)) as logf:
+        logf.write((f"==== elasticd: job {spec.job_id} rank {rank} {what} "
+                    f"(restart {spec.restart_count}, round {spec.round}) at {stamp} ====\n"
+                    ).encode())
+
+
+def open_log(path: str):
+    """A rank's log for appending: root's, 0600 (its user reads it through
+    elasticctl), O_APPEND so the daemon's rotation can truncate it under a
+    worker that keeps writing (logfiles.LogKeeper)."""
+    return open(statedir.open_private(path), "ab", buffering=0)
+
+
+def start_job_process(spec: GroupSpec, argv: list, env: dict, log_path: str,
+                      pass_fds: tuple = ()) -> subprocess.Popen:
+    """A process of the job that is no rank (the worker template): the same start as a
+    worker's (``start_process``), stdin /dev/null, its output to ``log_path``."""
+    return start_process(spec, argv, -1, env, as_user_kwargs(spec.uid, spec.gid), stdin=None,
+                         log_path=log_path, pass_fds=pass_fds)
+
+
+def start_process(spec: GroupSpec, argv: list, rank: int, env: dict, user_kwargs: dict,
+                  stdin, stdout=None, log_path: str | None = None,
+                  pass_fds: tuple = ()) -> subprocess.Popen:
+    """Start one process of the job: its user, its own process group, dies with us.
+
+    Its output goes to the rank's log, or ``log_path`` (stderr always; stdout
+    unless given). It enters ``spec.cwd`` only once it is the job's user; a
+    directory that user cannot enter fails the start (``cwd_unusable``)."""
+    with open_log(log_path or log_file_path(spec.log_dir, rank)) as logf:
+        try:
+            return subprocess.Popen(
+                argv, env=env,
+                stdin=subprocess.DEVNULL if stdin is None else stdin,
+                stdout=logf if stdout is None else stdout,
+                stderr=logf if stdout is not None else subprocess.STDOUT, close_fds=True,
+                pass_fds=pass_fds,
+                process_group=0, preexec_fn=_child_setup(os.fsencode(spec.cwd), spec.cpus),
+                umask=WORKER_UMASK, **user_kwargs)
+        except subprocess.SubprocessError:
+            # The only step of _child_setup that can fail is the chdir.
+            raise SpawnError(cwd_unusable(spec.cwd, spec.uid)) from None
+        except FileNotFoundError:
+            raise SpawnError(f"command not found: {argv[0]}") from None
+        except PermissionError as exc:
+            raise SpawnError(f"cannot run {argv[0]}: {exc.strerror}") from None
+        except OSError as exc:
+            raise SpawnError(f"cannot start {argv[0]}: {exc}") from None
+
+
+WARMSTART = os.path.join(os.path.dirname(os.path.abspath(__file__)), "warmstart.py")
+_PYTHON = re.compile(r"python(\d+(\.\d+)?)?\Z")
+
+
+def warm_args(command) -> list | None:
+    """The arguments after the interpreter, if a warm spare can run this command.
+
+    Only ``python [-u|-B]... SCRIPT ARGS`` and ``python [-u|-B]... -m MODULE
+    ARGS``: anything else (other interpreter flags, -c, non-Python programs)
+    is always started cold.
+    """
+    if not command or not _PYTHON.match(os.path.basename(command[0])):
+        return None
+    args = list(command[1:])
+    i = 0
+    while i < len(args) and args[i] in ("-u", "-B"):
+        i += 1
+    if i >= len(args):
+        return None
+    if args[i] == "-m":
+        return args if i + 1 < len(args) else None
+    return None if args[i].startswith("-") else args
+
+
+def _hand_over(spare: subprocess.Popen, env: dict, cwd: str, args: list) -> \
+        subprocess.Popen | None:
+    """Give a waiting spare its worker's identity; None if it is not there."""
+    line = json.dumps({"env": env, "cwd": cwd, "args": args}) + "\n"
+    try:
+        spare.stdin.write(line.encode())
+        spare.stdin.close()
+        return spare
+    except (BrokenPipeError, ValueError, OSError):
+        _killpg(spare.pid, signal.SIGKILL)
+        spare.wait()
+        return None
+
+
+def _renice(pid: int, nice: int) -> None:
+    """Set the niceness of every thread of ``pid`` (Linux: setpriority is per thread)."""
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        tids = [pid]
+    for tid in tids:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+        except OSError:  # gone, or not ours to change
+            pass
+
+
+class SparePool:
+    """Pre-started interpreters, one per local rank, with torch already imported.
+
+    Owned by the job's agent thread (their PDEATHSIG is tied to it). A
+    restart hands each new worker's identity to a spare instead of starting
+    a fresh interpreter, which saves the interpreter start and torch import.
+
+    The fallback of the worker template (workers/template.py): the agent starts
+    spares only while a job has no usable template. They stay because a spare
+    never forks: it is the warm path left when the template is unsafe to fork
+    (a thread or CUDA context started by the job's own sitecustomize or
+    preload), could not be made, or is turned off (agent.worker_template).
+    """
+
+    def __init__(self) -> None:
+        self._spares: dict[int, subprocess.Popen] = {}
+        self._ranks: dict[int, int] = {}     # local rank -> the global rank its log is
+
+    def fill(self, spec: GroupSpec, preload: list, nice: int = 0) -> int:
+        """Start a spare for each local rank that has none; returns how many started.
+
+        ``nice``: the spares' niceness while they import and wait, so that their
+        imports yield the CPU to the running workers (agent.warm_spare_nice); set
+        back to 0 when one becomes a worker. Only a root daemon can set it back,
+        so only a root daemon sets it."""
+        args = warm_args(spec.command)
+        if args is None:
+            return 0
+        user_kwargs = as_user_kwargs(spec.uid, spec.gid)
+        env = dict(base_env(spec), ELASTICD_WARM_PRELOAD=",".join(preload))
+        started = 0
+        for local_rank in range(spec.nproc):
+            spare = self._spares.get(local_rank)
+            if spare is not None and spare.poll() is None:
+                continue
+            try:
+                self._ranks[local_rank] = spec.rank_offset + local_rank
+                self._spares[local_rank] = start_process(  # it sets sys.path[0] from args
+                    spec, [spec.command[0], WARMSTART, *args], spec.rank_offset + local_rank,
+                    env, user_kwargs, stdin=subprocess.PIPE)
+                if nice and os.geteuid() == 0:
+                    _renice(self._spares[local_rank].pid, nice)
+                started += 1
+            except SpawnError as exc:
+                log.warning("%s: no warm spare: %s", ctx(job=spec.job_id), exc)
+                return started
+        return started
+
+    def ready(self) -> int:
+        """How many spares are alive, waiting for a worker's identity."""
+        return sum(1 for spare in self._spares.values() if spare.poll() is None)
+
+    def imported(self) -> int:
+        """How many spares finished their imports: blocked reading their stdin, where
+        the worker's identity comes (warmstart.main). A spare still importing counts
+        in ready() but not here."""
+        return sum(1 for spare in self._spares.values()
+                   if spare.poll() is None and _reading_stdin(spare.pid))
+
+    def take(self, local_rank: int, rank: int) -> subprocess.Popen | None:
+        """The spare for a local rank, if alive and its output goes to ``rank``'s log.
+
+        A spare's stdout is the log of the rank it was started for; when a new
+        round moved this node's ranks (a node lost, one joined), it is retired
+        and the worker starts cold, so each rank's log stays its own."""
+        spare = self._spares.pop(local_rank, None)
+        if spare is not None and self._ranks.pop(local_rank, None) != rank:
+            _killpg(spare.pid, signal.SIGKILL)
+            spare.wait()
+            return None
+        if spare is not None and spare.poll() is not None:
+            return None
+        if spare is not None and os.geteuid() == 0:
+            _renice(spare.pid, 0)
+        return spare
+
+    def clear(self) -> None:
+        for spare in self._spares.values():
+            _killpg(spare.pid, signal.SIGKILL)
+        for spare in self._spares.values():
+            try:
+                spare.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+            if spare.stdin:
+                spare.stdin.close()
+        self._spares.clear()
+        self._ranks.clear()
+
+
+# The number of read(2) on this machine's architecture, as /proc/PID/syscall shows it.
+_READ_SYSCALL = {"x86_64": "0", "aarch64": "63", "riscv64": "63", "ppc64le": "3",
+                 "s390x": "3"}.get(os.uname().machine)
+
+
+def _reading_stdin(pid: int) -> bool:
+    """Whether process ``pid`` is blocked in read(0, ...), from /proc/PID/syscall (the
+    daemon's own child: readable by it). Unknown architecture: alive counts as ready."""
+    if _READ_SYSCALL is None:
+        return True
+    try:
+        with open(f"/proc/{pid}/syscall", "rb") as fh:
+            fields = fh.read(256).split()
+    except OSError:
+        return False
+    return len(fields) > 1 and fields[0] == _READ_SYSCALL.encode() and fields[1] == b"0x0"
+def kill_group(pgid: int, sig: int) -> None:
+    """Signal a process group; one that is gone (or not ours) is left alone."""
+    _killpg(pgid, sig)
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def as_user_kwargs(uid: int, gid: int) -> dict:
+    """Popen arguments that run the worker as uid/gid (only root can switch)."""
+    if uid == os.geteuid() and gid == os.getegid():
+        return {}
+    if os.geteuid() != 0:
+        raise SpawnError(f"this daemon runs as uid {os.geteuid()} and cannot start workers "
+                         f"as uid {uid}")
+    try:
+        name = pwd.getpwuid(uid).pw_name
+        groups = os.getgrouplist(name, gid)
+    except KeyError:
+        groups = [gid]
+    return {"user": uid, "group": gid, "extra_groups": groups}
+
+
+def can_enter(cwd: str, uid: int, gid: int, timeout: float) -> bool:
+    """Whether uid/gid (with uid's groups) can enter ``cwd``: asked of the kernel by a
+    shell that is that user and ``cd``s there (this process cannot switch: it has
+    threads). A shell that does not answer within ``timeout`` counts as no."""
+    try:
+        kwargs = as_user_kwargs(uid, gid)
+    except SpawnError:
+        return False
+    try:
+        return subprocess.run(["/bin/sh", "-c", 'cd -- "$1"', "sh", cwd], env={},
+                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, close_fds=True, timeout=timeout,
+                              **kwargs).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+def prepare_dirs(spec: GroupSpec) -> None:
+    """The job's log dir, and a run dir its user can write error files into."""
+    statedir.private_dir(spec.log_dir)
+    _ensure_run_dir(spec.run_dir, spec.uid, spec.gid)
+
+
+def _ensure_run_dir(path: str, uid: int, gid: int) -> None:
+    """A directory the worker's user can write its error files into."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    if os.geteuid() == 0:
+        os.chown(path, uid, gid)
+
+
+def describe_exit(returncode: int) -> tuple[int, int, str]:
+    """(exit_code, signal, text) for a Popen return code."""
+    if returncode < 0:
+        sig = -returncode
+        try:
+            name = signal.Signals(sig).name
+        except ValueError:
+            name = f"signal {sig}"
+        return -1, sig, f"killed by {name}"
+    return returncode, 0, f"exit code {returncode}"

@@ -1,0 +1,108 @@
+"""What the in-process wrapper tells the daemon: one JSON line per event, per rank.
+
+Each rank of an ``--inprocess`` job gets ``ELASTICD_INPROCESS_REPORT``, a file
+in the job's run dir, and ``elasticd.inprocess.Wrapper`` appends to it:
+
+    {"kind": "restart", "iteration": N, "fault": "...", "fault_time": T0, "ready_time": T1}
+        iteration N (> 0) is running on this rank: its process group is up again
+    {"kind": "abandoned", "reason": "..."}
+        in-process restart gave up on this rank; the process exits non-zero and
+        the daemon's process restart takes over
+    {"kind": "stuck", "reason": "..."}
+        this rank's function could not be stopped (hung outside Python); the
+        process ends itself and the daemon replaces it, the cause a hang
+    {"kind": "forged", "record": "fault"}
+        this rank ignored a record of that kind in the job store that failed
+        authentication (someone else writes to the store); once per kind
+
+The agent reads new lines once per monitor tick (a stat per rank when nothing
+changed). The files are written by the job's user, so they are untrusted:
+read with ``workerfiles.read`` (no links, no FIFOs, owned by the job's
+user), at most ``MAX_READ`` bytes per tick, and any line that is not such an
+object is skipped.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+from . import files as workerfiles
+
+log = logging.getLogger("elasticd.workers.inprocess_reports")
+
+ENV = "ELASTICD_INPROCESS_REPORT"
+MAX_READ = 64 * 1024
+_TEXT_LIMIT = 2000
+_RECORD_LIMIT = 40   # the kind of a record, e.g. "fault", "done marker"
+
+
+def report_path(run_dir: str, rank: int, restart_count: int) -> str:
+    return os.path.join(run_dir, f"inprocess-rank{rank}-restart{restart_count}.jsonl")
+
+
+def parse_line(line: bytes) -> dict | None:
+    """One report, checked and trimmed; None for anything else."""
+    try:
+        data = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    kind = data.get("kind")
+    try:
+        if kind == "restart":
+            return {"kind": kind, "iteration": int(data["iteration"]),
+                    "fault": str(data.get("fault", ""))[:_TEXT_LIMIT],
+                    "fault_time": float(data.get("fault_time", 0.0)),
+                    "ready_time": float(data.get("ready_time", 0.0))}
+        if kind in ("abandoned", "stuck"):
+            return {"kind": kind, "reason": str(data.get("reason", ""))[:_TEXT_LIMIT]}
+        if kind == "forged":
+            return {"kind": kind, "record": str(data.get("record", ""))[:_RECORD_LIMIT]}
+    except (KeyError, TypeError, ValueError, OverflowError):
+        return None
+    return None
+
+
+class ReportReader:
+    """Follows the report files of one process attempt. Owned by the agent thread."""
+
+    def __init__(self) -> None:
+        self._offsets: dict[str, int] = {}
+        self._partial: dict[str, bytes] = {}
+
+    def reset(self) -> None:
+        self._offsets.clear()
+        self._partial.clear()
+
+    def poll(self, paths: dict[int, str], uid: int | None = None) -> list[tuple[int, dict]]:
+        """New reports as (rank, report), from ``{rank: path}``; the files must be
+        regular files owned by ``uid`` (the job's user; default: ours)."""
+        owner = os.geteuid() if uid is None else uid
+        out = []
+        for rank, path in paths.items():
+            for line in self._new_lines(path, owner):
+                rec = parse_line(line)
+                if rec is not None:
+                    out.append((rank, rec))
+        return out
+
+    def _new_lines(self, path: str, uid: int) -> list[bytes]:
+        offset = self._offsets.get(path, 0)
+        size = workerfiles.regular_size(path)  # a stat per tick when nothing changed
+        if size is None or size <= offset:
+            return []
+        got = workerfiles.read(path, uid, MAX_READ, offset=offset, whole=False)
+        if not got.ok:
+            return []
+        data = got.data
+        self._offsets[path] = offset + len(data)
+        data = self._partial.pop(path, b"") + data
+        lines = data.split(b"\n")
+        if lines[-1]:
+            if len(lines[-1]) < MAX_READ:
+                self._partial[path] = lines[-1]
+            else:
+                log.warning("skipping an over-long line in %s", path)
+        return [ln for ln in lines[:-1] if ln.strip()]

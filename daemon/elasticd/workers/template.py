@@ -1,0 +1,368 @@
+"""The job's worker template on this node: one pre-imported process that forks ranks.
+
+The template is ``python [-u|-B] workers/warmstart.py --template FD ARGS`` started
+through the same spawn path as the workers (workers.start_job_process: the
+job's user, its groups, its directory, PDEATHSIG tied to the agent thread,
+the job's environment), so its ``sys.path`` is a cold start's (see
+warmstart.entry_path). It imports ``agent.warm_preload`` once and then
+waits on FD, one end of a socketpair that only this daemon holds. Each rank
+is a child it forks on request (warmstart._serve / _become_rank).
+
+Exit statuses: the ranks are the template's children, so the template
+reaps them and reports each raw wait status on the channel; the daemon
+keeps a ``ForkedProcess`` per rank with the ``Popen`` interface the agent
+uses (``pid``, ``poll``, ``returncode``, ``wait``), so a forked rank's exit
+code or signal is exactly what a cold worker's would be. No orphans: every
+rank has PDEATHSIG=SIGKILL on the template, the template has it on the
+agent thread, and the template exits when the daemon's end of the channel
+closes; a rank whose template died unreported is SIGKILLed (its group) and
+reads as killed by SIGKILL.
+
+Owned by the job's agent thread (every call comes from it); no locks.
+The daemon never imports torch: it only reads the template's messages.
+"""
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import os
+import select
+import signal
+import socket
+import subprocess
+import time
+
+from . import group as workers
+from ..logsetup import ctx
+
+log = logging.getLogger("elasticd.workers.template")
+
+_MESSAGE_MAX = 1 << 16  # a template line longer than this is a broken template
+
+
+class TemplateState(enum.Enum):
+    OFF = "off"              # not wanted, or the command is not python SCRIPT / -m MODULE
+    STARTING = "starting"    # importing the preload
+    READY = "ready"          # waiting for fork requests
+    FAILED = "failed"        # could not be made, or died: ranks start cold
+    STOPPED = "stopped"      # ended with its job
+
+
+class StartPath(enum.Enum):
+    """How one rank's process came to be."""
+    TEMPLATE = "template"
+    SPARE = "spare"
+    COLD = "cold"
+
+
+class ForkedProcess:
+    """A rank forked by the template: the part of ``subprocess.Popen`` the agent uses."""
+
+    def __init__(self, template: "WorkerTemplate", pid: int):
+        self._template = template
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self._template.pump(0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            left = 1.0 if deadline is None else deadline - time.monotonic()
+            if left <= 0:
+                raise subprocess.TimeoutExpired(f"rank pid {self.pid}", timeout)
+            self._template.pump(min(left, 0.5))
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class WorkerTemplate:
+    """One job's template on this node; see the module docstring."""
+
+    def __init__(self, job_id: str, node_id: str = "", preload: list | None = None,
+                 ready_timeout: float = 120.0, fork_timeout: float = 10.0):
+        self.job_id = job_id
+        self._node_id = node_id
+        self._preload = list(preload or [])
+        self._ready_timeout = ready_timeout
+        self._fork_timeout = fork_timeout
+        self.state = TemplateState.OFF
+        self.reason = ""
+        self._proc: subprocess.Popen | None = None
+        self._sock: socket.socket | None = None
+        self._buf = b""
+        self._next_id = 0
+        self._replies: dict[int, dict] = {}
+        self._ranks: dict[int, ForkedProcess] = {}
+        self._statuses: dict[int, int] = {}   # pid -> wait status, for ranks not yet claimed
+        self._boot_args: list | None = None
+        self.started_at = 0.0
+        self.ready_seconds = 0.0
+        self.was_ready = False    # it served ranks before (then a death may be revived)
+        self._unsafe = False      # it refused as unsafe to fork: a new one would too
+
+    def _where(self) -> str:
+        return ctx(job=self.job_id, node=self._node_id)
+
+    # -- life --------------------------------------------------------------
+    def start(self, spec: workers.GroupSpec, learned: list | None = None) -> None:
+        """Start the template for ``spec``'s job; does not wait for it (see ``ready``).
+        ``learned``: modules it imports after the preload if a probe child could
+        (workers/preload.py)."""
+        args = workers.warm_args(spec.command)
+        if args is None:
+            self._fail("the command is not `python SCRIPT` or `python -m MODULE`",
+                       TemplateState.OFF)
+            return
+        flags = []
+        while args and args[0] in ("-u", "-B"):
+            flags.append(args.pop(0))
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        # ELASTICD_JOB_ID: the template and every rank it forks read as the job's in
+        # /proc/PID/environ (a rank's is the template's: see README "Worker template").
+        env = dict(workers.base_env(spec), ELASTICD_WARM_PRELOAD=",".join(self._preload),
+                   ELASTICD_JOB_ID=spec.job_id,
+                   ELASTICD_LEARNED_PRELOAD=",".join(learned or []))
+        try:
+            workers.prepare_dirs(spec)
+            self._proc = workers.start_job_process(
+                spec, [spec.command[0], *flags, workers.WARMSTART, "--template",
+                       str(theirs.fileno()), *args],
+                env, log_path=template_log_path(spec.log_dir), pass_fds=(theirs.fileno(),))
+        except workers.SpawnError as exc:
+            ours.close()
+            self._fail(f"cannot start it: {exc}")
+            return
+        finally:
+            theirs.close()
+        self._sock = ours
+        self._sock.setblocking(False)
+        self._buf, self._replies = b"", {}
+        self._boot_args = [*flags, *args]
+        self.state, self.reason = TemplateState.STARTING, ""
+        self.started_at = time.monotonic()
+        log.info("%s: worker template starting, pid %d", self._where(), self._proc.pid)
+
+    def revivable(self) -> bool:
+        """Whether it died after serving ranks (not: could not be made, or unsafe), so
+        that a new one is worth its start (once per round: the agent's rule)."""
+        return self.state is TemplateState.FAILED and self.was_ready and not self._unsafe
+
+    def ready(self, timeout: float | None = None, stop=None) -> bool:
+        """Whether the template can fork ranks, waiting for it up to ``timeout`` (default:
+        what is left of its ready timeout) while it is still importing; a set ``stop``
+        event (threading.Event: cancel, shutdown) ends the wait early."""
+        if self.state is TemplateState.STARTING:
+            left = self._ready_timeout - (time.monotonic() - self.started_at)
+            deadline = time.monotonic() + max(0.0, left if timeout is None else
+                                              min(timeout, left))
+            while self.state is TemplateState.STARTING:
+                if stop is not None and stop.is_set():
+                    break
+                self.pump(max(0.0, min(0.5, deadline - time.monotonic())))
+                if self.state is TemplateState.STARTING and time.monotonic() >= deadline:
+                    if time.monotonic() - self.started_at >= self._ready_timeout:
+                        self._fail(f"not ready after {self._ready_timeout:g} s "
+                                   "(agent.template_ready_timeout)")
+                    break
+        if self.state is TemplateState.READY:
+            self.pump(0)
+        return self.state is TemplateState.READY
+
+    def stop(self) -> None:
+        """End the template (its ranks die with it): the job is over here."""
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        if self._proc is not None:
+            workers.kill_group(self._proc.pid, signal.SIGKILL)
+            try:
+                self._proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                log.error("%s: worker template pid %d did not die", self._where(),
+                          self._proc.pid)
+        self._orphan_ranks()
+        if self.state in (TemplateState.STARTING, TemplateState.READY):
+            self.state = TemplateState.STOPPED
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid if self._proc is not None else 0
+
+    def rss_bytes(self) -> int:
+        """The template's resident memory (0 when it is not running)."""
+        if self.state not in (TemplateState.STARTING, TemplateState.READY) or not self.pid:
+            return 0
+        try:
+            with open(f"/proc/{self.pid}/statm") as f:
+                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, IndexError):
+            return 0
+
+    # -- forking -----------------------------------------------------------
+    def fork(self, spec: workers.GroupSpec, rank: int, env: dict, args: list) \
+            -> tuple[ForkedProcess | None, str]:
+        """A rank forked from the template, or (None, why not) for a cold start."""
+        if not self.ready(0):
+            return None, f"worker template {self.state.value}" + \
+                (f": {self.reason}" if self.reason else "")
+        if args != self._boot_args:
+            return None, "the command differs from the template's"
+        self._next_id += 1
+        rid = self._next_id
+        body = json.dumps({"op": "fork", "id": rid, "env": env, "cwd": spec.cwd,
+                           "args": args}).encode()
+        try:
+            with workers.open_log(workers.log_file_path(spec.log_dir, rank)) as logf:
+                self._sock.setblocking(True)
+                self._sock.settimeout(self._fork_timeout)
+                try:
+                    socket.send_fds(self._sock, [len(body).to_bytes(4, "big")],
+                                    [logf.fileno()])
+                    self._sock.sendall(body)
+                finally:
+                    self._sock.setblocking(False)
+        except OSError as exc:
+            self._fail(f"its channel broke: {exc}")
+            return None, f"worker template {self.reason}"
+        deadline = time.monotonic() + self._fork_timeout
+        while rid not in self._replies and self.state is TemplateState.READY:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._fail(f"no answer to a fork request in {self._fork_timeout:g} s")
+                break
+            self.pump(min(left, 0.5))
+        reply = self._replies.pop(rid, None)
+        if reply is None:
+            return None, f"worker template {self.state.value}: {self.reason}"
+        if "refused" in reply:
+            why = str(reply["refused"])[:300]
+            self._unsafe = True
+            self._fail(f"unsafe to fork: {why}")
+            return None, f"worker template unsafe to fork: {why}"
+        pid = reply.get("pid")
+        if not isinstance(pid, int) or pid <= 1:
+            self._fail("a malformed fork reply")
+            return None, "worker template sent a malformed reply"
+        proc = ForkedProcess(self, pid)
+        self._ranks[pid] = proc
+        if pid in self._statuses:
+            proc.returncode = os.waitstatus_to_exitcode(self._statuses.pop(pid))
+        return proc, ""
+
+    # -- the channel -------------------------------------------------------
+    def pump(self, timeout: float, check: bool = True) -> None:
+        """Read what the template said (waiting up to ``timeout`` for something)."""
+        if self._sock is None:
+            return
+        try:
+            readable, _, _ = select.select([self._sock], [], [], max(0.0, timeout))
+        except (OSError, ValueError):
+            readable = []
+        if not readable:
+            if check:
+                self._check_alive()
+            return
+        while self._sock is not None:
+            try:
+                data = self._sock.recv(1 << 16)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as exc:
+                self._fail(f"its channel broke: {exc}")
+                return
+            if not data:
+                self._gone()
+                return
+            self._buf += data
+            while b"\n" in self._buf:
+                line, self._buf = self._buf.split(b"\n", 1)
+                self._message(line)
+            if len(self._buf) > _MESSAGE_MAX:
+                self._fail("it sent an overlong message")
+                return
+
+    def _message(self, line: bytes) -> None:
+        try:
+            msg = json.loads(line)
+        except ValueError:
+            self._fail("it sent a malformed message")
+            return
+        if not isinstance(msg, dict):
+            return
+        if "exit" in msg:
+            pid, status = msg.get("exit"), msg.get("status")
+            if isinstance(pid, int) and isinstance(status, int):
+                proc = self._ranks.pop(pid, None)
+                if proc is not None:
+                    proc.returncode = os.waitstatus_to_exitcode(status)
+                else:
+                    self._statuses[pid] = status
+        elif "ready" in msg and self.state is TemplateState.STARTING:
+            if msg.get("unsafe"):
+                self._unsafe = True
+                self._fail(f"unsafe to fork: {str(msg['unsafe'])[:300]}")
+                return
+            self.state, self.was_ready = TemplateState.READY, True
+            self.ready_seconds = time.monotonic() - self.started_at
+            log.info("%s: worker template ready in %.2f s (pid %d, %d modules)",
+                     self._where(), self.ready_seconds, self.pid, int(msg.get("modules", 0)))
+        elif isinstance(msg.get("id"), int):
+            self._replies[msg["id"]] = msg
+
+    def _check_alive(self) -> None:
+        if self._proc is not None and self._proc.poll() is not None \
+                and self.state in (TemplateState.STARTING, TemplateState.READY):
+            self.pump(0.05, check=False)  # its last words first (exit statuses)
+            if self.state in (TemplateState.STARTING, TemplateState.READY):
+                self._gone()
+
+    def _gone(self) -> None:
+        """Its end of the channel closed: it exited (or is about to)."""
+        code = None
+        if self._proc is not None:
+            try:
+                code = self._proc.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:  # it closed the channel and lives on
+                workers.kill_group(self._proc.pid, signal.SIGKILL)
+        what = workers.describe_exit(code)[2] if code is not None else "closed its channel"
+        self._fail(f"it exited ({what}); see template.log")
+
+    def _fail(self, reason: str, state: TemplateState = TemplateState.FAILED) -> None:
+        if state is TemplateState.FAILED:
+            log.warning("%s: worker template unusable: %s; ranks start cold", self._where(),
+                        reason)
+        self.state, self.reason = state, reason
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        if self._proc is not None and self._proc.poll() is None:
+            workers.kill_group(self._proc.pid, signal.SIGKILL)
+            self._proc.wait()
+        self._orphan_ranks()
+
+    def _orphan_ranks(self) -> None:
+        """The ranks of a template that is gone died with it (PDEATHSIG); make sure,
+        and let them read as killed by SIGKILL."""
+        for pid, proc in self._ranks.items():
+            workers.kill_group(pid, signal.SIGKILL)
+            proc.returncode = -signal.SIGKILL
+        self._ranks.clear()
+        self._statuses.clear()
+
+
+def template_log_path(log_dir: str) -> str:
+    return os.path.join(log_dir, "template.log")
