@@ -132,6 +132,7 @@ def _hang_events(d: DaemonProc, job_id: str) -> list[tuple[int, str]]:
     return [(e.rank, e.reason) for e in d.events(job_id) if e.kind == "hang"]
 
 
+@pytest.mark.slow  # 40 s of a real hang and recovery at the defaults
 def test_a_rank_asleep_in_its_step_loop_is_killed_at_the_learned_timeout_at_defaults(
         daemon_factory):
     d = daemon_factory().start()  # the defaults: nothing shrunk
@@ -162,6 +163,7 @@ def test_a_rank_asleep_in_its_step_loop_is_killed_at_the_learned_timeout_at_defa
     assert took < 30, (took, _timeline(d, job_id, hang_at))
 
 
+@pytest.mark.slow  # 40 s of a real hang and recovery at the defaults
 def test_inprocess_a_rank_asleep_in_its_step_loop_is_replaced_at_the_learned_timeout(
         daemon_factory):
     d = daemon_factory().start()  # the defaults

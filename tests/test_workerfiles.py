@@ -134,7 +134,7 @@ def test_safe_path_puts_nothing_first(tmp_path):
     script = tmp_path / "s.py"
     script.write_text(PRINT_PATH0)
     out = subprocess.run([sys.executable, "-c",
-                          "import json, sys; from elasticd import warmstart; "
+                          "import json, sys; from elasticd.workers import warmstart; "
                           f"print(json.dumps(warmstart.entry_path([{str(script)!r}])))"],
                          env=dict(os.environ, PYTHONSAFEPATH="1"), capture_output=True,
                          text=True, timeout=60)

@@ -167,6 +167,7 @@ class Agent:
             cfg.agent.warm_preload, cfg.agent.warm_spare_nice)
         rendezvous.ready_to_join = self._ready_to_join
         self._join_said: set[str] = set()  # what _ready_to_join said of the template
+        self._join_wait_since = 0.0        # when it began to wait for the template to join
         a = cfg.agent
         self._template = WorkerTemplate(job_id, cfg.daemon.node_id, a.warm_preload,
                                         a.template_ready_timeout, a.template_fork_timeout)
@@ -361,13 +362,20 @@ class Agent:
         """Asked by the rendezvous before this node, not in the job's last round, says
         it waits to join ``state``'s running round or joins an open round that does not
         expect it: once its spares are warm (agent/newcomer.py), or its worker template is."""
+        limit = self._cfg.rendezvous.newcomer_warm_timeout  # 0: ask at once
         if self._cfg.agent.worker_template and self._template.state in (
                 TemplateState.STARTING, TemplateState.READY):
-            ready = self._template.ready(0)
+            if limit <= 0:
+                return True
+            now = time.monotonic()
+            self._join_wait_since = self._join_wait_since or now
+            ready = self._template.ready(0) or now - self._join_wait_since >= limit
             said = "ready" if ready else "waiting"
             if said not in self._join_said:  # once each: waiting, then ready
                 self._join_said.add(said)
-                why = ("worker template ready; asking to join" if ready else
+                why = (("worker template ready; asking to join" if self._template.ready(0) else
+                        f"worker template not ready after {limit:g}s; asking to join anyway")
+                       if ready else
                        "waiting for the worker template's imports before asking to join")
                 log.info("%s: %s", self._where(state.round), why)
                 self._registry.event(self.job_id, "info", f"round {state.round}: {why}")
