@@ -96,7 +96,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from ..hangs import timeouts as hang_timeouts
-from ..workers import inprocess_reports
+from ..workers import env as envnames, inprocess_reports
 from ..jobstore import address as jobstore_env
 from ._beat import current_phase, keepalive, last_beat, steps
 from .coord import BarrierTimeout, IterationStore, latest_iteration
@@ -104,7 +104,7 @@ from .records import RecordSealer
 
 log = logging.getLogger("elasticd.inprocess")
 
-ENV_PREFIX = "ELASTICD_INPROCESS_"
+ENV_PREFIX = envnames.INPROCESS_PREFIX
 STUCK_EXIT_CODE = 75  # a rank stuck outside Python ends itself with this code
 LIMITS_REREAD = 1.0   # seconds between reads of the daemon's learned limits
 
@@ -221,8 +221,8 @@ class _Run:
                              timeout=_td(self.s.barrier_timeout), wait_for_workers=False)
         # One prefix per round and process attempt: a store that outlives a round (its
         # node stays the first member) never hands a new group an old group's keys.
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        rnd = os.environ.get("ELASTICD_ROUND", "0")
+        attempt = os.environ.get(envnames.TORCHRUN_RESTART_COUNT, "0")
+        rnd = os.environ.get(envnames.ROUND, "0")
         # ... under a prefix derived from the job's secret, every record sealed with a key
         # derived from it too: whoever connects can see keys but cannot forge records.
         secret = os.environ.get(jobstore_env.SECRET, "")
@@ -235,7 +235,7 @@ class _Run:
                                    label=f"r{rnd}a{attempt}/", on_first_reject=lambda kind:
                                    self.report.write({"kind": "forged", "record": kind}))
         iteration, fault, fault_time = 0, "", 0.0
-        replaces = os.environ.get("ELASTICD_INPROCESS_REPLACES", "")
+        replaces = os.environ.get(envnames.INPROCESS_REPLACES, "")
         if replaces:
             iteration, fault = self._join_point(root, replaces)
             fault_time = time.time()
@@ -472,7 +472,7 @@ def _exit_stuck(rank: int, main_tid: int, grace: float, fault: str, report: "_Re
 
 def _write_error_file(message: str, stack: str) -> None:
     """torch's @record error file (TORCHELASTIC_ERROR_FILE), which the daemon reads."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    path = os.environ.get(envnames.ERROR_FILE)
     if not path:
         return
     data = {"message": {"message": message,
