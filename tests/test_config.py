@@ -233,3 +233,15 @@ def test_describe_lists_every_setting_with_its_env_name():
         for f in dataclasses.fields(cls):
             assert f"  {f.name} = " in text
             assert f"ELASTICD_{sname}_{f.name}".upper() in text
+
+
+def test_inprocess_section_is_the_wrappers_settings_type_and_imports_no_torch():
+    """One definition of the in-process settings (inprocess/settings.py) for the config
+    and the wrapper; loading the config still imports no torch."""
+    import subprocess
+    import sys
+    from elasticd.inprocess import settings
+    assert config.InprocessSettings is settings.InprocessSettings
+    code = ("import sys, elasticd.config; assert 'torch' not in sys.modules, "
+            "'config imported torch'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

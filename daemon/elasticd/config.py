@@ -18,6 +18,8 @@ import tomllib
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from .inprocess.settings import InprocessSettings  # shared with the wrapper
+
 DEFAULT_CONFIG_PATH = "/etc/elasticd/elasticd.toml"
 ENV_PREFIX = "ELASTICD_"
 
@@ -309,42 +311,6 @@ class AgentSettings:
                                              "across nodes keeps the fixed hang timeouts "
                                              "(below agent.hang_learn_floor)",
                                         min=0.5, max=3600)
-
-
-@dataclass(frozen=True)
-class InprocessSettings:
-    """The first rung of the restart ladder (elasticd.inprocess.Wrapper, ``--inprocess`` jobs).
-
-    Each field reaches the workers as ELASTICD_INPROCESS_<NAME> (a job's own
-    ``--env`` wins), where the wrapper reads it; the daemon uses the budget
-    to decide whether a dead rank is replaced in place or the group restarts.
-    """
-    soft_timeout: float = _setting(60.0, "seconds without a progress beat before a rank reports "
-                                         "itself stalled and every rank restarts in-process",
-                                   min=0, exclusive_min=True, max=86400)
-    hard_timeout: float = _setting(90.0, "seconds a collective may block before it fails (the "
-                                         "process group's timeout); a rank not back in Python "
-                                         "hard - soft seconds after its function was stopped "
-                                         "ends itself (stacks in its log) and is replaced",
-                                   min=0, exclusive_min=True, max=86400)
-    barrier_timeout: float = _setting(240.0, "seconds the ranks wait for each other (a replaced "
-                                             "rank included) at the start of an iteration "
-                                             "before falling back to a process restart",
-                                      min=0, exclusive_min=True, max=86400)
-    monitor_interval: float = _setting(0.1, "seconds between a rank's looks for a fault "
-                                            "reported by another rank",
-                                       min=0.005, max=60)
-    max_restarts: int = _setting(8, "in-process restarts (iterations) per process attempt, "
-                                    "replaced ranks included, before a process restart",
-                                 min=0, max=1_000_000)
-    repeat_limit: int = _setting(3, "faults within repeat_window that make in-process restart "
-                                    "give up for a process restart (a fault that keeps "
-                                    "coming back may be state a fresh process clears)",
-                                 min=1, max=1_000_000)
-    repeat_window: float = _setting(30.0, "seconds over which repeat_limit faults are counted",
-                                    min=0, max=86400)
-    backoff: float = _setting(0.0, "seconds every rank waits before re-entering the training "
-                                   "function after a fault", min=0, max=3600)
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from typing import Callable
 
 from . import failures
 from ..jobstore import address as jobstore_env
-from ..workers import preload
+from ..workers import env as envnames, preload
 from ..config import Config
 from ..gpus.alloc import Binding
 from ..jobs.registry import JobRecord, JobRegistry
@@ -640,7 +640,7 @@ class Agent:
             self._progress.forget(w.rank)
             cause = failure.cause
             try:
-                new = group.replace(w, self._spares, {"ELASTICD_INPROCESS_REPLACES": cause},
+                new = group.replace(w, self._spares, {envnames.INPROCESS_REPLACES: cause},
                                     cause)
             except SpawnError as exc:
                 # Nothing to join the others: they fall back at their barrier; restart now.
@@ -774,7 +774,7 @@ class Agent:
             self._registry.event(job.id, "info", f"round {rdzv.round}: its first node hosts no "
                                  "job store; this round restarts processes only")
             return spec
-        settings = {f"ELASTICD_INPROCESS_{name.upper()}": str(value)
+        settings = {envnames.INPROCESS_PREFIX + name.upper(): str(value)
                     for name, value in dataclasses.asdict(self._cfg.inprocess).items()}
         defaults = {k: v for k, v in settings.items() if k not in job.env}  # --env wins
         # The secret came with the job (made at submit); a job from a daemon that did not

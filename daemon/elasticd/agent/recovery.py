@@ -15,6 +15,7 @@ import dataclasses
 import logging
 
 from ..config import Config
+from ..workers import env as envnames
 from ..workers.inprocess_reports import ReportReader, report_path
 from ..jobs.registry import JobRecord, JobRegistry
 from .ladder import Ladder, Layer
@@ -54,7 +55,7 @@ class Recovery:
         return self.ladder
 
     def _inprocess_budget(self, job: JobRecord) -> int:
-        raw = job.env.get("ELASTICD_INPROCESS_MAX_RESTARTS")
+        raw = job.env.get(envnames.INPROCESS_MAX_RESTARTS)
         try:
             return max(0, int(raw)) if raw is not None else self._cfg.inprocess.max_restarts
         except ValueError:

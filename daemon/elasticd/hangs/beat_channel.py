@@ -13,12 +13,13 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from ..workers import env as envnames
 from ..workers import files as workerfiles
 from .timeouts import LIMITS_FILE_ENV, write_limits_file
 from ..workers.contract import beats as contract
 
 WORKER_SITE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "worker_site")
-HEARTBEAT_ENV = "ELASTICD_HEARTBEAT_FILE"
+HEARTBEAT_ENV = envnames.HEARTBEAT_FILE
 
 
 # ---------------------------------------------------------------- worker env
@@ -31,11 +32,11 @@ def site_env(env: dict) -> dict[str, str]:
 
 
 def heartbeat_file(run_dir: str, rank: int) -> str:
-    return os.path.join(run_dir, f"heartbeat-rank{rank}")
+    return os.path.join(run_dir, envnames.HEARTBEAT_FILE_NAME.format(rank=rank))
 
 
 def limits_file(run_dir: str) -> str:
-    return os.path.join(run_dir, "hang-limits.json")
+    return os.path.join(run_dir, envnames.LIMITS_FILE_NAME)
 
 
 def rank_env(run_dir: str, rank: int) -> dict[str, str]:

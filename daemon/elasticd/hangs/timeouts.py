@@ -45,8 +45,10 @@ import secrets
 import stat
 from dataclasses import dataclass, replace
 
+from ..workers import env as envnames
+
 STEADY_PHASES = ("train", "forward")
-LIMITS_FILE_ENV = "ELASTICD_HANG_LIMITS_FILE"
+LIMITS_FILE_ENV = envnames.LIMITS_FILE
 LIMITS_FILE_MAX = 64 * 1024
 MAX_PHASES = 64     # per job: beyond that, new section names are not learned (bounded state)
 

@@ -96,15 +96,15 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from ..hangs import timeouts as hang_timeouts
-from ..workers import inprocess_reports
+from ..workers import env as envnames, inprocess_reports
 from ..jobstore import address as jobstore_env
 from ._beat import current_phase, keepalive, last_beat, steps
 from .coord import BarrierTimeout, IterationStore, latest_iteration
 from .records import RecordSealer
+from .settings import ENV_PREFIX, InprocessSettings, from_env, problems  # noqa: F401
 
 log = logging.getLogger("elasticd.inprocess")
 
-ENV_PREFIX = "ELASTICD_INPROCESS_"
 STUCK_EXIT_CODE = 75  # a rank stuck outside Python ends itself with this code
 LIMITS_REREAD = 1.0   # seconds between reads of the daemon's learned limits
 
@@ -118,52 +118,18 @@ class RestartAbandoned(RuntimeError):
 
 
 @dataclass(frozen=True)
-class InProcessSettings:
-    soft_timeout: float = 60.0
-    hard_timeout: float = 90.0
-    barrier_timeout: float = 240.0
-    monitor_interval: float = 0.1
-    max_restarts: int = 8
-    repeat_limit: int = 3
-    repeat_window: float = 30.0
-    backoff: float = 0.0
+class InProcessSettings(InprocessSettings):
+    """The daemon's [inprocess] settings (inprocess/settings.py), checked on construction."""
 
     def __post_init__(self):
-        bad = []
-        if not 0 < self.soft_timeout < self.hard_timeout < self.barrier_timeout:
-            bad.append(f"need 0 < soft_timeout < hard_timeout < barrier_timeout, got "
-                       f"{self.soft_timeout:g} / {self.hard_timeout:g} / "
-                       f"{self.barrier_timeout:g}")
-        if not 0 < self.monitor_interval < self.soft_timeout:
-            bad.append(f"monitor_interval must be > 0 and below soft_timeout, got "
-                       f"{self.monitor_interval:g}")
-        if self.max_restarts < 0:
-            bad.append(f"max_restarts must be >= 0, got {self.max_restarts}")
-        if self.repeat_limit < 1:
-            bad.append(f"repeat_limit must be >= 1, got {self.repeat_limit}")
-        if self.repeat_window < 0 or self.backoff < 0:
-            bad.append(f"repeat_window and backoff must be >= 0, got {self.repeat_window:g} "
-                       f"and {self.backoff:g}")
+        bad = problems(self)
         if bad:
             raise ValueError("elasticd.inprocess settings: " + "; ".join(bad))
 
     @classmethod
     def resolve(cls, env=None, **given) -> "InProcessSettings":
         """Given values, else ``ELASTICD_INPROCESS_<NAME>`` from ``env``, else defaults."""
-        env = os.environ if env is None else env
-        values = {}
-        for name, f in cls.__dataclass_fields__.items():
-            if given.get(name) is not None:
-                values[name] = given[name]
-                continue
-            raw = env.get(ENV_PREFIX + name.upper())
-            if raw:
-                try:
-                    values[name] = int(raw) if f.type in ("int", int) else float(raw)
-                except ValueError:
-                    raise ValueError(f"{ENV_PREFIX}{name.upper()}: not a number: {raw!r}") \
-                        from None
-        return cls(**values)
+        return from_env(cls, os.environ if env is None else env, given)
 
 
 class Wrapper:
@@ -221,8 +187,8 @@ class _Run:
                              timeout=_td(self.s.barrier_timeout), wait_for_workers=False)
         # One prefix per round and process attempt: a store that outlives a round (its
         # node stays the first member) never hands a new group an old group's keys.
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        rnd = os.environ.get("ELASTICD_ROUND", "0")
+        attempt = os.environ.get(envnames.TORCHRUN_RESTART_COUNT, "0")
+        rnd = os.environ.get(envnames.ROUND, "0")
         # ... under a prefix derived from the job's secret, every record sealed with a key
         # derived from it too: whoever connects can see keys but cannot forge records.
         secret = os.environ.get(jobstore_env.SECRET, "")
@@ -235,7 +201,7 @@ class _Run:
                                    label=f"r{rnd}a{attempt}/", on_first_reject=lambda kind:
                                    self.report.write({"kind": "forged", "record": kind}))
         iteration, fault, fault_time = 0, "", 0.0
-        replaces = os.environ.get("ELASTICD_INPROCESS_REPLACES", "")
+        replaces = os.environ.get(envnames.INPROCESS_REPLACES, "")
         if replaces:
             iteration, fault = self._join_point(root, replaces)
             fault_time = time.time()
@@ -472,7 +438,7 @@ def _exit_stuck(rank: int, main_tid: int, grace: float, fault: str, report: "_Re
 
 def _write_error_file(message: str, stack: str) -> None:
     """torch's @record error file (TORCHELASTIC_ERROR_FILE), which the daemon reads."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    path = os.environ.get(envnames.ERROR_FILE)
     if not path:
         return
     data = {"message": {"message": message,

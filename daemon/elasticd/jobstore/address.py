@@ -27,9 +27,11 @@ import hashlib
 import hmac
 import secrets
 
-ADDR = "ELASTICD_STORE_ADDR"
-PORT = "ELASTICD_STORE_PORT"
-SECRET = "ELASTICD_STORE_SECRET"
+from ..workers import env as envnames
+
+ADDR = envnames.STORE_ADDR
+PORT = envnames.STORE_PORT
+SECRET = envnames.STORE_SECRET
 SECRET_BYTES = 16   # 128 bits
 
 

@@ -59,6 +59,8 @@ import os
 import sys
 import time
 
+# The worker contract (elasticd/workers/env.py): copies, as this file runs without
+# elasticd on the path; tests/test_worker_env.py checks them equal.
 ENV_VAR = "ELASTICD_HEARTBEAT_FILE"
 MIN_INTERVAL = 0.1  # seconds; at most ~10 same-phase writes a second
 RECORD_BYTES = 96

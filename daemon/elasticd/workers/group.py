@@ -23,7 +23,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 
-from . import inprocess_reports, preload, files as workerfiles
+from . import inprocess_reports, preload, env as envnames, files as workerfiles
 from ..jobstore import address as jobstore_env
 from ..hangs import detector as progress
 from .. import statedir
@@ -130,26 +130,26 @@ def worker_env(spec: GroupSpec, local_rank: int) -> dict[str, str]:
     rank = spec.rank_offset + local_rank
     env = base_env(spec)
     env.update({
-        "RANK": str(rank),
-        "LOCAL_RANK": str(local_rank),
-        "WORLD_SIZE": str(spec.world_size),
-        "LOCAL_WORLD_SIZE": str(spec.nproc),
-        "GROUP_RANK": str(spec.group_rank),
-        "GROUP_WORLD_SIZE": str(spec.group_world_size),
-        "ROLE_RANK": str(rank),
-        "ROLE_WORLD_SIZE": str(spec.world_size),
-        "ROLE_NAME": "default",
-        "MASTER_ADDR": spec.master_addr,
-        "MASTER_PORT": str(spec.master_port),
-        "TORCHELASTIC_RESTART_COUNT": str(spec.restart_count),
-        "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
-        "TORCHELASTIC_RUN_ID": spec.job_id,
-        "TORCHELASTIC_USE_AGENT_STORE": "False",
-        "TORCHELASTIC_ERROR_FILE": error_file_path(spec, rank),
+        envnames.TORCHRUN_RANK: str(rank),
+        envnames.TORCHRUN_LOCAL_RANK: str(local_rank),
+        envnames.TORCHRUN_WORLD_SIZE: str(spec.world_size),
+        envnames.TORCHRUN_LOCAL_WORLD_SIZE: str(spec.nproc),
+        envnames.TORCHRUN_GROUP_RANK: str(spec.group_rank),
+        envnames.TORCHRUN_GROUP_WORLD_SIZE: str(spec.group_world_size),
+        envnames.TORCHRUN_ROLE_RANK: str(rank),
+        envnames.TORCHRUN_ROLE_WORLD_SIZE: str(spec.world_size),
+        envnames.TORCHRUN_ROLE_NAME: "default",
+        envnames.TORCHRUN_MASTER_ADDR: spec.master_addr,
+        envnames.TORCHRUN_MASTER_PORT: str(spec.master_port),
+        envnames.TORCHRUN_RESTART_COUNT: str(spec.restart_count),
+        envnames.TORCHRUN_MAX_RESTARTS: str(spec.max_restarts),
+        envnames.TORCHRUN_RUN_ID: spec.job_id,
+        envnames.TORCHRUN_USE_AGENT_STORE: "False",
+        envnames.ERROR_FILE: error_file_path(spec, rank),
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": spec.env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
-        "ELASTICD_JOB_ID": spec.job_id,
-        "ELASTICD_ROUND": str(spec.round),
-        "ELASTICD_NODE_ID": spec.node_id,
+        envnames.JOB_ID: spec.job_id,
+        envnames.ROUND: str(spec.round),
+        envnames.NODE_ID: spec.node_id,
     })
     env.update(progress.rank_env(spec.run_dir, rank))  # hang detection: where it beats
     env.update(spec.device_env)  # its GPUs: over whatever the submitter's shell had
@@ -163,7 +163,8 @@ def worker_env(spec: GroupSpec, local_rank: int) -> dict[str, str]:
 
 
 def error_file_path(spec: GroupSpec, rank: int) -> str:
-    return os.path.join(spec.run_dir, f"error-rank{rank}-restart{spec.restart_count}.json")
+    return os.path.join(spec.run_dir, envnames.ERROR_FILE_NAME.format(
+        rank=rank, restart=spec.restart_count))
 
 
 def log_file_path(log_dir: str, rank: int) -> str:
@@ -236,7 +237,7 @@ class WorkerGroup:
         rank = spec.rank_offset + local_rank
         env = worker_env(spec, local_rank)
         env.update(extra_env or {})
-        err = env["TORCHELASTIC_ERROR_FILE"]
+        err = env[envnames.ERROR_FILE]
         try:
             os.unlink(err)
         except FileNotFoundError:
@@ -439,7 +440,7 @@ class SparePool:
         if args is None:
             return 0
         user_kwargs = as_user_kwargs(spec.uid, spec.gid)
-        env = dict(base_env(spec), ELASTICD_WARM_PRELOAD=",".join(preload))
+        env = dict(base_env(spec), **{envnames.WARM_PRELOAD: ",".join(preload)})
         started = 0
         for local_rank in range(spec.nproc):
             spare = self._spares.get(local_rank)

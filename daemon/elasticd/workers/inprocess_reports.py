@@ -27,18 +27,20 @@ import json
 import logging
 import os
 
+from . import env as envnames
 from . import files as workerfiles
 
 log = logging.getLogger("elasticd.workers.inprocess_reports")
 
-ENV = "ELASTICD_INPROCESS_REPORT"
+ENV = envnames.INPROCESS_REPORT
 MAX_READ = 64 * 1024
 _TEXT_LIMIT = 2000
 _RECORD_LIMIT = 40   # the kind of a record, e.g. "fault", "done marker"
 
 
 def report_path(run_dir: str, rank: int, restart_count: int) -> str:
-    return os.path.join(run_dir, f"inprocess-rank{rank}-restart{restart_count}.jsonl")
+    return os.path.join(run_dir, envnames.INPROCESS_REPORT_NAME.format(
+        rank=rank, restart=restart_count))
 
 
 def parse_line(line: bytes) -> dict | None:

@@ -16,15 +16,16 @@ from __future__ import annotations
 import os
 import re
 
+from . import env as envnames
 from . import files as workerfiles
 
-ENV = "ELASTICD_PRELOAD_REPORT"
+ENV = envnames.PRELOAD_REPORT
 MAX_BYTES = 16 * 1024
 _NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,99}\Z")
 
 
 def report_path(run_dir: str) -> str:
-    return os.path.join(run_dir, "preload-report.txt")
+    return os.path.join(run_dir, envnames.PRELOAD_REPORT_NAME)
 
 
 def valid_names(names, limit: int, already=()) -> list[str]:

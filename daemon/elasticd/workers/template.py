@@ -33,7 +33,7 @@ import socket
 import subprocess
 import time
 
-from . import group as workers
+from . import env as envnames, group as workers
 from ..logsetup import ctx
 
 log = logging.getLogger("elasticd.workers.template")
@@ -133,9 +133,10 @@ class WorkerTemplate:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         # ELASTICD_JOB_ID: the template and every rank it forks read as the job's in
         # /proc/PID/environ (a rank's is the template's: see README "Worker template").
-        env = dict(workers.base_env(spec), ELASTICD_WARM_PRELOAD=",".join(self._preload),
-                   ELASTICD_JOB_ID=spec.job_id,
-                   ELASTICD_LEARNED_PRELOAD=",".join(learned or []))
+        env = dict(workers.base_env(spec), **{
+            envnames.WARM_PRELOAD: ",".join(self._preload),
+            envnames.JOB_ID: spec.job_id,
+            envnames.LEARNED_PRELOAD: ",".join(learned or [])})
         try:
             workers.prepare_dirs(spec)
             self._proc = workers.start_job_process(

@@ -30,6 +30,10 @@ import sys
 import time
 
 TEMPLATE_FLAG = "--template"
+# The worker contract (workers/env.py; runs without elasticd on the path, so copies,
+# checked equal by tests/test_worker_env.py).
+WARM_PRELOAD_ENV = "ELASTICD_WARM_PRELOAD"
+LEARNED_PRELOAD_ENV = "ELASTICD_LEARNED_PRELOAD"
 
 
 def entry_path(args: list) -> str | None:
@@ -74,7 +78,7 @@ def _set_entry(args: list) -> bool:
 
 
 def _preload() -> None:
-    names = os.environ.get("ELASTICD_WARM_PRELOAD", "torch,torch.distributed")
+    names = os.environ.get(WARM_PRELOAD_ENV, "torch,torch.distributed")
     for name in filter(None, (n.strip() for n in names.split(","))):
         try:
             __import__(name)
@@ -258,7 +262,7 @@ def _preload_learned(timeout: float = 60.0) -> None:
     """Import the modules the daemon learned this job uses (workers/preload.py), only those a
     throw-away child imported without error and without starting a thread or CUDA."""
     import select
-    names = [n for n in os.environ.get("ELASTICD_LEARNED_PRELOAD", "").split(",") if n]
+    names = [n for n in os.environ.get(LEARNED_PRELOAD_ENV, "").split(",") if n]
     if not names:
         return
     rfd, wfd = os.pipe()
