@@ -167,6 +167,9 @@ class Agent:
             cfg.agent.warm_preload, cfg.agent.warm_spare_nice)
         rendezvous.ready_to_join = self._ready_to_join
         self._join_said: set[str] = set()  # what _ready_to_join said of the template
+        # The job's round state as this agent last read it: from the round it joined
+        # (next_round's result) and from each status look while it runs.
+        self._round_state: RoundState | None = None
         self._join_wait_since = 0.0        # when it began to wait for the template to join
         a = cfg.agent
         self._template = WorkerTemplate(job_id, cfg.daemon.node_id, a.warm_preload,
@@ -274,7 +277,8 @@ class Agent:
                 self.wake.wait(self._cfg.membership.watch_retry)
                 continue
             self._newcomer.reset()
-            state = self._rdzv.last_state
+            self._round_state = result.state or self._round_state
+            state = self._round_state
             job = self._registry.update(
                 self.job_id, round=result.round,
                 **({"restarts": state.restarts, "restart_times": list(state.restart_times)}
@@ -400,7 +404,7 @@ class Agent:
         return check.ask
 
     def _next_round_number(self, job: JobRecord) -> int:
-        state = self._rdzv.last_state
+        state = self._round_state
         return (state.round + 1) if state and state.status != "open" else job.round + 1
 
     def _monitor(self, group: WorkerGroup, result: Result, started_warm: bool) -> Decision:
@@ -428,7 +432,9 @@ class Agent:
                 # etcd is away: training goes on; decide on the workers alone.
                 log.debug("%s: round status unknown: %s", self._where(result.round), exc)
                 round_status, peers_done = CURRENT, False
-            state = self._rdzv.last_state
+            if round_status.state is not None:
+                self._round_state = round_status.state
+            state = self._round_state
             restarts = state.restarts if state else job_restarts
             decision = decide(Snapshot(
                 tuple(outcomes), restarts, max_restarts, cancel, self.shutting_down,
@@ -502,7 +508,7 @@ class Agent:
 
     def _final(self, decision: Decision, group: WorkerGroup, result: Result) -> bool:
         rows = self._stopped_rows(group)
-        self._end_as(self._rdzv.last_state, rows)
+        self._end_as(self._round_state, rows)
         return False
 
     def _new_round(self, decision: Decision, group: WorkerGroup, result: Result) -> bool:
@@ -514,7 +520,7 @@ class Agent:
             self._no_progress_streak = 0  # another node's fault ended a good attempt
         self._stop_group(group)
         self._publish(group)
-        state = self._rdzv.last_state
+        state = self._round_state
         layer = decision.layer or Layer.PROCESS
         self._recovery.ladder.begin(layer, decision.reason or "a new round opened", time.time())
         if act is Action.NODE_LOST:

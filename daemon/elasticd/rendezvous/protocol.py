@@ -198,6 +198,8 @@ class Result:
     # first member's (it hosts rank 0's MASTER_PORT too); empty if it has none.
     store_addr: str = ""
     store_port: int = 0
+    # The closed round's state this result was read from (restarts, restart times).
+    state: "RoundState | None" = field(default=None, compare=False, repr=False)
 
 
 def order_members(joins: list[Join]) -> tuple[Member, ...]:
@@ -278,4 +280,4 @@ def result_for(state: RoundState, node_id: str) -> Result | None:
                   rank_offset=sum(m.nproc for m in state.members[:index]),
                   master_addr=master.address, master_port=master.port,
                   members=tuple(ids), store_addr=master.address if master.store_port else "",
-                  store_port=master.store_port)
+                  store_port=master.store_port, state=state)

@@ -9,6 +9,8 @@ compare-and-swap of the state.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import logging
 import threading
@@ -62,7 +64,6 @@ class ClusterRendezvous:
         self._joined: dict[int, int] = {}   # round -> revision of our join put
         self._written = 0                    # revision of our last state write
         self.prev_rank = -1
-        self.last_state: RoundState | None = None
         # The last round next_round returned, and a new round we asked for that
         # may not have reached etcd: a round is never run twice (see next_round).
         self._ran: Result | None = None
@@ -124,7 +125,6 @@ class ClusterRendezvous:
             if state is None:
                 self._view.wait(self._poll, seen)
                 continue
-            self.last_state = state
             if state.final:
                 raise RoundFinal(state)
             if state.status == OPEN:
@@ -188,12 +188,15 @@ class ClusterRendezvous:
 
     # -- while running -------------------------------------------------------------
     def status(self, result: Result) -> RoundStatus:
-        """Whether ``result``'s round still stands, and if not, why."""
+        """Whether ``result``'s round still stands, and if not, why (with the round
+        state the answer was read from)."""
         keys = self._view.job(self.job_id)
         state = keys.state if keys else None
         if state is None:
             return RoundStatus(StatusKind.SUPERSEDED, "the job's round state is gone")
-        self.last_state = state
+        return dataclasses.replace(self._judge(result, keys, state), state=state)
+
+    def _judge(self, result: Result, keys, state: RoundState) -> RoundStatus:
         if state.final:
             return RoundStatus(StatusKind.FINAL, state.reason or state.status)
         if state.round != result.round or state.status != CLOSED:

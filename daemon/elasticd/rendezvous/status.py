@@ -3,14 +3,15 @@
 Each monitor tick the agent (and torchrun's handler) asks; the answer is one
 ``RoundStatus``: its ``kind``, the nodes it names (lost, or waiting to join),
 the cause of the round that superseded ours (``protocol.RoundCause``), and
-``why`` in words for the job's reason and the log (never parsed). No I/O.
+``why`` in words for the job's reason and the log (never parsed), and the
+round state it was read from. No I/O.
 """
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from .protocol import RoundCause
+from .protocol import RoundCause, RoundState
 
 
 class StatusKind(enum.Enum):
@@ -27,6 +28,8 @@ class RoundStatus:
     why: str = ""
     nodes: tuple[str, ...] = ()               # LOST: the lost nodes; WAITING: those waiting
     cause: RoundCause = RoundCause.FAULT      # SUPERSEDED: why the new round opened
+    # The job's round state the answer was read from (None: none was read).
+    state: RoundState | None = field(default=None, compare=False, repr=False)
 
 
 CURRENT = RoundStatus(StatusKind.CURRENT)
