@@ -17,16 +17,14 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-import subprocess
 
 import psutil
 import pytest
 
-from daemons import short_tmpdir
 from elasticd.v1 import control_pb2 as pb
-from test_local_trust import (NOGROUP, PY, _PYTHONPATH, User, _listening, _log, _secret_of,
-                              everything_shown, status, submit_as, submitted, wait_for)
+from test_local_trust import (PY, _PYTHONPATH, _listening, _log, _secret_of, everything_shown,
+                              real_users, status, submit_as, submitted, wait_for)
+from test_local_trust import node  # noqa: F401 (a fixture: the same root daemon)
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0,
                                 reason="needs root: real users are created and the daemon "
@@ -35,34 +33,10 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0,
 USERS = ("h14_victim", "h14_mallory")
 
 
-def _drop_users() -> None:
-    for name in USERS:
-        subprocess.run(["userdel", name], capture_output=True)
-
-
 @pytest.fixture(scope="module")
 def users():
-    base = short_tmpdir("h14-home-")
-    _drop_users()  # left over from an interrupted run
-    made = {}
-    try:
-        for name in USERS:
-            home = os.path.join(base, name)
-            subprocess.run(["useradd", "-M", "-U", "-d", home, "-s", "/usr/sbin/nologin", name],
-                           check=True, capture_output=True)
-            made[name.split("_", 1)[1]] = User(name, home)
-            made[name.split("_", 1)[1]].mkdir(home, 0o700)
+    with real_users(USERS, "h14-home-") as made:
         yield made
-    finally:
-        _drop_users()
-        shutil.rmtree(base, ignore_errors=True)
-
-
-@pytest.fixture
-def node(daemon_factory):
-    """A root daemon whose socket the test users may use (group nogroup)."""
-    return daemon_factory(slots=2, extra_args=("--set", f"daemon.socket_group={NOGROUP}",
-                                               "--set", "agent.warm_spare_delay=0.5")).start()
 
 
 # mallory's script: waits for the victim's iteration 1, then forges and replays.

@@ -20,6 +20,7 @@ away (issue 14, reproductions 3-7):
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pwd
@@ -75,18 +76,19 @@ class User:
         return path
 
 
-def _drop_users() -> None:
-    for name in USERS:
-        subprocess.run(["userdel", name], capture_output=True)
+@contextlib.contextmanager
+def real_users(names: tuple, home_prefix: str):
+    """Real unprivileged users ``PREFIX_ROLE`` for the block, each with a private home,
+    as ``{role: User}``; deleted after it (and before: left from an interrupted run)."""
+    def drop() -> None:
+        for name in names:
+            subprocess.run(["userdel", name], capture_output=True)
 
-
-@pytest.fixture(scope="module")
-def users():
-    base = short_tmpdir("h14b-home-")
-    _drop_users()  # left over from an interrupted run
+    base = short_tmpdir(home_prefix)
+    drop()
     made = {}
     try:
-        for name in USERS:
+        for name in names:
             home = os.path.join(base, name)
             subprocess.run(["useradd", "-M", "-U", "-d", home, "-s", "/usr/sbin/nologin", name],
                            check=True, capture_output=True)
@@ -94,8 +96,14 @@ def users():
             made[name.split("_", 1)[1]].mkdir(home, 0o700)
         yield made
     finally:
-        _drop_users()
+        drop()
         shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def users():
+    with real_users(USERS, "h14b-home-") as made:
+        yield made
 
 
 @pytest.fixture
