@@ -11,10 +11,12 @@ import atexit
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 
 import psutil
 
@@ -211,3 +213,30 @@ def worker_pids_under(state_dir: str) -> list[int]:
     return found
 
 
+def free_port() -> int:
+    """A port free on loopback now (another process may take it before it is bound)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape(port: int) -> str:
+    """The daemon's /metrics page."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        return resp.read().decode()
+
+
+def start_with_metrics(tries: int = 3) -> tuple[DaemonProc, int]:
+    """A started daemon serving metrics on a free port, and the port; a port taken
+    between finding and binding it is tried again with another."""
+    for attempt in range(tries):
+        port = free_port()
+        d = DaemonProc(short_tmpdir(), extra_args=("--metrics-port", str(port)))
+        try:
+            d.start()
+            return d, port
+        except RuntimeError:
+            if "metrics endpoint" not in d.log() or attempt == tries - 1:
+                raise
+            shutil.rmtree(d.root, ignore_errors=True)
+    raise AssertionError("unreachable")

@@ -16,16 +16,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-import socket
 import sys
 import textwrap
 import time
-import urllib.request
 
 import pytest
 
-from daemons import DaemonProc, short_tmpdir
+from daemons import DaemonProc, scrape, start_with_metrics
 from elasticd.v1 import control_pb2 as pb
 
 PY = sys.executable
@@ -284,29 +281,8 @@ STRAGGLER = textwrap.dedent("""
 """)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _scrape(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
-        return resp.read().decode()
-
-
 def test_a_rank_slowed_3x_is_named_the_straggler_in_status_and_metrics():
-    d = None
-    for _ in range(3):  # the free port may be taken between finding and binding it
-        port = _free_port()
-        d = DaemonProc(short_tmpdir(), extra_args=("--metrics-port", str(port)))
-        try:
-            d.start()
-            break
-        except RuntimeError:
-            if "metrics endpoint" not in d.log():
-                raise
-            shutil.rmtree(d.root, ignore_errors=True)
+    d, port = start_with_metrics()
     try:
         job_id = d.submit(PY, _script(d, "straggler.py", STRAGGLER), nproc=2, max_restarts=0,
                           env={"RUN_FOR": "120"})
@@ -321,7 +297,7 @@ def test_a_rank_slowed_3x_is_named_the_straggler_in_status_and_metrics():
         assert straggler.get("rank") == 1 and straggler["ratio"] > 2, status
         table = d.ctl("status", job_id).stdout
         assert "straggler:    rank 1:" in table, table
-        text = _scrape(port)
+        text = scrape(port)
         assert f'elasticd_job_slowest_rank{{job_id="{job_id}"}} 1.0' in text, text[-3000:]
         ratio = re.search(rf'^elasticd_job_straggler_ratio{{job_id="{job_id}"}} ([\d.]+)$',
                           text, re.M)

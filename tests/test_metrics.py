@@ -5,17 +5,15 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from daemons import DaemonProc, short_tmpdir
+from daemons import free_port, scrape, start_with_metrics
 from elasticd import __version__
 from elasticd.jobs.registry import JobRecord, JobRegistry
 from elasticd.agent.ladder import Layer
@@ -32,17 +30,6 @@ PROMTOOL_MISSING = "needs promtool (Debian package `prometheus`; scripts/setup.s
 
 
 # -- helpers ---------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def scrape(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
-        return resp.read().decode()
-
-
 def samples(text: str) -> dict[tuple, float]:
     """{(sample name, ((label, value), ...)): value} of a scrape."""
     out = {}
@@ -94,17 +81,7 @@ def metric_names_in(expr: str) -> set[str]:
 @pytest.fixture(scope="module")
 def faulted():
     """(scrape text, the job's events) after a 2-rank job whose rank 1 crashes once."""
-    d = None
-    for _ in range(3):  # the free port may be taken between finding and binding it
-        port = free_port()
-        d = DaemonProc(short_tmpdir(), extra_args=("--metrics-port", str(port)))
-        try:
-            d.start()
-            break
-        except RuntimeError:
-            if "metrics endpoint" not in d.log():
-                raise
-            shutil.rmtree(d.root, ignore_errors=True)
+    d, port = start_with_metrics()
     try:
         job_id = d.submit(sys.executable, "-m", "elasticd.examples.train", "--steps", "40",
                           "--crash-at-step", "10", nproc=2)
