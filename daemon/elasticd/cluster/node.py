@@ -70,12 +70,13 @@ def advertised_address(cfg: Config) -> str:
 
 
 class Cluster:
-    def __init__(self, cfg: Config, store: Store, slots_info=None, gpu_info=None):
+    def __init__(self, cfg: Config, store: Store):
         self.cfg = cfg
-        self._gpu_info = gpu_info              # () -> the GPU fields of the record
         self.store = store
         self.address = advertised_address(cfg)
-        self._slots_info = slots_info          # () -> (slots_free, [job ids]); see capacity_from
+        # What the node record reads from the job manager: set by capacity_from.
+        self._slots_info = None                # () -> (slots_free, [job ids])
+        self._gpu_info = None                  # () -> the GPU fields of the record
         self._started_at = time.time()
         m = cfg.membership
         self.keeper = LeaseKeeper(store, cfg.daemon.node_id, m.lease_ttl, m.refresh_interval,
