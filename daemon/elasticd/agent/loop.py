@@ -373,11 +373,12 @@ class Agent:
                 return True
             now = time.monotonic()
             self._join_wait_since = self._join_wait_since or now
-            ready = self._template.ready(0) or now - self._join_wait_since >= limit
+            warm = self._template.ready(0)
+            ready = warm or now - self._join_wait_since >= limit
             said = "ready" if ready else "waiting"
             if said not in self._join_said:  # once each: waiting, then ready
                 self._join_said.add(said)
-                why = (("worker template ready; asking to join" if self._template.ready(0) else
+                why = (("worker template ready; asking to join" if warm else
                         f"worker template not ready after {limit:g}s; asking to join anyway")
                        if ready else
                        "waiting for the worker template's imports before asking to join")
