@@ -106,6 +106,22 @@ def test_bad_value_names_the_field_and_the_rule(tmp_path):
     assert "agent.monitor_interval: must be >= 0.005" in str(excinfo.value)
 
 
+def test_inprocess_rules_are_the_wrappers_named_once(tmp_path):
+    """config.py reports the wrapper's own rules (inprocess/settings.problems) under
+    inprocess.<field>, and a field a bound already refused is not named twice."""
+    from elasticd.inprocess import InProcessSettings
+    with pytest.raises(ConfigError) as excinfo:
+        _load(_write(tmp_path, "[inprocess]\nsoft_timeout = 100\nmax_restarts = -1\n"))
+    assert _errors(excinfo) == [
+        "inprocess.max_restarts: must be >= 0, got -1",
+        "inprocess.soft_timeout: need 0 < soft_timeout < hard_timeout < barrier_timeout, "
+        "got 100 / 90 / 240"]
+    with pytest.raises(ValueError) as worker_side:
+        InProcessSettings(soft_timeout=100)
+    assert "soft_timeout: need 0 < soft_timeout < hard_timeout < barrier_timeout, " \
+           "got 100 / 90 / 240" in str(worker_side.value)
+
+
 def test_bad_value_from_env_or_flag_is_named_too(tmp_path):
     with pytest.raises(ConfigError) as excinfo:
         _load(_write(tmp_path, ""), env={"ELASTICD_METRICS_PORT": "70000"},

@@ -18,7 +18,8 @@ import tomllib
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from .inprocess.settings import InprocessSettings  # shared with the wrapper
+from .inprocess.settings import InprocessSettings, problems as inprocess_problems
+from .settingfield import setting as _setting  # shared with the in-process settings
 
 DEFAULT_CONFIG_PATH = "/etc/elasticd/elasticd.toml"
 ENV_PREFIX = "ELASTICD_"
@@ -30,16 +31,6 @@ class ConfigError(ValueError):
     def __init__(self, errors: list[str]):
         self.errors = errors
         super().__init__("invalid configuration:\n  " + "\n  ".join(errors))
-
-
-def _setting(default: Any, help: str, *, min: float | None = None,
-             max: float | None = None, choices: tuple[str, ...] | None = None,
-             exclusive_min: bool = False) -> Any:
-    meta = {"help": help, "min": min, "max": max, "choices": choices,
-            "exclusive_min": exclusive_min}
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata=meta)
-    return field(default=default, metadata=meta)
 
 
 @dataclass(frozen=True)
@@ -535,13 +526,10 @@ def _check_relations(cfg: Config, errors: list[str]) -> None:
         errors.append("agent.phase_stale_after: must be below agent.hang_learn_floor "
                       f"({a.phase_stale_after} >= {a.hang_learn_floor})")
     i = cfg.inprocess
-    if not i.soft_timeout < i.hard_timeout < i.barrier_timeout:
-        errors.append("inprocess.soft_timeout: need inprocess.soft_timeout < hard_timeout < "
-                      f"barrier_timeout, got {i.soft_timeout} / {i.hard_timeout} / "
-                      f"{i.barrier_timeout}")
-    if i.monitor_interval >= i.soft_timeout:
-        errors.append(f"inprocess.monitor_interval: must be below inprocess.soft_timeout "
-                      f"({i.monitor_interval} >= {i.soft_timeout})")
+    for problem in inprocess_problems(i):   # the wrapper's own rules, worded once
+        where = f"inprocess.{problem.field}:"
+        if not any(e.startswith(where) for e in errors):  # a bound already said it
+            errors.append(f"{where} {problem.message}")
     if a.hang_detection and a.hang_hard_timeout >= i.barrier_timeout:
         errors.append("inprocess.barrier_timeout: must exceed agent.hang_hard_timeout "
                       f"({i.barrier_timeout} <= {a.hang_hard_timeout}), or the healthy ranks "

@@ -2,26 +2,27 @@
 config section (config.py) and the worker-side wrapper (wrapper.py).
 
 ``InprocessSettings`` holds the 8 fields, their defaults, help and bounds (the
-field metadata config.py documents and checks, in its own shape); the daemon
+field metadata of settingfield.py, which config.py documents and checks); the daemon
 sends each field to the workers as ``ELASTICD_INPROCESS_<NAME>``
 (workers/env.py). ``problems`` is the wrapper's rule check and ``from_env``
 its parsing of those variables. Stdlib only, no torch: config.py imports it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping
 
+from ..settingfield import setting as _setting
 from ..workers import env as envnames
 
 ENV_PREFIX = envnames.INPROCESS_PREFIX
 
 
-def _setting(default: Any, help: str, *, min: float | None = None, max: float | None = None,
-             exclusive_min: bool = False) -> Any:
-    """A field with the metadata config.py reads (its own ``_setting`` has the same keys)."""
-    return field(default=default, metadata={"help": help, "min": min, "max": max,
-                                            "choices": None, "exclusive_min": exclusive_min})
+@dataclass(frozen=True)
+class SettingProblem:
+    """One broken rule: the field it is reported on and what is wrong, for a person."""
+    field: str
+    message: str
 
 
 @dataclass(frozen=True)
@@ -60,23 +61,25 @@ class InprocessSettings:
                                    "function after a fault", min=0, max=3600)
 
 
-def problems(s: InprocessSettings) -> list[str]:
-    """What breaks the wrapper's rules (empty: none), one sentence each."""
+def problems(s: InprocessSettings) -> list[SettingProblem]:
+    """What breaks the wrapper's rules (empty: none). config.py reports these under
+    ``inprocess.<field>``, the wrapper under the field's name."""
     bad = []
     if not 0 < s.soft_timeout < s.hard_timeout < s.barrier_timeout:
-        bad.append(f"need 0 < soft_timeout < hard_timeout < barrier_timeout, got "
-                   f"{s.soft_timeout:g} / {s.hard_timeout:g} / "
-                   f"{s.barrier_timeout:g}")
+        bad.append(SettingProblem("soft_timeout", "need 0 < soft_timeout < hard_timeout < "
+                                  f"barrier_timeout, got {s.soft_timeout:g} / "
+                                  f"{s.hard_timeout:g} / {s.barrier_timeout:g}"))
     if not 0 < s.monitor_interval < s.soft_timeout:
-        bad.append(f"monitor_interval must be > 0 and below soft_timeout, got "
-                   f"{s.monitor_interval:g}")
+        bad.append(SettingProblem("monitor_interval", "must be > 0 and below soft_timeout, "
+                                  f"got {s.monitor_interval:g} (soft_timeout "
+                                  f"{s.soft_timeout:g})"))
     if s.max_restarts < 0:
-        bad.append(f"max_restarts must be >= 0, got {s.max_restarts}")
+        bad.append(SettingProblem("max_restarts", f"must be >= 0, got {s.max_restarts}"))
     if s.repeat_limit < 1:
-        bad.append(f"repeat_limit must be >= 1, got {s.repeat_limit}")
-    if s.repeat_window < 0 or s.backoff < 0:
-        bad.append(f"repeat_window and backoff must be >= 0, got {s.repeat_window:g} "
-                   f"and {s.backoff:g}")
+        bad.append(SettingProblem("repeat_limit", f"must be >= 1, got {s.repeat_limit}"))
+    for name in ("repeat_window", "backoff"):
+        if getattr(s, name) < 0:
+            bad.append(SettingProblem(name, f"must be >= 0, got {getattr(s, name):g}"))
     return bad
 
 

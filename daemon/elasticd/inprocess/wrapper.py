@@ -124,7 +124,8 @@ class InProcessSettings(InprocessSettings):
     def __post_init__(self):
         bad = problems(self)
         if bad:
-            raise ValueError("elasticd.inprocess settings: " + "; ".join(bad))
+            raise ValueError("elasticd.inprocess settings: "
+                             + "; ".join(f"{p.field}: {p.message}" for p in bad))
 
     @classmethod
     def resolve(cls, env=None, **given) -> "InProcessSettings":
