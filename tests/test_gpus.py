@@ -532,6 +532,29 @@ def test_judge_counts_different_jobs_within_the_window():
     assert t.verdict().suspect
 
 
+def test_a_restarted_daemon_still_remembers_why_its_node_is_suspect(tmp_path):
+    """The failures are read back from the registry's stored events (a real SQLite
+    file, closed and opened again as a restarted daemon does)."""
+    from elasticd.cluster.suspicion import SuspectTracker
+    from elasticd.jobs.registry import JobRecord, JobRegistry
+    now = [1000.0]
+    reg = JobRegistry(str(tmp_path / "state"), "n1", clock=lambda: now[0])
+    for job in ("a", "b", "c"):
+        reg.create(JobRecord(id=job, command=["python", "x.py"], cwd="/", uid=0, gid=0))
+    reg.event("a", "worker_exit", "rank 0 exited 13")
+    now[0] = 1040.0
+    reg.event("b", "worker_exit", "rank 1 exited 13")
+    reg.event("c", "state", "not a failure")
+    reg.close()
+    again = JobRegistry(str(tmp_path / "state"), "n1", clock=lambda: now[0])
+    t = SuspectTracker("n1", 60.0, 2, clock=lambda: now[0])
+    t.remember(again.recent_events("worker_exit", "n1", now[0] - 60.0))
+    assert t.verdict().suspect and t.verdict().jobs == ("a", "b")
+    assert [e["job_id"] for e in again.recent_events("worker_exit", "n1", 1030.0)] == ["b"]
+    assert again.recent_events("worker_exit", "n2", 0.0) == []
+    again.close()
+
+
 def test_a_suspect_node_lets_others_take_a_round_first():
     state = RoundState(round=1, status=OPEN, opened_at=100.0)
     spec = {"nproc_per_node": 1, "max_nodes": 2, "uid": 0}

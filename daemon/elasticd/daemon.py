@@ -35,7 +35,7 @@ from .cluster.eventlog import EventLog
 from .gpus.alloc import GpuLedger
 from .gpus.health import HealthGate
 from .gpus.inventory import Inventory, InventoryError, discover, nvml_module
-from .cluster.suspicion import SuspectTracker
+from .cluster.suspicion import MAX_REMEMBERED as SUSPECT_REMEMBERED, SuspectTracker
 from .jobs.scheduler import JobManager
 from .metrics import Metrics
 from .rendezvous.view import JobsView
@@ -113,6 +113,8 @@ class Daemon:
         policy = ClusterPolicy.from_settings(cfg.cluster)
         inventory = _gpu_inventory(cfg)
         suspicion = SuspectTracker(d.node_id, d.suspect_window, d.suspect_jobs)
+        suspicion.remember(registry.recent_events(   # no agent runs yet: nothing in between
+            "worker_exit", d.node_id, time.time() - d.suspect_window, SUSPECT_REMEMBERED))
         registry.subscribe(suspicion.on_event)
         cluster = Cluster(cfg, store)
         health = HealthGate(

@@ -4,7 +4,9 @@ One job failing over and over says little about the node; ranks of several
 different jobs failing here within a while says the node may be bad (a
 flaky GPU, memory, the network card). The daemon outlives every job, so it
 remembers: ``SuspectTracker`` listens to this node's job events and keeps
-the times of its workers' failures (``worker_exit`` events) by job. ``judge()``
+the times of its workers' failures (``worker_exit`` events) by job, read back
+from the registry's stored events when the daemon starts (``remember``), so a
+restart does not make a bad node look clean. ``judge()``
 decides without I/O: suspect when at least ``daemon.suspect_jobs`` different
 jobs had a worker fail here within ``daemon.suspect_window`` seconds.
 
@@ -58,6 +60,12 @@ class SuspectTracker:
             return
         with self._lock:
             self._failures.append((float(ev.get("time", 0.0)), str(ev.get("job_id", ""))))
+
+    def remember(self, events) -> None:
+        """Failures from before this daemon started: the registry's stored
+        ``worker_exit`` events of this node (JobRegistry.recent_events)."""
+        for ev in events:
+            self.on_event(ev)
 
     def verdict(self) -> Suspicion:
         with self._lock:

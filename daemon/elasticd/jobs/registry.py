@@ -282,6 +282,22 @@ class JobRegistry:
                 out.append(ev)
             return out
 
+    def recent_events(self, kind: str, node_id: str, since: float,
+                      limit: int = 1000) -> list[dict]:
+        """This node's events of one kind since ``since`` (newest ``limit``, oldest
+        first): what a listener that outlives the daemon's restarts reads back."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT seq, data FROM events WHERE json_extract(data, '$.kind')=? "
+                "AND json_extract(data, '$.node_id')=? AND json_extract(data, '$.time')>=? "
+                "ORDER BY seq DESC LIMIT ?", (kind, node_id, since, limit)).fetchall()
+        out = []
+        for seq, data in reversed(rows):
+            ev = json.loads(data)
+            ev["seq"] = seq
+            out.append(ev)
+        return out
+
     # -- writing -----------------------------------------------------------
     def create(self, rec: JobRecord) -> JobRecord:
         with self._lock:
