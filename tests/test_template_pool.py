@@ -1,0 +1,194 @@
+"""Worker templates kept between a user's jobs (workers/template_pool.py).
+
+Real root daemon, two real unprivileged users made here (``h16p_a``,
+``h16p_b``), real elasticctl dropping to them, real torch gloo workers. The
+script is test_worker_template's: each rank writes what it sees of itself
+(torch already imported or not, environment, cwd, ids, argv, ``sys.path[0]``,
+its parent) before it imports torch; a cold start of the same job (``python
+-X utf8 SCRIPT``, a command no template takes) is the reference.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import psutil
+import pytest
+
+from daemons import short_tmpdir
+from test_worker_template import (
+    NOGROUP, PY, SCRIPT, User, _alive, _neutral, events, seen, state, status, submit,
+    wait_for)
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0,
+                                reason="needs root: real users are created and the daemon "
+                                       "switches to them (CI runs as root)")
+
+USERS = ("h16p_a", "h16p_b")
+
+
+@pytest.fixture(scope="module")
+def users():
+    made = []
+    try:
+        for name in USERS:
+            subprocess.run(["userdel", name], capture_output=True)
+            subprocess.run(["groupdel", name], capture_output=True)
+            subprocess.run(["useradd", "-M", "-U", "-s", "/usr/sbin/nologin", name],
+                           check=True, capture_output=True)
+            made.append(name)
+        yield tuple(User(name) for name in USERS)
+    finally:
+        for name in made:
+            subprocess.run(["userdel", name], capture_output=True)
+            subprocess.run(["groupdel", name], capture_output=True)
+
+
+@pytest.fixture
+def work(users):
+    base = short_tmpdir("h16p-")
+    work = users[0].mkdir(os.path.join(base, "work"))
+    with open(os.path.join(work, "train.py"), "w") as fh:
+        fh.write(SCRIPT)
+    out = users[0].mkdir(os.path.join(work, "out"), 0o777)
+    yield work, out
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def start_node(daemon_factory, *settings: str):
+    args = ["--set", f"daemon.socket_group={NOGROUP}", "--set", "agent.warm_spares=false"]
+    for s in settings:
+        args += ["--set", s]
+    return daemon_factory(slots=8, extra_args=tuple(args)).start()
+
+
+def run_job(node, user: User, cwd: str, mode: str, out: str, env: tuple = (),
+            cold: bool = False) -> str:
+    """``python train.py MODE OUT`` (2 ranks; ``cold``: ``python -X utf8 ...``, which no
+    template takes) submitted as ``user``; its id once it SUCCEEDED."""
+    extra = [a for kv in env for a in ("--env", kv)]
+    python = [PY, "-X", "utf8"] if cold else [PY]
+    job_id = submit(node, user, "--nproc-per-node", "2", *extra, "--", *python,
+                    os.path.join(cwd, "train.py"), mode, out, cwd=cwd)
+    job = node.wait_job(job_id, timeout=240)
+    assert state(job) == "SUCCEEDED", (node.rank_log(job_id, 0), node.rank_log(job_id, 1))
+    return job_id
+
+
+def idle_templates(node, user: User | None = None) -> list[psutil.Process]:
+    """The daemon's live template processes (of ``user``)."""
+    found = []
+    for p in psutil.Process(node.proc.pid).children():
+        try:
+            if "--template" in " ".join(p.cmdline()) and _alive(p) and \
+                    (user is None or p.uids().real == user.uid):
+                found.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+def reused(node, job_id: str) -> list[str]:
+    return [e["reason"] for e in events(node, job_id)
+            if e["kind"] == "template" and "reused from the pool" in e["reason"]]
+
+
+# ---------------------------------------------------------------- sharing
+
+def test_a_second_job_of_the_same_user_forks_from_the_first_ones_template(
+        daemon_factory, users, work):
+    node = start_node(daemon_factory)
+    a = users[0]
+    cwd, out = work
+    first = run_job(node, a, cwd, "same", out)
+    (template,) = wait_for(lambda: idle_templates(node, a), 30, "the idle template")
+    assert seen(out, "same", 0)["ppid"] == template.pid
+    assert status(node, first)["template_state"] == "pooled"
+    assert any("kept idle" in e["reason"] for e in events(node, first)
+               if e["kind"] == "template")
+
+    second = run_job(node, a, cwd, "second", out)
+    cold = run_job(node, a, cwd, "cold", out, cold=True)
+    assert reused(node, second) and not reused(node, first)
+    assert status(node, second)["template_state"] == "pooled"  # handed back again
+    assert [e["start_path"] for e in events(node, second) if e["kind"] == "start"] == \
+        ["template"]
+    script = os.path.join(cwd, "train.py")
+    for rank in (0, 1):
+        f, c = seen(out, "second", rank), seen(out, "cold", rank)
+        assert f["pre"] is True and c["pre"] is False
+        assert f["ppid"] == template.pid  # the first job's template forked it
+        assert f["env"]["TORCHELASTIC_RUN_ID"] == f["env"]["ELASTICD_JOB_ID"] == second
+        assert _neutral(f["env"], second) == _neutral(c["env"], cold)
+        assert f["argv"] == [script, "second", out]
+        for key in ("name", "path0", "cwd", "uid", "gid", "groups", "umask", "stdin",
+                    "sigs", "blocked"):
+            assert f[key] == c[key], (key, f[key], c[key])
+        assert f["uid"] == a.uid and f["cwd"] == cwd == f["path0"]
+    assert [p.pid for p in idle_templates(node, a)] == [template.pid]  # back in the pool
+
+
+def test_another_user_or_another_environment_gets_a_template_of_its_own(
+        daemon_factory, users, work):
+    node = start_node(daemon_factory)
+    a, b = users
+    cwd, out = work
+    run_job(node, a, cwd, "same", out)
+    (template,) = wait_for(lambda: idle_templates(node, a), 30, "the idle template")
+    other_user = run_job(node, b, cwd, "userb", out)
+    other_path = run_job(node, a, cwd, "pathed", out, env=(f"PYTHONPATH={cwd}",))
+    for job_id, mode in ((other_user, "userb"), (other_path, "pathed")):
+        assert not reused(node, job_id)
+        r = seen(out, mode, 0)
+        assert r["pre"] is True and r["ppid"] != template.pid  # a template of its own
+    assert seen(out, "userb", 0)["uid"] == b.uid
+    assert cwd in seen(out, "pathed", 0)["env"]["PYTHONPATH"].split(":")
+    assert _alive(template)  # untouched, still idle for its own key
+    assert len(idle_templates(node, a)) == 2 and len(idle_templates(node, b)) == 1
+
+
+@pytest.mark.slow
+def test_a_user_holds_at_most_template_idle_per_user_idle_templates(
+        daemon_factory, users, work):
+    node = start_node(daemon_factory, "agent.template_idle_per_user=1")
+    a, b = users
+    cwd, out = work
+    run_job(node, a, cwd, "one", out)
+    (first,) = wait_for(lambda: idle_templates(node, a), 30, "the idle template")
+    run_job(node, b, cwd, "two", out)
+    run_job(node, a, cwd, "three", out, env=("H16P_KEY=other",))
+    wait_for(lambda: not _alive(first), 30, "the user's longest idle template to end")
+    assert len(idle_templates(node, a)) == 1 and len(idle_templates(node, b)) == 1
+
+
+# ---------------------------------------------------------------- ends
+
+@pytest.mark.slow
+def test_an_idle_template_ends_after_the_idle_timeout(daemon_factory, users, work):
+    node = start_node(daemon_factory, "agent.template_idle_timeout=3")
+    a = users[0]
+    cwd, out = work
+    run_job(node, a, cwd, "same", out)
+    (template,) = wait_for(lambda: idle_templates(node, a), 30, "the idle template")
+    wait_for(lambda: not _alive(template), 60, "the idle template to end")
+    assert "idle for" in node.log() and "agent.template_idle_timeout" in node.log()
+
+
+@pytest.mark.slow
+def test_no_template_outlives_its_job_when_the_idle_timeout_is_0(daemon_factory, users,
+                                                                 work):
+    node = start_node(daemon_factory, "agent.template_idle_timeout=0")
+    cwd, out = work
+    job_id = run_job(node, users[0], cwd, "same", out)
+    wait_for(lambda: not idle_templates(node), 30, "the template to end with its job")
+    assert status(node, job_id)["template_state"] == "stopped"
+
+
+def test_killing_the_daemon_leaves_no_idle_template(daemon_factory, users, work):
+    node = start_node(daemon_factory)
+    cwd, out = work
+    run_job(node, users[0], cwd, "same", out)
+    (template,) = wait_for(lambda: idle_templates(node, users[0]), 30, "the idle template")
+    node.kill()  # SIGKILL: no chance to clean up
+    wait_for(lambda: not _alive(template), 30, "the idle template to die with the daemon")
