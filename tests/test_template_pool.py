@@ -17,6 +17,8 @@ import psutil
 import pytest
 
 from daemons import short_tmpdir
+from elasticd.workers.group import GroupSpec
+from elasticd.workers.template_key import TemplateKey
 from test_worker_template import (
     NOGROUP, PY, SCRIPT, User, _alive, _neutral, events, seen, state, status, submit,
     wait_for)
@@ -92,6 +94,46 @@ def idle_templates(node, user: User | None = None) -> list[psutil.Process]:
 def reused(node, job_id: str) -> list[str]:
     return [e["reason"] for e in events(node, job_id)
             if e["kind"] == "template" and "reused from the pool" in e["reason"]]
+
+
+# ---------------------------------------------------------------- the key
+
+def _spec(**changes) -> GroupSpec:
+    base = dict(job_id="j1", command=(PY, "-u", "train.py", "--lr", "1"), cwd="/w",
+                env={"PATH": "/usr/bin", "PWD": "/w", "SHLVL": "1",
+                     "ELASTICD_STORE_SECRET": "a" * 32}, uid=os.geteuid(), gid=os.getegid(),
+                nproc=2, restart_count=0, max_restarts=0, round=1, group_rank=0,
+                group_world_size=1, world_size=2, rank_offset=0, master_addr="",
+                master_port=0, log_dir="/l", run_dir="/r")
+    base.update(changes)
+    return GroupSpec(**base)
+
+
+def test_two_jobs_share_a_key_only_when_all_that_shapes_imports_is_equal():
+    key = TemplateKey.of(_spec(), ["torch"])
+    # What differs from one submit to the next, and no import reads: the same key.
+    assert TemplateKey.of(_spec(job_id="j2", command=(PY, "-u", "train.py", "--lr", "2"),
+                                env={"PATH": "/usr/bin", "PWD": "/elsewhere", "SHLVL": "3",
+                                     "ELASTICD_STORE_SECRET": "b" * 32}, round=7,
+                                master_port=1234, log_dir="/l2", run_dir="/r2"),
+                          ["torch"]) == key
+    env = dict(_spec().env)
+    for other in (dict(uid=key.uid + 1), dict(gid=key.gid + 1), dict(cwd="/v"),
+                  dict(cpus=(0,)), dict(nproc=1),  # OMP_NUM_THREADS=1 for several ranks
+                  dict(command=(PY, "train.py")), dict(command=(PY, "-u", "other.py")),
+                  dict(command=("/opt/py/bin/python3", "-u", "train.py")),
+                  dict(env=dict(env, PYTHONPATH="/mine")),
+                  dict(env=dict(env, LD_LIBRARY_PATH="/lib2")),
+                  dict(env=dict(env, TORCH_LOGS="+dynamo"))):
+        assert TemplateKey.of(_spec(**other), ["torch"]) != key, other
+    assert TemplateKey.of(_spec(), ["torch", "numpy"]) != key
+    assert TemplateKey.of(_spec(), ["torch"], ["transformers"]) != key
+    assert TemplateKey.of(_spec(command=("/bin/sh", "-c", "x")), ["torch"]) is None
+    # Modules: sys.path[0] is the cwd whichever module runs.
+    assert TemplateKey.of(_spec(command=(PY, "-m", "a.b")), []) == \
+        TemplateKey.of(_spec(command=(PY, "-m", "c", "--x")), [])
+    assert "PWD" not in dict(key.env) and "ELASTICD_STORE_SECRET" not in dict(key.env)
+    assert dict(key.env)["PYTHONPATH"].endswith("worker_site")  # what every worker gets
 
 
 # ---------------------------------------------------------------- sharing

@@ -145,6 +145,10 @@ class WorkerTemplate:
         flags = []
         while args and args[0] in ("-u", "-B"):
             flags.append(args.pop(0))
+        # Only the entry, not the job's own arguments: the template (and its
+        # /proc/PID/cmdline, which its ranks show) names no job's; each rank gets its
+        # job's argv at fork (warmstart._become).
+        args = args[:2] if args[0] == "-m" else args[:1]
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         # Made of its key alone: any job with an equal key may use it (template_pool.py).
         env = dict(key.env, **{envnames.WARM_PRELOAD: ",".join(key.preload),
