@@ -9,6 +9,7 @@ its parent) before it imports torch; a cold start of the same job (``python
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -149,6 +150,12 @@ def test_a_second_job_of_the_same_user_forks_from_the_first_ones_template(
     assert status(node, first)["template_state"] == "pooled"
     assert any("kept idle" in e["reason"] for e in events(node, first)
                if e["kind"] == "template")
+    r = node.ctl("-o", "json", "nodes")
+    assert r.returncode == 0, r.stderr
+    (shown,) = json.loads(r.stdout)["nodes"][0]["idle_templates"]
+    assert shown["pid"] == template.pid and int(shown["uid"]) == a.uid
+    assert int(shown["rss_bytes"]) > 0
+    assert f"uid {a.uid}  pid {template.pid}" in node.ctl("nodes").stdout
 
     second = run_job(node, a, cwd, "second", out)
     cold = run_job(node, a, cwd, "cold", out, cold=True)

@@ -130,7 +130,8 @@ class TemplatePool:
                 t = entry.template
                 if t.settle(0):
                     t.job_id = job_id
-                    self.reuses += 1
+                    with self._lock:
+                        self.reuses += 1
                     got = Acquired(t, True, time.monotonic() - entry.since)
                     log.info("%s: %s", ctx(job=job_id, node=self._cfg.daemon.node_id),
                              got.sentence())
