@@ -234,10 +234,14 @@ def test_no_template_outlives_its_job_when_the_idle_timeout_is_0(daemon_factory,
     assert status(node, job_id)["template_state"] == "stopped"
 
 
-def test_killing_the_daemon_leaves_no_idle_template(daemon_factory, users, work):
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
+def test_no_idle_template_outlives_the_daemon(daemon_factory, users, work, how):
     node = start_node(daemon_factory)
     cwd, out = work
     run_job(node, users[0], cwd, "same", out)
     (template,) = wait_for(lambda: idle_templates(node, users[0]), 30, "the idle template")
-    node.kill()  # SIGKILL: no chance to clean up
+    if how == "SIGKILL":
+        node.kill()  # no chance to clean up: PDEATHSIG, and its channel closes
+    else:
+        assert node.stop() == 0  # a clean stop ends the pool's templates
     wait_for(lambda: not _alive(template), 30, "the idle template to die with the daemon")

@@ -36,6 +36,7 @@ environment, directory, argv and log (warmstart._become_rank).
 from __future__ import annotations
 
 import hashlib
+import hmac
 import os
 import pwd
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ from . import group as workers
 # Differ between two submits from the same shell; nothing imports them.
 PER_JOB_ENV = frozenset({"PWD", "OLDPWD", "SHLVL", "_", "ELASTICD_STORE_SECRET"})
 _FLAGS = ("-u", "-B")
+_SALT = os.urandom(16)  # TemplateKey.digest
 
 
 def entry_part(args) -> tuple:
@@ -100,5 +102,7 @@ class TemplateKey:
 
     @property
     def digest(self) -> str:
-        """A short name for logs and events (never the environment itself)."""
-        return hashlib.sha256(repr(self).encode()).hexdigest()[:10]
+        """A short name for logs, events and ``elasticctl nodes`` (which every user may
+        run): keyed with this daemon's own random salt, so it tells equal keys apart
+        and nothing of the environment behind them, not even to a guess."""
+        return hmac.new(_SALT, repr(self).encode(), hashlib.sha256).hexdigest()[:10]
