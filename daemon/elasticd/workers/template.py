@@ -121,6 +121,7 @@ class WorkerTemplate:
         self.was_ready = False    # it served ranks before (then a death may be revived)
         self._unsafe = False      # it refused as unsafe to fork: a new one would too
         self.key: TemplateKey | None = None   # what it was made of (template_key.py)
+        self.log_job = job_id     # whose logs/JOB/template.log has its output
 
     def _where(self) -> str:
         return ctx(job=self.job_id, node=self._node_id)
@@ -369,7 +370,8 @@ class WorkerTemplate:
             except subprocess.TimeoutExpired:  # it closed the channel and lives on
                 workers.kill_group(self._proc.pid, signal.SIGKILL)
         what = workers.describe_exit(code)[2] if code is not None else "closed its channel"
-        self._fail(f"it exited ({what}); see template.log")
+        whose = "" if self.log_job == self.job_id else f" of job {self.log_job}"
+        self._fail(f"it exited ({what}); see template.log{whose}")
 
     def _fail(self, reason: str, state: TemplateState = TemplateState.FAILED) -> None:
         if state is TemplateState.FAILED:
