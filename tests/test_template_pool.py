@@ -19,7 +19,7 @@ import pytest
 
 from daemons import short_tmpdir
 from elasticd.workers.group import GroupSpec
-from elasticd.workers.template_key import TemplateKey
+from elasticd.workers.template_key import TemplateKey, key_from_record, key_to_record
 from test_worker_template import (
     NOGROUP, PY, SCRIPT, User, _alive, _neutral, events, seen, state, status, submit,
     wait_for)
@@ -137,6 +137,17 @@ def test_two_jobs_share_a_key_only_when_all_that_shapes_imports_is_equal():
     assert dict(key.env)["PYTHONPATH"].endswith("worker_site")  # what every worker gets
 
 
+def test_a_saved_key_reads_back_equal_and_a_bad_one_is_refused():
+    key = TemplateKey.of(_spec(cpus=(0, 1)), ["torch"], ["numpy"])
+    rec = key_to_record(key)
+    assert key_from_record(json.loads(json.dumps(rec))) == key
+    for bad in (None, [], dict(rec, uid=-1), dict(rec, uid="0"), dict(rec, cwd=""),
+                dict(rec, env=[["A"]]), dict(rec, env={"A": "b"}), dict(rec, flags=["-c"]),
+                dict(rec, groups=["x"]), dict(rec, preload="torch")):
+        with pytest.raises(ValueError):
+            key_from_record(bad)
+
+
 # ---------------------------------------------------------------- sharing
 
 def test_a_second_job_of_the_same_user_forks_from_the_first_ones_template(
@@ -245,3 +256,26 @@ def test_no_idle_template_outlives_the_daemon(daemon_factory, users, work, how):
     else:
         assert node.stop() == 0  # a clean stop ends the pool's templates
     wait_for(lambda: not _alive(template), 30, "the idle template to die with the daemon")
+
+
+@pytest.mark.slow
+def test_templates_idle_at_a_clean_stop_are_ready_again_before_the_first_submit(
+        daemon_factory, users, work):
+    node = start_node(daemon_factory)
+    a = users[0]
+    cwd, out = work
+    run_job(node, a, cwd, "same", out)
+    (before,) = wait_for(lambda: idle_templates(node, a), 30, "the idle template")
+    assert node.stop() == 0
+    wait_for(lambda: not _alive(before), 30, "the idle template to end with the daemon")
+    saved = os.path.join(node.state_dir, "idle-templates.json")
+    assert os.stat(saved).st_mode & 0o777 == 0o600  # it holds environments: root's alone
+    node.start()
+    (again,) = wait_for(lambda: idle_templates(node, a), 30,
+                        "the template started again before any submit")
+    assert again.pid != before.pid and again.uids().real == a.uid
+    assert not os.path.exists(saved)  # read once
+    job_id = run_job(node, a, cwd, "later", out)
+    assert reused(node, job_id)
+    r = seen(out, "later", 0)
+    assert r["pre"] is True and r["ppid"] == again.pid and r["cwd"] == cwd

@@ -267,6 +267,12 @@ class AgentSettings:
                                            min=0, max=256)
     template_idle_max: int = _setting(4, "most idle worker templates on this node, all "
                                          "users together", min=0, max=1024)
+    template_restore: bool = _setting(True, "at start, start again the worker templates "
+                                            "that were idle when the daemon last stopped "
+                                            "cleanly (kept in the state dir meanwhile), so "
+                                            "a user's first job after a restart or an "
+                                            "upgrade is warm too; each then waits "
+                                            "agent.template_idle_timeout like any idle one")
     template_idle_check_interval: float = _setting(1.0, "seconds between looks at the idle "
                                                         "worker templates (ended when their "
                                                         "time is up, or dropped when dead)",

@@ -443,6 +443,11 @@ class JobManager:
                 self._restart_forgotten(job)
             elif job.state != JobState.PENDING:
                 self._move(job, JobState.RESTARTING, "daemon restarted; rejoining the job")
+        try:  # the templates idle at the last stop: users' next jobs warm from the first
+            self.templates.restore()
+        except Exception:
+            log.exception("%s: could not restore the idle worker templates",
+                          ctx(node=self._cfg.daemon.node_id))
         self.schedule()
 
     def _restart_forgotten(self, job: JobRecord) -> None:

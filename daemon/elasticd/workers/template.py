@@ -41,6 +41,7 @@ from typing import Callable
 
 from . import env as envnames, group as workers
 from .template_key import TemplateKey, entry_part
+from .. import statedir
 from ..logsetup import ctx
 
 log = logging.getLogger("elasticd.workers.template")
@@ -155,7 +156,7 @@ class WorkerTemplate:
         env = dict(key.env, **{envnames.WARM_PRELOAD: ",".join(key.preload),
                                envnames.LEARNED_PRELOAD: ",".join(key.learned)})
         try:
-            workers.prepare_dirs(spec)
+            statedir.private_dir(spec.log_dir)  # its log; the ranks' run dir is the group's
             self._proc = (spawn or workers.start_job_process)(
                 spec, [spec.command[0], *flags, workers.WARMSTART, "--template",
                        str(theirs.fileno()), *args],
@@ -228,6 +229,11 @@ class WorkerTemplate:
             self._statuses.clear()
             return True
         return False
+
+    @property
+    def boot_args(self) -> list:
+        """What follows the interpreter in its command: the flags and the entry."""
+        return list(self._boot_args or [])
 
     @property
     def pid(self) -> int:

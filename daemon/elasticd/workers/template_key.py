@@ -106,3 +106,51 @@ class TemplateKey:
         run): keyed with this daemon's own random salt, so it tells equal keys apart
         and nothing of the environment behind them, not even to a guess."""
         return hmac.new(_SALT, repr(self).encode(), hashlib.sha256).hexdigest()[:10]
+
+
+def key_to_record(key: TemplateKey) -> dict:
+    """The key as JSON-able data (workers/template_pool.py keeps the idle ones' over a
+    daemon restart, in the state dir: 0600, root's, like the job records)."""
+    return {"uid": key.uid, "gid": key.gid, "groups": list(key.groups),
+            "interpreter": key.interpreter, "flags": list(key.flags), "entry": key.entry,
+            "cwd": key.cwd, "cpus": list(key.cpus), "env": [list(kv) for kv in key.env],
+            "preload": list(key.preload), "learned": list(key.learned)}
+
+
+def key_from_record(rec) -> TemplateKey:
+    """``key_to_record``'s inverse; ValueError naming what is wrong with a record that
+    is not one (the file is root's, but a half-written one is not trusted either)."""
+    if not isinstance(rec, dict):
+        raise ValueError("not an object")
+
+    def ints(name):
+        v = rec.get(name)
+        if not isinstance(v, list) or not all(isinstance(x, int) and x >= 0 for x in v):
+            raise ValueError(f"{name}: not a list of ids")
+        return tuple(v)
+
+    def strs(name):
+        v = rec.get(name)
+        if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+            raise ValueError(f"{name}: not a list of strings")
+        return tuple(v)
+
+    for name in ("uid", "gid"):
+        if not isinstance(rec.get(name), int) or rec[name] < 0:
+            raise ValueError(f"{name}: not an id")
+    for name in ("interpreter", "entry", "cwd"):
+        if not isinstance(rec.get(name), str) or not rec[name]:
+            raise ValueError(f"{name}: not a string")
+    env = rec.get("env")
+    if not isinstance(env, list) or not all(
+            isinstance(kv, list) and len(kv) == 2 and all(isinstance(x, str) for x in kv)
+            for kv in env):
+        raise ValueError("env: not a list of [name, value]")
+    flags = strs("flags")
+    if any(f not in _FLAGS for f in flags):
+        raise ValueError("flags: only -u and -B")
+    return TemplateKey(uid=rec["uid"], gid=rec["gid"], groups=ints("groups"),
+                       interpreter=rec["interpreter"], flags=flags, entry=rec["entry"],
+                       cwd=rec["cwd"], cpus=ints("cpus"),
+                       env=tuple(sorted((k, v) for k, v in env)), preload=strs("preload"),
+                       learned=strs("learned"))

@@ -27,8 +27,11 @@ job that started it.
 """
 from __future__ import annotations
 
+import json
 import logging
+import os
 import queue
+import re
 import subprocess
 import threading
 import time
@@ -36,10 +39,30 @@ from dataclasses import dataclass
 
 from . import group as workers
 from .template import TemplateState, WorkerTemplate
-from .template_key import TemplateKey
+from .template_key import TemplateKey, entry_part, key_from_record, key_to_record
+from .. import statedir
 from ..logsetup import ctx
 
 log = logging.getLogger("elasticd.workers.template_pool")
+
+SAVED_NAME = "idle-templates.json"   # in the state dir, between a stop and the next start
+_SAVED_MAX = 16 << 20
+_JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
+
+
+def _saved(rec) -> tuple[TemplateKey, list, str]:
+    """(key, boot arguments, job whose log it writes to) of one saved template, checked."""
+    if not isinstance(rec, dict):
+        raise ValueError("not an object")
+    key = key_from_record(rec.get("key"))
+    boot, job = rec.get("boot"), rec.get("log_job")
+    if not isinstance(boot, list) or not all(isinstance(a, str) for a in boot) \
+            or workers.warm_args([key.interpreter, *boot]) is None \
+            or entry_part(boot) != (key.flags, key.entry):
+        raise ValueError("its command is not one a template runs")
+    if not isinstance(job, str) or not _JOB_ID.match(job):
+        raise ValueError("not a job id")
+    return key, list(boot), job
 
 
 @dataclass(frozen=True)
@@ -53,7 +76,9 @@ class Acquired:
         t = self.template
         if self.reused:
             return (f"worker template reused from the pool (idle {self.idle_seconds:.0f} s, "
-                    f"pid {t.pid}, key {t.key.digest}): no import after the submit")
+                    f"pid {t.pid}, key {t.key.digest}): " +
+                    ("no import after the submit" if t.state is TemplateState.READY else
+                     "started again at the daemon's start, still importing"))
         return ""
 
 
@@ -128,7 +153,7 @@ class TemplatePool:
                 if entry is None:
                     break
                 t = entry.template
-                if t.settle(0):
+                if t.state is TemplateState.STARTING or t.settle(0):  # (restored: importing)
                     t.job_id = job_id
                     with self._lock:
                         self.reuses += 1
@@ -220,8 +245,99 @@ class TemplatePool:
                 req.done.set()
         with self._lock:
             idle, self._idle = self._idle, []
+        if self._cfg.agent.template_restore:
+            self._save(idle)
         for e in idle:
             self._end(e, "the daemon is stopping")
+
+    # -- over a daemon restart (agent.template_restore) ----------------------------
+    @property
+    def _saved_path(self) -> str:
+        return os.path.join(self._cfg.daemon.state_dir, SAVED_NAME)
+
+    def _save(self, idle: list[_Idle]) -> None:
+        """What the idle templates were made of, for the next start (``restore``)."""
+        records = [{"key": key_to_record(e.template.key), "boot": e.template.boot_args,
+                    "log_job": e.template.log_job} for e in idle
+                   if e.template.key is not None and e.template.boot_args]
+        if not records:
+            return
+        path = self._saved_path
+        try:
+            tmp = path + ".tmp"
+            fd = statedir.open_private(tmp, os.O_WRONLY | os.O_TRUNC)
+            with open(fd, "w") as fh:
+                json.dump({"version": 1, "templates": records}, fh)
+            os.replace(tmp, path)
+        except OSError as exc:
+            log.warning("%s: could not keep the idle worker templates for the next start: %s",
+                        ctx(node=self._cfg.daemon.node_id), exc)
+
+    def restore(self) -> int:
+        """Start again the templates that were idle when the daemon last stopped, so that
+        each user's next job is warm from the first submit after a restart; each waits
+        a full ``agent.template_idle_timeout``. The saved file is read once and removed.
+        Returns how many started."""
+        path = self._saved_path
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return 0
+        except OSError as exc:
+            log.warning("%s: idle worker templates not restored: %s",
+                        ctx(node=self._cfg.daemon.node_id), exc)
+            return 0
+        try:
+            with open(fd, "rb") as fh:
+                data = fh.read(_SAVED_MAX + 1)
+        finally:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        if not self._cfg.agent.template_restore or self._idle_timeout <= 0:
+            return 0
+        try:
+            records = json.loads(data)["templates"] if len(data) <= _SAVED_MAX else None
+        except (ValueError, KeyError, TypeError):
+            records = None
+        if not isinstance(records, list):
+            log.warning("%s: idle worker templates not restored: %s is not what this "
+                        "daemon wrote", ctx(node=self._cfg.daemon.node_id), path)
+            return 0
+        started = 0
+        for rec in records[:self._max]:
+            try:
+                key, boot, job = _saved(rec)
+            except ValueError as exc:
+                log.warning("%s: a saved idle worker template skipped: %s",
+                            ctx(node=self._cfg.daemon.node_id), exc)
+                continue
+            with self._lock:
+                if sum(1 for e in self._idle if e.template.key.uid == key.uid) \
+                        >= self._per_user or len(self._idle) >= self._max:
+                    continue
+            a = self._cfg.agent
+            t = WorkerTemplate(job, self._cfg.daemon.node_id, a.template_ready_timeout,
+                               a.template_fork_timeout)
+            t.start(self._restore_spec(key, boot, job), key, spawn=self.spawn)
+            if t.state is not TemplateState.STARTING:
+                continue
+            with self._lock:
+                self._idle.append(_Idle(t, time.monotonic()))
+            started += 1
+            log.info("%s: worker template pid %d of uid %d started again, idle for the "
+                     "user's next job with key %s (it was idle when the daemon stopped)",
+                     ctx(node=self._cfg.daemon.node_id), t.pid, key.uid, key.digest)
+        return started
+
+    def _restore_spec(self, key: TemplateKey, boot: list, job: str) -> workers.GroupSpec:
+        return workers.GroupSpec(
+            job_id=job, command=(key.interpreter, *boot), cwd=key.cwd, env={}, uid=key.uid,
+            gid=key.gid, nproc=1, restart_count=0, max_restarts=0, round=0, group_rank=0,
+            group_world_size=1, world_size=1, rank_offset=0, master_addr="", master_port=0,
+            log_dir=os.path.join(self._cfg.logs_dir, job), run_dir="",
+            node_id=self._cfg.daemon.node_id, cpus=key.cpus)
 
     def _ensure_thread(self) -> None:
         with self._lock:
@@ -255,7 +371,7 @@ class TemplatePool:
                 if now - e.since >= self._idle_timeout:
                     ended.append((e, f"idle for {now - e.since:.0f} s "
                                      "(agent.template_idle_timeout)"))
-                elif not e.template.ready(0):
+                elif not e.template.ready(0) and e.template.state is not TemplateState.STARTING:
                     ended.append((e, f"it died while idle: {e.template.reason}"))
                 else:
                     continue
