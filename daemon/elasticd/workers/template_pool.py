@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pwd
 import queue
 import re
 import subprocess
@@ -312,6 +313,12 @@ class TemplatePool:
             except ValueError as exc:
                 log.warning("%s: a saved idle worker template skipped: %s",
                             ctx(node=self._cfg.daemon.node_id), exc)
+                continue
+            try:
+                pwd.getpwuid(key.uid)
+            except KeyError:
+                log.info("%s: a saved idle worker template of uid %d skipped: no such user "
+                         "any more", ctx(node=self._cfg.daemon.node_id), key.uid)
                 continue
             with self._lock:
                 if sum(1 for e in self._idle if e.template.key.uid == key.uid) \
