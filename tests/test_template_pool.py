@@ -274,8 +274,26 @@ def test_templates_idle_at_a_clean_stop_are_ready_again_before_the_first_submit(
     (again,) = wait_for(lambda: idle_templates(node, a), 30,
                         "the template started again before any submit")
     assert again.pid != before.pid and again.uids().real == a.uid
-    assert not os.path.exists(saved)  # read once
+    wait_for(lambda: not os.path.exists(saved), 30, "the saved file to be read once")
     job_id = run_job(node, a, cwd, "later", out)
     assert reused(node, job_id)
     r = seen(out, "later", 0)
     assert r["pre"] is True and r["ppid"] == again.pid and r["cwd"] == cwd
+
+
+@pytest.mark.parametrize("content", [b"\x00garbage{", b'{"version": 1, "templates": 7}',
+                                     json.dumps({"version": 1, "templates": [
+                                         {"key": {"uid": 0}, "boot": ["-c", "x"],
+                                          "log_job": "../../etc"}]}).encode()])
+def test_a_bad_saved_template_file_is_skipped_and_removed(daemon_factory, content):
+    node = daemon_factory(slots=2)
+    os.makedirs(node.state_dir, mode=0o700)
+    saved = os.path.join(node.state_dir, "idle-templates.json")
+    with open(saved, "wb") as fh:
+        fh.write(content)
+    os.chmod(saved, 0o600)
+    node.start()  # serves before it resumes: the file is read just after
+    wait_for(lambda: not os.path.exists(saved), 30, "the saved file to be read")
+    wait_for(lambda: "not restored" in node.log() or "template skipped" in node.log(), 30,
+             "the log line saying why nothing was restored")
+    assert not idle_templates(node) and node.proc.poll() is None
