@@ -9,8 +9,13 @@ The same job under each launcher, 2 ranks on this node, gloo, one restart:
         --crash-rank 1 --crash-mode exit --checkpoint-every 1000]
 
 Launchers (same invocation, order rotated each repetition):
-  template   python -m elasticd --standalone, defaults (the worker template forks
-             every rank; it starts when the job is submitted)
+  pooled     python -m elasticd --standalone, defaults: the worker template forks
+             every rank, and the template of the user's previous job with the same
+             key is kept idle (agent.template_idle_timeout) and taken at the submit;
+             a short warming job runs once before the first repetition, so every
+             measured submit finds one (its first-start path says so: "reused")
+  template   the same with agent.template_idle_timeout=0: the job's template
+             starts when the job is submitted (a first submit, the pool empty)
   cold       the same daemon settings with agent.worker_template=false and
              agent.warm_spares=false (every start cold)
   torchrun   torchrun --standalone --nnodes 1 --nproc-per-node 2 --max-restarts 1
@@ -23,7 +28,8 @@ Measures (wall clock of this machine; workers stamp their own lines):
   restart  from the crashing rank's ``CRASH <time>`` (step 5, ~0.3 s into
            training) to ``FIRST_STEP <time> attempt=1``.
 Then the template's RSS (status) and the daemon's CPU while a job's template
-idles (its ranks sleep) for --idle seconds.
+idles (its ranks sleep) for --idle seconds, and the pooled daemon's idle
+templates (no job at all) with their RSS and the daemon's CPU meanwhile.
 
 Prints medians and ratios; never asserts a timing.
 """
@@ -45,7 +51,7 @@ from elasticd.v1 import control_pb2 as pb  # noqa: E402
 
 CRASH_RE = re.compile(r"^CRASH (\d+\.\d+) rank=", re.M)
 FIRST_RE = re.compile(r"^FIRST_STEP (\d+\.\d+) attempt=(\d+)", re.M)
-LAUNCHERS = ("template", "cold", "torchrun")
+LAUNCHERS = ("pooled", "template", "cold", "torchrun")
 SLEEPER = "import time\ntime.sleep(float(__import__('sys').argv[1]))\n"
 
 
@@ -75,7 +81,10 @@ def run_daemon(d: BenchDaemon, work: str, crash: bool) -> tuple:
     if pb.JobState.Name(job.state) != "SUCCEEDED":
         raise RuntimeError(f"job {job_id} {pb.JobState.Name(job.state)}: {job.reason}")
     fault, first = marks(text)
-    paths = [e.start_path for e in d.events(job_id) if e.kind == "start"]
+    events = d.events(job_id)
+    paths = [e.start_path for e in events if e.kind == "start"]
+    if any(e.kind == "template" and "reused from the pool" in e.reason for e in events):
+        paths[0] = "reused+" + paths[0]
     return (first.get(0, 0) - t0, (first[1] - fault) if crash and 1 in first else None,
             paths, job.template_rss_bytes)
 
@@ -120,6 +129,17 @@ def idle_cost(d: BenchDaemon, work: str, seconds: float) -> tuple:
     return rss, cpu
 
 
+def pool_cost(d: BenchDaemon, seconds: float) -> tuple:
+    """(idle templates, their RSS bytes, daemon CPU % of one core) with no job running."""
+    found = [p for p in psutil.Process(d.pid).children()
+             if "--template" in " ".join(p.cmdline())]
+    rss = sum(p.memory_info().rss for p in found)
+    proc = psutil.Process(d.pid)
+    c0 = sum(proc.cpu_times()[:2])
+    time.sleep(seconds)
+    return len(found), rss, (sum(proc.cpu_times()[:2]) - c0) / seconds * 100
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--reps", type=int, default=3)
@@ -127,7 +147,9 @@ def main() -> None:
     a = p.parse_args()
     work = tempdir("edb-tmpl-")
     daemons = {
-        "template": BenchDaemon(extra_args=("--set", "agent.warm_spares=false")),
+        "pooled": BenchDaemon(extra_args=("--set", "agent.warm_spares=false")),
+        "template": BenchDaemon(extra_args=("--set", "agent.warm_spares=false",
+                                            "--set", "agent.template_idle_timeout=0")),
         "cold": BenchDaemon(extra_args=("--set", "agent.worker_template=false",
                                         "--set", "agent.warm_spares=false")),
     }
@@ -135,8 +157,12 @@ def main() -> None:
         d.start()
     results = {name: {"start": [], "restart": [], "paths": [], "rss": []} for name in LAUNCHERS}
     try:
+        warm = run_daemon(daemons["pooled"], work, False)  # leaves its template idle
+        print(f"warming job on the pooled daemon: start {warm[0]:.3f}s "
+              f"paths {'/'.join(warm[2])}", flush=True)
         for rep in range(a.reps):
-            order = LAUNCHERS[rep % 3:] + LAUNCHERS[:rep % 3]
+            n = len(LAUNCHERS)
+            order = LAUNCHERS[rep % n:] + LAUNCHERS[:rep % n]
             for name in order:
                 for crash in (False, True):
                     if name == "torchrun":
@@ -154,6 +180,7 @@ def main() -> None:
                           + (f" restart {restart:.3f}s" if restart is not None else "")
                           + f" paths {'/'.join(paths)}", flush=True)
         rss, cpu = idle_cost(daemons["template"], work, a.idle)
+        pooled = pool_cost(daemons["pooled"], a.idle)
     finally:
         for d in daemons.values():
             d.stop()
@@ -171,6 +198,9 @@ def main() -> None:
                        "VS TORCHRUN", "START PATHS"]))
     print(f"template RSS (status): {rss / (1 << 20):.0f} MiB; daemon CPU while a template idles: "
           f"{cpu:.2f}% of one core over {a.idle:g}s")
+    print(f"pooled daemon, no job: {pooled[0]} idle template(s), "
+          f"{pooled[1] / (1 << 20):.0f} MiB resident; daemon CPU {pooled[2]:.2f}% of one core "
+          f"over {a.idle:g}s; load average {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":

@@ -202,15 +202,25 @@ def worker_pids_under(state_dir: str) -> list[int]:
         job_ids = set(os.listdir(os.path.join(state_dir, "logs")))
     except FileNotFoundError:
         return []
+    logs = os.path.join(os.path.realpath(state_dir), "logs") + os.sep
     found = []
     for proc in psutil.process_iter(["pid"]):
         try:
             env = proc.environ()
         except (psutil.Error, OSError):
             continue
-        if env.get("ELASTICD_JOB_ID") in job_ids:
+        if env.get("ELASTICD_JOB_ID") in job_ids or _output_under(proc.pid, logs):
             found.append(proc.pid)
     return found
+
+
+def _output_under(pid: int, logs: str) -> bool:
+    """Whether the process writes its stdout into ``logs``: a worker template, or a rank
+    it forked (their /proc/PID/environ is the template's, which names no job)."""
+    try:
+        return os.readlink(f"/proc/{pid}/fd/1").startswith(logs)
+    except OSError:
+        return False
 
 
 def free_port() -> int:

@@ -234,6 +234,14 @@ def test_a_user_may_not_hold_more_streams_than_the_daemon_serves(tmp_path):
                                 "(9 > 8)"]
 
 
+def test_a_user_may_not_hold_more_idle_templates_than_the_node_keeps(tmp_path):
+    path = _write(tmp_path, "[agent]\ntemplate_idle_max = 1\ntemplate_idle_per_user = 2\n")
+    with pytest.raises(ConfigError) as excinfo:
+        _load(path)
+    assert _errors(excinfo) == ["agent.template_idle_per_user: must not exceed "
+                                "agent.template_idle_max (2 > 1)"]
+
+
 def test_metrics_address_is_a_setting_and_a_flag():
     from elasticd import cli
     args = cli.build_parser().parse_args(["--metrics-address", "127.0.0.1"])

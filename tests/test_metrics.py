@@ -86,6 +86,9 @@ def faulted():
         job_id = d.submit(sys.executable, "-m", "elasticd.examples.train", "--steps", "40",
                           "--crash-at-step", "10", nproc=2)
         d.wait_job(job_id, timeout=120)
+        deadline = time.monotonic() + 30  # the agent hands its template on after the end
+        while d.job(job_id).template_state == "ready" and time.monotonic() < deadline:
+            time.sleep(0.05)
         yield scrape(port), d.events(job_id), d
     finally:
         d.cleanup()
@@ -128,6 +131,9 @@ def test_counters_follow_the_job_through_its_fault(faulted):
     assert value(found, "elasticd_rank_start_duration_seconds_count", path="template") == \
         len(paths)
     assert value(found, "elasticd_job_templates") == 0  # it ended with its job
+    assert value(found, "elasticd_idle_templates") == 1  # kept for the user's next job
+    assert value(found, "elasticd_idle_template_rss_bytes") > 0
+    assert value(found, "elasticd_template_reuses_total") == 0
     # Each RUNNING came after a RENDEZVOUS; each restart was recovered.
     assert value(found, "elasticd_rendezvous_duration_seconds_count") == moves.count("RUNNING")
     assert value(found, "elasticd_rendezvous_round_nodes_count") == moves.count("RUNNING")

@@ -56,7 +56,8 @@ SCRIPT = textwrap.dedent("""\
         seen = {"pre": PRE, "pre_psutil": PRE_PSUTIL, "name": __name__, "argv": sys.argv, "path0": sys.path[0],
                 "cwd": os.getcwd(), "uid": os.getuid(), "gid": os.getgid(),
                 "groups": sorted(os.getgroups()), "env": dict(os.environ),
-                "pid": os.getpid(), "pgid": os.getpgid(0), "sid": os.getsid(0),
+                "pid": os.getpid(), "ppid": os.getppid(), "pgid": os.getpgid(0),
+                "sid": os.getsid(0),
                 "umask": MASK, "stdin": os.readlink("/proc/self/fd/0"), "sigs": SIGS,
                 "blocked": sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, []))}
         name = "%s-rank%d-restart%d.json" % (mode, RANK, RESTART)
@@ -216,7 +217,7 @@ def test_ranks_forked_from_the_template_are_what_a_cold_start_is(node, user, wor
     assert [e["start_path"] for e in starts(node, forked)] == ["template"]
     assert [e["start_path"] for e in starts(node, cold)] == ["cold"]
     job = status(node, forked)
-    assert job["template_state"] in ("ready", "stopped") and job["start_path"] == "template"
+    assert job["template_state"] in ("ready", "stopped", "pooled") and job["start_path"] == "template"
     assert {w["start_path"] for w in job["workers"]} == {"template"}
     log = node.rank_log(forked, 0)
     assert "from the worker template" in log

@@ -279,6 +279,14 @@ def nodes_table(resp: control_pb2.ListNodesResponse) -> str:
         text += "".join(f"\nproblem on {n.node_id}: {p}" for p in n.problems)
         if n.suspect and not any(n.suspect in p for p in n.problems):
             text += f"\nsuspect: {n.node_id}: {n.suspect}"
+    for n in resp.nodes:
+        if n.idle_templates:
+            rss = sum(t.rss_bytes for t in n.idle_templates)
+            text += (f"\nidle worker templates on {n.node_id}: {len(n.idle_templates)}, "
+                     f"{rss / (1 << 20):.0f} MiB resident")
+            text += "".join(f"\n  uid {t.uid}  pid {t.pid}  key {t.key}  idle "
+                            f"{t.idle_seconds:.0f}s  {t.rss_bytes / (1 << 20):.0f} MiB"
+                            for t in n.idle_templates)
     return text
 
 

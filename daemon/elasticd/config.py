@@ -242,6 +242,32 @@ class AgentSettings:
                                              "imported by the job's next template, each "
                                              "tried in a throw-away child first); 0: off",
                                          min=0, max=256)
+    # -- templates shared between a user's jobs (workers/template_pool.py) --
+    template_idle_timeout: float = _setting(600.0, "seconds a worker template whose job "
+                                                   "ended waits, idle, for the same user's "
+                                                   "next job with the same interpreter, "
+                                                   "directory, environment and preload "
+                                                   "(which then forks its ranks with no "
+                                                   "import after the submit); 0: every "
+                                                   "template ends with its job",
+                                            min=0, max=7 * 86400)
+    template_idle_per_user: int = _setting(2, "most idle worker templates one uid may hold "
+                                              "on this node (the longest idle ends first; "
+                                              "each holds its imports in memory, see the "
+                                              "metric elasticd_idle_template_rss_bytes)",
+                                           min=0, max=256)
+    template_idle_max: int = _setting(4, "most idle worker templates on this node, all "
+                                         "users together", min=0, max=1024)
+    template_restore: bool = _setting(True, "at start, start again the worker templates "
+                                            "that were idle when the daemon last stopped "
+                                            "cleanly (kept in the state dir meanwhile), so "
+                                            "a user's first job after a restart or an "
+                                            "upgrade is warm too; each then waits "
+                                            "agent.template_idle_timeout like any idle one")
+    template_idle_check_interval: float = _setting(1.0, "seconds between looks at the idle "
+                                                        "worker templates (ended when their "
+                                                        "time is up, or dropped when dead)",
+                                                   min=0.05, max=60)
     # -- hang detection (hangs/detector.py) --
     hang_detection: bool = _setting(True, "watch each rank's progress beats (every optimizer "
                                           "step, or elasticd_heartbeat.heartbeat()); dump the "
@@ -534,6 +560,9 @@ def _check_relations(cfg: Config, errors: list[str]) -> None:
         errors.append("inprocess.barrier_timeout: must exceed agent.hang_hard_timeout "
                       f"({i.barrier_timeout} <= {a.hang_hard_timeout}), or the healthy ranks "
                       "give up on a hung rank before elasticd kills and replaces it")
+    if a.template_idle_per_user > a.template_idle_max:
+        errors.append("agent.template_idle_per_user: must not exceed agent.template_idle_max "
+                      f"({a.template_idle_per_user} > {a.template_idle_max})")
     lim = cfg.limits
     if lim.spec_bytes_per_user > lim.spec_bytes_total:
         errors.append(f"limits.spec_bytes_per_user: must not exceed limits.spec_bytes_total "

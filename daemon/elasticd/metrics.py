@@ -474,6 +474,18 @@ class _JobCollector:
         yield GaugeMetricFamily(
             "elasticd_job_templates", "Live jobs with a worker template running on this node",
             value=len(templates))
+        pool = getattr(self._manager, "templates", None)  # workers/template_pool.py
+        if pool is not None:
+            idle = pool.idle()
+            yield GaugeMetricFamily(
+                "elasticd_idle_templates", "Worker templates kept idle on this node for "
+                "their user's next job (agent.template_idle_timeout)", value=len(idle))
+            yield GaugeMetricFamily(
+                "elasticd_idle_template_rss_bytes", "Resident memory of the idle worker "
+                "templates on this node, summed", value=sum(t.rss_bytes for t in idle))
+            yield CounterMetricFamily(
+                "elasticd_template_reuses", "Jobs whose worker template was taken from "
+                "the idle ones on this node (no import after the submit)", value=pool.reuses)
         yield GaugeMetricFamily("elasticd_workers_running", "Worker processes running",
                                 value=workers)
         yield GaugeMetricFamily("elasticd_slots", "Worker slots of this node",

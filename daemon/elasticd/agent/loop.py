@@ -49,6 +49,7 @@ from ..jobs.states import TERMINAL_STATES, JobState
 from ..store import StoreError
 from ..jobstore.host import JobStoreHost
 from ..workers.template import StartPath, TemplateState, WorkerTemplate
+from ..workers.template_pool import TemplatePool
 from ..workers.group import GroupSpec, SpawnError, SparePool, WorkerGroup
 
 log = logging.getLogger("elasticd.agent.loop")
@@ -147,7 +148,7 @@ def decide(look: Snapshot) -> Decision:
 class Agent:
     def __init__(self, job_id: str, cfg: Config, registry: JobRegistry,
                  rendezvous: ClusterRendezvous, on_exit: Callable[[str], None], metrics=None,
-                 binding: Binding | None = None, health=None):
+                 binding: Binding | None = None, health=None, templates=None):
         self.job_id = job_id
         # The job's GPUs and CPUs on this node (gpus/alloc.py), the same for every
         # attempt and replaced rank; the GPU health gate asked before each round.
@@ -172,9 +173,13 @@ class Agent:
         self._round_state: RoundState | None = None
         self._join_wait_since = 0.0        # when it began to wait for the template to join
         a = cfg.agent
-        self._template = WorkerTemplate(job_id, cfg.daemon.node_id, a.warm_preload,
-                                        a.template_ready_timeout, a.template_fork_timeout)
+        # The node's templates kept between a user's jobs (workers/template_pool.py); this
+        # job's is taken from it or started at _start_template, handed back at the end.
+        self._templates = templates if templates is not None else TemplatePool(cfg)
+        self._template = WorkerTemplate(job_id, cfg.daemon.node_id, a.template_ready_timeout,
+                                        a.template_fork_timeout)
         self._template_noted: tuple = ()  # (state, reason, rss) last written to the record
+        self._template_said = ""          # where it came from, when not started for this job
         self._preload_read = False        # the learned preload was read (once per job)
         self._store_host = JobStoreHost()
         self._store_secret = jobstore_env.new_secret()
@@ -238,9 +243,8 @@ class Agent:
         finally:
             if self._phase_pub is not None:
                 self._phase_pub.stop()
-            self._template.stop()
             try:
-                self._note_template()  # stopped: no RSS any more
+                self._release_template()
             except Exception:
                 log.exception("%s: could not record the template's end", self._where())
             self._spares.clear()
@@ -672,15 +676,41 @@ class Agent:
 
     # -- the worker template (workers/template.py) ------------------------------
     def _start_template(self) -> None:
-        """Start the job's template as soon as the job is here, ready for its first start."""
+        """The job's template as soon as the job is here, ready for its first start: an
+        idle one of this user's with an equal key (workers/template_pool.py), or a new one."""
         job = self._registry.get(self.job_id)
         if not self._cfg.agent.worker_template or job.state in TERMINAL_STATES:
             return
-        self._template.start(self._group_spec(job, Result(
+        got = self._templates.acquire(self.job_id, self._group_spec(job, Result(
             round=0, group_rank=0, group_world_size=1, world_size=job.nproc_per_node,
             rank_offset=0, master_addr="", master_port=0)),
             learned=job.learned_preload[:self._cfg.agent.template_preload_max])
+        self._template = got.template
+        if got.reused:
+            t = got.template
+            rss = t.rss_bytes()
+            self._template_said = got.sentence()
+            self._template_noted = (t.state.value, "", rss)
+            self._registry.event(self.job_id, "template", got.sentence())
+            self._registry.update(self.job_id, template_state=t.state.value,
+                                  template_reason=got.sentence(), template_rss_bytes=rss)
+            return
         self._note_template()
+
+    def _release_template(self) -> None:
+        """The job ended here (or the daemon stops): its template back to the pool, kept
+        idle for the user's next job or stopped (workers/template_pool.py)."""
+        said = self._templates.release(self._template, keep=not self.shutting_down)
+        if not self._cfg.agent.worker_template:
+            return
+        if said:
+            self._registry.event(self.job_id, "template", said)
+            kept = self._template.state is TemplateState.READY  # in the pool, idle
+            self._registry.update(self.job_id, template_state=(
+                TemplateState.POOLED if kept else TemplateState.STOPPED).value,
+                template_reason=said, template_rss_bytes=0)
+            return
+        self._note_template()  # it had failed (or was never made): as it is
 
     def _note_template(self) -> None:
         """The template's state, reason and RSS into the job's record (when they changed:
@@ -702,7 +732,8 @@ class Agent:
                                  f"{t.ready_seconds:.2f} s (pid {t.pid}, "
                                  f"{rss / (1 << 20):.0f} MiB)", duration=t.ready_seconds)
         self._registry.update(self.job_id, template_state=t.state.value,
-                              template_reason=t.reason, template_rss_bytes=rss)
+                              template_reason=t.reason or self._template_said,
+                              template_rss_bytes=rss)
 
     def _learn_preload(self, spec: GroupSpec) -> None:
         """After the first beat: what local rank 0 imported, for the job's next template."""

@@ -38,6 +38,7 @@ from ..rendezvous.protocol import CANCELLED, JobLimits, final_job_state
 from ..agent.restartpolicy import RestartWindow
 from .states import LIVE_STATES, TERMINAL_STATES, JobState
 from ..store import StoreError
+from ..workers.template_pool import TemplatePool
 
 log = logging.getLogger("elasticd.jobs.scheduler")
 
@@ -119,6 +120,8 @@ class JobManager:
         self._admit_lock = threading.Lock()
         self._agents: dict[str, Agent] = {}
         self._stopping = False
+        # Worker templates kept between a user's jobs on this node (stopped last).
+        self.templates = TemplatePool(cfg)
 
     @property
     def slots_total(self) -> int:
@@ -327,7 +330,8 @@ class JobManager:
                 free -= job.nproc_per_node
                 agent = Agent(job.id, self._cfg, self._registry, self._rendezvous_for(job),
                               on_exit=self._agent_exited, metrics=self._metrics,
-                              binding=binding, health=self._health)
+                              binding=binding, health=self._health,
+                              templates=self.templates)
                 self._agents[job.id] = agent
                 agent.start()
 
@@ -439,6 +443,11 @@ class JobManager:
                 self._restart_forgotten(job)
             elif job.state != JobState.PENDING:
                 self._move(job, JobState.RESTARTING, "daemon restarted; rejoining the job")
+        try:  # the templates idle at the last stop: users' next jobs warm from the first
+            self.templates.restore()
+        except Exception:
+            log.exception("%s: could not restore the idle worker templates",
+                          ctx(node=self._cfg.daemon.node_id))
         self.schedule()
 
     def _restart_forgotten(self, job: JobRecord) -> None:
@@ -487,6 +496,7 @@ class JobManager:
         for agent in agents:
             if not agent.join(timeout):
                 log.error("%s: agent did not stop within %.0fs", ctx(job=agent.job_id), timeout)
+        self.templates.stop()
 
 
 def _window(value) -> float:

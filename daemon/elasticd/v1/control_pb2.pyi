@@ -407,7 +407,7 @@ class ListNodesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Node(_message.Message):
-    __slots__ = ("node_id", "state", "host", "address", "slots", "slots_free", "version", "started_at", "heartbeat_age_seconds", "jobs", "lost_at", "lease_ttl_seconds", "problems", "gpus", "gpus_free", "gpu_source", "gpu_health", "devices", "suspect")
+    __slots__ = ("node_id", "state", "host", "address", "slots", "slots_free", "version", "started_at", "heartbeat_age_seconds", "jobs", "lost_at", "lease_ttl_seconds", "problems", "gpus", "gpus_free", "gpu_source", "gpu_health", "devices", "suspect", "idle_templates")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
@@ -427,6 +427,7 @@ class Node(_message.Message):
     GPU_HEALTH_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     SUSPECT_FIELD_NUMBER: _ClassVar[int]
+    IDLE_TEMPLATES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     state: str
     host: str
@@ -446,7 +447,22 @@ class Node(_message.Message):
     gpu_health: str
     devices: _containers.RepeatedCompositeFieldContainer[NodeGpu]
     suspect: str
-    def __init__(self, node_id: _Optional[str] = ..., state: _Optional[str] = ..., host: _Optional[str] = ..., address: _Optional[str] = ..., slots: _Optional[int] = ..., slots_free: _Optional[int] = ..., version: _Optional[str] = ..., started_at: _Optional[float] = ..., heartbeat_age_seconds: _Optional[float] = ..., jobs: _Optional[_Iterable[str]] = ..., lost_at: _Optional[float] = ..., lease_ttl_seconds: _Optional[float] = ..., problems: _Optional[_Iterable[str]] = ..., gpus: _Optional[int] = ..., gpus_free: _Optional[int] = ..., gpu_source: _Optional[str] = ..., gpu_health: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[NodeGpu, _Mapping]]] = ..., suspect: _Optional[str] = ...) -> None: ...
+    idle_templates: _containers.RepeatedCompositeFieldContainer[IdleTemplate]
+    def __init__(self, node_id: _Optional[str] = ..., state: _Optional[str] = ..., host: _Optional[str] = ..., address: _Optional[str] = ..., slots: _Optional[int] = ..., slots_free: _Optional[int] = ..., version: _Optional[str] = ..., started_at: _Optional[float] = ..., heartbeat_age_seconds: _Optional[float] = ..., jobs: _Optional[_Iterable[str]] = ..., lost_at: _Optional[float] = ..., lease_ttl_seconds: _Optional[float] = ..., problems: _Optional[_Iterable[str]] = ..., gpus: _Optional[int] = ..., gpus_free: _Optional[int] = ..., gpu_source: _Optional[str] = ..., gpu_health: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[NodeGpu, _Mapping]]] = ..., suspect: _Optional[str] = ..., idle_templates: _Optional[_Iterable[_Union[IdleTemplate, _Mapping]]] = ...) -> None: ...
+
+class IdleTemplate(_message.Message):
+    __slots__ = ("uid", "pid", "key", "idle_seconds", "rss_bytes")
+    UID_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    IDLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    uid: int
+    pid: int
+    key: str
+    idle_seconds: float
+    rss_bytes: int
+    def __init__(self, uid: _Optional[int] = ..., pid: _Optional[int] = ..., key: _Optional[str] = ..., idle_seconds: _Optional[float] = ..., rss_bytes: _Optional[int] = ...) -> None: ...
 
 class NodeGpu(_message.Message):
     __slots__ = ("index", "uuid", "memory_mib", "numa_node", "cpus", "job_id")

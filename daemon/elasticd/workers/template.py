@@ -2,8 +2,10 @@
 
 The template is ``python [-u|-B] workers/warmstart.py --template FD ARGS`` started
 through the same spawn path as the workers (workers.start_job_process: the
-job's user, its groups, its directory, PDEATHSIG tied to the agent thread,
-the job's environment), so its ``sys.path`` is a cold start's (see
+job's user, its groups, its directory, the job's environment as its key
+has it, workers/template_key.py), on the pool's spawner thread, so that its
+PDEATHSIG is tied to a thread that lives as long as the daemon
+(workers/template_pool.py); its ``sys.path`` is a cold start's (see
 warmstart.entry_path). It imports ``agent.warm_preload`` once and then
 waits on FD, one end of a socketpair that only this daemon holds. Each rank
 is a child it forks on request (warmstart._serve / _become_rank).
@@ -14,11 +16,13 @@ keeps a ``ForkedProcess`` per rank with the ``Popen`` interface the agent
 uses (``pid``, ``poll``, ``returncode``, ``wait``), so a forked rank's exit
 code or signal is exactly what a cold worker's would be. No orphans: every
 rank has PDEATHSIG=SIGKILL on the template, the template has it on the
-agent thread, and the template exits when the daemon's end of the channel
+pool's spawner thread, and the template exits when the daemon's end of the channel
 closes; a rank whose template died unreported is SIGKILLed (its group) and
 reads as killed by SIGKILL.
 
-Owned by the job's agent thread (every call comes from it); no locks.
+Owned by one thread at a time (every call comes from it); no locks: the
+agent thread of the job it serves, or, while it idles between a user's
+jobs, the pool's thread (workers/template_pool.py hands it over).
 The daemon never imports torch: it only reads the template's messages.
 """
 from __future__ import annotations
@@ -33,7 +37,11 @@ import socket
 import subprocess
 import time
 
+from typing import Callable
+
 from . import env as envnames, group as workers
+from .template_key import TemplateKey, entry_part
+from .. import statedir
 from ..logsetup import ctx
 
 log = logging.getLogger("elasticd.workers.template")
@@ -47,6 +55,7 @@ class TemplateState(enum.Enum):
     READY = "ready"          # waiting for fork requests
     FAILED = "failed"        # could not be made, or died: ranks start cold
     STOPPED = "stopped"      # ended with its job
+    POOLED = "pooled"        # its job's record only: handed to the pool when the job ended
 
 
 class StartPath(enum.Enum):
@@ -92,11 +101,10 @@ class ForkedProcess:
 class WorkerTemplate:
     """One job's template on this node; see the module docstring."""
 
-    def __init__(self, job_id: str, node_id: str = "", preload: list | None = None,
-                 ready_timeout: float = 120.0, fork_timeout: float = 10.0):
-        self.job_id = job_id
+    def __init__(self, job_id: str, node_id: str = "", ready_timeout: float = 120.0,
+                 fork_timeout: float = 10.0):
+        self.job_id = job_id      # the job it serves now (a pooled one: the last it served)
         self._node_id = node_id
-        self._preload = list(preload or [])
         self._ready_timeout = ready_timeout
         self._fork_timeout = fork_timeout
         self.state = TemplateState.OFF
@@ -113,33 +121,43 @@ class WorkerTemplate:
         self.ready_seconds = 0.0
         self.was_ready = False    # it served ranks before (then a death may be revived)
         self._unsafe = False      # it refused as unsafe to fork: a new one would too
+        self.key: TemplateKey | None = None   # what it was made of (template_key.py)
+        self.log_job = job_id     # whose logs/JOB/template.log has its output
 
     def _where(self) -> str:
         return ctx(job=self.job_id, node=self._node_id)
 
     # -- life --------------------------------------------------------------
-    def start(self, spec: workers.GroupSpec, learned: list | None = None) -> None:
+    def start(self, spec: workers.GroupSpec, key: "TemplateKey | None",
+              spawn: Callable | None = None) -> None:
         """Start the template for ``spec``'s job; does not wait for it (see ``ready``).
-        ``learned``: modules it imports after the preload if a probe child could
-        (workers/preload.py)."""
+        ``key`` (workers/template_key.py) is all it is made of besides the job's
+        command and log: its environment is the key's plus the preload lists (the
+        learned modules are imported after the preload if a probe child could,
+        workers/preload.py). ``spawn``: how its process is started,
+        ``workers.start_job_process`` or a stand-in with its signature (the pool's
+        spawner thread, so that its PDEATHSIG is tied to a thread that lives as long
+        as the daemon, not to the job's agent)."""
         args = workers.warm_args(spec.command)
-        if args is None:
+        if args is None or key is None:
             self._fail("the command is not `python SCRIPT` or `python -m MODULE`",
                        TemplateState.OFF)
             return
+        self.key = key
         flags = []
         while args and args[0] in ("-u", "-B"):
             flags.append(args.pop(0))
+        # Only the entry, not the job's own arguments: the template (and its
+        # /proc/PID/cmdline, which its ranks show) names no job's; each rank gets its
+        # job's argv at fork (warmstart._become).
+        args = args[:2] if args[0] == "-m" else args[:1]
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        # ELASTICD_JOB_ID: the template and every rank it forks read as the job's in
-        # /proc/PID/environ (a rank's is the template's: see README "Worker template").
-        env = dict(workers.base_env(spec), **{
-            envnames.WARM_PRELOAD: ",".join(self._preload),
-            envnames.JOB_ID: spec.job_id,
-            envnames.LEARNED_PRELOAD: ",".join(learned or [])})
+        # Made of its key alone: any job with an equal key may use it (template_pool.py).
+        env = dict(key.env, **{envnames.WARM_PRELOAD: ",".join(key.preload),
+                               envnames.LEARNED_PRELOAD: ",".join(key.learned)})
         try:
-            workers.prepare_dirs(spec)
-            self._proc = workers.start_job_process(
+            statedir.private_dir(spec.log_dir)  # its log; the ranks' run dir is the group's
+            self._proc = (spawn or workers.start_job_process)(
                 spec, [spec.command[0], *flags, workers.WARMSTART, "--template",
                        str(theirs.fileno()), *args],
                 env, log_path=template_log_path(spec.log_dir), pass_fds=(theirs.fileno(),))
@@ -155,7 +173,8 @@ class WorkerTemplate:
         self._boot_args = [*flags, *args]
         self.state, self.reason = TemplateState.STARTING, ""
         self.started_at = time.monotonic()
-        log.info("%s: worker template starting, pid %d", self._where(), self._proc.pid)
+        log.info("%s: worker template starting, pid %d (key %s)", self._where(),
+                 self._proc.pid, key.digest)
 
     def revivable(self) -> bool:
         """Whether it died after serving ranks (not: could not be made, or unsafe), so
@@ -199,6 +218,23 @@ class WorkerTemplate:
         if self.state in (TemplateState.STARTING, TemplateState.READY):
             self.state = TemplateState.STOPPED
 
+    def settle(self, timeout: float) -> bool:
+        """Whether it is ready and none of the ranks it forked is left, reading their
+        exits for up to ``timeout`` (a stopped group's ranks report as they go):
+        only such a template may serve another job (template_pool.py)."""
+        deadline = time.monotonic() + timeout
+        while self.ready(0) and self._ranks and time.monotonic() < deadline:
+            self.pump(min(0.1, max(0.0, deadline - time.monotonic())))
+        if self.ready(0) and not self._ranks:
+            self._statuses.clear()
+            return True
+        return False
+
+    @property
+    def boot_args(self) -> list:
+        """What follows the interpreter in its command: the flags and the entry."""
+        return list(self._boot_args or [])
+
     @property
     def pid(self) -> int:
         return self._proc.pid if self._proc is not None else 0
@@ -220,7 +256,7 @@ class WorkerTemplate:
         if not self.ready(0):
             return None, f"worker template {self.state.value}" + \
                 (f": {self.reason}" if self.reason else "")
-        if args != self._boot_args:
+        if entry_part(args) != entry_part(self._boot_args):
             return None, "the command differs from the template's"
         self._next_id += 1
         rid = self._next_id
@@ -340,7 +376,8 @@ class WorkerTemplate:
             except subprocess.TimeoutExpired:  # it closed the channel and lives on
                 workers.kill_group(self._proc.pid, signal.SIGKILL)
         what = workers.describe_exit(code)[2] if code is not None else "closed its channel"
-        self._fail(f"it exited ({what}); see template.log")
+        whose = "" if self.log_job == self.job_id else f" of job {self.log_job}"
+        self._fail(f"it exited ({what}); see template.log{whose}")
 
     def _fail(self, reason: str, state: TemplateState = TemplateState.FAILED) -> None:
         if state is TemplateState.FAILED:

@@ -1,0 +1,299 @@
+"""Worker templates kept between a user's jobs (workers/template_pool.py).
+
+Real root daemon, two real unprivileged users made here (``h16p_a``,
+``h16p_b``), real elasticctl dropping to them, real torch gloo workers. The
+script is test_worker_template's: each rank writes what it sees of itself
+(torch already imported or not, environment, cwd, ids, argv, ``sys.path[0]``,
+its parent) before it imports torch; a cold start of the same job (``python
+-X utf8 SCRIPT``, a command no template takes) is the reference.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+
+import psutil
+import pytest
+
+from daemons import short_tmpdir
+from elasticd.workers.group import GroupSpec
+from elasticd.workers.template_key import TemplateKey, key_from_record, key_to_record
+from test_worker_template import (
+    NOGROUP, PY, SCRIPT, User, _alive, _neutral, events, seen, state, status, submit,
+    wait_for)
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0,
+                                reason="needs root: real users are created and the daemon "
+                                       "switches to them (CI runs as root)")
+
+USERS = ("h16p_a", "h16p_b")
+
+
+@pytest.fixture(scope="module")
+def users():
+    made = []
+    try:
+        for name in USERS:
+            subprocess.run(["userdel", name], capture_output=True)
+            subprocess.run(["groupdel", name], capture_output=True)
+            subprocess.run(["useradd", "-M", "-U", "-s", "/usr/sbin/nologin", name],
+                           check=True, capture_output=True)
+            made.append(name)
+        yield tuple(User(name) for name in USERS)
+    finally:
+        for name in made:
+            subprocess.run(["userdel", name], capture_output=True)
+            subprocess.run(["groupdel", name], capture_output=True)
+
+
+@pytest.fixture
+def work(users):
+    base = short_tmpdir("h16p-")
+    work = users[0].mkdir(os.path.join(base, "work"))
+    with open(os.path.join(work, "train.py"), "w") as fh:
+        fh.write(SCRIPT)
+    out = users[0].mkdir(os.path.join(work, "out"), 0o777)
+    yield work, out
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def start_node(daemon_factory, *settings: str):
+    args = ["--set", f"daemon.socket_group={NOGROUP}", "--set", "agent.warm_spares=false"]
+    for s in settings:
+        args += ["--set", s]
+    return daemon_factory(slots=8, extra_args=tuple(args)).start()
+
+
+def run_job(node, user: User, cwd: str, mode: str, out: str, env: tuple = (),
+            cold: bool = False) -> str:
+    """``python train.py MODE OUT`` (2 ranks; ``cold``: ``python -X utf8 ...``, which no
+    template takes) submitted as ``user``; its id once it SUCCEEDED."""
+    extra = [a for kv in env for a in ("--env", kv)]
+    python = [PY, "-X", "utf8"] if cold else [PY]
+    job_id = submit(node, user, "--nproc-per-node", "2", *extra, "--", *python,
+                    os.path.join(cwd, "train.py"), mode, out, cwd=cwd)
+    job = node.wait_job(job_id, timeout=240)
+    assert state(job) == "SUCCEEDED", (node.rank_log(job_id, 0), node.rank_log(job_id, 1))
+    return job_id
+
+
+def idle_templates(node, user: User | None = None) -> list[psutil.Process]:
+    """The daemon's live template processes (of ``user``)."""
+    found = []
+    for p in psutil.Process(node.proc.pid).children():
+        try:
+            if "--template" in " ".join(p.cmdline()) and _alive(p) and \
+                    (user is None or p.uids().real == user.uid):
+                found.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+def reused(node, job_id: str) -> list[str]:
+    return [e["reason"] for e in events(node, job_id)
+            if e["kind"] == "template" and "reused from the pool" in e["reason"]]
+
+
+# ---------------------------------------------------------------- the key
+
+def _spec(**changes) -> GroupSpec:
+    base = dict(job_id="j1", command=(PY, "-u", "train.py", "--lr", "1"), cwd="/w",
+                env={"PATH": "/usr/bin", "PWD": "/w", "SHLVL": "1",
+                     "ELASTICD_STORE_SECRET": "a" * 32}, uid=os.geteuid(), gid=os.getegid(),
+                nproc=2, restart_count=0, max_restarts=0, round=1, group_rank=0,
+                group_world_size=1, world_size=2, rank_offset=0, master_addr="",
+                master_port=0, log_dir="/l", run_dir="/r")
+    base.update(changes)
+    return GroupSpec(**base)
+
+
+def test_two_jobs_share_a_key_only_when_all_that_shapes_imports_is_equal():
+    key = TemplateKey.of(_spec(), ["torch"])
+    # What differs from one submit to the next, and no import reads: the same key.
+    assert TemplateKey.of(_spec(job_id="j2", command=(PY, "-u", "train.py", "--lr", "2"),
+                                env={"PATH": "/usr/bin", "PWD": "/elsewhere", "SHLVL": "3",
+                                     "ELASTICD_STORE_SECRET": "b" * 32}, round=7,
+                                master_port=1234, log_dir="/l2", run_dir="/r2"),
+                          ["torch"]) == key
+    env = dict(_spec().env)
+    for other in (dict(uid=key.uid + 1), dict(gid=key.gid + 1), dict(cwd="/v"),
+                  dict(cpus=(0,)), dict(nproc=1),  # OMP_NUM_THREADS=1 for several ranks
+                  dict(command=(PY, "train.py")), dict(command=(PY, "-u", "other.py")),
+                  dict(command=("/opt/py/bin/python3", "-u", "train.py")),
+                  dict(env=dict(env, PYTHONPATH="/mine")),
+                  dict(env=dict(env, LD_LIBRARY_PATH="/lib2")),
+                  dict(env=dict(env, TORCH_LOGS="+dynamo"))):
+        assert TemplateKey.of(_spec(**other), ["torch"]) != key, other
+    assert TemplateKey.of(_spec(), ["torch", "numpy"]) != key
+    assert TemplateKey.of(_spec(), ["torch"], ["transformers"]) != key
+    assert TemplateKey.of(_spec(command=("/bin/sh", "-c", "x")), ["torch"]) is None
+    # Modules: sys.path[0] is the cwd whichever module runs.
+    assert TemplateKey.of(_spec(command=(PY, "-m", "a.b")), []) == \
+        TemplateKey.of(_spec(command=(PY, "-m", "c", "--x")), [])
+    assert "PWD" not in dict(key.env) and "ELASTICD_STORE_SECRET" not in dict(key.env)
+    assert dict(key.env)["PYTHONPATH"].endswith("worker_site")  # what every worker gets
+
+
+def test_a_saved_key_reads_back_equal_and_a_bad_one_is_refused():
+    key = TemplateKey.of(_spec(cpus=(0, 1)), ["torch"], ["numpy"])
+    rec = key_to_record(key)
+    assert key_from_record(json.loads(json.dumps(rec))) == key
+    for bad in (None, [], dict(rec, uid=-1), dict(rec, uid="0"), dict(rec, cwd=""),
+                dict(rec, env=[["A"]]), dict(rec, env={"A": "b"}), dict(rec, flags=["-c"]),
+                dict(rec, groups=["x"]), dict(rec, preload="torch")):
+        with pytest.raises(ValueError):
+            key_from_record(bad)
+
+
+# ---------------------------------------------------------------- sharing
+
+def test_a_second_job_of_the_same_user_forks_from_the_first_ones_template(
+        daemon_factory, users, work):
+    node = start_node(daemon_factory)
+    a = users[0]
+    cwd, out = work
+    first = run_job(node, a, cwd, "same", out)
+    (template,) = wait_for(lambda: idle_templates(node, a), 30, "the idle template")
+    assert seen(out, "same", 0)["ppid"] == template.pid
+    assert status(node, first)["template_state"] == "pooled"
+    assert any("kept idle" in e["reason"] for e in events(node, first)
+               if e["kind"] == "template")
+    r = node.ctl("-o", "json", "nodes")
+    assert r.returncode == 0, r.stderr
+    (shown,) = json.loads(r.stdout)["nodes"][0]["idle_templates"]
+    assert shown["pid"] == template.pid and int(shown["uid"]) == a.uid
+    assert int(shown["rss_bytes"]) > 0
+    assert f"uid {a.uid}  pid {template.pid}" in node.ctl("nodes").stdout
+
+    second = run_job(node, a, cwd, "second", out)
+    cold = run_job(node, a, cwd, "cold", out, cold=True)
+    assert reused(node, second) and not reused(node, first)
+    assert status(node, second)["template_state"] == "pooled"  # handed back again
+    assert [e["start_path"] for e in events(node, second) if e["kind"] == "start"] == \
+        ["template"]
+    script = os.path.join(cwd, "train.py")
+    for rank in (0, 1):
+        f, c = seen(out, "second", rank), seen(out, "cold", rank)
+        assert f["pre"] is True and c["pre"] is False
+        assert f["ppid"] == template.pid  # the first job's template forked it
+        assert f["env"]["TORCHELASTIC_RUN_ID"] == f["env"]["ELASTICD_JOB_ID"] == second
+        assert _neutral(f["env"], second) == _neutral(c["env"], cold)
+        assert f["argv"] == [script, "second", out]
+        for key in ("name", "path0", "cwd", "uid", "gid", "groups", "umask", "stdin",
+                    "sigs", "blocked"):
+            assert f[key] == c[key], (key, f[key], c[key])
+        assert f["uid"] == a.uid and f["cwd"] == cwd == f["path0"]
+    assert [p.pid for p in idle_templates(node, a)] == [template.pid]  # back in the pool
+
+
+def test_another_user_or_another_environment_gets_a_template_of_its_own(
+        daemon_factory, users, work):
+    node = start_node(daemon_factory)
+    a, b = users
+    cwd, out = work
+    run_job(node, a, cwd, "same", out)
+    (template,) = wait_for(lambda: idle_templates(node, a), 30, "the idle template")
+    other_user = run_job(node, b, cwd, "userb", out)
+    other_path = run_job(node, a, cwd, "pathed", out, env=(f"PYTHONPATH={cwd}",))
+    for job_id, mode in ((other_user, "userb"), (other_path, "pathed")):
+        assert not reused(node, job_id)
+        r = seen(out, mode, 0)
+        assert r["pre"] is True and r["ppid"] != template.pid  # a template of its own
+    assert seen(out, "userb", 0)["uid"] == b.uid
+    assert cwd in seen(out, "pathed", 0)["env"]["PYTHONPATH"].split(":")
+    assert _alive(template)  # untouched, still idle for its own key
+    assert len(idle_templates(node, a)) == 2 and len(idle_templates(node, b)) == 1
+
+
+@pytest.mark.slow
+def test_a_user_holds_at_most_template_idle_per_user_idle_templates(
+        daemon_factory, users, work):
+    node = start_node(daemon_factory, "agent.template_idle_per_user=1")
+    a, b = users
+    cwd, out = work
+    run_job(node, a, cwd, "one", out)
+    (first,) = wait_for(lambda: idle_templates(node, a), 30, "the idle template")
+    run_job(node, b, cwd, "two", out)
+    run_job(node, a, cwd, "three", out, env=("H16P_KEY=other",))
+    wait_for(lambda: not _alive(first), 30, "the user's longest idle template to end")
+    assert len(idle_templates(node, a)) == 1 and len(idle_templates(node, b)) == 1
+
+
+# ---------------------------------------------------------------- ends
+
+@pytest.mark.slow
+def test_an_idle_template_ends_after_the_idle_timeout(daemon_factory, users, work):
+    node = start_node(daemon_factory, "agent.template_idle_timeout=3")
+    a = users[0]
+    cwd, out = work
+    run_job(node, a, cwd, "same", out)
+    (template,) = wait_for(lambda: idle_templates(node, a), 30, "the idle template")
+    wait_for(lambda: not _alive(template), 60, "the idle template to end")
+    assert "idle for" in node.log() and "agent.template_idle_timeout" in node.log()
+
+
+@pytest.mark.slow
+def test_no_template_outlives_its_job_when_the_idle_timeout_is_0(daemon_factory, users,
+                                                                 work):
+    node = start_node(daemon_factory, "agent.template_idle_timeout=0")
+    cwd, out = work
+    job_id = run_job(node, users[0], cwd, "same", out)
+    wait_for(lambda: not idle_templates(node), 30, "the template to end with its job")
+    assert status(node, job_id)["template_state"] == "stopped"
+
+
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
+def test_no_idle_template_outlives_the_daemon(daemon_factory, users, work, how):
+    node = start_node(daemon_factory)
+    cwd, out = work
+    run_job(node, users[0], cwd, "same", out)
+    (template,) = wait_for(lambda: idle_templates(node, users[0]), 30, "the idle template")
+    if how == "SIGKILL":
+        node.kill()  # no chance to clean up: PDEATHSIG, and its channel closes
+    else:
+        assert node.stop() == 0  # a clean stop ends the pool's templates
+    wait_for(lambda: not _alive(template), 30, "the idle template to die with the daemon")
+
+
+@pytest.mark.slow
+def test_templates_idle_at_a_clean_stop_are_ready_again_before_the_first_submit(
+        daemon_factory, users, work):
+    node = start_node(daemon_factory)
+    a = users[0]
+    cwd, out = work
+    run_job(node, a, cwd, "same", out)
+    (before,) = wait_for(lambda: idle_templates(node, a), 30, "the idle template")
+    assert node.stop() == 0
+    wait_for(lambda: not _alive(before), 30, "the idle template to end with the daemon")
+    saved = os.path.join(node.state_dir, "idle-templates.json")
+    assert os.stat(saved).st_mode & 0o777 == 0o600  # it holds environments: root's alone
+    node.start()
+    (again,) = wait_for(lambda: idle_templates(node, a), 30,
+                        "the template started again before any submit")
+    assert again.pid != before.pid and again.uids().real == a.uid
+    wait_for(lambda: not os.path.exists(saved), 30, "the saved file to be read once")
+    job_id = run_job(node, a, cwd, "later", out)
+    assert reused(node, job_id)
+    r = seen(out, "later", 0)
+    assert r["pre"] is True and r["ppid"] == again.pid and r["cwd"] == cwd
+
+
+@pytest.mark.parametrize("content", [b"\x00garbage{", b'{"version": 1, "templates": 7}',
+                                     json.dumps({"version": 1, "templates": [
+                                         {"key": {"uid": 0}, "boot": ["-c", "x"],
+                                          "log_job": "../../etc"}]}).encode()])
+def test_a_bad_saved_template_file_is_skipped_and_removed(daemon_factory, content):
+    node = daemon_factory(slots=2)
+    os.makedirs(node.state_dir, mode=0o700)
+    saved = os.path.join(node.state_dir, "idle-templates.json")
+    with open(saved, "wb") as fh:
+        fh.write(content)
+    os.chmod(saved, 0o600)
+    node.start()  # serves before it resumes: the file is read just after
+    wait_for(lambda: not os.path.exists(saved), 30, "the saved file to be read")
+    wait_for(lambda: "not restored" in node.log() or "template skipped" in node.log(), 30,
+             "the log line saying why nothing was restored")
+    assert not idle_templates(node) and node.proc.poll() is None
