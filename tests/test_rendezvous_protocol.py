@@ -445,3 +445,12 @@ def test_a_hosted_master_port_reaches_every_node_and_old_records_read_as_not_hos
     assert Join.from_json(odd).hosted is False  # only a JSON true counts
     plain = RoundState(round=1, status=CLOSED, members=(Member("b", "y", 1, 2),))
     assert result_for(plain, "b").master_hosted is False
+
+
+def test_a_member_field_from_a_newer_release_is_ignored():
+    # A rolling upgrade: a newer daemon wrote a field this release does not know.
+    data = json.loads(RoundState(round=2, status=CLOSED,
+                                 members=(Member("a", "h", 1, 7, hosted=True),)).to_json())
+    data["members"][0]["future_field"] = 42
+    state = RoundState.from_json(json.dumps(data))
+    assert state.members == (Member("a", "h", 1, 7, hosted=True),)

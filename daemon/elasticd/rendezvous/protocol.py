@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import enum
 import json
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 
 from ..agent.restartpolicy import RestartWindow
 from ..jobs.states import JobState
@@ -115,7 +115,9 @@ class RoundState:
         data = json.loads(text)
         if not isinstance(data, dict):
             raise ValueError("round state is not an object")
-        members = tuple(Member(**{**m, "hosted": m.get("hosted") is True})
+        # Fields a newer release added are left out (a rolling upgrade mixes them).
+        members = tuple(Member(**{**{k: v for k, v in m.items() if k in _MEMBER_FIELDS},
+                                  "hosted": m.get("hosted") is True})
                         for m in data.get("members", ()))
         state = cls(round=int(data["round"]), status=str(data["status"]), members=members,
                     restarts=int(data.get("restarts", 0)),
@@ -137,6 +139,9 @@ class RoundState:
 
     def member_ids(self) -> list[str]:
         return [m.node_id for m in self.members]
+
+
+_MEMBER_FIELDS = frozenset(f.name for f in fields(Member))
 
 
 def _cause(data: dict) -> RoundCause:
