@@ -19,8 +19,11 @@ round grow linearly with the number of nodes. The state moves
 The decider of an open round is the joined node with the smallest id (its
 join key lives only while its lease does, so a dead decider hands over by
 itself). It closes the round once max nodes joined, or min nodes joined and
-``last_call`` seconds passed since; members keep their group ranks across
-rounds and newcomers come after them.
+``last_call`` seconds passed since; a round after a fault or a membership
+change closes as soon as every node it expects joined, not waiting for a
+member of the last round whose lease expired, nor, past ``rejoin_timeout``,
+for one that has not rejoined. Members keep their group ranks across rounds
+and newcomers come after them.
 """
 from __future__ import annotations
 
