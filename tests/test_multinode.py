@@ -44,7 +44,7 @@ import json, os, runpy, sys, time
 KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
         "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
         "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "ELASTICD_JOB_ID",
-        "ELASTICD_ROUND", "ELASTICD_NODE_ID")
+        "ELASTICD_ROUND", "ELASTICD_NODE_ID", "TORCHELASTIC_USE_AGENT_STORE")
 out, mode, args = sys.argv[1], sys.argv[2], sys.argv[3:]
 env = {k: os.environ.get(k) for k in KEYS}
 env["pid"] = os.getpid()

@@ -362,3 +362,95 @@ def test_a_final_round_status_ends_the_job_in_one_job_state_on_every_node():
     assert final_job_state(CANCELLED) is JobState.CANCELLED
     assert final_job_state(FAILED) is JobState.FAILED
     assert final_job_state("anything else") is JobState.FAILED
+
+
+# ------------------------------------------------------------- issue 22: rounds after a loss
+
+REJOIN = JobLimits(min_nodes=2, max_nodes=3, max_restarts=-1, last_call=2.0,
+                   join_timeout=30.0, rejoin_timeout=0.5)
+
+
+def after_fault(alive: tuple, waiting: tuple = ()) -> RoundState:
+    last = closed([Member(n, "h", 1, 1) for n in ("a", "b", "c")], rnd=4)
+    return reopen(last, "rank 1 failed", True, REJOIN, now=10.0,
+                  expected=alive + waiting, rejoining=alive)[0]
+
+
+def test_reopen_records_the_members_that_rejoin_and_it_survives_json():
+    state = after_fault(("a", "b", "c"), waiting=("d",))
+    assert state.rejoining == ("a", "b", "c") and state.expected == ("a", "b", "c", "d")
+    assert RoundState.from_json(state.to_json()).rejoining == ("a", "b", "c")
+    old = json.loads(state.to_json())
+    del old["rejoining"]  # a record written before the field: nobody counts as rejoining
+    assert RoundState.from_json(json.dumps(old)).rejoining == ()
+
+
+def test_a_member_whose_lease_expired_is_not_waited_for():
+    # c was alive at the reopen; its join key of the last round vanished since (its
+    # node lease expired): the round closes once a and b joined, no last call.
+    clock = RoundClock()
+    state = after_fault(("a", "b", "c"))
+    assert decide_open_round(state, joins("a", "b"), REJOIN, clock, 0.0,
+                             last_round={"a", "b", "c"})[0] is None
+    new, why = decide_open_round(state, joins("a", "b"), REJOIN, clock, 0.1,
+                                 last_round={"a", "b"})
+    assert new is not None and new.member_ids() == ["a", "b"]
+    assert "every expected node joined; lost: c" in why
+
+
+def test_a_member_that_does_not_rejoin_is_given_up_after_the_rejoin_timeout():
+    clock = RoundClock()
+    state = after_fault(("a", "b", "c"))
+    alive = {"a", "b", "c"}  # c's lease still holds: it may be alive, just slow
+    assert decide_open_round(state, joins("a", "b"), REJOIN, clock, 100.0, alive)[0] is None
+    assert decide_open_round(state, joins("a", "b"), REJOIN, clock, 100.4, alive)[0] is None
+    new, why = decide_open_round(state, joins("a", "b"), REJOIN, clock, 100.5, alive)
+    assert new is not None and new.member_ids() == ["a", "b"]
+    assert "c of the last round did not rejoin within 0.5s" in why
+
+
+def test_a_missing_newcomer_still_gets_the_last_call():
+    # d waited to join (it is expected but was no member): the rejoin timeout is
+    # for old members only; d gets the full last call.
+    clock = RoundClock()
+    state = after_fault(("a", "b"), waiting=("d",))
+    last = {"a", "b"}
+    assert decide_open_round(state, joins("a", "b"), REJOIN, clock, 100.0, last)[0] is None
+    assert decide_open_round(state, joins("a", "b"), REJOIN, clock, 101.0, last)[0] is None
+    new, why = decide_open_round(state, joins("a", "b"), REJOIN, clock, 102.0, last)
+    assert new is not None and "last call of 2s" in why
+
+
+def test_first_round_expected_nodes_are_no_rejoiners():
+    # Pinned nodes of a new job are expected but never were members: neither lost
+    # (they have no last-round key) nor hurried by the rejoin timeout.
+    clock = RoundClock()
+    state = open_round(rnd=1, expected=("a", "b", "c"))
+    assert decide_open_round(state, joins("a", "b"), REJOIN, clock, 100.0, set())[0] is None
+    assert decide_open_round(state, joins("a", "b"), REJOIN, clock, 101.9, set())[0] is None
+    assert decide_open_round(state, joins("a", "b"), REJOIN, clock, 102.0, set())[0] is not None
+
+
+def test_a_hosted_master_port_reaches_every_node_and_old_records_read_as_not_hosted():
+    js = [Join("a", "10.0.0.1", 1, 41000, hosted=True), Join("b", "10.0.0.2", 1, 29500)]
+    state = RoundState.from_json(RoundState(round=2, status=CLOSED,
+                                            members=order_members(js)).to_json())
+    for node in ("a", "b"):
+        r = result_for(state, node)
+        assert (r.master_addr, r.master_port, r.master_hosted) == ("10.0.0.1", 41000, True)
+    assert Join.from_json(js[0].to_json()).hosted is True
+    old = json.dumps({"node_id": "a", "address": "x", "nproc": 1, "port": 1})
+    assert Join.from_json(old).hosted is False
+    odd = json.dumps({"node_id": "a", "address": "x", "nproc": 1, "port": 1, "hosted": "yes"})
+    assert Join.from_json(odd).hosted is False  # only a JSON true counts
+    plain = RoundState(round=1, status=CLOSED, members=(Member("b", "y", 1, 2),))
+    assert result_for(plain, "b").master_hosted is False
+
+
+def test_a_member_field_from_a_newer_release_is_ignored():
+    # A rolling upgrade: a newer daemon wrote a field this release does not know.
+    data = json.loads(RoundState(round=2, status=CLOSED,
+                                 members=(Member("a", "h", 1, 7, hosted=True),)).to_json())
+    data["members"][0]["future_field"] = 42
+    state = RoundState.from_json(json.dumps(data))
+    assert state.members == (Member("a", "h", 1, 7, hosted=True),)

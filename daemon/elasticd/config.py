@@ -158,6 +158,26 @@ class RendezvousSettings:
               "crash) spends starting its warm spares (torch imported) before it asks for "
               "ranks, so that the restart every member makes to let it in is a warm one; "
               "past it, it asks anyway (0: ask at once)", min=0, max=3600)
+    rejoin_timeout: float = _setting(
+        1.0, "seconds a round opened after a fault or a membership change waits, once the "
+             "job's min joined, for members of the last round that have not rejoined yet "
+             "(alive ones rejoin within a fraction of a second: they see the round open, stop "
+             "their ranks and join); a member whose node lease expired meanwhile is not "
+             "waited for at all. Above rendezvous.last_call it changes nothing; a member "
+             "later than this (ranks slow to stop, e.g. a SIGTERM handler that saves) joins "
+             "the next round as a newcomer, one more restart", min=0, max=3600)
+    round_stores: bool = _setting(
+        True, "on a job across nodes, keep a round store process per job and node (the "
+              "job's Python, as its user) whose new TCPStore, listening from the moment the "
+              "node joins a round, is its MASTER_PORT offer: ranks of other nodes never wait "
+              "for rank 0 to bind (torch retries a refused connect 0.25-0.75 s later); the "
+              "ranks get TORCHELASTIC_USE_AGENT_STORE=True, as under torchrun. Off, or not a "
+              "`python SCRIPT`/`-m MODULE` command: rank 0 hosts the store")
+    round_store_timeout: float = _setting(
+        30.0, "seconds a node's round store process may take to import torch (the node's "
+              "first join of a job waits for it, while the worker template imports too) or "
+              "to open a new store at a join; past it the node stops using round stores for "
+              "the job", min=0, exclusive_min=True, max=600)
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,7 @@ from ..rendezvous.status import CURRENT, RoundStatus, StatusKind
 from ..jobs.states import TERMINAL_STATES, JobState
 from ..store import StoreError
 from ..jobstore.host import JobStoreHost
+from ..jobstore import round_host
 from ..workers.template import StartPath, TemplateState, WorkerTemplate
 from ..workers.template_pool import TemplatePool
 from ..workers.group import GroupSpec, SpawnError, SparePool, WorkerGroup
@@ -182,6 +183,8 @@ class Agent:
         self._template_said = ""          # where it came from, when not started for this job
         self._preload_read = False        # the learned preload was read (once per job)
         self._store_host = JobStoreHost()
+        self._round_stores = round_host.RoundStoreHost(job_id, cfg.daemon.node_id,
+                                                       cfg.rendezvous.round_store_timeout)
         self._store_secret = jobstore_env.new_secret()
         self._group: WorkerGroup | None = None    # the running attempt's workers
         self._recovery = Recovery(job_id, cfg, registry, metrics)  # the ladder's record
@@ -225,6 +228,7 @@ class Agent:
     def _run(self) -> None:
         try:
             self._start_template()
+            self._start_round_stores()
             self._loop()
         except Exception as exc:
             log.exception("%s: agent crashed", self._where())
@@ -249,6 +253,7 @@ class Agent:
                 log.exception("%s: could not record the template's end", self._where())
             self._spares.clear()
             self._store_host.stop()
+            self._round_stores.stop()
             self._on_exit(self.job_id)
 
     def _loop(self) -> None:
@@ -288,6 +293,9 @@ class Agent:
                 **({"restarts": state.restarts, "restart_times": list(state.restart_times)}
                    if state else {}))
             spec = self._with_job_store(job, self._group_spec(job, result), result)
+            if result.master_hosted:  # a round store listens on MASTER_PORT already
+                spec = dataclasses.replace(spec, extra_env={
+                    **spec.extra_env, **round_host.worker_env(True)})
             # In-process restart is on where _with_job_store gave the ranks a store.
             self._recovery.start_attempt(job, job.inprocess and bool(result.store_port))
             if self._template.revivable():  # it died with its ranks: a new one for them
@@ -783,6 +791,21 @@ class Agent:
             log_dir=os.path.join(self._cfg.logs_dir, job.id),
             run_dir=os.path.join(self._cfg.jobs_run_dir, job.id), node_id=d.node_id,
             device_env=self._binding.env(), cpus=self._binding.cpus)
+
+    def _start_round_stores(self) -> None:
+        """A job across nodes: this node's round store server (jobstore/round_host.py),
+        asked for a new store at each join (not waiting for its imports)."""
+        job = self._registry.get(self.job_id)
+        if not self._cfg.rendezvous.round_stores or job.max_nodes <= 1 or job.inprocess \
+                or job.state in TERMINAL_STATES:
+            return
+        self._round_stores.start(self._group_spec(job, Result(
+            round=0, group_rank=0, group_world_size=1, world_size=job.nproc_per_node,
+            rank_offset=0, master_addr="", master_port=0)), bind=self._rdzv.address)
+        if self._round_stores.reason:
+            self._registry.event(self.job_id, "info", f"no round stores on this node: "
+                                 f"{self._round_stores.reason}; rank 0 hosts its round's store")
+        self._rdzv.hosted_port = lambda: self._round_stores.new_port(stop=self.wake)
 
     def _start_job_store(self, job: JobRecord) -> int:
         """For --inprocess jobs: this node's job store, up before it joins a round; its port.

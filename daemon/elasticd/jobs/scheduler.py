@@ -363,7 +363,8 @@ class JobManager:
                            max_restarts=job.max_restarts, last_call=r.last_call,
                            join_timeout=r.join_timeout,
                            max_restarts_in_window=job.max_restarts_per_window,
-                           restart_window=job.restart_window)
+                           restart_window=job.restart_window,
+                           rejoin_timeout=r.rejoin_timeout)
         keeper = self._cluster.keeper
         return ClusterRendezvous(self._cluster.store, self._view, job.id,
                                  self._cfg.daemon.node_id, self._cluster.address,

@@ -19,14 +19,17 @@ round grow linearly with the number of nodes. The state moves
 The decider of an open round is the joined node with the smallest id (its
 join key lives only while its lease does, so a dead decider hands over by
 itself). It closes the round once max nodes joined, or min nodes joined and
-``last_call`` seconds passed since; members keep their group ranks across
-rounds and newcomers come after them.
+``last_call`` seconds passed since; a round after a fault or a membership
+change closes as soon as every node it expects joined, not waiting for a
+member of the last round whose lease expired, nor, past ``rejoin_timeout``,
+for one that has not rejoined. Members keep their group ranks across rounds
+and newcomers come after them.
 """
 from __future__ import annotations
 
 import enum
 import json
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 
 from ..agent.restartpolicy import RestartWindow
 from ..jobs.states import JobState
@@ -78,6 +81,8 @@ class Member:
     nproc: int
     port: int                      # a free port on that node, for MASTER_PORT if rank 0
     store_port: int = 0            # its job store for in-process restart (0: none)
+    hosted: bool = False           # ``port`` is a round store that listens already
+                                   # (jobstore/round_host.py): every rank a client
 
 
 @dataclass(frozen=True)
@@ -94,12 +99,18 @@ class RoundState:
     opened_at: float = 0.0
     closed_at: float = 0.0
     cause: RoundCause = RoundCause.FAULT   # why this round (and the rounds it became) opened
+    # Of ``expected``: the last round's members still alive when this round opened.
+    # Alive, they rejoin within a fraction of a second (they see the round open, stop
+    # their ranks, join); one whose last-round join key is gone since (its lease
+    # expired) is lost and no longer waited for; see decide_open_round.
+    rejoining: tuple = ()
 
     def to_json(self) -> str:
         data = asdict(self)
         data["cause"] = self.cause.value
         data["members"] = [asdict(m) for m in self.members]
         data["restart_times"] = list(self.restart_times)
+        data["rejoining"] = list(self.rejoining)
         return json.dumps(data, sort_keys=True)
 
     @classmethod
@@ -107,7 +118,10 @@ class RoundState:
         data = json.loads(text)
         if not isinstance(data, dict):
             raise ValueError("round state is not an object")
-        members = tuple(Member(**m) for m in data.get("members", ()))
+        # Fields a newer release added are left out (a rolling upgrade mixes them).
+        members = tuple(Member(**{**{k: v for k, v in m.items() if k in _MEMBER_FIELDS},
+                                  "hosted": m.get("hosted") is True})
+                        for m in data.get("members", ()))
         state = cls(round=int(data["round"]), status=str(data["status"]), members=members,
                     restarts=int(data.get("restarts", 0)),
                     restart_times=tuple(float(t) for t in
@@ -116,7 +130,8 @@ class RoundState:
                     reason=str(data.get("reason", "")),
                     opened_at=float(data.get("opened_at", 0.0)),
                     closed_at=float(data.get("closed_at", 0.0)),
-                    cause=_cause(data))
+                    cause=_cause(data),
+                    rejoining=tuple(str(n) for n in data.get("rejoining", ())))
         if state.status not in (OPEN, CLOSED) and state.status not in FINAL:
             raise ValueError(f"unknown round status {state.status!r}")
         return state
@@ -127,6 +142,9 @@ class RoundState:
 
     def member_ids(self) -> list[str]:
         return [m.node_id for m in self.members]
+
+
+_MEMBER_FIELDS = frozenset(f.name for f in fields(Member))
 
 
 def _cause(data: dict) -> RoundCause:
@@ -147,6 +165,7 @@ class Join:
     prev_rank: int = -1            # group rank in the last round this node was in
     time: float = 0.0
     store_port: int = 0            # its job store for in-process restart (0: none)
+    hosted: bool = False           # ``port`` is a round store listening already
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -157,7 +176,8 @@ class Join:
         return cls(node_id=str(data["node_id"]), address=str(data["address"]),
                    nproc=int(data["nproc"]), port=int(data["port"]),
                    prev_rank=int(data.get("prev_rank", -1)), time=float(data.get("time", 0.0)),
-                   store_port=int(data.get("store_port", 0)))
+                   store_port=int(data.get("store_port", 0)),
+                   hosted=data.get("hosted") is True)
 
 
 @dataclass(frozen=True)
@@ -169,6 +189,9 @@ class JobLimits:
     join_timeout: float            # seconds an open round may stay below min
     max_restarts_in_window: int = -1   # restarts within restart_window (-1: no such budget)
     restart_window: float = 3600.0
+    # seconds, once min joined, an open round waits for the last round's members that
+    # have not rejoined (RoundState.rejoining); inf: last_call alone
+    rejoin_timeout: float = float("inf")
 
     @property
     def window(self) -> RestartWindow:
@@ -200,34 +223,61 @@ class Result:
     store_port: int = 0
     # The closed round's state this result was read from (restarts, restart times).
     state: "RoundState | None" = field(default=None, compare=False, repr=False)
+    # master_port is the first member's round store, listening before any rank
+    # started (jobstore/round_host.py): every rank connects to it as a client.
+    master_hosted: bool = False
 
 
 def order_members(joins: list[Join]) -> tuple[Member, ...]:
     """Old members keep their order (group ranks stay stable); newcomers follow by id."""
     old = sorted((j for j in joins if j.prev_rank >= 0), key=lambda j: (j.prev_rank, j.node_id))
     new = sorted((j for j in joins if j.prev_rank < 0), key=lambda j: j.node_id)
-    return tuple(Member(j.node_id, j.address, j.nproc, j.port, j.store_port) for j in old + new)
+    return tuple(Member(j.node_id, j.address, j.nproc, j.port, j.store_port, j.hosted)
+                 for j in old + new)
 
 
 def decider(joins: list[Join]) -> str | None:
     return min((j.node_id for j in joins), default=None)
 
 
+def lost_rejoiners(state: RoundState, joined: set, last_round: set) -> set:
+    """The last round's members this open round waits for that are gone: neither
+    joined it nor hold their join key of the last round any more (it lived on their
+    node lease: the lease expired, or was revoked)."""
+    return {n for n in state.rejoining if n not in joined and n not in last_round}
+
+
 def decide_open_round(state: RoundState, joins: list[Join], limits: JobLimits,
-                      clock: RoundClock, now: float) -> tuple[RoundState | None, str]:
-    """What the decider does with an open round: (new state or None, why)."""
+                      clock: RoundClock, now: float,
+                      last_round: set | None = None) -> tuple[RoundState | None, str]:
+    """What the decider does with an open round: (new state or None, why).
+
+    It closes once max nodes joined; or once min joined and: every expected node
+    still alive joined (``last_round``: the nodes whose join key of the last round
+    is still there; a rejoining member without one is lost), or only members of
+    the last round are missing and ``rejoin_timeout`` passed (alive, they would
+    have rejoined by now), or ``last_call`` passed."""
     if clock.round != state.round:
         clock.round, clock.opened_seen, clock.min_reached = state.round, now, 0.0
     n = len(joins)
     if n >= limits.min_nodes and not clock.min_reached:
         clock.min_reached = now
-    everyone = bool(state.expected) and set(state.expected) <= {j.node_id for j in joins}
+    joined = {j.node_id for j in joins}
+    lost = lost_rejoiners(state, joined, last_round) if last_round is not None else set()
+    missing = set(state.expected) - lost - joined
+    everyone = bool(state.expected) and not missing
+    waited = now - clock.min_reached
+    late = bool(missing) and missing <= set(state.rejoining) \
+        and waited >= limits.rejoin_timeout
     if n >= limits.max_nodes or (n >= limits.min_nodes and (
-            everyone or now - clock.min_reached >= limits.last_call)):
+            everyone or late or waited >= limits.last_call)):
         members = order_members(joins)[:limits.max_nodes]
+        gone = f"; lost: {', '.join(sorted(lost))}" if lost else ""
         why = (f"round {state.round} closed with {len(members)} node(s)"
                + (" (max reached)" if n >= limits.max_nodes else
-                  " (every expected node joined)" if everyone else
+                  f" (every expected node joined{gone})" if everyone else
+                  f" ({', '.join(sorted(missing))} of the last round did not rejoin within "
+                  f"{limits.rejoin_timeout:g}s{gone})" if late else
                   f" after a last call of {limits.last_call:g}s"))
         return replace(state, status=CLOSED, members=members, closed_at=now, reason=why), why
     if n < limits.min_nodes and now - clock.opened_seen >= limits.join_timeout:
@@ -243,11 +293,13 @@ def decide_open_round(state: RoundState, joins: list[Join], limits: JobLimits,
 
 def reopen(state: RoundState, reason: str, count_restart: bool, limits: JobLimits,
            now: float, expected: tuple = (),
-           cause: RoundCause = RoundCause.FAULT) -> tuple[RoundState, str]:
+           cause: RoundCause = RoundCause.FAULT,
+           rejoining: tuple = ()) -> tuple[RoundState, str]:
     """The state after a fault or a membership change (``cause``) in ``state``'s round.
 
     ``expected``: the nodes the new round can close as soon as they joined
-    (the old members still alive, plus any waiting to join)."""
+    (the old members still alive, plus any waiting to join); ``rejoining``: of
+    them, the old members."""
     restarts = state.restarts + (1 if count_restart else 0)
     times = limits.window.recent(state.restart_times, now)
     if count_restart and 0 <= limits.max_restarts < restarts:
@@ -265,7 +317,8 @@ def reopen(state: RoundState, reason: str, count_restart: bool, limits: JobLimit
               if count_restart else ""))
     return RoundState(round=state.round + 1, status=OPEN, restarts=restarts, reason=why,
                       expected=tuple(sorted(expected)), opened_at=now,
-                      restart_times=times, cause=cause), why
+                      restart_times=times, cause=cause,
+                      rejoining=tuple(sorted(set(rejoining) & set(expected)))), why
 
 
 def result_for(state: RoundState, node_id: str) -> Result | None:
@@ -280,4 +333,4 @@ def result_for(state: RoundState, node_id: str) -> Result | None:
                   rank_offset=sum(m.nproc for m in state.members[:index]),
                   master_addr=master.address, master_port=master.port,
                   members=tuple(ids), store_addr=master.address if master.store_port else "",
-                  store_port=master.store_port, state=state)
+                  store_port=master.store_port, state=state, master_hosted=master.hosted)

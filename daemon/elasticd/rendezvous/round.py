@@ -79,6 +79,10 @@ class ClusterRendezvous:
         # its ranks warm (the agent's newcomer warm-up). Called on the agent's thread,
         # from next_round.
         self.ready_to_join: Callable[[RoundState], bool] = lambda state: True
+        # A new round store's port on this node (jobstore/round_host.py), asked at each
+        # join: offered as MASTER_PORT, listening before any rank starts; 0: none, a
+        # plain free port is offered (rank 0 hosts the store). On the agent's thread.
+        self.hosted_port: Callable[[], int] = lambda: 0
 
     @property
     def address(self) -> str:
@@ -138,7 +142,8 @@ class ClusterRendezvous:
                 joins = list(keys.joins.get(state.round, {}).values())
                 if decider(joins) == self.node_id and not self._view_behind():
                     new, why = decide_open_round(state, joins, self.limits, self._round_clock,
-                                                 self._clock())
+                                                 self._clock(),
+                                                 set(keys.joins.get(state.round - 1, {})))
                     if new is not None and self._cas_state(new, keys.state_revision):
                         log.info("%s: %s", self._where(state.round), why)
             elif state.status == CLOSED:
@@ -172,9 +177,10 @@ class ClusterRendezvous:
             if keys and self.node_id in keys.joins.get(rnd, {}):
                 return
         lease = self._lease()
+        hosted = self.hosted_port()
         join = Join(node_id=self.node_id, address=self._address, nproc=self._nproc,
-                    port=self._port(), prev_rank=self.prev_rank, time=self._clock(),
-                    store_port=self._store_port)
+                    port=hosted or self._port(), prev_rank=self.prev_rank, time=self._clock(),
+                    store_port=self._store_port, hosted=bool(hosted))
         self._joined[rnd] = self._store.put(self._key("join", rnd, self.node_id),
                                             join.to_json(), lease=lease)
 
@@ -233,7 +239,8 @@ class ClusterRendezvous:
             alive = [n for n in state.member_ids() if n in keys.joins.get(state.round, {})]
             waiting = list(keys.joins.get(state.round + 1, {}))
             new, why = reopen(state, reason, count_restart, self.limits, self._clock(),
-                              expected=tuple(set(alive) | set(waiting)), cause=cause)
+                              expected=tuple(set(alive) | set(waiting)), cause=cause,
+                              rejoining=tuple(alive))
             if self._cas_state(new, keys.state_revision):
                 log.info("%s: %s", self._where(state.round), why)
                 self._wanted = None

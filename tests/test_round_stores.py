@@ -1,0 +1,127 @@
+"""A node's round stores (jobstore/round_host.py): MASTER_PORT listens before ranks start.
+
+When rank 0 hosts its round's TCPStore, ranks of other nodes that ask for it
+first are refused and torch tries again 0.25-0.75 s later, at every restart
+of a job across nodes (issue 22, 3-node goodput). Each node of such a job
+keeps a round store process (real: the job's Python, torch's TCPStore) that
+opens a fresh store whenever the node joins a round; here the process on its
+own, driven as the agent drives it.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+
+import psutil
+
+from elasticd.jobstore.round_host import RoundStoreHost, worker_env
+from elasticd.workers.group import GroupSpec
+
+CLIENT = r"""
+import datetime, sys
+from torch.distributed import TCPStore
+port = int(sys.argv[1])
+s = TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
+if sys.argv[2] == "set":
+    s.set("k", sys.argv[3])
+else:
+    print(s.get("k").decode())
+"""
+
+
+def spec(tmp_path, command=(sys.executable, "-m", "train")) -> GroupSpec:
+    return GroupSpec(job_id="j1", command=tuple(command), cwd=str(tmp_path), env={},
+                     uid=os.getuid(), gid=os.getgid(), nproc=1, restart_count=0,
+                     max_restarts=-1, round=0, group_rank=0, group_world_size=1,
+                     world_size=1, rank_offset=0, master_addr="", master_port=0,
+                     log_dir=str(tmp_path / "logs"), run_dir=str(tmp_path / "run"),
+                     node_id="n1")
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def client(tmp_path, port: int, *args: str) -> str:
+    path = tmp_path / "client.py"
+    path.write_text(CLIENT)
+    res = subprocess.run([sys.executable, str(path), str(port), *args], capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return res.stdout.strip()
+
+
+def test_each_join_gets_a_fresh_store_that_listens_at_once(tmp_path):
+    host = RoundStoreHost("j1", "n1", timeout=120)
+    host.start(spec(tmp_path), bind="127.0.0.1")
+    try:
+        assert host.reason == ""
+        first = host.new_port()      # waits for the server's torch import
+        assert first and host.ready and listening(first)
+        client(tmp_path, first, "set", "round-1")
+        assert client(tmp_path, first, "get") == "round-1"
+        second = host.new_port()     # the next round: its own, empty store
+        assert second and second != first and listening(second)
+        client(tmp_path, second, "set", "round-2")
+        assert client(tmp_path, first, "get") == "round-1"  # the last round's is untouched
+        assert client(tmp_path, second, "get") == "round-2"
+        pid = host._proc.pid
+        assert psutil.Process(pid).username() == psutil.Process().username()
+    finally:
+        host.stop()
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert not listening(first) and not listening(second)
+    assert host.new_port() == 0
+
+
+def test_only_the_newest_stores_are_kept(tmp_path):
+    host = RoundStoreHost("j1", "n1", timeout=120)
+    host.start(spec(tmp_path), bind="127.0.0.1")
+    try:
+        ports = [host.new_port() for _ in range(6)]   # the server keeps 4
+        assert all(ports) and len(set(ports)) == 6
+        assert [listening(p) for p in ports] == [False, False, True, True, True, True]
+    finally:
+        host.stop()
+
+
+def test_a_command_that_is_not_python_has_no_round_stores(tmp_path):
+    host = RoundStoreHost("j1", "n1", timeout=120)
+    host.start(spec(tmp_path, command=("/bin/sh", "-c", "true")), bind="127.0.0.1")
+    assert "not `python SCRIPT`" in host.reason
+    assert host.new_port() == 0
+
+
+def test_a_server_that_dies_is_given_up_and_the_node_offers_plain_ports(tmp_path):
+    # A "python" whose every run exits at once: the server never says READY.
+    fake = tmp_path / "python3"
+    fake.write_text("#!/bin/sh\nexit 3\n")
+    fake.chmod(0o755)
+    host = RoundStoreHost("j1", "n1", timeout=120)
+    host.start(spec(tmp_path, command=(str(fake), "-m", "train")), bind="127.0.0.1")
+    assert host.new_port() == 0
+    assert "exited (3)" in host.reason
+    assert host.new_port() == 0     # never asked again
+
+
+def test_a_wake_ends_the_first_wait_without_giving_up(tmp_path):
+    host = RoundStoreHost("j1", "n1", timeout=120)
+    host.start(spec(tmp_path), bind="127.0.0.1")
+    try:
+        stop = threading.Event()
+        stop.set()                  # a cancel or a shutdown woke the agent
+        assert host.new_port(stop=stop) == 0
+        assert host.reason == "" and host._proc is not None
+        assert host.new_port() > 0  # the next join waits and gets one
+    finally:
+        host.stop()
+
+
+def test_ranks_are_told_whether_the_round_store_hosts_master_port():
+    assert worker_env(True) == {"TORCHELASTIC_USE_AGENT_STORE": "True"}
+    assert worker_env(False) == {"TORCHELASTIC_USE_AGENT_STORE": "False"}
