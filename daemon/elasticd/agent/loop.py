@@ -689,9 +689,7 @@ class Agent:
         job = self._registry.get(self.job_id)
         if not self._cfg.agent.worker_template or job.state in TERMINAL_STATES:
             return
-        got = self._templates.acquire(self.job_id, self._group_spec(job, Result(
-            round=0, group_rank=0, group_world_size=1, world_size=job.nproc_per_node,
-            rank_offset=0, master_addr="", master_port=0)),
+        got = self._templates.acquire(self.job_id, self._node_spec(job),
             learned=job.learned_preload[:self._cfg.agent.template_preload_max])
         self._template = got.template
         if got.reused:
@@ -792,6 +790,13 @@ class Agent:
             run_dir=os.path.join(self._cfg.jobs_run_dir, job.id), node_id=d.node_id,
             device_env=self._binding.env(), cpus=self._binding.cpus)
 
+    def _node_spec(self, job: JobRecord, master_addr: str = "") -> GroupSpec:
+        """The job's spawn spec before any round: for what this node starts for the job
+        as a whole (its template, round stores and job store), not for one round's ranks."""
+        return self._group_spec(job, Result(
+            round=0, group_rank=0, group_world_size=1, world_size=job.nproc_per_node,
+            rank_offset=0, master_addr=master_addr, master_port=0))
+
     def _start_round_stores(self) -> None:
         """A job across nodes: this node's round store server (jobstore/round_host.py),
         asked for a new store at each join (not waiting for its imports)."""
@@ -799,9 +804,7 @@ class Agent:
         if not self._cfg.rendezvous.round_stores or job.max_nodes <= 1 or job.inprocess \
                 or job.state in TERMINAL_STATES:
             return
-        self._round_stores.start(self._group_spec(job, Result(
-            round=0, group_rank=0, group_world_size=1, world_size=job.nproc_per_node,
-            rank_offset=0, master_addr="", master_port=0)), bind=self._rdzv.address)
+        self._round_stores.start(self._node_spec(job), bind=self._rdzv.address)
         if self._round_stores.reason:
             self._registry.event(self.job_id, "info", f"no round stores on this node: "
                                  f"{self._round_stores.reason}; rank 0 hosts its round's store")
@@ -816,9 +819,7 @@ class Agent:
         """
         address = self._rdzv.address
         local = address.startswith("127.") or address in ("localhost", "::1")
-        spec = self._group_spec(job, Result(round=0, group_rank=0, group_world_size=1,
-                                            world_size=job.nproc_per_node, rank_offset=0,
-                                            master_addr=address, master_port=0))
+        spec = self._node_spec(job, address)
         try:
             _, port = self._store_host.ensure(spec, bind="127.0.0.1" if local else address,
                                               advertise=address, timeout=120.0)
