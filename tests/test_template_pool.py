@@ -20,8 +20,9 @@ import pytest
 from daemons import short_tmpdir
 from elasticd.workers.group import GroupSpec
 from elasticd.workers.template_key import TemplateKey, key_from_record, key_to_record
+from test_local_trust import User, real_users
 from test_worker_template import (
-    NOGROUP, PY, SCRIPT, User, _alive, _neutral, events, seen, state, status, submit,
+    NOGROUP, PY, SCRIPT, _alive, _neutral, events, seen, state, status, submit,
     wait_for)
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0,
@@ -33,19 +34,8 @@ USERS = ("h16p_a", "h16p_b")
 
 @pytest.fixture(scope="module")
 def users():
-    made = []
-    try:
-        for name in USERS:
-            subprocess.run(["userdel", name], capture_output=True)
-            subprocess.run(["groupdel", name], capture_output=True)
-            subprocess.run(["useradd", "-M", "-U", "-s", "/usr/sbin/nologin", name],
-                           check=True, capture_output=True)
-            made.append(name)
-        yield tuple(User(name) for name in USERS)
-    finally:
-        for name in made:
-            subprocess.run(["userdel", name], capture_output=True)
-            subprocess.run(["groupdel", name], capture_output=True)
+    with real_users(USERS, "h16p-home-") as made:
+        yield tuple(made[name.split("_", 1)[1]] for name in USERS)
 
 
 @pytest.fixture

@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import json
 import os
-import pwd
 import re
 import shutil
 import signal
-import subprocess
 import sys
 import textwrap
 import time
@@ -25,6 +23,7 @@ import psutil
 import pytest
 
 from daemons import short_tmpdir
+from test_local_trust import real_users
 from elasticd.v1 import control_pb2 as pb
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0,
@@ -99,32 +98,10 @@ THREADED_SITE = textwrap.dedent("""\
 BAD_PYTHON = "#!/bin/sh\ncase \"$1\" in */warmstart.py) exit 3;; esac\nexec {py} \"$@\"\n"
 
 
-class User:
-    def __init__(self, name: str):
-        pw = pwd.getpwnam(name)
-        self.name, self.uid, self.gid = name, pw.pw_uid, pw.pw_gid
-
-    @property
-    def creds(self) -> tuple:
-        return (self.uid, self.gid, [self.gid, NOGROUP])
-
-    def mkdir(self, path: str, mode: int = 0o755) -> str:
-        os.makedirs(path, exist_ok=True)
-        os.chown(path, self.uid, self.gid)
-        os.chmod(path, mode)
-        return path
-
-
 @pytest.fixture(scope="module")
 def user():
-    subprocess.run(["userdel", USER], capture_output=True)
-    subprocess.run(["useradd", "-M", "-U", "-s", "/usr/sbin/nologin", USER], check=True,
-                   capture_output=True)
-    try:
-        yield User(USER)
-    finally:
-        subprocess.run(["userdel", USER], capture_output=True)
-        subprocess.run(["groupdel", USER], capture_output=True)
+    with real_users((USER,), "h16-home-") as made:
+        yield made[USER.split("_", 1)[1]]
 
 
 @pytest.fixture

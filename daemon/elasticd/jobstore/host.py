@@ -11,12 +11,12 @@ from __future__ import annotations
 import logging
 import os
 import select
-import signal
 import subprocess
 
 from ..logsetup import ctx
 from ..workers.group import (
-    GroupSpec, SpawnError, as_user_kwargs, base_env, prepare_dirs, start_process, warm_args)
+    GroupSpec, SpawnError, as_user_kwargs, base_env, end_helper, prepare_dirs, start_process,
+    warm_args)
 
 log = logging.getLogger("elasticd.jobstore.host")
 
@@ -61,13 +61,5 @@ class JobStoreHost:
 
     def stop(self) -> None:
         proc, self._proc, self.address = self._proc, None, None
-        if proc is None:
-            return
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        proc.wait()
-        for pipe in (proc.stdin, proc.stdout):
-            if pipe:
-                pipe.close()
+        if proc is not None:
+            end_helper(proc)

@@ -21,14 +21,14 @@ from __future__ import annotations
 import logging
 import os
 import select
-import signal
 import subprocess
 import time
 
 from ..logsetup import ctx
 from ..workers import env as envnames
 from ..workers.group import (
-    GroupSpec, SpawnError, as_user_kwargs, base_env, prepare_dirs, start_process, warm_args)
+    GroupSpec, SpawnError, as_user_kwargs, base_env, end_helper, prepare_dirs, start_process,
+    warm_args)
 
 log = logging.getLogger("elasticd.jobstore.round_host")
 
@@ -137,16 +137,5 @@ class RoundStoreHost:
 
     def stop(self) -> None:
         proc, self._proc, self._buf, self.ready = self._proc, None, b"", False
-        if proc is None:
-            return
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        proc.wait()
-        for pipe in (proc.stdin, proc.stdout):
-            if pipe:
-                try:
-                    pipe.close()
-                except OSError:
-                    pass
+        if proc is not None:
+            end_helper(proc)

@@ -517,6 +517,21 @@ def _reading_stdin(pid: int) -> bool:
     except OSError:
         return False
     return len(fields) > 1 and fields[0] == _READ_SYSCALL.encode() and fields[1] == b"0x0"
+
+
+def end_helper(proc: subprocess.Popen) -> None:
+    """End a job's helper process started by start_job_process (a job store, a round
+    store server): SIGKILL its group, reap it, close the pipes the daemon held."""
+    _killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    for pipe in (proc.stdin, proc.stdout):
+        if pipe:
+            try:
+                pipe.close()
+            except OSError:
+                pass
+
+
 def kill_group(pgid: int, sig: int) -> None:
     """Signal a process group; one that is gone (or not ours) is left alone."""
     _killpg(pgid, sig)
