@@ -387,10 +387,26 @@ def _log(d, job_id: str, rank: int) -> str:
 
 
 def _secret_of(pid: int) -> str:
-    """The store secret in a rank's environment (root reads /proc/PID/environ)."""
+    """The store secret in a rank's environment, as root reads it: /proc/PID/environ for
+    a rank started cold; for one forked from the worker template (whose start-up
+    environment, the one /proc shows, never holds a job's secret) the ``NAME=value``
+    string its os.environ put into the C environment, found in the rank's heap."""
     with open(f"/proc/{pid}/environ", "rb") as fh:
         env = dict(kv.split(b"=", 1) for kv in fh.read().split(b"\0") if b"=" in kv)
-    return env.get(b"ELASTICD_STORE_SECRET", b"").decode()
+    if env.get(b"ELASTICD_STORE_SECRET"):
+        return env[b"ELASTICD_STORE_SECRET"].decode()
+    pattern = re.compile(rb"ELASTICD_STORE_SECRET=([0-9a-f]{32,})\0")
+    with open(f"/proc/{pid}/maps") as maps, open(f"/proc/{pid}/mem", "rb", 0) as mem:
+        for line in maps:
+            fields = line.split()
+            if len(fields) < 6 or fields[5] != "[heap]":
+                continue
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            mem.seek(start)
+            found = pattern.search(mem.read(end - start))
+            if found:
+                return found.group(1).decode()
+    return ""
 
 
 # ---------------------------------------------------------------- 7. socket squatting
