@@ -63,15 +63,20 @@ def _child_setup(cwd: bytes, cpus: tuple = ()):
 def bind_cpus(pid: int, cpus: tuple) -> None:
     """Bind every thread of a running process (a warm spare taking a worker's place)
     to ``cpus``; a thread gone meanwhile is skipped."""
-    try:
-        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-    except OSError:
-        tids = [pid]
-    for tid in tids:
+    for tid in _threads(pid):
         try:
             os.sched_setaffinity(tid, cpus)
         except OSError:
             pass
+
+
+def _threads(pid: int) -> list[int]:
+    """The thread ids of ``pid`` (Linux: affinity and niceness are per thread); just
+    ``pid`` when its task list cannot be read."""
+    try:
+        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return [pid]
 
 
 def cwd_unusable(cwd: str, uid: int) -> str:
@@ -400,11 +405,7 @@ def _hand_over(spare: subprocess.Popen, env: dict, cwd: str, args: list) -> \
 
 def _renice(pid: int, nice: int) -> None:
     """Set the niceness of every thread of ``pid`` (Linux: setpriority is per thread)."""
-    try:
-        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-    except OSError:
-        tids = [pid]
-    for tid in tids:
+    for tid in _threads(pid):
         try:
             os.setpriority(os.PRIO_PROCESS, tid, nice)
         except OSError:  # gone, or not ours to change
