@@ -287,3 +287,26 @@ def test_a_bad_saved_template_file_is_skipped_and_removed(daemon_factory, conten
     wait_for(lambda: "not restored" in node.log() or "template skipped" in node.log(), 30,
              "the log line saying why nothing was restored")
     assert not idle_templates(node) and node.proc.poll() is None
+
+
+@pytest.mark.parametrize("kind", ["fifo", "symlink"])
+def test_a_saved_template_file_that_is_no_regular_file_neither_blocks_nor_is_followed(
+        daemon_factory, tmp_path, kind):
+    """Read through workers/files.read: a FIFO would block a plain open at start-up,
+    and a link could point anywhere; each is refused, removed, and the daemon serves."""
+    node = daemon_factory(slots=2)
+    os.makedirs(node.state_dir, mode=0o700)
+    saved = os.path.join(node.state_dir, "idle-templates.json")
+    if kind == "fifo":
+        os.mkfifo(saved, 0o600)
+    else:
+        target = tmp_path / "elsewhere.json"
+        target.write_text(json.dumps({"version": 1, "templates": []}))
+        os.symlink(target, saved)
+    node.start()
+    wait_for(lambda: not os.path.lexists(saved), 30, "the saved file to be removed")
+    wait_for(lambda: "not restored" in node.log(), 30, "the log line saying why")
+    assert "not a regular file" in node.log()
+    assert not idle_templates(node) and node.proc.poll() is None
+    if kind == "symlink":
+        assert os.path.exists(target)  # the link went, not what it named

@@ -38,7 +38,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from . import group as workers
+from . import files, group as workers
 from .template import TemplateState, WorkerTemplate
 from .template_key import TemplateKey, entry_part, key_from_record, key_to_record
 from .. import statedir
@@ -280,31 +280,23 @@ class TemplatePool:
         a full ``agent.template_idle_timeout``. The saved file is read once and removed.
         Returns how many started."""
         path = self._saved_path
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return 0
-        except OSError as exc:
-            log.warning("%s: idle worker templates not restored: %s",
-                        ctx(node=self._cfg.daemon.node_id), exc)
+        got = files.read(path, os.geteuid(), _SAVED_MAX)  # never a link, FIFO or giant
+        if got.problem is files.Problem.MISSING:
             return 0
         try:
-            with open(fd, "rb") as fh:
-                data = fh.read(_SAVED_MAX + 1)
-        finally:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
+            os.unlink(path)
+        except OSError:
+            pass
         if not self._cfg.agent.template_restore or self._idle_timeout <= 0:
             return 0
         try:
-            records = json.loads(data)["templates"] if len(data) <= _SAVED_MAX else None
+            records = json.loads(got.data)["templates"] if got.ok else None
         except (ValueError, KeyError, TypeError):
             records = None
         if not isinstance(records, list):
-            log.warning("%s: idle worker templates not restored: %s is not what this "
-                        "daemon wrote", ctx(node=self._cfg.daemon.node_id), path)
+            log.warning("%s: idle worker templates not restored: %s is %s",
+                        ctx(node=self._cfg.daemon.node_id), path,
+                        got.problem.value if got.problem else "not what this daemon wrote")
             return 0
         started = 0
         for rec in records[:self._max]:
