@@ -15,8 +15,7 @@ import subprocess
 
 from ..logsetup import ctx
 from ..workers.group import (
-    GroupSpec, SpawnError, as_user_kwargs, base_env, end_helper, prepare_dirs, start_process,
-    warm_args)
+    GroupSpec, SpawnError, base_env, end_helper, prepare_dirs, start_job_process, warm_args)
 
 log = logging.getLogger("elasticd.jobstore.host")
 
@@ -43,11 +42,9 @@ class JobStoreHost:
             raise SpawnError("in-process restart needs a `python SCRIPT` or `python -m MODULE` "
                              "command (the store host runs with the job's Python)")
         prepare_dirs(spec)
-        proc = start_process(spec, [spec.command[0], JOBSTORE, "--host", bind,
-                                    "--advertise", advertise],
-                             spec.rank_offset, base_env(spec), as_user_kwargs(spec.uid, spec.gid),
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             log_path=os.path.join(spec.log_dir, "jobstore.log"))
+        proc = start_job_process(
+            spec, [spec.command[0], JOBSTORE, "--host", bind, "--advertise", advertise],
+            base_env(spec), os.path.join(spec.log_dir, "jobstore.log"), pipes=True)
         self._proc = proc
         ready, _, _ = select.select([proc.stdout], [], [], timeout)
         line = proc.stdout.readline().decode(errors="replace").split() if ready else []

@@ -27,8 +27,7 @@ import time
 from ..logsetup import ctx
 from ..workers import env as envnames
 from ..workers.group import (
-    GroupSpec, SpawnError, as_user_kwargs, base_env, end_helper, prepare_dirs, start_process,
-    warm_args)
+    GroupSpec, SpawnError, base_env, end_helper, prepare_dirs, start_job_process, warm_args)
 
 log = logging.getLogger("elasticd.jobstore.round_host")
 
@@ -63,10 +62,9 @@ class RoundStoreHost:
             return
         try:
             prepare_dirs(spec)
-            self._proc = start_process(
-                spec, [spec.command[0], ROUND_SERVER, "--host", bind], -1, base_env(spec),
-                as_user_kwargs(spec.uid, spec.gid), stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE, log_path=os.path.join(spec.log_dir, "roundstore.log"))
+            self._proc = start_job_process(
+                spec, [spec.command[0], ROUND_SERVER, "--host", bind], base_env(spec),
+                os.path.join(spec.log_dir, "roundstore.log"), pipes=True)
         except SpawnError as exc:
             self.reason = str(exc)
 

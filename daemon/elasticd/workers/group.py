@@ -329,11 +329,15 @@ def open_log(path: str):
 
 
 def start_job_process(spec: GroupSpec, argv: list, env: dict, log_path: str,
-                      pass_fds: tuple = ()) -> subprocess.Popen:
-    """A process of the job that is no rank (the worker template): the same start as a
-    worker's (``start_process``), stdin /dev/null, its output to ``log_path``."""
-    return start_process(spec, argv, -1, env, as_user_kwargs(spec.uid, spec.gid), stdin=None,
-                         log_path=log_path, pass_fds=pass_fds)
+                      pass_fds: tuple = (), pipes: bool = False) -> subprocess.Popen:
+    """A process of the job that is no rank (the worker template, a job store, a round
+    store server): the same start as a worker's (``start_process``), its output to
+    ``log_path``; stdin /dev/null, or with ``pipes`` a pipe each way to the daemon
+    (stdout then carries its answers, stderr still goes to ``log_path``). End one
+    with pipes with ``end_helper``."""
+    pipe = subprocess.PIPE if pipes else None
+    return start_process(spec, argv, -1, env, as_user_kwargs(spec.uid, spec.gid), stdin=pipe,
+                         stdout=pipe, log_path=log_path, pass_fds=pass_fds)
 
 
 def start_process(spec: GroupSpec, argv: list, rank: int, env: dict, user_kwargs: dict,
@@ -521,8 +525,8 @@ def _reading_stdin(pid: int) -> bool:
 
 
 def end_helper(proc: subprocess.Popen) -> None:
-    """End a job's helper process started by start_job_process (a job store, a round
-    store server): SIGKILL its group, reap it, close the pipes the daemon held."""
+    """End a job's helper process started by ``start_job_process(..., pipes=True)`` (a
+    job store, a round store server): SIGKILL its group, reap it, close its pipes."""
     _killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     for pipe in (proc.stdin, proc.stdout):
