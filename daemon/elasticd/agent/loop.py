@@ -149,7 +149,7 @@ def decide(look: Snapshot) -> Decision:
 class Agent:
     def __init__(self, job_id: str, cfg: Config, registry: JobRegistry,
                  rendezvous: ClusterRendezvous, on_exit: Callable[[str], None], metrics=None,
-                 binding: Binding | None = None, health=None, templates=None):
+                 binding: Binding | None = None, health=None, *, templates: TemplatePool):
         self.job_id = job_id
         # The job's GPUs and CPUs on this node (gpus/alloc.py), the same for every
         # attempt and replaced rank; the GPU health gate asked before each round.
@@ -174,9 +174,10 @@ class Agent:
         self._round_state: RoundState | None = None
         self._join_wait_since = 0.0        # when it began to wait for the template to join
         a = cfg.agent
-        # The node's templates kept between a user's jobs (workers/template_pool.py); this
-        # job's is taken from it or started at _start_template, handed back at the end.
-        self._templates = templates if templates is not None else TemplatePool(cfg)
+        # The node's templates kept between a user's jobs (workers/template_pool.py, owned
+        # by the job manager); this job's is taken from it or started at _start_template,
+        # handed back at the end.
+        self._templates = templates
         self._template = WorkerTemplate(job_id, cfg.daemon.node_id, a.template_ready_timeout,
                                         a.template_fork_timeout)
         self._template_noted: tuple = ()  # (state, reason, rss) last written to the record
