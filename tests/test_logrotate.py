@@ -62,6 +62,37 @@ def test_the_whole_log_keeps_every_restart_marker_and_the_newest_output(tmp_path
     assert "log rotated (generation 4)" in whole
 
 
+def test_a_rotation_right_after_a_big_catch_up_copy_keeps_the_newest_lines(tmp_path):
+    """A fast rank can make rank-R.log.1 big (the rotation copies what it wrote
+    meanwhile) and then end with a short live log: both parts past the cap, so
+    the keeper rotates again. That rotation keeps the old part's newest lines
+    (the job's last words may be there), and a follower reads on without a
+    gap or a repeat."""
+    path = str(tmp_path / "rank-0.log")
+    write = writer(path)
+    follower = logfiles.LogReader(str(tmp_path), None)
+    write("==== elasticd: job j rank 0 starting (restart 0) ====\n")
+    write("".join(f"a {i:07d} {'x' * 90}\n" for i in range(10_000)))
+    logrotate.rotate(path, CAP)
+    got = [text(follower, final=False)]
+    # What a catch-up copy leaves: an old part far past its share.
+    with open(path + ".1", "ab") as fh:
+        fh.write("".join(f"b {i:07d} {'y' * 90}\n" for i in range(20_000)).encode())
+        fh.write(b"THE-END\n")
+    write("after 1\n")
+    got.append(text(follower, final=False))
+    logrotate.rotate(path, CAP)
+    write("after 2\n")
+    got.append(text(follower))
+    assert os.path.getsize(path) + os.path.getsize(path + ".1") <= CAP
+    whole = text(logfiles.LogReader(str(tmp_path), None))
+    assert whole.endswith("b 0019999 " + "y" * 90 + "\nTHE-END\nafter 1\nafter 2\n")
+    assert "starting (restart 0)" in whole  # the marker stays in the header
+    assert "".join(got).endswith("after 1\nafter 2\n") and "".join(got).count("after 1") == 1
+    tail = text(logfiles.LogReader(str(tmp_path), None, 3))
+    assert tail == "THE-END\nafter 1\nafter 2\n"
+
+
 def test_tail_reads_into_the_rotated_part(tmp_path):
     path = str(tmp_path / "rank-0.log")
     write = writer(path)

@@ -10,7 +10,13 @@ is rotated with copy-truncate semantics:
 1. ``rank-R.log.1.tmp`` gets a header (the restart markers, ``==== elasticd:``
    lines, of the part being dropped, newest kept up to ``MARKER_BYTES``, then
    one rotation line saying what was dropped) and then the newest
-   ``max_bytes / 2`` minus header bytes of ``rank-R.log``;
+   ``max_bytes / 2`` minus header bytes of ``rank-R.log``; where
+   ``rank-R.log`` holds less than that (it was rotated a moment ago, and the
+   copy of what a fast rank wrote during that rotation made ``rank-R.log.1``
+   big), the newest output of the old ``rank-R.log.1`` comes first, so a
+   rotation never drops a log's newest lines.
+   The rotation line says at which byte of ``rank-R.log`` the copy begins
+   (negative: that many bytes from the part rotated before come first);
 2. it replaces ``rank-R.log.1`` (rename: readers holding the old one keep it);
 3. ``rank-R.log`` is truncated to 0; the worker's next write lands at 0
    (O_APPEND).
@@ -51,7 +57,7 @@ MARKER_BYTES = 64 * 1024         # restart markers kept in a rotated part's head
 FULL_DISK_BYTES = 64 * 1024      # a log past this is rotated while the disk is full
 _HEADER_SCAN = MARKER_BYTES + 4096
 _ROTATION_LINE = re.compile(rb"==== elasticd: log rotated \(generation (\d+)\) at \S+: "
-                            rb"(\d+) bytes dropped[^;\n]*; what follows is from byte (\d+) of the "
+                            rb"(\d+) bytes dropped[^;\n]*; what follows is from byte (-?\d+) of the "
                             rb"log before ====\n")
 _generations: dict[str, int] = {}  # log path -> rotations so far (under LOCK)
 
@@ -146,6 +152,14 @@ def _copy(src: int, dst: int, offset: int, end: int) -> None:
         offset += n
 
 
+def _line_start(fd: int, pos: int) -> int:
+    """``pos`` moved on to the start of the next line (within 4 KiB)."""
+    if pos <= 0:
+        return 0
+    nl = os.pread(fd, 4096, pos - 1).find(b"\n")
+    return pos + nl if nl >= 0 else pos
+
+
 def rotate(path: str, max_bytes: int) -> int:
     """Rotate the log at ``path`` (see the module doc); the bytes dropped."""
     old_part = rotated_path(path)
@@ -153,34 +167,45 @@ def rotate(path: str, max_bytes: int) -> int:
     with LOCK:
         gen = generation(path) + 1
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        ofd = None
         try:
             limit = min(MARKER_BYTES, max_bytes // 16)  # the header's share
-            markers: list[bytes] = []
+            share = max_bytes // 2 - limit - 256         # the newest output kept
             try:
                 ofd = os.open(old_part, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
             except FileNotFoundError:
                 old_size = 0
             else:
-                try:
-                    old_size = os.fstat(ofd).st_size
-                    markers = _markers(ofd, old_size, limit)
-                finally:
-                    os.close(ofd)
+                old_size = os.fstat(ofd).st_size
             size = os.fstat(fd).st_size
-            start = max(0, size - (max_bytes // 2 - limit - 256))
-            if start:  # begin the kept part at a line
-                nl = os.pread(fd, 4096, start - 1).find(b"\n")
-                start += nl if nl >= 0 else 0
+            start = _line_start(fd, max(0, size - share))
+            # A live log shorter than the share (the rank wrote little since a
+            # rotation whose catch-up copy made the old part big) keeps the old
+            # part's newest output too: the newest lines may be there.
+            back_from = old_size
+            if ofd is not None and size < share:
+                header = read_header(ofd)
+                body = header.length if header is not None else 0
+                back_from = _line_start(ofd, max(body, old_size - (share - size)))
+            markers: list[bytes] = []
+            if ofd is not None:
+                markers = _markers(ofd, back_from, limit)
             kept = markers
             markers = _newest(kept + _markers(fd, start, limit), limit)  # + those dropped now
             stamp = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-            dropped = old_size + start
+            back = old_size - back_from
+            dropped = back_from + start
+            # Where the copy begins in the live log; negative: that many bytes
+            # before its byte 0, from the part rotated before.
+            begins = start - back
             line = (f"==== elasticd: log rotated (generation {gen}) at {stamp}: {dropped} bytes "
-                    f"dropped; what follows is from byte {start} of the log before ====\n")
+                    f"dropped; what follows is from byte {begins} of the log before ====\n")
             try:
                 out = statedir.open_private(tmp, os.O_WRONLY | os.O_TRUNC)
                 try:
                     os.write(out, b"".join(markers) + line.encode())
+                    if back:
+                        _copy(ofd, out, back_from, old_size)
                     _copy(fd, out, start, size)
                     # What the rank wrote during the copy, before the truncate.
                     for _ in range(3):
@@ -201,6 +226,8 @@ def rotate(path: str, max_bytes: int) -> int:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(tmp)
                 size = os.fstat(fd).st_size
+                if back:
+                    kept = _markers(ofd, old_size, limit)
                 markers = _newest(kept + _markers(fd, size, limit), limit)
                 os.ftruncate(fd, 0)
                 line = (f"==== elasticd: log rotated (generation {gen}) at {stamp}: "
@@ -216,6 +243,8 @@ def rotate(path: str, max_bytes: int) -> int:
             _generations[path] = gen
         finally:
             os.close(fd)
+            if ofd is not None:
+                os.close(ofd)
     return dropped
 
 
