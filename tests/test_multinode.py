@@ -849,8 +849,12 @@ def test_a_round_costs_one_join_write_per_node_and_one_close(etcd):
         create_job(stores[0], job_id, {"id": job_id, "nodes": []}, time.time())
         wait_for(lambda: all((k := v.job(job_id)) is not None and k.state is not None
                              for v in views), 30, "every view to see the job")
-        with concurrent.futures.ThreadPoolExecutor(n) as pool:
+        pool = concurrent.futures.ThreadPoolExecutor(n)
+        try:
             results = list(pool.map(lambda p: p.next_round(stop), parts, timeout=120))
+        finally:  # a round that never closes must not hold the pool's shutdown
+            stop.set()
+            pool.shutdown(wait=True)
         assert sorted(r.group_rank for r in results) == list(range(n))
         assert counts == {"join": n, "cas": 1}, counts
     finally:

@@ -130,11 +130,7 @@ class _Spawn:
 class TemplatePool:
     def __init__(self, cfg):
         self._cfg = cfg
-        a = cfg.agent
-        self._idle_timeout = a.template_idle_timeout
-        self._per_user = a.template_idle_per_user
-        self._max = a.template_idle_max
-        self._interval = a.template_idle_check_interval
+        self._agent = cfg.agent
         self._lock = threading.Lock()
         self._idle: list[_Idle] = []
         self._requests: queue.Queue = queue.Queue()
@@ -146,7 +142,7 @@ class TemplatePool:
     def acquire(self, job_id: str, spec: workers.GroupSpec, learned=()) -> Acquired:
         """The template for ``spec``'s job: an idle one with an equal key, else a new
         one, starting (its state says how it went; OFF: the command takes none)."""
-        a = self._cfg.agent
+        a = self._agent
         key = TemplateKey.of(spec, a.warm_preload, learned)
         if key is not None:
             while True:
@@ -175,10 +171,11 @@ class TemplatePool:
         if template is None or template.state not in (TemplateState.STARTING,
                                                       TemplateState.READY):
             return ""
+        a = self._agent
         why = ("the daemon is stopping" if self._stop.is_set() or not keep else
-               "agent.template_idle_timeout is 0" if self._idle_timeout <= 0 else
-               "agent.template_idle_per_user is 0" if self._per_user <= 0 else
-               "agent.template_idle_max is 0" if self._max <= 0 else
+               "agent.template_idle_timeout is 0" if a.template_idle_timeout <= 0 else
+               "agent.template_idle_per_user is 0" if a.template_idle_per_user <= 0 else
+               "agent.template_idle_max is 0" if a.template_idle_max <= 0 else
                "it is not ready, or a rank of it is still alive"
                if template.key is None or not template.settle(1.0) else "")
         if why:
@@ -194,10 +191,10 @@ class TemplatePool:
                          "(agent.template_idle_per_user / template_idle_max)")
         log.info("%s: worker template pid %d kept idle for uid %d's next job with the same "
                  "key %s (up to %g s)", ctx(job=template.job_id, node=self._cfg.daemon.node_id),
-                 template.pid, uid, template.key.digest, self._idle_timeout)
+                 template.pid, uid, template.key.digest, self._agent.template_idle_timeout)
         return (f"worker template kept idle for this user's next job with the same "
                 f"interpreter, directory and environment (pid {template.pid}, up to "
-                f"{self._idle_timeout:g} s: agent.template_idle_timeout)")
+                f"{self._agent.template_idle_timeout:g} s: agent.template_idle_timeout)")
 
     def spawn(self, *args, **kwargs) -> subprocess.Popen:
         """``workers.start_job_process(*args, **kwargs)``, run on the pool's thread (see
@@ -207,13 +204,13 @@ class TemplatePool:
             raise workers.SpawnError("the daemon is stopping")
         req = _Spawn(args, kwargs)
         self._requests.put(req)
-        if not req.done.wait(self._cfg.agent.template_ready_timeout):
+        if not req.done.wait(self._agent.template_ready_timeout):
             with req.lock:
                 req.abandoned = True
                 proc = req.proc
             if proc is None:
                 raise workers.SpawnError("the template pool's thread did not start it in "
-                                         f"{self._cfg.agent.template_ready_timeout:g} s")
+                                         f"{self._agent.template_ready_timeout:g} s")
         if req.error is not None:
             raise req.error
         if req.proc is None:
@@ -246,7 +243,7 @@ class TemplatePool:
                 req.done.set()
         with self._lock:
             idle, self._idle = self._idle, []
-        if self._cfg.agent.template_restore:
+        if self._agent.template_restore:
             self._save(idle)
         for e in idle:
             self._end(e, "the daemon is stopping")
@@ -287,7 +284,7 @@ class TemplatePool:
             os.unlink(path)
         except OSError:
             pass
-        if not self._cfg.agent.template_restore or self._idle_timeout <= 0:
+        if not self._agent.template_restore or self._agent.template_idle_timeout <= 0:
             return 0
         try:
             records = json.loads(got.data)["templates"] if got.ok else None
@@ -299,7 +296,7 @@ class TemplatePool:
                         got.problem.value if got.problem else "not what this daemon wrote")
             return 0
         started = 0
-        for rec in records[:self._max]:
+        for rec in records[:self._agent.template_idle_max]:
             try:
                 key, boot, job = _saved(rec)
             except ValueError as exc:
@@ -313,10 +310,11 @@ class TemplatePool:
                          "any more", ctx(node=self._cfg.daemon.node_id), key.uid)
                 continue
             with self._lock:
-                if sum(1 for e in self._idle if e.template.key.uid == key.uid) \
-                        >= self._per_user or len(self._idle) >= self._max:
+                mine = sum(1 for e in self._idle if e.template.key.uid == key.uid)
+                if mine >= self._agent.template_idle_per_user \
+                        or len(self._idle) >= self._agent.template_idle_max:
                     continue
-            a = self._cfg.agent
+            a = self._agent
             t = WorkerTemplate(job, self._cfg.daemon.node_id, a.template_ready_timeout,
                                a.template_fork_timeout)
             t.start(self._restore_spec(key, boot, job), key, spawn=self.spawn)
@@ -348,7 +346,7 @@ class TemplatePool:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                req = self._requests.get(timeout=self._interval)
+                req = self._requests.get(timeout=self._agent.template_idle_check_interval)
             except queue.Empty:
                 req = None
             if req is not None and not self._stop.is_set():
@@ -367,7 +365,7 @@ class TemplatePool:
         ended: list[tuple[_Idle, str]] = []
         with self._lock:
             for e in list(self._idle):
-                if now - e.since >= self._idle_timeout:
+                if now - e.since >= self._agent.template_idle_timeout:
                     ended.append((e, f"idle for {now - e.since:.0f} s "
                                      "(agent.template_idle_timeout)"))
                 elif not e.template.ready(0) and e.template.state is not TemplateState.STARTING:
@@ -390,11 +388,11 @@ class TemplatePool:
     def _evict(self, uid: int) -> list[_Idle]:
         out = []
         mine = [e for e in self._idle if e.template.key.uid == uid]
-        while len(mine) > self._per_user:
+        while len(mine) > self._agent.template_idle_per_user:
             e = mine.pop(0)
             self._idle.remove(e)
             out.append(e)
-        while len(self._idle) > self._max:
+        while len(self._idle) > self._agent.template_idle_max:
             out.append(self._idle.pop(0))
         return out
 
