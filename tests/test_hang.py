@@ -101,8 +101,8 @@ class FakeOps:
     def kill(self, pid, sig):
         self.sent.append(("kill", pid, sig))
 
-    def killpg(self, pgid, sig):
-        self.sent.append(("killpg", pgid, sig))
+    def kill_rank(self, worker, sig):
+        self.sent.append(("killpg", worker.pid, sig))
 
 
 class FakeWorker:

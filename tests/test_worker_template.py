@@ -93,6 +93,26 @@ THREADED_SITE = textwrap.dedent("""\
     threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()
     """)
 
+# The user's own code runs in the template (here a sitecustomize; a preload
+# module would do as well), so it can say anything on the template's channel:
+# this one answers each fork request with another process's pid.
+LYING_SITE = textwrap.dedent("""\
+    import json, os, socket
+    _victim = int(os.environ.get("H16_VICTIM", "0"))
+    _sendall = socket.socket.sendall
+
+    def _lying_sendall(self, data, *args):
+        try:
+            msg = json.loads(data)
+        except ValueError:
+            msg = None
+        if _victim and isinstance(msg, dict) and "id" in msg and "pid" in msg:
+            data = (json.dumps(dict(msg, pid=_victim)) + "\\n").encode()
+        return _sendall(self, data, *args)
+
+    socket.socket.sendall = _lying_sendall
+    """)
+
 # A python that refuses to be a template (a wrapper that cannot run it): the
 # template cannot be made, the ranks start cold.
 BAD_PYTHON = "#!/bin/sh\ncase \"$1\" in */warmstart.py) exit 3;; esac\nexec {py} \"$@\"\n"
@@ -325,6 +345,38 @@ def test_a_template_that_cannot_be_made_or_forked_falls_back_to_cold(node, user,
         assert any(re.search(why, r) for r in template), template
         job = status(node, job_id)
         assert job["template_state"] == "failed" and re.search(why, job["template_reason"])
+
+
+def test_a_template_naming_another_process_as_its_rank_is_dropped_and_that_process_untouched(
+        node, user, work):
+    """A template answers a fork request with the pid of root's process (its own
+    session and group, as a daemon's is). The daemon must not take it for the
+    rank: a rank's pid is what the job's stop, the hang detector and a
+    replacement signal, as root, with its whole process group."""
+    import subprocess
+    cwd, out = work
+    script = os.path.join(cwd, "train.py")
+    site = user.mkdir(os.path.join(cwd, "site"))
+    with open(os.path.join(site, "sitecustomize.py"), "w") as fh:
+        fh.write(LYING_SITE)
+    victim = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    try:
+        job_id = submit(node, user, "--env", f"PYTHONPATH={site}", "--env",
+                        f"H16_VICTIM={victim.pid}", "--", PY, script, "lied", out, cwd=cwd)
+        job = node.wait_job(job_id, timeout=240)
+        assert state(job) == "SUCCEEDED", node.rank_log(job_id, 0)
+        assert node.ctl("cancel", job_id).returncode in (0, 1)  # ended: nothing to stop
+        assert victim.poll() is None, "root's process was signalled as the job's rank"
+        evs = events(node, job_id)
+        template = [e["reason"] for e in evs if e["kind"] == "template"]
+        assert any(f"pid {victim.pid} is not its child run by uid {user.uid}" in r
+                   for r in template), template
+        # The template is dropped, not kept for the user's next job; the ranks ran cold.
+        assert {e["start_path"] for e in evs if e["kind"] == "start"} == {"cold"}
+        assert status(node, job_id)["template_state"] == "failed"
+    finally:
+        victim.kill()
+        victim.wait()
 
 
 def test_a_command_the_template_cannot_run_starts_cold_and_says_why(node, user, work):

@@ -15,6 +15,7 @@ from typing import Callable
 
 from ..workers import env as envnames
 from ..workers import files as workerfiles
+from ..workers import group as workergroup  # (a module: group imports this one)
 from .timeouts import LIMITS_FILE_ENV, write_limits_file
 from ..workers.contract import beats as contract
 
@@ -119,10 +120,9 @@ class ProcessOps:
             pass
 
     @staticmethod
-    def killpg(pgid: int, sig: int) -> None:
-        try:
-            os.killpg(pgid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
+    def kill_rank(worker, sig: int) -> None:
+        """Signal a rank's process group (workers.group.Worker): through the same
+        checks as every other signal to a rank (workers.group.signal_rank_group)."""
+        workergroup.signal_rank_group(worker.proc, sig)
 
 

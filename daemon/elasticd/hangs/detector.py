@@ -212,7 +212,7 @@ class ProgressTracker:
                 kill = (w, r, verdict.idle, limit)
         if kill is not None:  # one per look: a hung rank's peers usually fail by themselves
             w, r, idle, limit = kill
-            self.ops.killpg(w.pid, signal.SIGKILL)
+            self.ops.kill_rank(w, signal.SIGKILL)
             self._killed[w.rank] = _Killed(w.rank, idle, now)
             self._killed_seen = now
             why = (f"agent.first_step_timeout {fixed.first_step:g}s" if limit is None

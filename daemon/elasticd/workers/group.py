@@ -230,7 +230,7 @@ class WorkerGroup:
                 why: str) -> Worker:
         """Start a new process for ``old``'s rank, in its place; the rest keep running."""
         index = self.workers.index(old)
-        _killpg(old.pid, signal.SIGKILL)  # whatever the dead rank left in its group
+        signal_rank_group(old.proc, signal.SIGKILL)  # what the dead rank left in its group
         new = self._spawn(old.local_rank, as_user_kwargs(self.spec.uid, self.spec.gid), spares,
                           extra_env=extra_env, what=f"replacing pid {old.pid} ({why})")
         self.workers[index] = new
@@ -289,7 +289,7 @@ class WorkerGroup:
         live = [w for w in self.workers if w.proc.poll() is None]
         for w in live:
             w.stopped_by_us = True
-            _killpg(w.pid, signal.SIGTERM)
+            signal_rank_group(w.proc, signal.SIGTERM)
         deadline = time.monotonic() + grace
         while live and time.monotonic() < deadline:
             live = [w for w in live if w.proc.poll() is None]
@@ -302,7 +302,7 @@ class WorkerGroup:
                 w.stopped_by_us = False
         # SIGKILL the groups even of exited leaders: children they left behind.
         for w in self.workers:
-            _killpg(w.pid, signal.SIGKILL)
+            signal_rank_group(w.proc, signal.SIGKILL)
         for w in self.workers:
             try:
                 w.proc.wait(timeout=5)
@@ -540,6 +540,18 @@ def end_helper(proc: subprocess.Popen) -> None:
 def kill_group(pgid: int, sig: int) -> None:
     """Signal a process group; one that is gone (or not ours) is left alone."""
     _killpg(pgid, sig)
+
+
+def signal_rank_group(proc, sig: int) -> None:
+    """Signal a rank's process group (the rank leads it), and what it left there.
+    A rank the worker template forked is signalled through its pidfd's checks
+    (template.ForkedProcess.signal_group): its pid came from a process of the
+    job's user, never trusted to name a group."""
+    group = getattr(proc, "signal_group", None)
+    if group is not None:
+        group(sig)
+    else:
+        _killpg(proc.pid, sig)
 
 
 def _killpg(pgid: int, sig: int) -> None:

@@ -66,16 +66,49 @@ class StartPath(enum.Enum):
 
 
 class ForkedProcess:
-    """A rank forked by the template: the part of ``subprocess.Popen`` the agent uses."""
+    """A rank forked by the template: the part of ``subprocess.Popen`` the agent uses.
 
-    def __init__(self, template: "WorkerTemplate", pid: int):
+    Its pid came from the template, a process of the job's user that runs the
+    user's code (the preload): it is checked to be the template's child and
+    the job's uid before it is kept, and signals go through a pidfd opened
+    then, so they reach that process and never another that got its pid.
+    Its exit is what the template reports; one that exited (the pidfd says
+    so) with no report within the fork timeout reads as killed by SIGKILL."""
+
+    def __init__(self, template: "WorkerTemplate", pid: int, pidfd: int | None):
         self._template = template
         self.pid = pid
+        self._pidfd = pidfd      # None: it was gone (reaped) before it could be opened
+        self._gone_at: float | None = None
         self.returncode: int | None = None
+
+    def exited(self, code: int) -> None:
+        self.returncode = code
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
+
+    def _alive(self) -> bool:
+        """Not yet exited (a zombie has exited); its pid is then still its own."""
+        if self._pidfd is None:
+            return False
+        try:
+            readable, _, _ = select.select([self._pidfd], [], [], 0)
+        except (OSError, ValueError):
+            return False
+        return not readable
 
     def poll(self) -> int | None:
         if self.returncode is None:
             self._template.pump(0)
+        if self.returncode is None and not self._alive():
+            now = time.monotonic()
+            if self._gone_at is None:
+                self._gone_at = now
+            elif now - self._gone_at > self._template.fork_timeout:
+                log.warning("%s: rank pid %d exited and its worker template never said how; "
+                            "it reads as killed by SIGKILL", self._template.where(), self.pid)
+                self.exited(-signal.SIGKILL)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
@@ -88,14 +121,89 @@ class ForkedProcess:
         return self.returncode
 
     def send_signal(self, sig: int) -> None:
-        if self.returncode is None:
+        if self.returncode is None and self._pidfd is not None:
             try:
-                os.kill(self.pid, sig)
+                signal.pidfd_send_signal(self._pidfd, sig)
             except ProcessLookupError:
                 pass
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
+
+    def signal_group(self, sig: int) -> None:
+        """Signal the rank's process group (it leads one once it runs) and what it left
+        there. While the rank has not been reaped its pid, and so its group's id, is
+        its own; after, only processes of the job's uid in that group are signalled,
+        each through a pidfd."""
+        if self._alive():
+            workers.kill_group(self.pid, sig)  # no group yet (before its setsid): none hit
+            self.send_signal(sig)
+            return
+        for pid in _group_members(self.pid, self._template.uid):
+            try:
+                fd = os.pidfd_open(pid)
+            except OSError:
+                continue
+            try:
+                if _stat_of(pid)[1] == self.pid:  # still in it, once pinned
+                    signal.pidfd_send_signal(fd, sig)
+            except (OSError, ValueError):
+                pass
+            finally:
+                os.close(fd)
+
+
+def _stat_of(pid: int) -> tuple[int, int]:
+    """(parent pid, process group) of ``pid``, from /proc/PID/stat; OSError or
+    ValueError if it is gone or unreadable."""
+    with open(f"/proc/{pid}/stat", "rb") as fh:
+        stat = fh.read(4096)
+    fields = stat[stat.rindex(b")") + 2:].split()  # after the command, which may hold anything
+    return int(fields[1]), int(fields[2])
+
+
+def _real_uid(pid: int) -> int:
+    with open(f"/proc/{pid}/status", "rb") as fh:
+        for line in fh:
+            if line.startswith(b"Uid:"):
+                return int(line.split()[1])
+    raise ValueError("no Uid line")
+
+
+def _group_members(pgid: int, uid: int) -> list[int]:
+    """Processes of ``uid`` in process group ``pgid``."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        pid = int(name)
+        try:
+            if _stat_of(pid)[1] == pgid and _real_uid(pid) == uid:
+                found.append(pid)
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+def _pin_child(pid: int, parent: int, uid: int) -> tuple[int | None, str]:
+    """A pidfd for ``pid`` if it is ``parent``'s child run by ``uid`` (None if it is
+    gone already: its exit report says the rest), or (None, why it is not)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return None, ""
+    except OSError as exc:
+        return None, f"cannot open a pidfd for it: {exc}"
+    try:  # checked once pinned: the fd and these files are the same process
+        ppid, _ = _stat_of(pid)
+        owner = _real_uid(pid)
+    except (OSError, ValueError, IndexError):
+        os.close(fd)
+        return None, ""  # reaped between the two: gone
+    if ppid != parent or owner != uid:
+        os.close(fd)
+        return None, f"pid {pid} is not its child run by uid {uid}"
+    return fd, ""
 
 
 class WorkerTemplate:
@@ -122,10 +230,15 @@ class WorkerTemplate:
         self.was_ready = False    # it served ranks before (then a death may be revived)
         self._unsafe = False      # it refused as unsafe to fork: a new one would too
         self.key: TemplateKey | None = None   # what it was made of (template_key.py)
+        self.uid = -1             # the user it runs as (set at start)
         self.log_job = job_id     # whose logs/JOB/template.log has its output
 
-    def _where(self) -> str:
+    def where(self) -> str:
         return ctx(job=self.job_id, node=self._node_id)
+
+    @property
+    def fork_timeout(self) -> float:
+        return self._fork_timeout
 
     # -- life --------------------------------------------------------------
     def start(self, spec: workers.GroupSpec, key: "TemplateKey | None",
@@ -144,6 +257,7 @@ class WorkerTemplate:
                        TemplateState.OFF)
             return
         self.key = key
+        self.uid = spec.uid
         flags = []
         while args and args[0] in ("-u", "-B"):
             flags.append(args.pop(0))
@@ -173,7 +287,7 @@ class WorkerTemplate:
         self._boot_args = [*flags, *args]
         self.state, self.reason = TemplateState.STARTING, ""
         self.started_at = time.monotonic()
-        log.info("%s: worker template starting, pid %d (key %s)", self._where(),
+        log.info("%s: worker template starting, pid %d (key %s)", self.where(),
                  self._proc.pid, key.digest)
 
     def revivable(self) -> bool:
@@ -212,7 +326,7 @@ class WorkerTemplate:
             try:
                 self._proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
-                log.error("%s: worker template pid %d did not die", self._where(),
+                log.error("%s: worker template pid %d did not die", self.where(),
                           self._proc.pid)
         self._orphan_ranks()
         if self.state in (TemplateState.STARTING, TemplateState.READY):
@@ -291,13 +405,18 @@ class WorkerTemplate:
             self._fail(f"unsafe to fork: {why}")
             return None, f"worker template unsafe to fork: {why}"
         pid = reply.get("pid")
-        if not isinstance(pid, int) or pid <= 1:
+        if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 1 or pid in self._ranks:
             self._fail("a malformed fork reply")
             return None, "worker template sent a malformed reply"
-        proc = ForkedProcess(self, pid)
+        pidfd, wrong = _pin_child(pid, self.pid, self.uid)
+        if wrong:  # its user's code answered for it: never signal what it names
+            self._unsafe = True
+            self._fail(f"its fork reply named a process not its own: {wrong}")
+            return None, "worker template named a process not its own"
+        proc = ForkedProcess(self, pid, pidfd)
         self._ranks[pid] = proc
         if pid in self._statuses:
-            proc.returncode = os.waitstatus_to_exitcode(self._statuses.pop(pid))
+            proc.exited(os.waitstatus_to_exitcode(self._statuses.pop(pid)))
         return proc, ""
 
     # -- the channel -------------------------------------------------------
@@ -345,7 +464,7 @@ class WorkerTemplate:
             if isinstance(pid, int) and isinstance(status, int):
                 proc = self._ranks.pop(pid, None)
                 if proc is not None:
-                    proc.returncode = os.waitstatus_to_exitcode(status)
+                    proc.exited(os.waitstatus_to_exitcode(status))
                 else:
                     self._statuses[pid] = status
         elif "ready" in msg and self.state is TemplateState.STARTING:
@@ -356,7 +475,7 @@ class WorkerTemplate:
             self.state, self.was_ready = TemplateState.READY, True
             self.ready_seconds = time.monotonic() - self.started_at
             log.info("%s: worker template ready in %.2f s (pid %d, %d modules)",
-                     self._where(), self.ready_seconds, self.pid, int(msg.get("modules", 0)))
+                     self.where(), self.ready_seconds, self.pid, int(msg.get("modules", 0)))
         elif isinstance(msg.get("id"), int):
             self._replies[msg["id"]] = msg
 
@@ -381,7 +500,7 @@ class WorkerTemplate:
 
     def _fail(self, reason: str, state: TemplateState = TemplateState.FAILED) -> None:
         if state is TemplateState.FAILED:
-            log.warning("%s: worker template unusable: %s; ranks start cold", self._where(),
+            log.warning("%s: worker template unusable: %s; ranks start cold", self.where(),
                         reason)
         self.state, self.reason = state, reason
         if self._sock is not None:
@@ -395,9 +514,9 @@ class WorkerTemplate:
     def _orphan_ranks(self) -> None:
         """The ranks of a template that is gone died with it (PDEATHSIG); make sure,
         and let them read as killed by SIGKILL."""
-        for pid, proc in self._ranks.items():
-            workers.kill_group(pid, signal.SIGKILL)
-            proc.returncode = -signal.SIGKILL
+        for proc in self._ranks.values():
+            proc.signal_group(signal.SIGKILL)
+            proc.exited(-signal.SIGKILL)
         self._ranks.clear()
         self._statuses.clear()
 
