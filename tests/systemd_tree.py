@@ -316,8 +316,10 @@ class BootedTree:
 
     def run(self, *argv, user: str | None = None, cwd: str = "/", check: bool = True,
             timeout: float = 120, input: str | None = None) -> subprocess.CompletedProcess:
+        # A session of its own: a `kill 0` in the tree must never reach the test runner.
         proc = subprocess.run(self.command(*argv, user=user, cwd=cwd), capture_output=True,
-                              text=True, timeout=timeout, env=TREE_ENV, input=input)
+                              text=True, timeout=timeout, env=TREE_ENV, input=input,
+                              start_new_session=True)
         if check and proc.returncode != 0:
             raise AssertionError(f"in the tree: {' '.join(map(str, argv))} exited "
                                  f"{proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
@@ -330,7 +332,7 @@ class BootedTree:
         proc = subprocess.run(
             self.command("sh", "-c", 'mkdir -p "$(dirname "$1")" && cat > "$1" && chmod "$2" "$1"',
                          "sh", path, f"{mode:o}"),
-            input=data, capture_output=True, timeout=120, env=TREE_ENV)
+            input=data, capture_output=True, timeout=120, env=TREE_ENV, start_new_session=True)
         assert proc.returncode == 0, proc.stderr.decode(errors="replace")
 
     def read(self, path: str) -> str:

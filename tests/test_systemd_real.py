@@ -148,6 +148,12 @@ def main_pid(tree) -> int:
     return int(tree.show(UNIT, "MainPID")["MainPID"])
 
 
+def running_main_pid(tree) -> int:
+    """The daemon's pid, once it has one: never 0 (MainPID while it restarts),
+    which `kill` would take for its own process group."""
+    return wait_for(lambda: main_pid(tree) > 1 and main_pid(tree), "the daemon's main pid")
+
+
 def journal(tree, *args: str) -> list[dict]:
     out = tree.run("journalctl", "-u", UNIT, "-o", "json", "--no-pager", *args).stdout
     return [json.loads(line) for line in out.splitlines() if line.strip()]
@@ -168,7 +174,12 @@ def resumed_running(tree, job: str, restarts: int, old_pid: int):
                 and begun[0] != old_pid:
             return status
         return None
-    return wait_for(check, f"job {job} running again as restart {restarts}")
+    try:
+        return wait_for(check, f"job {job} running again as restart {restarts}")
+    except AssertionError as exc:  # say what the unit and the daemon were doing
+        said = [e.get("MESSAGE", "") for e in journal(tree)][-40:]
+        raise AssertionError(f"{exc}\n{tree.show(UNIT, 'ActiveState', 'SubState', 'NRestarts')}"
+                             "\n" + "\n".join(map(str, said))) from None
 
 
 # -- the cases, in order -----------------------------------------------------------
@@ -253,7 +264,7 @@ def test_a_group_member_runs_a_job_as_themselves(tree, state):
 
 def test_kill_9_restarts_the_daemon_and_the_job_resumes(tree, state):
     job = state.get("job") or pytest.skip("needs the job of the case before")
-    old_main, old_worker, old_child = main_pid(tree), state["worker"], state["child"]
+    old_main, old_worker, old_child = running_main_pid(tree), state["worker"], state["child"]
     t0 = time.monotonic()
     tree.run("sh", "-c", f"kill -KILL {old_main}")
     status = resumed_running(tree, job, 1, old_worker)
@@ -273,7 +284,7 @@ def test_kill_9_restarts_the_daemon_and_the_job_resumes(tree, state):
 
 def test_sigstop_trips_the_watchdog_and_the_job_resumes(tree, state):
     job = state.get("job") or pytest.skip("needs the job of the case before")
-    old_main, old_worker, old_child = main_pid(tree), state["worker"], state["child"]
+    old_main, old_worker, old_child = running_main_pid(tree), state["worker"], state["child"]
     t0, stopped_at = time.monotonic(), time.time()  # the tree shares this kernel's clock
     tree.run("sh", "-c", f"kill -STOP {old_main}")
     wait_for(lambda: main_pid(tree) not in (old_main, 0), "the watchdog to restart the daemon")
