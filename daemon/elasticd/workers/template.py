@@ -47,6 +47,7 @@ from ..logsetup import ctx
 log = logging.getLogger("elasticd.workers.template")
 
 _MESSAGE_MAX = 1 << 16  # a template line longer than this is a broken template
+_UNCLAIMED_MAX = 64     # exit statuses kept for pids whose fork reply has not come
 
 
 class TemplateState(enum.Enum):
@@ -466,7 +467,9 @@ class WorkerTemplate:
                 if proc is not None:
                     proc.exited(os.waitstatus_to_exitcode(status))
                 else:
-                    self._statuses[pid] = status
+                    self._statuses[pid] = status  # its fork reply is still to come
+                    while len(self._statuses) > _UNCLAIMED_MAX:  # (a template that lies)
+                        del self._statuses[next(iter(self._statuses))]
         elif "ready" in msg and self.state is TemplateState.STARTING:
             if msg.get("unsafe"):
                 self._unsafe = True
@@ -475,8 +478,9 @@ class WorkerTemplate:
             self.state, self.was_ready = TemplateState.READY, True
             self.ready_seconds = time.monotonic() - self.started_at
             log.info("%s: worker template ready in %.2f s (pid %d, %d modules)",
-                     self.where(), self.ready_seconds, self.pid, int(msg.get("modules", 0)))
-        elif isinstance(msg.get("id"), int):
+                     self.where(), self.ready_seconds, self.pid,
+                     msg["modules"] if type(msg.get("modules")) is int else 0)
+        elif msg.get("id") == self._next_id and type(msg["id"]) is int:  # the one asked
             self._replies[msg["id"]] = msg
 
     def _check_alive(self) -> None:
