@@ -15,7 +15,7 @@ from typing import Callable
 
 from ..workers import env as envnames
 from ..workers import files as workerfiles
-from ..workers import group as workergroup  # (a module: group imports this one)
+from ..workers import signals as rank_signals
 from .timeouts import LIMITS_FILE_ENV, write_limits_file
 from ..workers.contract import beats as contract
 
@@ -122,7 +122,7 @@ class ProcessOps:
     @staticmethod
     def kill_rank(worker, sig: int) -> None:
         """Signal a rank's process group (workers.group.Worker): through the same
-        checks as every other signal to a rank (workers.group.signal_rank_group)."""
-        workergroup.signal_rank_group(worker.proc, sig)
+        checks as every other signal to a rank (workers/signals.py)."""
+        rank_signals.signal_rank_group(worker.proc, sig)
 
 

@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 
 from . import inprocess_reports, preload, env as envnames, files as workerfiles
+from .signals import kill_group, signal_rank_group
 from ..jobstore import address as jobstore_env
 from ..hangs import detector as progress
 from .. import statedir
@@ -402,7 +403,7 @@ def _hand_over(spare: subprocess.Popen, env: dict, cwd: str, args: list) -> \
         spare.stdin.close()
         return spare
     except (BrokenPipeError, ValueError, OSError):
-        _killpg(spare.pid, signal.SIGKILL)
+        kill_group(spare.pid, signal.SIGKILL)
         spare.wait()
         return None
 
@@ -483,7 +484,7 @@ class SparePool:
         and the worker starts cold, so each rank's log stays its own."""
         spare = self._spares.pop(local_rank, None)
         if spare is not None and self._ranks.pop(local_rank, None) != rank:
-            _killpg(spare.pid, signal.SIGKILL)
+            kill_group(spare.pid, signal.SIGKILL)
             spare.wait()
             return None
         if spare is not None and spare.poll() is not None:
@@ -494,7 +495,7 @@ class SparePool:
 
     def clear(self) -> None:
         for spare in self._spares.values():
-            _killpg(spare.pid, signal.SIGKILL)
+            kill_group(spare.pid, signal.SIGKILL)
         for spare in self._spares.values():
             try:
                 spare.wait(timeout=5)
@@ -527,7 +528,7 @@ def _reading_stdin(pid: int) -> bool:
 def end_helper(proc: subprocess.Popen) -> None:
     """End a job's helper process started by ``start_job_process(..., pipes=True)`` (a
     job store, a round store server): SIGKILL its group, reap it, close its pipes."""
-    _killpg(proc.pid, signal.SIGKILL)
+    kill_group(proc.pid, signal.SIGKILL)
     proc.wait()
     for pipe in (proc.stdin, proc.stdout):
         if pipe:
@@ -537,28 +538,7 @@ def end_helper(proc: subprocess.Popen) -> None:
                 pass
 
 
-def kill_group(pgid: int, sig: int) -> None:
-    """Signal a process group; one that is gone (or not ours) is left alone."""
-    _killpg(pgid, sig)
 
-
-def signal_rank_group(proc, sig: int) -> None:
-    """Signal a rank's process group (the rank leads it), and what it left there.
-    A rank the worker template forked is signalled through its pidfd's checks
-    (template.ForkedProcess.signal_group): its pid came from a process of the
-    job's user, never trusted to name a group."""
-    group = getattr(proc, "signal_group", None)
-    if group is not None:
-        group(sig)
-    else:
-        _killpg(proc.pid, sig)
-
-
-def _killpg(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def as_user_kwargs(uid: int, gid: int) -> dict:

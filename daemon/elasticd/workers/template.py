@@ -41,6 +41,7 @@ from typing import Callable
 
 from . import env as envnames, group as workers
 from .template_key import TemplateKey, entry_part
+from .signals import kill_group
 from .. import statedir
 from ..logsetup import ctx
 
@@ -137,7 +138,7 @@ class ForkedProcess:
         its own; after, only processes of the job's uid in that group are signalled,
         each through a pidfd."""
         if self._alive():
-            workers.kill_group(self.pid, sig)  # no group yet (before its setsid): none hit
+            kill_group(self.pid, sig)  # no group yet (before its setsid): none hit
             self.send_signal(sig)
             return
         for pid in _group_members(self.pid, self._template.uid):
@@ -323,7 +324,7 @@ class WorkerTemplate:
             self._sock.close()
             self._sock = None
         if self._proc is not None:
-            workers.kill_group(self._proc.pid, signal.SIGKILL)
+            kill_group(self._proc.pid, signal.SIGKILL)
             try:
                 self._proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
@@ -497,7 +498,7 @@ class WorkerTemplate:
             try:
                 code = self._proc.wait(timeout=1.0)
             except subprocess.TimeoutExpired:  # it closed the channel and lives on
-                workers.kill_group(self._proc.pid, signal.SIGKILL)
+                kill_group(self._proc.pid, signal.SIGKILL)
         what = workers.describe_exit(code)[2] if code is not None else "closed its channel"
         whose = "" if self.log_job == self.job_id else f" of job {self.log_job}"
         self._fail(f"it exited ({what}); see template.log{whose}")
@@ -511,7 +512,7 @@ class WorkerTemplate:
             self._sock.close()
             self._sock = None
         if self._proc is not None and self._proc.poll() is None:
-            workers.kill_group(self._proc.pid, signal.SIGKILL)
+            kill_group(self._proc.pid, signal.SIGKILL)
             self._proc.wait()
         self._orphan_ranks()
 

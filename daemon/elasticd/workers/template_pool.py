@@ -39,6 +39,7 @@ import time
 from dataclasses import dataclass
 
 from . import files, group as workers
+from .signals import kill_group
 from .template import TemplateState, WorkerTemplate
 from .template_key import TemplateKey, entry_part, key_from_record, key_to_record
 from .. import statedir
@@ -120,7 +121,7 @@ class _Spawn:
             return
         with self.lock:
             if self.abandoned:  # the asker gave up waiting: nobody would own it
-                workers.kill_group(proc.pid, 9)
+                kill_group(proc.pid, 9)
                 proc.wait()
             else:
                 self.proc = proc
