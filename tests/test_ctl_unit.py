@@ -483,3 +483,39 @@ def test_socket_from_environment(monkeypatch, capsys):
     monkeypatch.setenv("ELASTICD_SOCKET", "/nonexistent/env.sock")
     assert cli.main(["nodes"]) == 3
     assert "/nonexistent/env.sock" in capsys.readouterr().err
+
+
+def test_a_full_listen_queue_on_the_credential_socket_is_waited_out_not_an_error(sockdir):
+    """A connect with a timeout fails at once with EAGAIN while the daemon's listen
+    queue is full (a burst of clients, or someone holding connections); the
+    client tries again until its own timeout (CI once failed on this under load)."""
+    path = os.path.join(sockdir, "c.sock.cred")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(1)
+    held = []
+    try:
+        while True:  # fill the queue: a connect that cannot wait now says EAGAIN
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.setblocking(False)
+            try:
+                s.connect(path)
+            except BlockingIOError:
+                s.close()
+                break
+            held.append(s)
+        assert held
+        def drain():  # the daemon catches up a moment later
+            for _ in range(len(held) + 1):
+                conn, _ = server.accept()
+                conn.sendall(b"ERR test: answered\n")
+                conn.close()
+        timer = threading.Timer(0.3, drain)
+        timer.start()
+        with pytest.raises(clientlib.CredentialError, match="answered"):
+            clientlib.fetch_token(path[:-len(clientlib.CRED_SUFFIX)])
+        timer.join()
+    finally:
+        for s in held:
+            s.close()
+        server.close()

@@ -16,6 +16,7 @@ import errno
 import os
 import socket
 import stat
+import time
 from typing import Any, Iterator
 
 import grpc
@@ -30,6 +31,7 @@ CRED_SUFFIX = ".cred"
 SYSTEM_SOCKET = "/run/elasticd/control.sock"
 UNARY_TIMEOUT = 10.0        # seconds one unary call may take, on top of any wait it asks for
 CRED_TIMEOUT = 5.0          # seconds the credential socket has to answer
+CONNECT_RETRY = 0.02        # seconds between connects while its listen queue is full
 MAX_TOKEN_BYTES = 64 * 1024
 
 _RUNNING_HINT = "is the daemon running? (systemctl status elasticd, or start one: elasticd --standalone)"
@@ -138,6 +140,20 @@ def check_socket(path: str) -> None:
         raise DaemonUnreachable(path, _GROUP_HINT)
 
 
+def _connect_unix(sock: socket.socket, path: str, deadline: float) -> None:
+    """Connect a unix socket that has a timeout. Such a connect does not wait for
+    room in a full listen queue (other clients, or someone holding connections
+    open): it fails at once with EAGAIN, so try again until ``deadline``."""
+    while True:
+        try:
+            sock.connect(path)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(CONNECT_RETRY)
+
+
 def fetch_token(path: str) -> str:
     """Ask ``<path>.cred`` for a token; the daemon learns who we are from the kernel."""
     cred = path + CRED_SUFFIX
@@ -145,7 +161,7 @@ def fetch_token(path: str) -> str:
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(CRED_TIMEOUT)
-            sock.connect(cred)
+            _connect_unix(sock, cred, time.monotonic() + CRED_TIMEOUT)
             while len(data) <= MAX_TOKEN_BYTES:
                 part = sock.recv(4096)
                 if not part:

@@ -116,7 +116,7 @@ class CredentialServer:
         finally:
             os.umask(old)
         set_socket_access(self.path, self._gid)
-        sock.listen(64)
+        sock.listen(socket.SOMAXCONN)  # a burst of clients queues, not refused
         sock.settimeout(self._poll)
         self._sock = sock
         self._thread = threading.Thread(target=self._run, name="cred-socket", daemon=True)
@@ -165,6 +165,8 @@ def _remove_stale_socket(path: str) -> None:
     try:
         probe.settimeout(1.0)
         probe.connect(path)
+    except BlockingIOError:
+        pass  # its listen queue is full: a daemon is there, busy
     except OSError:
         os.unlink(path)
         return
