@@ -43,3 +43,24 @@ def test_first_retry_after_a_failed_refresh_goes_at_once():
     assert keeper._next_wait() == 0.5
     store.down = False
     assert keeper.tick() == "refreshed the lease" and keeper._next_wait() == 1.0
+
+
+def test_refreshes_leave_every_interval_however_long_each_takes():
+    """A refresh that took 0.75 s (200 ms each way and a retransmission) is followed
+    by the next 0.25 s later, not a whole interval later: found in CI, where a
+    healthy node's lease expired on the 200 ms + 5 % loss link
+    (test_partitions.py::test_latency_and_loss_on_every_etcd_link)."""
+    store = Flaky(open_store("memory"))
+    info = {"node_id": "n1", "host": "h", "address": "10.0.0.1", "slots": 1, "version": "t",
+            "pid": 1, "state": "ready"}
+    keeper = LeaseKeeper(store, "n1", ttl=3, interval=1.0, info=lambda: dict(info))
+    keeper.register()
+    assert keeper.tick() == "refreshed the lease"
+    assert keeper._next_wait(took=0.75) == 0.25
+    assert keeper._next_wait(took=2.5) == 0.0
+    store.down = True
+    keeper.tick()
+    keeper._next_wait(took=1.5)                       # the retry at once
+    keeper.tick()
+    assert keeper._next_wait(took=0.25) == 0.25       # half a second from the last start
+    assert keeper._next_wait(took=1.5) == 0.0         # a hung request was wait enough

@@ -150,11 +150,18 @@ class LeaseKeeper:
         self._written = None
 
     def _run(self) -> None:
-        while not self._stop.wait(self._next_wait()):
+        took = 0.0
+        while not self._stop.wait(self._next_wait(took)):
+            began = time.monotonic()
             self.tick()
+            took = time.monotonic() - began
 
-    def _next_wait(self) -> float:
-        """Seconds before the next tick. After the first failure following a
+    def _next_wait(self, took: float = 0.0) -> float:
+        """Seconds before the next tick, counted from the start of the last one,
+        which took ``took``: refreshes leave every interval however long each
+        takes (on a link with 200 ms each way and loss, a refresh can take a
+        second or two; waiting a whole interval after it as well let a healthy
+        node's lease expire). After the first failure following a
         refresh, none: a refresh that hung on an unreachable member took up to
         a request timeout of the lease's TTL (config checks refresh interval +
         request timeout <= TTL), and the store already points at the next
@@ -162,11 +169,11 @@ class LeaseKeeper:
         cluster (a minority etcd member partitioned). Later failures: every
         half second at most, so a dead cluster is not hammered."""
         if self.health == "ok":
-            return self._interval
+            return max(0.0, self._interval - took)
         if self._retry_at_once:
             self._retry_at_once = False
             return 0.0
-        return min(self._interval, 0.5)
+        return max(0.0, min(self._interval, 0.5) - took)
 
     def tick(self) -> str:
         """One refresh cycle; returns what it did, in one sentence."""
