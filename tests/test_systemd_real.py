@@ -166,9 +166,14 @@ def daemon_lines(tree) -> list[dict]:
 def resumed_running(tree, job: str, restarts: int, old_pid: int):
     """The job's status once it runs again as restart ``restarts`` with a new worker."""
     def check():
+        # "active" may still be the killed daemon's, until systemd reaps it; the
+        # socket is gone meanwhile: a status that cannot reach it is "not yet".
         if tree.show(UNIT, "ActiveState")["ActiveState"] != "active":
             return None
-        status = job_status(tree, job)
+        try:
+            status = job_status(tree, job)
+        except AssertionError:
+            return None
         begun = started(tree, restarts)
         if status["state"] == "RUNNING" and status["restarts"] == restarts and begun \
                 and begun[0] != old_pid:
