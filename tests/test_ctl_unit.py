@@ -212,6 +212,8 @@ def test_missing_socket_exits_3(capsys):
     err = capsys.readouterr().err
     assert "cannot reach elasticd at /nonexistent/x.sock" in err
     assert "is the daemon running" in err
+    # The system daemon's socket is named too: between its restarts neither exists.
+    assert "nor the system daemon's /run/elasticd/control.sock" in err
 
 
 def test_socket_with_nothing_listening_exits_3(sockdir, capsys):

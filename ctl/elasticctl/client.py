@@ -135,7 +135,12 @@ def check_socket(path: str) -> None:
     except UntrustedSocket:
         raise
     except OSError as exc:
-        raise DaemonUnreachable(path, _os_reason(exc, "socket")) from None
+        why = _os_reason(exc, "socket")
+        if isinstance(exc, FileNotFoundError) and path != SYSTEM_SOCKET:
+            # Said where the system daemon's would be too: between its restarts
+            # neither exists, and the path above is then only this user's default.
+            why = f"no such socket, nor the system daemon's {SYSTEM_SOCKET} — {_RUNNING_HINT}"
+        raise DaemonUnreachable(path, why) from None
     if not os.access(path, os.R_OK | os.W_OK):
         raise DaemonUnreachable(path, _GROUP_HINT)
 
