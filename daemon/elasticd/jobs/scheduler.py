@@ -42,6 +42,10 @@ from ..workers.template_pool import TemplatePool
 
 log = logging.getLogger("elasticd.jobs.scheduler")
 
+# Seconds a restarted daemon waits for what it SIGKILLed of its previous run's
+# workers to be gone before it serves (SIGKILL lands when the process next runs).
+LEFTOVER_GONE_WAIT = 5.0
+
 
 @dataclass(frozen=True)
 class JobRequest:
@@ -527,7 +531,7 @@ def kill_leftover_workers(rows: list[WorkerRow]) -> int:
     wanted = {row.pid: row.create_time for row in rows if row.pid and row.create_time}
     if not wanted:
         return 0
-    killed = 0
+    killed: list[psutil.Process] = []
     for proc in psutil.process_iter(["pid", "create_time"]):
         try:
             pgid = os.getpgid(proc.pid)
@@ -537,8 +541,20 @@ def kill_leftover_workers(rows: list[WorkerRow]) -> int:
         if created is None or proc.info["create_time"] < created - 0.01:
             continue
         try:
-            os.kill(proc.pid, signal.SIGKILL)
-            killed += 1
-        except (ProcessLookupError, PermissionError):
+            proc.send_signal(signal.SIGKILL)  # psutil checks it is still that process
+            killed.append(proc)
+        except psutil.Error:
             pass
-    return killed
+    # SIGKILL takes effect when the process next runs: on a loaded node that can
+    # be a while, and the daemon must not say it is back while they still run.
+    deadline = time.monotonic() + LEFTOVER_GONE_WAIT
+    while time.monotonic() < deadline and any(_running(p) for p in killed):
+        time.sleep(0.02)
+    return len(killed)
+
+
+def _running(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
