@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import signal
 import threading
 import time
@@ -38,6 +37,7 @@ from ..rendezvous.protocol import CANCELLED, JobLimits, final_job_state
 from ..agent.restartpolicy import RestartWindow
 from .states import LIVE_STATES, TERMINAL_STATES, JobState
 from ..store import StoreError
+from ..workers.signals import group_processes
 from ..workers.template_pool import TemplatePool
 
 log = logging.getLogger("elasticd.jobs.scheduler")
@@ -532,13 +532,8 @@ def kill_leftover_workers(rows: list[WorkerRow]) -> int:
     if not wanted:
         return 0
     killed: list[psutil.Process] = []
-    for proc in psutil.process_iter(["pid", "create_time"]):
-        try:
-            pgid = os.getpgid(proc.pid)
-        except OSError:
-            continue
-        created = wanted.get(pgid)
-        if created is None or proc.info["create_time"] < created - 0.01:
+    for proc, pgid in group_processes(wanted, ("pid", "create_time")):
+        if proc.info["create_time"] < wanted[pgid] - 0.01:
             continue
         try:
             proc.send_signal(signal.SIGKILL)  # psutil checks it is still that process

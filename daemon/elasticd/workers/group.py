@@ -538,9 +538,6 @@ def end_helper(proc: subprocess.Popen) -> None:
                 pass
 
 
-
-
-
 def as_user_kwargs(uid: int, gid: int) -> dict:
     """Popen arguments that run the worker as uid/gid (only root can switch)."""
     if uid == os.geteuid() and gid == os.getegid():

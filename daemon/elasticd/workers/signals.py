@@ -8,6 +8,9 @@ its pid came from a process of the job's user.
 from __future__ import annotations
 
 import os
+from typing import Iterator
+
+import psutil
 
 
 def kill_group(pgid: int, sig: int) -> None:
@@ -27,3 +30,15 @@ def signal_rank_group(proc, sig: int) -> None:
         group(sig)
     else:
         kill_group(proc.pid, sig)
+
+
+def group_processes(pgids, attrs=("pid",)) -> Iterator[tuple[psutil.Process, int]]:
+    """Every process now in one of the process groups ``pgids``, with its group
+    (``attrs`` read into ``proc.info`` as it is listed)."""
+    for proc in psutil.process_iter(list(attrs)):
+        try:
+            pgid = os.getpgid(proc.pid)
+        except OSError:
+            continue
+        if pgid in pgids:
+            yield proc, pgid

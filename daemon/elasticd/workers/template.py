@@ -39,9 +39,11 @@ import time
 
 from typing import Callable
 
+import psutil
+
 from . import env as envnames, group as workers
 from .template_key import TemplateKey, entry_part
-from .signals import kill_group
+from .signals import group_processes, kill_group
 from .. import statedir
 from ..logsetup import ctx
 
@@ -141,50 +143,20 @@ class ForkedProcess:
             kill_group(self.pid, sig)  # no group yet (before its setsid): none hit
             self.send_signal(sig)
             return
-        for pid in _group_members(self.pid, self._template.uid):
+        for proc, _ in group_processes({self.pid}, ("pid", "uids")):
+            if proc.info["uids"] is None or proc.info["uids"].real != self._template.uid:
+                continue
             try:
-                fd = os.pidfd_open(pid)
+                fd = os.pidfd_open(proc.pid)
             except OSError:
                 continue
             try:
-                if _stat_of(pid)[1] == self.pid:  # still in it, once pinned
+                if os.getpgid(proc.pid) == self.pid:  # still in it, once pinned
                     signal.pidfd_send_signal(fd, sig)
-            except (OSError, ValueError):
+            except OSError:
                 pass
             finally:
                 os.close(fd)
-
-
-def _stat_of(pid: int) -> tuple[int, int]:
-    """(parent pid, process group) of ``pid``, from /proc/PID/stat; OSError or
-    ValueError if it is gone or unreadable."""
-    with open(f"/proc/{pid}/stat", "rb") as fh:
-        stat = fh.read(4096)
-    fields = stat[stat.rindex(b")") + 2:].split()  # after the command, which may hold anything
-    return int(fields[1]), int(fields[2])
-
-
-def _real_uid(pid: int) -> int:
-    with open(f"/proc/{pid}/status", "rb") as fh:
-        for line in fh:
-            if line.startswith(b"Uid:"):
-                return int(line.split()[1])
-    raise ValueError("no Uid line")
-
-
-def _group_members(pgid: int, uid: int) -> list[int]:
-    """Processes of ``uid`` in process group ``pgid``."""
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        pid = int(name)
-        try:
-            if _stat_of(pid)[1] == pgid and _real_uid(pid) == uid:
-                found.append(pid)
-        except (OSError, ValueError, IndexError):
-            continue
-    return found
 
 
 def _pin_child(pid: int, parent: int, uid: int) -> tuple[int | None, str]:
@@ -196,10 +168,10 @@ def _pin_child(pid: int, parent: int, uid: int) -> tuple[int | None, str]:
         return None, ""
     except OSError as exc:
         return None, f"cannot open a pidfd for it: {exc}"
-    try:  # checked once pinned: the fd and these files are the same process
-        ppid, _ = _stat_of(pid)
-        owner = _real_uid(pid)
-    except (OSError, ValueError, IndexError):
+    try:  # checked once pinned: the fd and what /proc says are the same process
+        proc = psutil.Process(pid)
+        ppid, owner = proc.ppid(), proc.uids().real
+    except psutil.Error:
         os.close(fd)
         return None, ""  # reaped between the two: gone
     if ppid != parent or owner != uid:
@@ -407,7 +379,7 @@ class WorkerTemplate:
             self._fail(f"unsafe to fork: {why}")
             return None, f"worker template unsafe to fork: {why}"
         pid = reply.get("pid")
-        if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 1 or pid in self._ranks:
+        if type(pid) is not int or pid <= 1 or pid in self._ranks:
             self._fail("a malformed fork reply")
             return None, "worker template sent a malformed reply"
         pidfd, wrong = _pin_child(pid, self.pid, self.uid)
