@@ -1,0 +1,115 @@
+"""The one decoder for JSON that comes from outside the daemon: bounded before any work.
+
+Every value read from etcd, every line from a worker template or a worker,
+every file a worker can touch goes through ``decode`` before anything looks
+inside it. It never raises anything but ``BadValue``: a value too large, not
+UTF-8, not JSON, nested too deep, holding NaN, an infinity or a number too
+long, or not of the wanted top-level type is a typed rejection of that one
+value, never an exception that escapes into a watch loop or an agent thread.
+
+What it does not do is check fields: the typed record built from the value
+(a join, a round state, a node record) does that, and turns ``BadValue``
+into its own refusal. Standard library only, no imports of ours: the worker
+side imports it too.
+"""
+from __future__ import annotations
+
+import enum
+import json
+import math
+
+DEFAULT_MAX_DEPTH = 16       # the deepest record the daemon writes is 5 levels
+MAX_NUMBER_CHARS = 64        # a longer literal is no number we ever write
+
+
+class Why(str, enum.Enum):
+    """Why a value was refused before it was read: one label each, for metrics."""
+    TOO_LARGE = "too_large"
+    NOT_TEXT = "not_text"          # not UTF-8
+    NOT_JSON = "not_json"
+    TOO_DEEP = "too_deep"
+    BAD_NUMBER = "bad_number"      # NaN, an infinity, or an absurdly long literal
+    WRONG_TYPE = "wrong_type"      # not the wanted top-level type
+
+
+class BadValue(ValueError):
+    """One value refused. ``why`` is the label; the message is one line for a log."""
+
+    def __init__(self, why: Why, detail: str):
+        super().__init__(f"{why.value}: {detail}")
+        self.why = why
+        self.detail = detail
+
+
+def _number(text: str) -> float | int:
+    if len(text) > MAX_NUMBER_CHARS:
+        raise BadValue(Why.BAD_NUMBER, f"a number literal of {len(text)} characters")
+    if any(c in text for c in ".eE"):
+        value = float(text)
+        if not math.isfinite(value):
+            raise BadValue(Why.BAD_NUMBER, f"{text[:20]} is not a finite number")
+        return value
+    return int(text)
+
+
+def _no_constant(name: str):
+    raise BadValue(Why.BAD_NUMBER, f"{name} is not a number we accept")
+
+
+def _depth_at_most(doc, limit: int) -> bool:
+    """True if no container in ``doc`` lies deeper than ``limit`` (iterative)."""
+    stack = [(doc, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            children = node.values()
+        elif isinstance(node, list):
+            children = node
+        else:
+            continue
+        if depth > limit:
+            return False
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return True
+
+
+def decode(data: str | bytes | None, *, max_bytes: int, want: type | None = dict,
+           max_depth: int = DEFAULT_MAX_DEPTH):
+    """The JSON document in ``data``, or ``BadValue``.
+
+    ``max_bytes`` bounds the encoded size and is checked before any parsing;
+    ``want`` is the required top-level type (``dict``, ``list``, or None for
+    any); ``max_depth`` counts containers (``{}`` is depth 1)."""
+    if data is None:
+        raise BadValue(Why.NOT_JSON, "no value")
+    if isinstance(data, str):
+        if len(data) > max_bytes:  # each character is at least one byte
+            raise BadValue(Why.TOO_LARGE, f"over {max_bytes} bytes")
+        try:
+            raw = data.encode("utf-8")
+        except UnicodeEncodeError:
+            raise BadValue(Why.NOT_TEXT, "not encodable as UTF-8") from None
+    elif isinstance(data, (bytes, bytearray, memoryview)):
+        raw = bytes(data)
+    else:
+        raise BadValue(Why.WRONG_TYPE, f"a {type(data).__name__}, not text")
+    if len(raw) > max_bytes:
+        raise BadValue(Why.TOO_LARGE, f"{len(raw)} bytes, over {max_bytes}")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise BadValue(Why.NOT_TEXT, "not UTF-8") from None
+    try:
+        doc = json.loads(text, parse_float=_number, parse_int=_number,
+                         parse_constant=_no_constant)
+    except BadValue:
+        raise
+    except RecursionError:
+        raise BadValue(Why.TOO_DEEP, "nested deeper than the parser goes") from None
+    except (ValueError, TypeError, OverflowError) as exc:
+        raise BadValue(Why.NOT_JSON, str(exc)[:120]) from None
+    if want is not None and not isinstance(doc, want):
+        raise BadValue(Why.WRONG_TYPE, f"a {type(doc).__name__}, not a {want.__name__}")
+    if not _depth_at_most(doc, max_depth):
+        raise BadValue(Why.TOO_DEEP, f"nested deeper than {max_depth}")
+    return doc
