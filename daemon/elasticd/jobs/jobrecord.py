@@ -87,6 +87,9 @@ class JobRecord:
     # Modules the job's ranks imported by their first step (workers/preload.py), which its
     # next worker template imports ahead (after agent.warm_preload).
     learned_preload: list = field(default_factory=list)
+    # When retention (jobs/retirer.py) removed its logs to keep the node under
+    # retention.log_bytes (0: never); the record and events stay.
+    logs_retired_at: float = 0.0
 
     @property
     def live(self) -> bool:

@@ -25,6 +25,7 @@ from .. import statedir
 from ..logsetup import ctx
 from ..agent.restartpolicy import RestartPlan
 from .jobrecord import JobRecord, spec_bytes
+from .retention import Finished
 from .states import TERMINAL_STATES, JobState, check_transition
 
 __all__ = ["JobExists", "JobNotFound", "JobRecord", "JobRegistry", "NameInUse", "NotPersisted",
@@ -291,6 +292,55 @@ class JobRegistry:
     def close(self) -> None:
         with self._lock:
             self._db.close()
+
+    # -- retention (jobs/retirer.py decides and calls) -------------------------
+    def live_ids(self) -> set[str]:
+        with self._lock:
+            return {j.id for j in self._jobs.values() if j.live}
+
+    def finished(self) -> list[Finished]:
+        """Every finished job here, as retention weighs it (logs not measured: 0)."""
+        with self._lock:
+            return [Finished(j.id, j.finished_at or j.state_since,
+                             record_bytes=self._spec_sizes.get(j.id, 0))
+                    for j in self._jobs.values() if j.state in TERMINAL_STATES]
+
+    def event_only_jobs(self) -> list[Finished]:
+        """The jobs that have events here but no record (other nodes' jobs mirrored
+        here, refused specs), each as of its newest event."""
+        with self._lock:
+            rows = self._db.execute("SELECT job_id, MAX(seq) FROM events GROUP BY job_id")
+            newest = [(j, seq) for j, seq in rows.fetchall() if j not in self._jobs]
+            out = []
+            for job_id, seq in newest:
+                row = self._db.execute("SELECT json_extract(data, '$.time') FROM events "
+                                       "WHERE seq=?", (seq,)).fetchone()
+                when = row[0] if row and isinstance(row[0], (int, float)) else 0.0
+                out.append(Finished(job_id, float(when)))
+            return out
+
+    def retire(self, job_ids: list[str]) -> int:
+        """Forget finished jobs: their records and events, in one transaction (a
+        live job is left alone); how many records went. Raises sqlite3.Error."""
+        with self._lock:
+            gone = [j for j in job_ids if j in self._jobs and not self._jobs[j].live]
+            events = [j for j in job_ids if j not in self._jobs]
+            with self._transaction():
+                for job_id in gone + events:
+                    self._db.execute("DELETE FROM jobs WHERE id=?", (job_id,))
+                    self._db.execute("DELETE FROM events WHERE job_id=?", (job_id,))
+            for job_id in gone:
+                self._jobs.pop(job_id, None)
+                self._spec_sizes.pop(job_id, None)
+            self.changed.notify_all()
+        self.compact()
+        return len(gone)
+
+    def compact(self) -> None:
+        """Fold the write-ahead log into the database and empty it: without this it
+        keeps the size it grew to (up to ~4 MiB between SQLite's own checkpoints)."""
+        with self._lock:
+            self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
     # -- internals ---------------------------------------------------------
     @contextlib.contextmanager
