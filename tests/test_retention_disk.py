@@ -30,8 +30,8 @@ MiB = 1 << 20
 TMPFS = 16 * MiB
 LOG_BUDGET = 3 * MiB
 RANK_CAP = MiB            # agent.log_max_bytes (its least)
-JOBS_PER_USER = 8
-MAX_JOBS = 12
+JOBS_PER_USER = 6
+MAX_JOBS = 8
 
 
 @pytest.fixture(scope="module")
@@ -165,9 +165,11 @@ def test_a_small_state_dir_stays_within_budget_while_every_user_submits_and_read
               f"logs after {settled / MiB:.2f} MiB "
               f"(retention.log_bytes {LOG_BUDGET / MiB:.0f} MiB)")
         assert settled <= LOG_BUDGET
-        # Up to 4 running jobs' logs (each past the cap until it ends) beside the budget.
-        assert usage.peak_logs <= LOG_BUDGET + 4 * (1_600_000 + RANK_CAP)
-        assert usage.peak_used < TMPFS * 3 // 4
+        # Beside the budget: up to 4 running jobs' logs (each past the cap until it
+        # ends), and one just ended per session until the pass its end wakes. The jobs
+        # wrote 18 MB in all: without retention and the last cap the tmpfs fills.
+        assert usage.peak_logs <= LOG_BUDGET + 8 * 1_600_000
+        assert usage.peak_used < TMPFS - MiB
         assert "ENOSPC" not in d.log() and "No space left" not in d.log()
 
         # The newest jobs' logs are there; older ones' records say their logs were
@@ -193,7 +195,7 @@ def test_a_small_state_dir_stays_within_budget_while_every_user_submits_and_read
                 job_dir = os.path.join(state, "logs", job)
                 assert sum(os.path.getsize(os.path.join(job_dir, n))
                            for n in os.listdir(job_dir)) <= RANK_CAP
-        assert MAX_JOBS - 8 <= retired_logs < MAX_JOBS
+        assert 1 <= retired_logs < MAX_JOBS
         for _, ses in sessions:
             ses.close()
         assert os.listdir(os.path.join(root, "run", "jobs")) == []
