@@ -8,7 +8,10 @@ bytes) and talks to it with the real elasticctl. Tests import from here
 from __future__ import annotations
 
 import atexit
+import contextlib
+import grp
 import os
+import pwd
 import shutil
 import signal
 import socket
@@ -250,3 +253,24 @@ def start_with_metrics(tries: int = 3) -> tuple[DaemonProc, int]:
                 raise
             shutil.rmtree(d.root, ignore_errors=True)
     raise AssertionError("unreachable")
+
+
+@contextlib.contextmanager
+def real_users(names: tuple, group: str):
+    """Real unprivileged users (useradd, no home, no shell), each in its own group and
+    in ``group`` (the one that may use the control socket); removed on exit.
+    Yields name -> (uid, gid, groups) as run_as.py takes it."""
+    subprocess.run(["groupadd", "-f", group], check=True)
+    made = {}
+    try:
+        for name in names:
+            subprocess.run(["userdel", name], capture_output=True)
+            subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin",
+                            "--user-group", "-G", group, name], check=True)
+            pw = pwd.getpwnam(name)
+            made[name] = (pw.pw_uid, pw.pw_gid, [pw.pw_gid, grp.getgrnam(group).gr_gid])
+        yield made
+    finally:
+        for name in names:
+            subprocess.run(["userdel", name], capture_output=True)
+        subprocess.run(["groupdel", group], capture_output=True)

@@ -1,4 +1,5 @@
-"""Run elasticctl as another user: ``run_as.py UID GID [GROUPS,] -- ARGS...``.
+"""Run elasticctl as another user: ``run_as.py UID GID [GROUPS,] -- ARGS...``, or many
+commands in one process: ``run_as.py UID GID GROUPS -- --session`` (see the end).
 
 The interpreter lives under /root (mode 0700) on the test machines, so a
 non-root user cannot start it. This script starts as root, imports
@@ -6,7 +7,11 @@ everything elasticctl needs, then drops to the given uid/gid for real
 (setgroups/setgid/setuid) before it speaks to the daemon: the daemon sees
 that uid through SO_PEERCRED exactly as for a user's own shell.
 """
+import contextlib
+import io
+import json
 import os
+import shutil  # noqa: F401  (argparse's help formatter imports it late: load it now)
 import sys
 
 import grpc  # noqa: F401  (loaded before the privileges go)
@@ -42,4 +47,15 @@ os.setgroups([int(g) for g in groups.split(",") if g])
 os.setgid(gid)
 os.setuid(uid)
 assert os.getuid() == uid and os.geteuid() == uid
-sys.exit(elasticctl.cli.main(argv))
+if argv != ["--session"]:
+    sys.exit(elasticctl.cli.main(argv))
+# A session: one elasticctl command per line on stdin (a JSON list of its arguments),
+# one JSON line back for each: {"rc", "stdout", "stderr"} (many calls, one start).
+out = sys.stdout
+for line in sys.stdin:
+    got_out, got_err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(got_out), contextlib.redirect_stderr(got_err):
+        rc = elasticctl.cli.main(json.loads(line))
+    out.write(json.dumps({"rc": rc, "stdout": got_out.getvalue(),
+                          "stderr": got_err.getvalue()}) + "\n")
+    out.flush()

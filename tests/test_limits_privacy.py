@@ -6,10 +6,8 @@ prefixed ``h15``, removed on teardown), real elasticctl as those users
 """
 from __future__ import annotations
 
-import grp
 import json
 import os
-import pwd
 import resource
 import socket
 import subprocess
@@ -20,7 +18,7 @@ import urllib.request
 import psutil
 import pytest
 
-from daemons import REPO, DaemonProc, short_tmpdir
+from daemons import REPO, DaemonProc, real_users, short_tmpdir
 from etcd_server import free_port
 from elasticd.v1 import control_pb2 as pb
 
@@ -40,20 +38,8 @@ USERS = (f"h15_alice{_WORKER}", f"h15_bob{_WORKER}")
 def users():
     """Two real users, both in the group that may use the control socket:
     name -> (uid, gid, groups) as run_as.py takes it."""
-    subprocess.run(["groupadd", "-f", GROUP], check=True)
-    made = {}
-    try:
-        for name in USERS:
-            subprocess.run(["userdel", name], capture_output=True)
-            subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin",
-                            "--user-group", "-G", GROUP, name], check=True)
-            pw = pwd.getpwnam(name)
-            made[name] = (pw.pw_uid, pw.pw_gid, [pw.pw_gid, grp.getgrnam(GROUP).gr_gid])
+    with real_users(USERS, GROUP) as made:
         yield made
-    finally:
-        for name in USERS:
-            subprocess.run(["userdel", name], capture_output=True)
-        subprocess.run(["groupdel", GROUP], capture_output=True)
 
 
 def start(*settings: str, root: str | None = None, slots: int = 4) -> DaemonProc:

@@ -448,6 +448,33 @@ class EventsSettings:
                                  min=1, max=1_000_000)
 
 
+@dataclass(frozen=True)
+class RetentionSettings:
+    """What a node keeps of finished jobs (jobs/retirer.py, decided by jobs/retention.py):
+    oldest finished first, never a live job's; the record of a job whose logs the byte
+    budget took stays (with its events) until its age or the count retires it."""
+    max_age: float = _setting(14 * 86400.0, "seconds a finished job is kept (its record, "
+                                            "events here and in etcd, logs); older ones are "
+                                            "retired whole", min=0, exclusive_min=True,
+                              max=3650 * 86400)
+    max_jobs: int = _setting(1000, "finished jobs whose records this node keeps (also: jobs "
+                                   "known here only by their events); the oldest beyond are "
+                                   "retired whole", min=1, max=10_000_000)
+    log_bytes: int = _setting(10 * 1024 ** 3, "bytes of finished jobs' logs this node keeps "
+                                              "(on disk); past it the oldest finished jobs' "
+                                              "logs are retired, their records stay. Running "
+                                              "jobs' logs are bounded by agent.log_max_bytes "
+                                              "per rank; keep this above what one job's can "
+                                              "take", min=1024 * 1024, max=1 << 50)
+    record_bytes: int = _setting(256 * 1024 * 1024, "bytes of finished jobs' specs (command, "
+                                                    "environment, cwd) kept in their records; "
+                                                    "past it the oldest are retired whole",
+                                 min=1024, max=1 << 40)
+    interval: float = _setting(60.0, "seconds between retirement passes (one also runs at "
+                                     "start and whenever a job ends here)",
+                               min=0.05, max=86400)
+
+
 SECTIONS: dict[str, type] = {
     "daemon": DaemonSettings,
     "etcd": EtcdSettings,
@@ -460,6 +487,7 @@ SECTIONS: dict[str, type] = {
     "limits": LimitsSettings,
     "metrics": MetricsSettings,
     "events": EventsSettings,
+    "retention": RetentionSettings,
 }
 
 
@@ -476,6 +504,7 @@ class Config:
     limits: LimitsSettings = field(default_factory=LimitsSettings)
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
     events: EventsSettings = field(default_factory=EventsSettings)
+    retention: RetentionSettings = field(default_factory=RetentionSettings)
     source: str = ""  # which file, if any, was read
 
     @property

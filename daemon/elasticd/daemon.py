@@ -5,9 +5,10 @@ signals); the credential socket and the gRPC server own their accept
 threads; the cluster owns the lease keeper and the node watch; the jobs
 view owns the watch over every job's keys; the event log owns the writer
 that shares this node's job events and the watch that mirrors the other
-nodes'; the dispatcher adopts cluster jobs; the job manager owns one agent
-thread per active job. Each stops on its own stop event with a bounded
-wait, in reverse order of starting.
+nodes'; the log keeper bounds running jobs' logs; the retirer retires what
+finished jobs left (retention); the dispatcher adopts cluster jobs; the job
+manager owns one agent thread per active job. Each stops on its own stop
+event with a bounded wait, in reverse order of starting.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from .trust.specs import ClusterPolicy, codec_for
 from .config import Config, socket_gid
 from .control.service import ControlServer, ControlServicer
 from .jobs.registry import JobRegistry
+from .jobs.retirer import Retirer
 from .workers.logrotate import LogKeeper
 from .logsetup import ctx
 from .cluster.dispatch import Dispatcher
@@ -38,6 +40,7 @@ from .gpus.inventory import Inventory, InventoryError, discover, nvml_module
 from .cluster.suspicion import MAX_REMEMBERED as SUSPECT_REMEMBERED, SuspectTracker
 from .jobs.scheduler import JobManager
 from .metrics import Metrics
+from .rendezvous.protocol import job_prefix
 from .rendezvous.view import JobsView
 from .sdnotify import Notifier
 from .store import StoreError
@@ -143,6 +146,7 @@ class Daemon:
         view.start()
         stops.callback(view.stop)
         watches = [view, cluster]
+        events = None
         if not d.standalone and cfg.events.share:  # one node has nobody to share with
             events = EventLog(cfg, store, registry)
             events.start()
@@ -153,6 +157,16 @@ class Daemon:
                                d.state_dir, cfg.limits.state_min_free_bytes).full)
         keeper.start()
         stops.callback(keeper.stop)
+        # Retention: what finished jobs left, retired by age, count and bytes; in the
+        # store, this node's events of the job (a cluster), or the job's keys (standalone:
+        # its in-memory store is this node's alone, and nothing else ends them).
+        forget = events.forget_job if events is not None else None
+        if d.standalone:
+            forget = lambda job_id: store.delete_prefix(job_prefix(job_id))  # noqa: E731
+        retirer = Retirer(cfg, registry, keeper, manager.active_jobs, forget)
+        manager.agent_exit_listeners.append(retirer.wake)
+        retirer.start()
+        stops.callback(retirer.stop)
         metrics.attach_state(cfg, keeper)  # metrics: the state dir's disk, log rotation
         server = ControlServer(cfg, ControlServicer(cfg, manager, registry, issuer, metrics,
                                                     cluster, view), gid)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import stat
 from dataclasses import dataclass
 
@@ -74,6 +75,52 @@ def open_private(path: str, flags: int = os.O_WRONLY | os.O_APPEND) -> int:
 def touch_private(path: str) -> None:
     """Make sure ``path`` exists as a 0600 file (before another library opens it)."""
     os.close(open_private(path, os.O_WRONLY))
+
+
+def remove_tree(parent: str, name: str) -> bool:
+    """Remove the directory ``name`` in ``parent`` and all it holds, without ever
+    following a link: what a user could write in it (a job's run dir) may hold
+    links planted to make root delete something else. ``parent`` is opened once
+    and ``name`` removed relative to it; ``shutil.rmtree`` then walks by dir fds,
+    unlinks links as links, and checks that each dir it opens is the one it
+    lstat'ed (a link swapped in meanwhile is refused). A link or a non-directory
+    at ``name`` is refused (OSError), as is a ``name`` that is not one path
+    segment. False when there was nothing to remove."""
+    if not name or name in (".", "..") or "/" in name or "\0" in name:
+        raise OSError(f"{name!r} is not a single path segment")
+    if not shutil.rmtree.avoids_symlink_attacks:
+        raise OSError("this platform's rmtree cannot avoid symlink attacks")
+    fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        try:
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        if not stat.S_ISDIR(st.st_mode):
+            raise OSError(f"{os.path.join(parent, name)} is not a directory (a link?); "
+                          "left in place")
+        shutil.rmtree(name, dir_fd=fd)
+        return True
+    finally:
+        os.close(fd)
+
+
+def tree_bytes(path: str) -> int:
+    """What the plain files directly in ``path`` take on disk (blocks), 0 if it is
+    gone; links and subdirs are not followed."""
+    total = 0
+    try:
+        entries = list(os.scandir(path))
+    except (FileNotFoundError, NotADirectoryError):
+        return 0
+    for entry in entries:
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except FileNotFoundError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            total += max(st.st_blocks * 512, 0)
+    return total
 
 
 @dataclass(frozen=True)

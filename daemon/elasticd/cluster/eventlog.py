@@ -217,6 +217,13 @@ class EventLog:
             self._store.delete(kv.key)
         self._counts[job_id] = len(kvs) - len(old)
 
+    def forget_job(self, job_id: str) -> None:
+        """Delete this node's events of a job that retention retired here
+        (jobs/retirer.py) from etcd. Raises StoreError (or ValueError for an id
+        that is no key segment); the retirer tries again at its next pass."""
+        self._store.delete_prefix(f"{EVENTS}/{job_id}/{self._node_id}")
+        self._counts.pop(job_id, None)
+
     def _read_mark(self) -> int:
         """The last seq published; on a first start, the registry's last (what
         came before is not sent)."""

@@ -25,6 +25,7 @@ from .auth import TOKEN_METADATA_KEY, AuthError, Caller, TokenIssuer, set_socket
 from ..config import Config
 from ..jobs.registry import JobNotFound, JobRecord, JobRegistry
 from .logs import LogReader
+from ..jobs.retention import logs_retired_message
 from ..jobs.scheduler import JobManager, check_access
 from .messages import (
     add_worker, event_to_proto, gpus_to_proto, job_to_proto, node_to_proto, rejection_to_proto)
@@ -336,6 +337,8 @@ class ControlServicer(pb_grpc.ControlServicer):
                     f"`elasticctl logs {job.id} --rank {request.rank}` there")
         if request.tail_lines < 0:
             raise errors.InvalidArgument(f"tail_lines: must be >= 0, got {request.tail_lines}")
+        if job.logs_retired_at:
+            raise errors.NotFound(logs_retired_message(job.id, job.logs_retired_at))
         reader = LogReader(os.path.join(self._cfg.logs_dir, job.id), ranks, request.tail_lines)
         if not request.follow:
             for rank, text in reader.read(final=True):

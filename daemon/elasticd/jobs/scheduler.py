@@ -17,6 +17,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import psutil
 
@@ -126,6 +127,8 @@ class JobManager:
         self._stopping = False
         # Worker templates kept between a user's jobs on this node (stopped last).
         self.templates = TemplatePool(cfg)
+        # Called with a job's id once its agent here has exited (retention: jobs/retirer.py).
+        self.agent_exit_listeners: list[Callable[[str], None]] = []
 
     @property
     def slots_total(self) -> int:
@@ -417,6 +420,8 @@ class JobManager:
         with self._lock:
             self._agents.pop(job_id, None)
             self.gpus.release(job_id)
+        for listener in self.agent_exit_listeners:
+            listener(job_id)
         self.schedule()
 
     def capacity(self) -> tuple[int, list[str]]:

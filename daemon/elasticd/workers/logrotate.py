@@ -22,8 +22,11 @@ is rotated with copy-truncate semantics:
    (O_APPEND).
 
 So the two files hold at most ``log_max_bytes`` plus what a rank writes in
-one check interval (and at most ``log_max_bytes`` once the keeper has looked
-after the job ended). What a rank writes between the copy's last read and the
+one check interval while the job runs, and at most ``log_max_bytes`` once it
+ended: ``LogKeeper.cap_finished`` looks at a job's logs once more when its agent
+has exited (jobs/retirer.py calls it at each job's end, and at start for every
+finished job), so a job that writes 200 MB and ends between two checks keeps
+its newest ``log_max_bytes / 2`` at most. What a rank writes between the copy's last read and the
 truncate (microseconds) is lost, as with logrotate's copytruncate; the
 alternative, workers writing into pipes the daemon drains, would make every
 worker wait for the daemon, and lose output when it restarts.
@@ -252,9 +255,10 @@ class LogKeeper:
     """Owns the loop that keeps running jobs' logs under ``agent.log_max_bytes``.
 
     ``active()`` names the jobs whose logs may grow; a job is looked at once
-    more after it leaves that list, so what it wrote last is bounded too.
-    A log that cannot be rotated (disk full, removed) is logged and tried at
-    the next look; the loop never stops on a log's account.
+    more after it leaves that list, and ``cap_finished`` once more after it
+    ended (from another thread), so what it wrote last is bounded too, even when
+    it ran between two looks. A log that cannot be rotated (disk full, removed)
+    is logged and tried at the next look; the loop never stops on a log's account.
     """
 
     def __init__(self, logs_dir: str, max_bytes: int, interval: float,
@@ -269,6 +273,7 @@ class LogKeeper:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._last: set[str] = set()
+        self._look = threading.Lock()  # one look at a job's logs at a time
         self.rotations = 0
         self.dropped_bytes = 0
         self.errors = 0
@@ -299,7 +304,16 @@ class LogKeeper:
             self.check_job(job_id, low)
         self._last = now
 
+    def cap_finished(self, job_id: str) -> None:
+        """The last look at an ended job's logs: each under ``log_max_bytes``, its
+        newest lines kept (its ranks are gone, so nothing grows them again)."""
+        self.check_job(job_id)
+
     def check_job(self, job_id: str, low: int | None = None) -> None:
+        with self._look:
+            self._check_job(job_id, low)
+
+    def _check_job(self, job_id: str, low: int | None) -> None:
         job_dir = os.path.join(self._dir, job_id)
         try:
             names = os.listdir(job_dir)
