@@ -11,12 +11,13 @@
 #                    (default: python3; with --cpu, the project's, scripts/python.sh)
 #   --wheels DIR     install DIR/*.whl into the run's folder first (pip --no-index
 #                    --no-deps --target) and put it first on the daemon's PYTHONPATH
-#                    (default: .whl/ in the repository when it exists and not --cpu)
+#                    (default: .whl/ in the repository when it exists and not --cpu;
+#                    --no-wheels: none); pip missing, they are unzipped there instead
 #   --cpu            the dry run: the same steps with gloo on CPU tensors and a fake
 #                    one-GPU inventory; what needs CUDA is SKIP with the reason
 #   --only STEPS     a comma list of: e2e crash inprocess hang template snapshot
-#   --timeout S=N    one step's limit in seconds (default: LIMIT below, x3 with --cpu)
-#   --budget S       the whole run's limit (default 470 s; 1500 s with --cpu): a step
+#   --timeout S=N    one step's limit in seconds (default: LIMIT below; x3 with --cpu)
+#   --budget S       the whole run's limit (default 440 s; 1200 s with --cpu): a step
 #                    gets at most what is left, a step with under 20 s left is SKIP
 #   --keep-work      keep the work folder (its path is printed) instead of removing it
 #
@@ -31,7 +32,7 @@ declare -A LIMIT=([e2e]=100 [crash]=150 [inprocess]=110 [hang]=120 [template]=15
 declare -A GIVEN=()   # steps whose limit --timeout set: not scaled for --cpu
 OUT="" PY="" WHEELS="" CPU=0 ONLY="" BUDGET="" KEEP=0 NO_WHEELS=0
 
-usage() { sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
+usage() { sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
 while [ $# -gt 0 ]; do
     case "$1" in
         --out) OUT="$2"; shift 2 ;;
@@ -63,9 +64,9 @@ SCALE=1 CPUFLAG=""
 if [ "$CPU" = 1 ]; then
     SCALE=3 CPUFLAG="--cpu"
     [ -n "$PY" ] || PY="$(bash "$REPO/scripts/python.sh")"
-    [ -n "$BUDGET" ] || BUDGET=1500
+    [ -n "$BUDGET" ] || BUDGET=1200
 else
-    [ -n "$BUDGET" ] || BUDGET=470
+    [ -n "$BUDGET" ] || BUDGET=440
     if [ -z "$WHEELS" ] && [ "$NO_WHEELS" = 0 ] && [ -d "$REPO/.whl" ]; then WHEELS="$REPO/.whl"; fi
 fi
 [ -n "$PY" ] || PY=python3
@@ -86,7 +87,11 @@ if [ -n "$WHEELS" ]; then
     if ! "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
             --disable-pip-version-check --target "$SITE" "$WHEELS"/*.whl \
             >"$WORK/pip.log" 2>&1; then
-        echo "check.sh: installing $WHEELS/*.whl failed:"; tail -n 20 "$WORK/pip.log"
+        echo "check.sh: pip could not install $WHEELS/*.whl (last lines of $WORK/pip.log" \
+             "below); unpacking them with zipfile instead"
+        tail -n 5 "$WORK/pip.log"
+        "$PY" -c "import sys, zipfile; [zipfile.ZipFile(w).extractall(sys.argv[1])
+                  for w in sys.argv[2:]]" "$SITE" "$WHEELS"/*.whl
     fi
 fi
 export PYTHONPATH="${SITE:+$SITE:}$REPO/daemon:$REPO/ctl${PYTHONPATH:+:$PYTHONPATH}"
