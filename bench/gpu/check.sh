@@ -27,7 +27,7 @@
 set -u
 REPO="$(cd "$(dirname "$0")/../.." && pwd)"
 STEPS=(e2e crash inprocess hang template snapshot)
-declare -A LIMIT=([e2e]=100 [crash]=150 [inprocess]=110 [hang]=120 [template]=150
+declare -A LIMIT=([e2e]=100 [crash]=150 [inprocess]=140 [hang]=120 [template]=170
                   [snapshot]=90)
 declare -A GIVEN=()   # steps whose limit --timeout set: not scaled for --cpu
 OUT="" PY="" WHEELS="" CPU=0 ONLY="" BUDGET="" KEEP=0 NO_WHEELS=0

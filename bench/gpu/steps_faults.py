@@ -60,7 +60,7 @@ def inprocess_job(ctx: g.Ctx, step: Step, d, nproc: int, backend: str) -> None:
     env = ctx.job_env(ELASTICD_INPROCESS_MAX_RESTARTS=FAULTS + 5,
                       ELASTICD_INPROCESS_REPEAT_LIMIT=FAULTS + 5)
     job_id = g.submit(d, ctx, cmd, nproc=nproc, max_restarts=0, inprocess=True, env=env)
-    job, logs, _ = g.finish(d, job_id, 150)
+    job, logs, _ = g.finish(d, job_id, 65)
     label = f"3 in-process x{FAULTS}: {ctx.backend(backend)} on {ctx.device}, {nproc} rank" \
             + ("s" if nproc > 1 else "")
     problems = []
@@ -115,7 +115,7 @@ def hang(ctx: g.Ctx, step: Step) -> None:
         cmd = ctx.train_cmd("--steps", "60", "--step-time", "0.05", "--hang-at-step", "30",
                             "--crash-rank", "1")
         job_id = g.submit(d, ctx, cmd, nproc=2, max_restarts=1)
-        job, logs, events = g.finish(d, job_id, 180)
+        job, logs, events = g.finish(d, job_id, 80)
         node = json.loads(g.ctl(d, "-o", "json", "nodes").stdout)["nodes"][0]
         checks = {k: int(float(v)) for k, v in HEALTH.findall(g.metrics_text(port))}
         rank1 = d.rank_log(job_id, 1)

@@ -96,7 +96,7 @@ def ctl_job(ctx: g.Ctx, step: Step, d, check: str, nproc: int, backend: str,
         step.add(check, False, note=f"submit exit {res.returncode}: {res.stderr.strip()[:200]}")
         return
     job_id = res.stdout.strip()
-    waited = g.ctl(d, "wait", job_id, timeout=120)
+    waited = g.ctl(d, "wait", job_id, timeout=40)
     status = json.loads(g.ctl(d, "-o", "json", "status", job_id).stdout or "{}")
     logs = "\n".join(g.ctl(d, "logs", job_id, "--rank", str(r)).stdout for r in range(nproc))
     problems = []
@@ -171,7 +171,7 @@ def crash(ctx: g.Ctx, step: Step) -> None:
     d = g.daemon(ctx, "d")
     try:
         job_id = g.submit(d, ctx, ctx.train_cmd(*args), nproc=2, max_restarts=1)
-        job, logs, _ = g.finish(d, job_id, 150)
+        job, logs, _ = g.finish(d, job_id, 60)
     finally:
         d.stop()
     problems, least_free = _restart_memory(logs, fraction)
@@ -183,7 +183,7 @@ def crash(ctx: g.Ctx, step: Step) -> None:
              "; ".join(problems))
 
     rc, out, err = g.torchrun(ctx, "torchrun", 2, [g.TRAIN, "--backend", "gloo", "--device",
-                                                     ctx.device, *args], 150)
+                                                     ctx.device, *args], 60)
     theirs = g.crash_to_first(out)
     note = "" if rc == 0 and theirs is not None else (
         f"torchrun {'did not end' if rc is None else f'exit {rc}'}: "

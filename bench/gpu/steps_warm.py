@@ -29,7 +29,7 @@ import gpucheck as g
 from gpunvml import gpu_pids, libcuda_mapped
 from results import Step
 
-SPARE_WAIT = 60  # seconds for a job's spares to finish their imports before the crash
+SPARE_WAIT = 40  # seconds for a job's spares to finish their imports before the crash
 
 
 def _helpers(d, workers: set) -> dict:
@@ -98,7 +98,7 @@ def warm_job(ctx: g.Ctx, step: Step, name: str, sets: tuple,
                             "--crash-at-step", "5", "--crash-rank", "1", "--crash-mode", "exit",
                             *(("--crash-file", trigger) if trigger else ()))
         job_id = g.submit(d, ctx, cmd, nproc=2, max_restarts=1)
-        seen, ready_in = _watch(ctx, d, job_id, 150, trigger)
+        seen, ready_in = _watch(ctx, d, job_id, 75 if trigger else 45, trigger)
         job, logs, events = g.finish(d, job_id, 30)
         for pid, entry in _watch(ctx, d, job_id, 1)[0].items():  # the template idles after
             seen.setdefault(pid, entry)
@@ -173,7 +173,7 @@ def snapshot(ctx: g.Ctx, step: Step) -> None:
         size = (64 << 20) if ctx.cpu else (1 << 30)
         job_id = g.submit(d, ctx, ctx.train_cmd("--snapshot", "--snapshot-bytes", str(size),
                                                 "--steps", "5"), nproc=1, max_restarts=1)
-        job, logs, _ = g.finish(d, job_id, 120)
+        job, logs, _ = g.finish(d, job_id, 60)
     finally:
         d.stop()
     saved, restored = SNAP_SAVED.search(logs), SNAP_RESTORED.search(logs)
