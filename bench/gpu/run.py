@@ -25,7 +25,7 @@ import tarfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+sys.path[:0] = [HERE, os.path.dirname(HERE)]  # bench/gpu, bench/ (common.py)
 import gpunvml  # noqa: E402
 import results  # noqa: E402
 
@@ -146,12 +146,8 @@ def sweep(work_root: str, cpu: bool) -> int:
                 left.append(p)
         except (psutil.Error, OSError):
             continue
-    for p in left:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(left, timeout=10)
+    from common import kill_procs
+    kill_procs(left)
     if left:
         print(f"sweep: killed {len(left)} leftover process(es): "
               f"{', '.join(str(p.pid) for p in left[:10])}", flush=True)
