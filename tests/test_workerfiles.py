@@ -150,3 +150,32 @@ def test_a_spare_for_a_missing_script_imports_nothing(tmp_path, args):
                          input="", capture_output=True, text=True, timeout=60,
                          env=dict(os.environ, ELASTICD_WARM_PRELOAD="torch"))
     assert out.returncode == 0 and "planted" not in out.stderr, out.stderr
+
+
+def test_a_spare_imports_without_asking_the_cuda_driver_and_its_rank_gets_the_jobs_env(
+        tmp_path):
+    """torch.cuda.is_available() / device_count() at import (deepspeed and others do)
+    start the CUDA driver unless PYTORCH_NVML_BASED_CUDA_CHECK=1, and every process forked
+    after that fails CUDA ("Cannot re-initialize CUDA in forked subprocess"): the
+    template's ranks are forked. A template or spare imports with it set; the rank then
+    has the job's environment, with or without it, as the job gave it."""
+    (tmp_path / "probe_h35.py").write_text(
+        "import os\nopen(os.path.join(os.path.dirname(__file__), 'at_preload'), 'w').write("
+        "os.environ.get('PYTORCH_NVML_BASED_CUDA_CHECK', '-'))\n")
+    (tmp_path / "train.py").write_text(
+        "import os, sys\nopen(sys.argv[1], 'w').write("
+        "os.environ.get('PYTORCH_NVML_BASED_CUDA_CHECK', '-'))\n")
+    for given, want in ((None, "-"), ("0", "0")):
+        job_env = {"PATH": os.environ["PATH"], "PYTHONPATH": str(tmp_path)}
+        if given is not None:
+            job_env["PYTORCH_NVML_BASED_CUDA_CHECK"] = given
+        seen = tmp_path / f"in_rank_{given}"
+        assignment = {"env": job_env, "cwd": str(tmp_path),
+                      "args": ["train.py", str(seen)]}
+        spare_env = dict(job_env, ELASTICD_WARM_PRELOAD="probe_h35")
+        out = subprocess.run([sys.executable, warmstart.__file__, "train.py", str(seen)],
+                             cwd=tmp_path, input=json.dumps(assignment) + "\n",
+                             capture_output=True, text=True, timeout=60, env=spare_env)
+        assert out.returncode == 0, out.stderr
+        assert (tmp_path / "at_preload").read_text() == "1"
+        assert seen.read_text() == want

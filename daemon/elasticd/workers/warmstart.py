@@ -34,6 +34,11 @@ TEMPLATE_FLAG = "--template"
 # checked equal by tests/test_worker_env.py).
 WARM_PRELOAD_ENV = "ELASTICD_WARM_PRELOAD"
 LEARNED_PRELOAD_ENV = "ELASTICD_LEARNED_PRELOAD"
+# torch.cuda.is_available() and device_count() (which some modules call at import) start
+# the CUDA driver unless this is 1, and no process forked after that can use CUDA: the
+# template forks its ranks. Set while a template or spare imports; the rank gets the
+# job's own environment back (_become).
+NVML_CUDA_CHECK_ENV = "PYTORCH_NVML_BASED_CUDA_CHECK"
 
 
 def entry_path(args: list) -> str | None:
@@ -78,6 +83,7 @@ def _set_entry(args: list) -> bool:
 
 
 def _preload() -> None:
+    os.environ[NVML_CUDA_CHECK_ENV] = "1"  # before anything is imported (see above)
     names = os.environ.get(WARM_PRELOAD_ENV, "torch,torch.distributed")
     for name in filter(None, (n.strip() for n in names.split(","))):
         try:
