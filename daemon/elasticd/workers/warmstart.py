@@ -39,6 +39,15 @@ LEARNED_PRELOAD_ENV = "ELASTICD_LEARNED_PRELOAD"
 # template forks its ranks. Set while a template or spare imports; the rank gets the
 # job's own environment back (_become).
 NVML_CUDA_CHECK_ENV = "PYTORCH_NVML_BASED_CUDA_CHECK"
+# OpenBLAS (under numpy, which torch imports when it is there) starts one thread per CPU
+# as it loads, unless one of these says otherwise, and a process with threads is unsafe
+# to fork: every job with one rank per node (OMP_NUM_THREADS is set only for several)
+# got cold starts wherever numpy was installed. The template imports with the first at
+# 1; each rank it forks sizes the pool as its cold start would have (_restore_blas_threads).
+BLAS_THREADS_ENVS = ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS")
+_BLAS_SET_THREADS = ("openblas_set_num_threads", "openblas_set_num_threads64_",
+                     "scipy_openblas_set_num_threads", "scipy_openblas_set_num_threads64_")
+_blas_pinned = False
 
 
 def entry_path(args: list) -> str | None:
@@ -92,9 +101,53 @@ def _preload() -> None:
             pass
 
 
+def _pin_blas_threads() -> None:
+    """Before the template imports: OpenBLAS starts no threads unless the job says so."""
+    global _blas_pinned
+    if not any(name in os.environ for name in BLAS_THREADS_ENVS):
+        os.environ[BLAS_THREADS_ENVS[0]] = "1"
+        _blas_pinned = True
+
+
+def blas_threads_wanted(env, cpus: int) -> int:
+    """The pool OpenBLAS sizes as it loads: its variables in its order, else the CPUs."""
+    for name in BLAS_THREADS_ENVS:
+        value = env.get(name, "").strip()
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return cpus
+
+
+def _restore_blas_threads() -> None:
+    """In a rank forked from a template that pinned OpenBLAS: the pool of a cold start."""
+    if not _blas_pinned:
+        return
+    wanted = blas_threads_wanted(os.environ, len(os.sched_getaffinity(0)))
+    if wanted <= 1:
+        return
+    import ctypes
+    try:
+        with open("/proc/self/maps") as fh:
+            paths = {line.split()[-1] for line in fh
+                     if "openblas" in line.rsplit("/", 1)[-1] and ".so" in line}
+    except OSError:
+        return
+    for path in sorted(paths):
+        try:
+            lib = ctypes.CDLL(path)  # loaded already: the same library, not a second copy
+        except OSError:
+            continue
+        for symbol in _BLAS_SET_THREADS:
+            setter = getattr(lib, symbol, None)
+            if setter is not None:
+                setter(ctypes.c_int(wanted))
+                break
+
+
 def _become(assignment: dict, boot_args: list) -> None:
     os.environ.clear()
     os.environ.update(assignment["env"])
+    _restore_blas_threads()
     os.chdir(assignment["cwd"])
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)  # workers get /dev/null on stdin, as when spawned directly
@@ -314,6 +367,7 @@ def _preload_learned(timeout: float = 60.0) -> None:
 
 def template_main(fd: int, boot_args: list) -> None:
     if _set_entry(boot_args):
+        _pin_blas_threads()
         _preload()
         _preload_learned()
     else:
