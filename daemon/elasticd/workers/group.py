@@ -2,7 +2,9 @@
 
 Each worker is started as the submitting user (uid, gid and groups switched
 before it enters the job's cwd, so it never runs where that user could not
-go), in its own process group, with PR_SET_PDEATHSIG=SIGKILL (so it dies
+go), in a session of its own (so its own process group, and no controlling
+terminal: nothing it runs can reach the terminal of whoever started the
+daemon), stdin /dev/null, with PR_SET_PDEATHSIG=SIGKILL (so it dies
 with the thread that started it even if the daemon is SIGKILLed), with the
 torchrun environment, and with stdout/stderr appended to its per-rank log
 file. Stopping is SIGTERM to each
@@ -344,7 +346,8 @@ def start_job_process(spec: GroupSpec, argv: list, env: dict, log_path: str,
 def start_process(spec: GroupSpec, argv: list, rank: int, env: dict, user_kwargs: dict,
                   stdin, stdout=None, log_path: str | None = None,
                   pass_fds: tuple = ()) -> subprocess.Popen:
-    """Start one process of the job: its user, its own process group, dies with us.
+    """Start one process of the job: its user, its own session (setsid: its own process
+    group, no controlling terminal), dies with us.
 
     Its output goes to the rank's log, or ``log_path`` (stderr always; stdout
     unless given). It enters ``spec.cwd`` only once it is the job's user; a
@@ -357,7 +360,7 @@ def start_process(spec: GroupSpec, argv: list, rank: int, env: dict, user_kwargs
                 stdout=logf if stdout is None else stdout,
                 stderr=logf if stdout is not None else subprocess.STDOUT, close_fds=True,
                 pass_fds=pass_fds,
-                process_group=0, preexec_fn=_child_setup(os.fsencode(spec.cwd), spec.cpus),
+                start_new_session=True, preexec_fn=_child_setup(os.fsencode(spec.cwd), spec.cpus),
                 umask=WORKER_UMASK, **user_kwargs)
         except subprocess.SubprocessError:
             # The only step of _child_setup that can fail is the chdir.
@@ -565,7 +568,7 @@ def can_enter(cwd: str, uid: int, gid: int, timeout: float) -> bool:
         return subprocess.run(["/bin/sh", "-c", 'cd -- "$1"', "sh", cwd], env={},
                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL, close_fds=True, timeout=timeout,
-                              **kwargs).returncode == 0
+                              start_new_session=True, **kwargs).returncode == 0
     except (OSError, subprocess.SubprocessError):
         return False
 
