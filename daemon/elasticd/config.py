@@ -432,6 +432,10 @@ class MetricsSettings:
     address: str = _setting("0.0.0.0", "address the metrics endpoint listens on: every "
                                        "interface by default, like other exporters; "
                                        "127.0.0.1 keeps it on this host")
+    retry_interval: float = _setting(5.0, "seconds between tries to listen while the port "
+                                          "cannot be had (another process holds it): the "
+                                          "daemon serves jobs meanwhile and says so in "
+                                          "`elasticctl nodes`", min=0.1, max=3600)
 
 
 @dataclass(frozen=True)

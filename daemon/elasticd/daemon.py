@@ -38,6 +38,7 @@ from .gpus.inventory import Inventory, InventoryError, discover, nvml_module
 from .cluster.suspicion import MAX_REMEMBERED as SUSPECT_REMEMBERED, SuspectTracker
 from .jobs.scheduler import JobManager
 from .metrics import Metrics
+from .exposition.endpoint import MetricsEndpoint
 from .rendezvous.view import JobsView
 from .sdnotify import Notifier
 from .store import StoreError
@@ -154,16 +155,16 @@ class Daemon:
         keeper.start()
         stops.callback(keeper.stop)
         metrics.attach_state(cfg, keeper)  # metrics: the state dir's disk, log rotation
+        # A port it cannot have now never stops the daemon: it says so and tries again.
+        endpoint = MetricsEndpoint(metrics.registry, cfg.metrics.address, cfg.metrics.port,
+                                   cfg.metrics.retry_interval, d.node_id)
         server = ControlServer(cfg, ControlServicer(cfg, manager, registry, issuer, metrics,
-                                                    cluster, view), gid)
+                                                    cluster, view, endpoint), gid)
         server.start()
         stops.callback(server.stop, 1.0)
-        try:
-            metrics.serve(cfg.metrics.address, cfg.metrics.port)
-        except OSError as exc:
-            raise OSError(f"metrics endpoint {cfg.metrics.address}:{cfg.metrics.port}: {exc} "
-                          "(set metrics.port, or 0 to turn it off)") from None
-        stops.callback(metrics.stop)
+        endpoint.on_change = server.metrics_health
+        endpoint.start()
+        stops.callback(endpoint.stop)
         # Once the workers are stopped, every watch winds down at once (each
         # takes up to a watch poll to notice), rather than one after another.
         stops.callback(lambda: [w.request_stop() for w in watches])

@@ -23,6 +23,7 @@ from .. import errors, statedir
 from . import validation
 from .auth import TOKEN_METADATA_KEY, AuthError, Caller, TokenIssuer, set_socket_access
 from ..config import Config
+from ..exposition.endpoint import HEALTH_SERVICE as METRICS_HEALTH, EndpointState
 from ..jobs.registry import JobNotFound, JobRecord, JobRegistry
 from .logs import LogReader
 from ..jobs.scheduler import JobManager, check_access
@@ -116,7 +117,7 @@ def _settled(job: JobRecord) -> bool:
 
 class ControlServicer(pb_grpc.ControlServicer):
     def __init__(self, cfg: Config, manager: JobManager, registry: JobRegistry,
-                 issuer: TokenIssuer, metrics=None, cluster=None, view=None):
+                 issuer: TokenIssuer, metrics=None, cluster=None, view=None, endpoint=None):
         self._cfg = cfg
         self._manager = manager
         self._registry = registry
@@ -124,6 +125,7 @@ class ControlServicer(pb_grpc.ControlServicer):
         self._metrics = metrics
         self._cluster = cluster
         self._view = view
+        self._endpoint = endpoint  # exposition.endpoint.MetricsEndpoint: its problem, if any
         self._streams = StreamGate(cfg.limits.streams_total, cfg.limits.streams_per_user)
 
     def _caller(self, context) -> Caller:
@@ -450,6 +452,7 @@ class ControlServicer(pb_grpc.ControlServicer):
         except OSError as exc:
             return [f"state dir {self._cfg.daemon.state_dir}: {exc}"]
         return [p for p in (space.problem(self._cfg.daemon.state_dir),
+                            self._endpoint.problem() if self._endpoint else "",
                             self._manager.gpu_problem(),
                             _suspect_line(self._manager.suspect_reason())) if p]
 
@@ -509,6 +512,15 @@ class ControlServer:
         set_socket_access(path, self._gid)
         for service in ("", SERVICE_NAME):
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+
+    def metrics_health(self, state: EndpointState) -> None:
+        """The metrics endpoint's state as the health of its own service name: SERVING
+        while it listens, NOT_SERVING while its port cannot be had (the daemon's own
+        service serves on either way); unknown when it is off."""
+        if state is EndpointState.LISTENING:
+            self.health.set(METRICS_HEALTH, health_pb2.HealthCheckResponse.SERVING)
+        elif state is EndpointState.WAITING:
+            self.health.set(METRICS_HEALTH, health_pb2.HealthCheckResponse.NOT_SERVING)
 
     def stop(self, grace: float) -> None:
         self.health.enter_graceful_shutdown()
