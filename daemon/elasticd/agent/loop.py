@@ -51,7 +51,8 @@ from ..jobstore.host import JobStoreHost
 from ..jobstore import round_host
 from ..workers.template import StartPath, TemplateState, WorkerTemplate
 from ..workers.template_pool import TemplatePool
-from ..workers.group import GroupSpec, SpawnError, SparePool, WorkerGroup
+from ..workers.group import GroupSpec, SpawnError, WorkerGroup
+from ..workers.spares import SparePool
 
 log = logging.getLogger("elasticd.agent.loop")
 

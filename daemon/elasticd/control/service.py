@@ -431,10 +431,10 @@ class ControlServicer(pb_grpc.ControlServicer):
                 msg.problems.extend(self._problems())
                 gpus_to_proto(msg, self._manager.gpus.inventory, self._manager.gpu_holders())
                 msg.gpus_free = self._manager.gpus_free()  # now, not at the last refresh
-                msg.idle_templates.extend(
+                msg.idle_templates.extend(  # another user's only to root
                     pb.IdleTemplate(uid=t.uid, pid=t.pid, key=t.key,
                                     idle_seconds=t.idle_seconds, rss_bytes=t.rss_bytes)
-                    for t in self._manager.templates.idle())
+                    for t in self._manager.templates.idle() if caller.may_act_on(t.uid))
             nodes.append(msg)
         for node_id, (lost_at, rec) in sorted(view.lost.items()):
             if node_id not in live:
