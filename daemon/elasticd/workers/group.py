@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import datetime
+import ipaddress
 import logging
 import os
 import pwd
@@ -139,6 +140,8 @@ def worker_env(spec: GroupSpec, local_rank: int) -> dict[str, str]:
         envnames.ROUND: str(spec.round),
         envnames.NODE_ID: spec.node_id,
     })
+    if _loopback(spec.master_addr):  # one node: rank 0's store listens there alone
+        env[envnames.MASTER_BIND] = spec.master_addr
     env.update(progress.rank_env(spec.run_dir, rank))  # hang detection: where it beats
     env.update(spec.device_env)  # its GPUs: over whatever the submitter's shell had
     if local_rank == 0:  # learned preload: what it imported by its first step
@@ -148,6 +151,13 @@ def worker_env(spec: GroupSpec, local_rank: int) -> dict[str, str]:
         env[inprocess_reports.ENV] = inprocess_reports.report_path(spec.run_dir, rank,
                                                                    spec.restart_count)
     return env
+
+
+def _loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
 
 
 def error_file_path(spec: GroupSpec, rank: int) -> str:
