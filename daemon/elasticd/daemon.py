@@ -26,7 +26,8 @@ from .cluster.node import Cluster, ClusterStartError, open_cluster_store
 from .trust.clusterkey import ClusterKeyError
 from .trust.specs import ClusterPolicy, codec_for
 from .config import Config, socket_gid
-from .control.service import ControlServer, ControlServicer
+from .control.server import ControlServer
+from .control.service import ControlServicer
 from .jobs.registry import JobRegistry
 from .workers.logrotate import LogKeeper
 from .logsetup import ctx
@@ -159,7 +160,7 @@ class Daemon:
         endpoint = MetricsEndpoint(metrics.registry, cfg.metrics.address, cfg.metrics.port,
                                    cfg.metrics.retry_interval, d.node_id)
         server = ControlServer(cfg, ControlServicer(cfg, manager, registry, issuer, metrics,
-                                                    cluster, view, endpoint), gid)
+                                                    cluster, view, endpoint), gid, issuer)
         server.start()
         stops.callback(server.stop, 1.0)
         endpoint.on_change = server.metrics_health
