@@ -21,7 +21,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from daemons import DaemonProc, free_port, scrape, short_tmpdir
+from daemons import DaemonProc, free_port, scrape
 from elasticd.v1 import control_pb2 as pb
 from test_local_trust import NOGROUP, PY, real_users, submit_as, submitted, wait_for
 
@@ -51,14 +51,6 @@ def user():
         yield next(iter(made.values()))
 
 
-@pytest.fixture
-def daemons():
-    made: list[DaemonProc] = []
-    yield made
-    for d in made:
-        d.cleanup()
-
-
 def hold_port(user, port: int) -> tuple[subprocess.Popen, str]:
     """The user's process holding ``port`` (``bound``) or refused it (``refused ERRNO``)."""
     proc = subprocess.Popen(["setpriv", f"--reuid={user.uid}", f"--regid={user.gid}",
@@ -82,16 +74,14 @@ def problems(d: DaemonProc) -> list[str]:
 
 
 def test_a_user_on_the_metrics_port_neither_stops_the_daemon_nor_keeps_metrics_away(
-        user, daemons):
+        user, daemon_factory):
     port = free_port()
     holder, said = hold_port(user, port)
     try:
         assert said == "bound", said
-        d = DaemonProc(short_tmpdir(), extra_args=(
+        d = daemon_factory(extra_args=(
             "--metrics-port", str(port), "--set", "metrics.retry_interval=0.3",
-            "--set", f"daemon.socket_group={NOGROUP}"))
-        daemons.append(d)
-        d.start()
+            "--set", f"daemon.socket_group={NOGROUP}")).start()
         # It serves jobs: the very user's.
         work = user.mkdir(os.path.join(d.root, "work"))
         job_id = submitted(submit_as(d, user, "--", "/bin/true", cwd=work))
@@ -144,15 +134,13 @@ def _free_privileged_port() -> int:
                     or _unprivileged_start() < 2,
                     reason="this network namespace lets every user bind every port "
                            "(net.ipv4.ip_unprivileged_port_start)")
-def test_a_privileged_metrics_port_is_one_no_user_can_take(user, daemons):
+def test_a_privileged_metrics_port_is_one_no_user_can_take(user, daemon_factory):
     port = _free_privileged_port()
     holder, said = hold_port(user, port)
     holder.stdin.close()
     holder.wait(10)
     assert said == f"refused {errno.EACCES}", said   # EACCES: only root binds below the limit
-    d = DaemonProc(short_tmpdir(), extra_args=("--metrics-port", str(port)))
-    daemons.append(d)
-    d.start()
+    d = daemon_factory(extra_args=("--metrics-port", str(port))).start()
     assert not [p for p in problems(d) if "metrics endpoint" in p]
     assert "elasticd_build_info" in scrape(port)
     assert health(d, "elasticd.metrics") == "SERVING"
