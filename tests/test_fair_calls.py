@@ -115,3 +115,30 @@ def test_the_stubborn_job_ends_cancelled_after_its_grace_period(node, stubborn_j
     assert r.returncode == 0 and time.monotonic() - t0 < 10, r.stderr  # not the 20 s
     assert json.loads(r.stdout)["state"] in ("RUNNING", "CANCELLED"), r.stdout
     assert node.wait_job(stubborn_job, timeout=60).state == pb.CANCELLED
+
+
+@pytest.mark.slow
+def test_a_flood_past_the_queue_limit_is_refused_and_leaves_another_users_list_fast(users):
+    """limits.calls_queued_per_user: what one uid has waiting stays bounded; a call past
+    it is refused at once, naming the limit, and Bob's list is still answered fast."""
+    alice, bob = users
+    d = DaemonProc(short_tmpdir(), extra_args=(
+        "--set", f"daemon.socket_group={NOGROUP}", "--set", "limits.calls_queued_per_user=64"))
+    try:
+        d.start()
+        flood = run_as(alice, d.socket, "flood", "list", "-", str(FLOOD_THREADS),
+                       str(FLOOD_SECONDS))
+        try:
+            assert flood.stdout.readline().strip() == "ready"
+            time.sleep(1.0)
+            timed = result(run_as(bob, d.socket, "time", "list", "-", "0.05",
+                                  str(TIMED_SECONDS)), 120)
+        finally:
+            flooded = result(flood, 180)
+    finally:
+        d.cleanup()
+    FLOOD_NUMBERS["list past the queue limit"] = {"bob_list": timed, "alice": flooded}
+    print(f"\nflood of list past a queue limit of 64: {flooded}\nlist meanwhile: {timed}")
+    assert flooded["codes"].get("RESOURCE_EXHAUSTED", 0) > 0, flooded
+    assert "(limits.calls_queued_per_user 64)" in flooded["said"]["RESOURCE_EXHAUSTED"]
+    assert timed["codes"] == {"OK": timed["calls"]} and timed["max"] < 1.0, timed

@@ -120,6 +120,28 @@ def test_a_caller_starts_at_most_its_rate_and_another_is_not_slowed():
     pool.shutdown()
 
 
+def test_a_call_past_its_callers_queue_limit_runs_at_once_marked_to_refuse_itself():
+    release = threading.Event()
+    marked: list = []
+
+    def keyed(key, fn):
+        fn.key = key
+        return fn
+    pool = FairExecutor(2, per_key=1, max_queued=3, key_of=lambda fn: fn.key,
+                        mark=lambda fn, waiting: marked.append((fn.name, waiting)))
+    started = threading.Event()
+    first = pool.submit(keyed(1, lambda: started.set() or release.wait(10)))  # its one running
+    assert started.wait(10)
+    queued = [pool.submit(keyed(1, lambda: "queued")) for _ in range(3)]
+    over = keyed(1, lambda: "over")
+    over.name = "over"
+    assert pool.submit(over).result(10) == "over"    # at once, though three wait
+    assert marked == [("over", 3)] and not any(f.done() for f in queued)
+    release.set()
+    assert [f.result(10) for f in queued] == ["queued"] * 3 and first.result(10)
+    pool.shutdown()
+
+
 def test_a_uid_over_its_call_cap_is_refused_naming_the_setting():
     gate = CallGate(per_user=2)
     with gate.slot(1001, "ListJobs"), gate.slot(1001, "GetJob"):

@@ -402,6 +402,11 @@ class LimitsSettings:
                                                 "their turn: a flood of calls answered at once "
                                                 "cannot take every other user's share of the "
                                                 "daemon", min=1, max=1_000_000)
+    calls_queued_per_user: int = _setting(1024, "calls of one uid that may wait for their turn "
+                                               "(over limits.call_rate_per_user); one more is "
+                                               "refused at once: what a flood holds of the "
+                                               "daemon's memory stays bounded",
+                                          min=1, max=1_000_000)
     jobs_per_user: int = _setting(100, "unfinished jobs one uid may hold on this node",
                                   min=1, max=1_000_000)
     spec_bytes_per_user: int = _setting(64 * 1024 * 1024, "bytes of job specs (command, "

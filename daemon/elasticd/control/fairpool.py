@@ -35,6 +35,8 @@ from .auth import TOKEN_METADATA_KEY, AuthError, TokenIssuer
 
 _CALLER: contextvars.ContextVar[int | None] = contextvars.ContextVar("elasticd_caller",
                                                                     default=None)
+_OVER: contextvars.ContextVar[int] = contextvars.ContextVar("elasticd_over_queue", default=0)
+_OUT_OF_TURN = object()   # the key of a call run at once, to be refused (see submit)
 
 
 class CallerTag(grpc.ServerInterceptor):
@@ -60,13 +62,30 @@ def caller_of(fn: Callable) -> Hashable:
     return context.get(_CALLER) if isinstance(context, contextvars.Context) else None
 
 
+def mark_over(fn: Callable, waiting: int) -> None:
+    """Tell the call ``fn`` (as ``caller_of`` reads it) that it came while its caller had
+    ``waiting`` calls queued already: ``over_queue()`` says so while it runs."""
+    context = getattr(fn, "__self__", None)
+    if isinstance(context, contextvars.Context):
+        context.run(_OVER.set, waiting)
+
+
+def over_queue() -> int:
+    """In a call: how many of its caller's calls were queued when it came, if that was
+    over the queue limit (it is to be refused at once); else 0."""
+    return _OVER.get()
+
+
 class FairExecutor(futures.Executor):
     """Up to ``max_workers`` threads (started as needed) serving the callers
     (``key_of(fn)`` of each submitted ``fn``) in turn.
 
     Each caller also has at most ``per_key`` calls running at once, and starts at
     most ``rate`` calls a second (a burst of ``rate`` after a pause): its other
-    calls wait in its queue, costing nothing meanwhile. The rate is what keeps a
+    calls wait in its queue, costing little meanwhile. A call that comes while
+    its caller has ``max_queued`` waiting already runs at once, out of turn,
+    after ``mark(fn, waiting)``: the call then refuses itself (``over_queue``),
+    so what one caller has waiting stays bounded. The rate is what keeps a
     flood from taking the whole daemon: every call also costs gRPC's one serving
     thread its work, in the order calls arrive; a caller whose calls are answered
     at once (refused by a cap, say) would otherwise ask again as fast as that
@@ -74,12 +93,15 @@ class FairExecutor(futures.Executor):
     """
 
     def __init__(self, max_workers: int, per_key: int | None = None,
-                 rate: float | None = None,
+                 rate: float | None = None, max_queued: int | None = None,
                  key_of: Callable[[Callable], Hashable] = caller_of,
+                 mark: Callable[[Callable, int], None] = mark_over,
                  thread_name_prefix: str = "rpc", clock=time.monotonic):
         self._max = max_workers
         self._per_key = per_key or max_workers
         self._rate = rate
+        self._max_queued = max_queued
+        self._mark = mark
         self._key_of = key_of
         self._prefix = thread_name_prefix
         self._clock = clock
@@ -87,6 +109,7 @@ class FairExecutor(futures.Executor):
         self._cond = threading.Condition()
         self._queues: dict[Hashable, collections.deque] = {}
         self._turns: collections.deque = collections.deque()  # callers that may start one
+        self._out_of_turn: collections.deque = collections.deque()  # calls over max_queued
         self._later: list = []        # heap of (when, n, caller): out of tokens until then
         self._n = itertools.count()
         self._waiting: set = set()    # callers in _turns or _later
@@ -105,9 +128,12 @@ class FairExecutor(futures.Executor):
         with self._cond:
             if self._shutdown:
                 raise RuntimeError("cannot schedule new futures after shutdown")
-            self._queues.setdefault(key, collections.deque()).append(
-                (future, fn, args, kwargs))
-            self._offer(key)
+            queue = self._queues.setdefault(key, collections.deque())
+            if self._max_queued is not None and len(queue) >= self._max_queued:
+                self._out_of_turn.append((future, fn, args, kwargs, len(queue)))
+            else:
+                queue.append((future, fn, args, kwargs))
+                self._offer(key)
             if len(self._threads) < self._max and \
                     len(self._threads) - self._busy < self._startable():
                 thread = threading.Thread(target=self._work, daemon=True,
@@ -128,8 +154,9 @@ class FairExecutor(futures.Executor):
 
     def _startable(self) -> int:
         """How many calls could start now, tokens aside (under the lock)."""
-        return sum(min(len(self._queues[key]), self._per_key - self._running.get(key, 0))
-                   for key in self._turns)
+        return len(self._out_of_turn) + sum(
+            min(len(self._queues[key]), self._per_key - self._running.get(key, 0))
+            for key in self._turns)
 
     def _take_token(self, key: Hashable, now: float) -> float:
         """0 if ``key`` may start a call now (a token taken), else how long until it may."""
@@ -148,6 +175,9 @@ class FairExecutor(futures.Executor):
         one; None once shut down and nothing may start."""
         with self._cond:
             while True:
+                if self._out_of_turn:
+                    self._busy += 1
+                    return _OUT_OF_TURN, self._out_of_turn.popleft()
                 now = self._clock()
                 while self._later and self._later[0][0] <= now:
                     self._turns.append(heapq.heappop(self._later)[2])
@@ -158,7 +188,7 @@ class FairExecutor(futures.Executor):
                         heapq.heappush(self._later, (now + wait, next(self._n), key))
                         continue
                     break
-                if self._shutdown and not self._later:
+                if self._shutdown and not self._later and not self._out_of_turn:
                     return None
                 self._cond.wait(self._later[0][0] - now if self._later else None)
             self._waiting.discard(key)
@@ -174,6 +204,8 @@ class FairExecutor(futures.Executor):
     def _done(self, key: Hashable) -> None:
         with self._cond:
             self._busy -= 1
+            if key is _OUT_OF_TURN:
+                return
             running = self._running.pop(key) - 1
             if running:
                 self._running[key] = running
@@ -185,10 +217,12 @@ class FairExecutor(futures.Executor):
             got = self._next()
             if got is None:
                 return
-            key, (future, fn, args, kwargs) = got
+            key, (future, fn, args, kwargs, *waiting) = got
             try:
                 if future.set_running_or_notify_cancel():
                     try:
+                        if waiting:
+                            self._mark(fn, waiting[0])
                         result = fn(*args, **kwargs)
                     except BaseException as exc:  # noqa: BLE001 - handed to the future
                         future.set_exception(exc)
@@ -196,16 +230,17 @@ class FairExecutor(futures.Executor):
                         future.set_result(result)
             finally:
                 self._done(key)
-                del got, future, fn, args, kwargs
+                del got, future, fn, args, kwargs, waiting
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         with self._cond:
             self._shutdown = True
             if cancel_futures:
-                for queue in self._queues.values():
+                for queue in (*self._queues.values(), self._out_of_turn):
                     for future, *_ in queue:
                         future.cancel()
                 self._queues.clear()
+                self._out_of_turn.clear()
                 self._turns.clear()
                 self._later.clear()
                 self._waiting.clear()

@@ -39,7 +39,8 @@ class ControlServer:
         # connections by limits.max_connections.
         self._server = grpc.server(
             FairExecutor(threads, per_key=lim.calls_per_user + lim.streams_per_user,
-                         rate=lim.call_rate_per_user, thread_name_prefix="rpc"),
+                         rate=lim.call_rate_per_user, max_queued=lim.calls_queued_per_user,
+                         thread_name_prefix="rpc"),
             interceptors=[CallerTag(issuer)],
             options=[("grpc.max_receive_message_length", c.max_message_bytes),
                      ("grpc.max_send_message_length", 64 * 1024 * 1024),

@@ -29,6 +29,7 @@ from ..jobs.scheduler import JobManager, check_access
 from .messages import (
     add_worker, event_to_proto, job_to_proto, node_to_proto, rejection_to_proto)
 from ..store import StoreError
+from .fairpool import over_queue
 from .streamgate import CallGate, StreamGate
 from ..jobs.states import TERMINAL_STATES, WorkerState
 from ..v1 import control_pb2 as pb
@@ -70,6 +71,7 @@ def _handle(method):
             context.started = time.perf_counter()
             try:
                 caller = self._caller(context)
+                self._not_over_queue(caller, name)
                 with self._streams.slot(caller.uid, name):
                     yield from method(self, request, context, caller)
                 self._observe(name, grpc.StatusCode.OK, context)
@@ -84,6 +86,7 @@ def _handle(method):
         context.started = time.perf_counter()
         try:
             caller = self._caller(context)
+            self._not_over_queue(caller, name)
             gate = self._streams if name in LONG_LIVED_UNARY else self._calls
             with gate.slot(caller.uid, name):
                 result = method(self, request, context, caller)
@@ -139,6 +142,15 @@ class ControlServicer(pb_grpc.ControlServicer):
             return self._issuer.verify(token)
         except AuthError as exc:
             raise errors.Unauthenticated(str(exc)) from None
+
+    def _not_over_queue(self, caller: Caller, what: str) -> None:
+        """Refuse a call that came while its caller had a full queue (control/fairpool.py)."""
+        waiting = over_queue()
+        if waiting:
+            raise errors.ResourceExhausted(
+                f"uid {caller.uid} has {waiting} calls waiting for their turn "
+                f"(limits.calls_queued_per_user {self._cfg.limits.calls_queued_per_user}); "
+                f"try this {what} again once they are answered")
 
     def _observe(self, method: str, code: grpc.StatusCode, context) -> None:
         if self._metrics is not None:
