@@ -241,17 +241,20 @@ def scrape(port: int) -> str:
 
 def start_with_metrics(tries: int = 3) -> tuple[DaemonProc, int]:
     """A started daemon serving metrics on a free port, and the port; a port taken
-    between finding and binding it is tried again with another."""
+    between finding and binding it (the daemon then says so in `nodes` and goes on
+    without metrics) is tried again with another."""
     for attempt in range(tries):
         port = free_port()
         d = DaemonProc(short_tmpdir(), extra_args=("--metrics-port", str(port)))
-        try:
-            d.start()
+        d.start()
+        with d.client() as c:
+            me = [n for n in c.call("ListNodes", pb.ListNodesRequest()).nodes
+                  if n.node_id == d.node_id][0]
+        if not any("metrics endpoint" in p for p in me.problems):
             return d, port
-        except RuntimeError:
-            if "metrics endpoint" not in d.log() or attempt == tries - 1:
-                raise
-            shutil.rmtree(d.root, ignore_errors=True)
+        if attempt == tries - 1:
+            raise AssertionError(f"no free metrics port in {tries} tries: {list(me.problems)}")
+        d.cleanup()
     raise AssertionError("unreachable")
 
 

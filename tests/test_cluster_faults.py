@@ -145,8 +145,10 @@ def _outage(daemon_factory, etcd: EtcdServer, outage: float) -> None:
         doc = ctl_json(d, "nodes")
         assert doc["store_health"] == "ok"
         assert {n["node_id"]: n["state"] for n in doc["nodes"]} == both  # nobody lost
-    # The job is still the cluster's: cancelling it works end to end.
-    assert ctl_json(a, "cancel", job_id)["state"] == "CANCELLED"
+    # The job is still the cluster's: cancelling it works end to end (cancel answers at
+    # once; the job ends once its workers are stopped).
+    assert ctl_json(a, "cancel", job_id)["id"] == job_id
+    assert a.wait_job(job_id, timeout=30).state == pb.CANCELLED
 
 
 def test_partitioned_daemon_loses_its_lease_then_registers_again(daemon_factory):

@@ -256,8 +256,11 @@ def test_a_job_on_n1_and_n2_seen_waited_for_and_cancelled_from_n3(trio):
     assert res.returncode == 1 and "still running" in res.stderr, res.stderr
 
     # cancel from n3 goes through the round state: n1 and n2 stop their workers.
+    # It answers at once; `wait` on n3 then sees the job ended everywhere.
     res = n3.ctl("-o", "json", "cancel", job)
     assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["id"] == job
+    res = n3.ctl("-o", "json", "wait", job, "--timeout", "30")
     out = json.loads(res.stdout)
     assert out["state"] == "CANCELLED" and "cancelled by root on n3" in out["reason"], out
     assert not [w for w in out["workers"] if w["state"] == "running"], out["workers"]

@@ -17,6 +17,7 @@ from daemons import free_port, scrape, start_with_metrics
 from elasticd import __version__
 from elasticd.jobs.registry import JobRecord, JobRegistry
 from elasticd.agent.ladder import Layer
+from elasticd.exposition.endpoint import EndpointState, MetricsEndpoint
 from elasticd.metrics import CAUSES, LAYERS, Metrics
 from elasticd.jobs.records import Failure, FailureKind
 from elasticd.jobs.states import JobState
@@ -397,17 +398,16 @@ def test_timed_store_times_requests_and_counts_errors_by_kind():
 
 def test_endpoint_can_be_turned_off_and_on():
     m = Metrics("node-a")
-    m.serve("127.0.0.1", 0)
-    assert m.port == 0
-    for _ in range(3):
-        port = free_port()
-        try:
-            m.serve("127.0.0.1", port)
-            break
-        except OSError:
-            continue
-    try:
-        assert "elasticd_build_info" in scrape(m.port)
+    off = MetricsEndpoint(m.registry, "127.0.0.1", 0, 1.0)
+    off.start()
+    assert off.port == 0 and off.status().state is EndpointState.OFF and not off.problem()
+    on = MetricsEndpoint(m.registry, "127.0.0.1", free_port(), 0.1)
+    on.start()
+    try:  # a port taken between free_port and the bind is tried again until it is free
+        deadline = time.monotonic() + 10
+        while not on.port and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "elasticd_build_info" in scrape(on.port)
     finally:
-        m.stop()
-    assert m.port == 0
+        on.stop()
+    assert on.port == 0

@@ -367,7 +367,8 @@ def cancelled_job(trio):
 def test_cancel_on_one_node_stops_the_job_on_every_node(cancelled_job):
     res = cancelled_job["cancel"]
     assert res.returncode == 0, (res.stdout, res.stderr)
-    assert "CANCELLED" in res.stdout
+    # It answers at once; the nodes end the job in the background.
+    assert "cancelling" in res.stdout or "CANCELLED" in res.stdout, res.stdout
     assert {n: s for n, (s, _) in cancelled_job["ended"].items()} == \
         {"n1": "CANCELLED", "n2": "CANCELLED", "n3": "CANCELLED"}
     assert len(cancelled_job["workers"]) == 3

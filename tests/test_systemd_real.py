@@ -394,7 +394,7 @@ def test_the_hardening_holds_and_jobs_still_run_as_their_user(tree, state):
     daemon = proc_status(tree, main_pid(tree))
     bound = int(daemon["CapBnd"], 16)
     names = {0: "chown", 1: "dac_override", 2: "dac_read_search", 5: "kill", 6: "setgid",
-             7: "setuid"}
+             7: "setuid", 10: "net_bind_service"}
     assert bound == sum(1 << bit for bit in names), f"{bound:x}"
     assert daemon["Umask"] == "0077", daemon
 

@@ -141,10 +141,11 @@ def test_hardening_keeps_what_jobs_need(unit):
                 "LockPersonality"):
         assert _one(unit, "Service", key) == "yes", key
     # Switching to the job's user, chowning its run dir, signalling its
-    # process groups, reaching its files: nothing more.
+    # process groups, reaching its files, a metrics port below 1024 (one no
+    # user can take first): nothing more.
     assert set(_one(unit, "Service", "CapabilityBoundingSet").split()) == {
         "CAP_SETUID", "CAP_SETGID", "CAP_CHOWN", "CAP_KILL", "CAP_DAC_OVERRIDE",
-        "CAP_DAC_READ_SEARCH"}
+        "CAP_DAC_READ_SEARCH", "CAP_NET_BIND_SERVICE"}
     # Jobs use the user's /tmp, home and every device (GPUs); setuid helpers
     # they run must still work.
     for key in ("PrivateTmp", "ProtectHome", "PrivateDevices", "DeviceAllow", "DevicePolicy",

@@ -196,6 +196,15 @@ def test_another_user_or_another_environment_gets_a_template_of_its_own(
     assert cwd in seen(out, "pathed", 0)["env"]["PYTHONPATH"].split(":")
     assert _alive(template)  # untouched, still idle for its own key
     assert len(idle_templates(node, a)) == 2 and len(idle_templates(node, b)) == 1
+    # `nodes` shows a user their own idle templates only; root every user's.
+    def shown(who=None) -> list[int]:
+        r = node.ctl("-o", "json", "nodes", user=who.creds if who else None)
+        assert r.returncode == 0, r.stderr
+        return sorted(int(t["uid"]) for t in json.loads(r.stdout)["nodes"][0]
+                      .get("idle_templates", []))
+    assert shown(a) == [a.uid, a.uid] and shown(b) == [b.uid]
+    assert shown() == sorted([a.uid, a.uid, b.uid])
+    assert f"uid {a.uid}" not in node.ctl("nodes", user=b.creds).stdout
 
 
 @pytest.mark.slow

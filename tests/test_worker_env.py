@@ -3,6 +3,7 @@ job's interpreter without elasticd on its path keeps literal copies of its names
 and those copies must equal the home's values. No daemon, no torch."""
 from __future__ import annotations
 
+import ast
 import importlib.util
 import os
 import subprocess
@@ -27,6 +28,12 @@ def _load(path: str, name: str):
 def test_worker_site_copies_equal_the_contract():
     assert beats.ENV_VAR == env.HEARTBEAT_FILE
     assert beats.PRELOAD_ENV == env.PRELOAD_REPORT
+    # Read, not imported: importing it would install its hooks in this process.
+    with open(os.path.join(PKG, "worker_site", "sitecustomize.py")) as fh:
+        site = {t.id: node.value.value for node in ast.parse(fh.read()).body
+                if isinstance(node, ast.Assign) for t in node.targets
+                if isinstance(t, ast.Name) and isinstance(node.value, ast.Constant)}
+    assert site["MASTER_BIND_ENV"] == env.MASTER_BIND
 
 
 def test_warmstart_copies_equal_the_contract():

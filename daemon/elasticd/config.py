@@ -393,6 +393,20 @@ class LimitsSettings:
                                   min=1, max=100_000)
     streams_per_user: int = _setting(16, "long-lived calls one uid may hold at once",
                                      min=1, max=100_000)
+    calls_per_user: int = _setting(8, "short calls (list, status, submit, cancel, ...) one "
+                                      "uid may have in progress at once; more are refused "
+                                      "at once (below control.rpc_threads, so other users' "
+                                      "calls always find a thread)", min=1, max=100_000)
+    call_rate_per_user: float = _setting(200.0, "calls a second one uid may start (a burst of "
+                                                "as many after a pause); its others wait "
+                                                "their turn: a flood of calls answered at once "
+                                                "cannot take every other user's share of the "
+                                                "daemon", min=1, max=1_000_000)
+    calls_queued_per_user: int = _setting(1024, "calls of one uid that may wait for their turn "
+                                               "(over limits.call_rate_per_user); one more is "
+                                               "refused at once: what a flood holds of the "
+                                               "daemon's memory stays bounded",
+                                          min=1, max=1_000_000)
     jobs_per_user: int = _setting(100, "unfinished jobs one uid may hold on this node",
                                   min=1, max=1_000_000)
     spec_bytes_per_user: int = _setting(64 * 1024 * 1024, "bytes of job specs (command, "
@@ -432,6 +446,10 @@ class MetricsSettings:
     address: str = _setting("0.0.0.0", "address the metrics endpoint listens on: every "
                                        "interface by default, like other exporters; "
                                        "127.0.0.1 keeps it on this host")
+    retry_interval: float = _setting(5.0, "seconds between tries to listen while the port "
+                                          "cannot be had (another process holds it): the "
+                                          "daemon serves jobs meanwhile and says so in "
+                                          "`elasticctl nodes`", min=0.1, max=3600)
 
 
 @dataclass(frozen=True)
@@ -616,6 +634,10 @@ def _check_relations(cfg: Config, errors: list[str]) -> None:
     if lim.spec_bytes_per_user > lim.spec_bytes_total:
         errors.append(f"limits.spec_bytes_per_user: must not exceed limits.spec_bytes_total "
                       f"({lim.spec_bytes_per_user} > {lim.spec_bytes_total})")
+    if lim.calls_per_user >= cfg.control.rpc_threads:
+        errors.append(f"limits.calls_per_user: must be below control.rpc_threads "
+                      f"({lim.calls_per_user} >= {cfg.control.rpc_threads}), or one uid's "
+                      "calls could hold every thread short calls have")
     if lim.streams_per_user > lim.streams_total:
         errors.append(f"limits.streams_per_user: must not exceed limits.streams_total "
                       f"({lim.streams_per_user} > {lim.streams_total})")

@@ -27,7 +27,8 @@ from .cluster.node import Cluster, ClusterStartError, open_cluster_store
 from .trust.clusterkey import ClusterKeyError
 from .trust.specs import ClusterPolicy, codec_for
 from .config import Config, socket_gid
-from .control.service import ControlServer, ControlServicer
+from .control.server import ControlServer
+from .control.service import ControlServicer
 from .jobs.registry import JobRegistry
 from .jobs.retirer import Retirer
 from .workers.logrotate import LogKeeper
@@ -41,6 +42,7 @@ from .cluster.suspicion import MAX_REMEMBERED as SUSPECT_REMEMBERED, SuspectTrac
 from .jobs.scheduler import JobManager
 from .metrics import Metrics
 from .rendezvous.protocol import job_prefix
+from .exposition.endpoint import MetricsEndpoint
 from .rendezvous.view import JobsView
 from .sdnotify import Notifier
 from .store import StoreError
@@ -168,16 +170,16 @@ class Daemon:
         retirer.start()
         stops.callback(retirer.stop)
         metrics.attach_state(cfg, keeper)  # metrics: the state dir's disk, log rotation
+        # A port it cannot have now never stops the daemon: it says so and tries again.
+        endpoint = MetricsEndpoint(metrics.registry, cfg.metrics.address, cfg.metrics.port,
+                                   cfg.metrics.retry_interval, d.node_id)
         server = ControlServer(cfg, ControlServicer(cfg, manager, registry, issuer, metrics,
-                                                    cluster, view), gid)
+                                                    cluster, view, endpoint), gid, issuer)
         server.start()
         stops.callback(server.stop, 1.0)
-        try:
-            metrics.serve(cfg.metrics.address, cfg.metrics.port)
-        except OSError as exc:
-            raise OSError(f"metrics endpoint {cfg.metrics.address}:{cfg.metrics.port}: {exc} "
-                          "(set metrics.port, or 0 to turn it off)") from None
-        stops.callback(metrics.stop)
+        endpoint.on_change = server.metrics_health
+        endpoint.start()
+        stops.callback(endpoint.stop)
         # Once the workers are stopped, every watch winds down at once (each
         # takes up to a watch poll to notice), rather than one after another.
         stops.callback(lambda: [w.request_stop() for w in watches])

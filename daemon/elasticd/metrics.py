@@ -32,7 +32,6 @@ from typing import Callable, Iterator
 from prometheus_client import (CollectorRegistry, Counter, Histogram, Info, ProcessCollector,
                                disable_created_metrics)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.exposition import start_http_server
 
 from . import __version__, statedir
 from .jobs.registry import JobNotFound, JobRecord
@@ -151,7 +150,6 @@ class Metrics:
         # a scrape reads only the live jobs however long this node's history is.
         self._live: set[str] = set()
         self._ended: dict[str, int] = {s: 0 for s in _TERMINAL}
-        self._server = None
         self.gpu_health_checks = Counter(  # gpus/health.py
             "elasticd_gpu_health_checks_total", "GPU health checks before a round, by result",
             ["result"], registry=r)
@@ -281,22 +279,6 @@ class Metrics:
             self.lease_refresh_seconds.observe(seconds)
         if error is not None:
             self.store_errors.labels(operation, store_error_kind(error)).inc()
-
-    # -- the endpoint ------------------------------------------------------------
-    def serve(self, address: str, port: int) -> None:
-        if port:
-            self._server, _ = start_http_server(port, addr=address, registry=self.registry)
-
-    @property
-    def port(self) -> int:
-        """The port the endpoint listens on (0 when off)."""
-        return self._server.server_port if self._server is not None else 0
-
-    def stop(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
 
 
 def failure_cause(failure: Failure) -> str:

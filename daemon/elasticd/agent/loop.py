@@ -51,9 +51,12 @@ from ..jobstore.host import JobStoreHost
 from ..jobstore import round_host
 from ..workers.template import StartPath, TemplateState, WorkerTemplate
 from ..workers.template_pool import TemplatePool
-from ..workers.group import GroupSpec, SpawnError, SparePool, WorkerGroup
+from ..workers.group import GroupSpec, SpawnError, WorkerGroup
+from ..workers.spares import SparePool
 
 log = logging.getLogger("elasticd.agent.loop")
+# Where a job on one node has its stores (its job store, rank 0's): no other host needs them.
+LOOPBACK = "127.0.0.1"
 
 
 class Action(enum.Enum):
@@ -293,6 +296,9 @@ class Agent:
                 self.job_id, round=result.round,
                 **({"restarts": state.restarts, "restart_times": list(state.restart_times)}
                    if state else {}))
+            if job.max_nodes <= 1:  # one node: its stores listen on loopback alone
+                result = dataclasses.replace(result, master_addr=LOOPBACK,
+                                             store_addr=LOOPBACK if result.store_addr else "")
             spec = self._with_job_store(job, self._group_spec(job, result), result)
             if result.master_hosted:  # a round store listens on MASTER_PORT already
                 spec = dataclasses.replace(spec, extra_env={
@@ -818,11 +824,11 @@ class Agent:
         (rendezvous Result.store_addr), which outlives any rank. 0 when it
         cannot start: the job then restarts processes only.
         """
-        address = self._rdzv.address
+        address = LOOPBACK if job.max_nodes <= 1 else self._rdzv.address
         local = address.startswith("127.") or address in ("localhost", "::1")
         spec = self._node_spec(job, address)
         try:
-            _, port = self._store_host.ensure(spec, bind="127.0.0.1" if local else address,
+            _, port = self._store_host.ensure(spec, bind=LOOPBACK if local else address,
                                               advertise=address, timeout=120.0)
             return port
         except SpawnError as exc:

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..logsetup import ctx
-from ..workers.group import GroupSpec, SparePool, prepare_dirs, warm_args
+from ..workers.group import GroupSpec, prepare_dirs, warm_args
+from ..workers.spares import SparePool
 
 log = logging.getLogger("elasticd.agent.newcomer")
 

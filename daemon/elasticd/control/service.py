@@ -1,7 +1,9 @@
 """The control service: elasticctl's gRPC API on the local unix socket.
 
 Every call first turns its credential token into a ``Caller`` (see control/auth.py),
-checks its request (control/validation.py), then asks the job manager. Errors leave
+holds one of that caller's slots while it runs (control/streamgate.py), checks
+its request (control/validation.py), then asks the job manager; none waits on
+a job (``cancel`` answers at once, ``wait`` is the long-lived call for that). Errors leave
 as gRPC status codes with a message a person can act on; an unexpected
 exception becomes INTERNAL and is logged, and the daemon carries on.
 """
@@ -13,24 +15,23 @@ import logging
 import os
 import threading
 import time
-from concurrent import futures
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ..cluster import remote_jobs as clusterjobs
-from .. import errors, statedir
-from . import validation
-from .auth import TOKEN_METADATA_KEY, AuthError, Caller, TokenIssuer, set_socket_access
+from .. import errors
+from . import nodes, validation
+from .auth import TOKEN_METADATA_KEY, AuthError, Caller, TokenIssuer
 from ..config import Config
 from ..jobs.registry import JobNotFound, JobRecord, JobRegistry
 from .logs import LogReader
 from ..jobs.retention import logs_retired_message
 from ..jobs.scheduler import JobManager, check_access
 from .messages import (
-    add_worker, event_to_proto, gpus_to_proto, job_to_proto, node_to_proto, rejection_to_proto)
+    add_worker, event_to_proto, job_to_proto, node_to_proto, rejection_to_proto)
 from ..store import StoreError
-from .streamgate import StreamGate
+from .fairpool import over_queue
+from .streamgate import CallGate, StreamGate
 from ..jobs.states import TERMINAL_STATES, WorkerState
 from ..v1 import control_pb2 as pb
 from ..v1 import control_pb2_grpc as pb_grpc
@@ -39,6 +40,9 @@ log = logging.getLogger("elasticd.control.service")
 
 SERVICE_NAME = "elasticd.v1.Control"
 SETTLE_SECONDS = 2.0  # how long WaitJob waits for the rows of a job other nodes ended
+# Unary calls that may last as long as a stream: they take a stream's slot, not a short
+# call's (their threads are the pool's share for long-lived calls).
+LONG_LIVED_UNARY = frozenset({"WaitJob"})
 
 
 def _status(exc: errors.ElasticdError) -> grpc.StatusCode:
@@ -46,7 +50,10 @@ def _status(exc: errors.ElasticdError) -> grpc.StatusCode:
 
 
 def _handle(method):
-    """Map our errors to status codes; never let an exception kill a call badly."""
+    """Map our errors to status codes; never let an exception kill a call badly. Every
+    call holds a slot of its caller's while it runs (control/streamgate.py): a
+    stream's or a long-lived unary call's (LONG_LIVED_UNARY) in the stream gate,
+    any other's in the call gate."""
     name = method.__name__
 
     def fail(self, context, exc: BaseException) -> None:
@@ -65,6 +72,7 @@ def _handle(method):
             context.started = time.perf_counter()
             try:
                 caller = self._caller(context)
+                self._not_over_queue(caller, name)
                 with self._streams.slot(caller.uid, name):
                     yield from method(self, request, context, caller)
                 self._observe(name, grpc.StatusCode.OK, context)
@@ -78,7 +86,11 @@ def _handle(method):
     def unary(self, request, context):
         context.started = time.perf_counter()
         try:
-            result = method(self, request, context, self._caller(context))
+            caller = self._caller(context)
+            self._not_over_queue(caller, name)
+            gate = self._streams if name in LONG_LIVED_UNARY else self._calls
+            with gate.slot(caller.uid, name):
+                result = method(self, request, context, caller)
             self._observe(name, grpc.StatusCode.OK, context)
             return result
         except Exception as exc:  # noqa: BLE001 - mapped to a status code
@@ -105,10 +117,6 @@ def _page_key(token: str) -> tuple[float, str] | None:
                                      f"{token[:60]!r}") from None
 
 
-def _suspect_line(reason: str) -> str:
-    return f"suspect, preferred last for cluster jobs: {reason}" if reason else ""
-
-
 def _settled(job: JobRecord) -> bool:
     """Ended, and every node's last worker rows published (none still running)."""
     return job.state in TERMINAL_STATES and not any(w.state is WorkerState.RUNNING
@@ -117,7 +125,7 @@ def _settled(job: JobRecord) -> bool:
 
 class ControlServicer(pb_grpc.ControlServicer):
     def __init__(self, cfg: Config, manager: JobManager, registry: JobRegistry,
-                 issuer: TokenIssuer, metrics=None, cluster=None, view=None):
+                 issuer: TokenIssuer, metrics=None, cluster=None, view=None, endpoint=None):
         self._cfg = cfg
         self._manager = manager
         self._registry = registry
@@ -125,7 +133,9 @@ class ControlServicer(pb_grpc.ControlServicer):
         self._metrics = metrics
         self._cluster = cluster
         self._view = view
+        self._endpoint = endpoint  # exposition.endpoint.MetricsEndpoint: its problem, if any
         self._streams = StreamGate(cfg.limits.streams_total, cfg.limits.streams_per_user)
+        self._calls = CallGate(cfg.limits.calls_per_user)
 
     def _caller(self, context) -> Caller:
         token = dict(context.invocation_metadata()).get(TOKEN_METADATA_KEY)
@@ -133,6 +143,15 @@ class ControlServicer(pb_grpc.ControlServicer):
             return self._issuer.verify(token)
         except AuthError as exc:
             raise errors.Unauthenticated(str(exc)) from None
+
+    def _not_over_queue(self, caller: Caller, what: str) -> None:
+        """Refuse a call that came while its caller had a full queue (control/fairpool.py)."""
+        waiting = over_queue()
+        if waiting:
+            raise errors.ResourceExhausted(
+                f"uid {caller.uid} has {waiting} calls waiting for their turn "
+                f"(limits.calls_queued_per_user {self._cfg.limits.calls_queued_per_user}); "
+                f"try this {what} again once they are answered")
 
     def _observe(self, method: str, code: grpc.StatusCode, context) -> None:
         if self._metrics is not None:
@@ -178,8 +197,8 @@ class ControlServicer(pb_grpc.ControlServicer):
         # In pages of at most limits.response_bytes, oldest first; a page
         # token is the (created_at, id) of the last job of the page before.
         after = _page_key(request.page_token)
-        jobs = [j for j in self._registry.list()
-                if caller.may_act_on(j.uid) and (after is None or (j.created_at, j.id) > after)]
+        jobs = self._registry.list(lambda j: caller.may_act_on(j.uid) and (
+            after is None or (j.created_at, j.id) > after))
         resp, budget = pb.ListJobsResponse(), self._cfg.limits.response_bytes
         for job in jobs:
             msg = self._fit(job_to_proto(job))
@@ -281,20 +300,17 @@ class ControlServicer(pb_grpc.ControlServicer):
         job, here = self._find(request.id, caller)
         if not here:
             return self._fit(job_to_proto(self._cancel_elsewhere(job, caller)))
-        job = self._manager.cancel(job.id, caller)
-        # Answer once the workers are stopped (graceful stop plus a margin), so
-        # the caller sees CANCELLED rather than a job still shutting down.
-        finished = lambda: self._registry.get(job.id).state in TERMINAL_STATES  # noqa: E731
-        self._registry.wait_for_change(finished, self._cfg.agent.stop_grace_period + 2.0)
-        return self._fit(job_to_proto(self._registry.get(job.id)))
+        # At once: the agent stops the workers in the background (SIGTERM, the grace
+        # period, SIGKILL); `wait` and `events` tell when the job has ended.
+        return self._fit(job_to_proto(self._manager.cancel(job.id, caller)))
 
     def _cancel_elsewhere(self, job: JobRecord, caller) -> JobRecord:
-        """Cancel a job only other nodes run, through its round state; answer
-        once its workers there are stopped (their grace period plus a margin)."""
+        """Cancel a job only other nodes run, through its round state; at once (their
+        agents stop the workers)."""
         if job.state in TERMINAL_STATES:
             return job
         self._manager.cancel_elsewhere(job, caller)
-        return self._wait_until(job, False, _settled, self._cfg.agent.stop_grace_period + 2.0)
+        return self._refresh(job, False)
 
     @_handle
     def WaitJob(self, request, context, caller):
@@ -305,12 +321,11 @@ class ControlServicer(pb_grpc.ControlServicer):
         if rejected is not None:  # it will never run here
             return rejection_to_proto(rejected, self._cfg.daemon.node_id)
         gone = self._gone(context)
-        with self._streams.slot(caller.uid, "wait"):  # long-lived: a stream's thread
-            job = self._wait_until(job, here, lambda j: j.state in TERMINAL_STATES,
-                                   timeout or None, gone)
-            if not here and job.state in TERMINAL_STATES:
-                # A node ends the round, then publishes its workers' last rows.
-                job = self._wait_until(job, here, _settled, SETTLE_SECONDS, gone)
+        job = self._wait_until(job, here, lambda j: j.state in TERMINAL_STATES,
+                               timeout or None, gone)
+        if not here and job.state in TERMINAL_STATES:
+            # A node ends the round, then publishes its workers' last rows.
+            job = self._wait_until(job, here, _settled, SETTLE_SECONDS, gone)
         return self._fit(job_to_proto(job))
 
     @_handle
@@ -411,50 +426,7 @@ class ControlServicer(pb_grpc.ControlServicer):
 
     @_handle
     def ListNodes(self, request, context, caller):
-        cluster = self._cluster
-        view = cluster.watcher.snapshot()
-        try:
-            drains = cluster.drain_states()
-        except StoreError:
-            drains = {}
-        me = self._cfg.daemon.node_id
-        live = dict(view.live)
-        if me not in live:  # not (yet) registered: still say who we are
-            live[me] = cluster.record()
-        nodes = []
-        for node_id, rec in sorted(live.items()):
-            # Our own refresh we timed; a peer's lease is alive, so its last
-            # refresh was within its TTL (-1: "less than lease_ttl_seconds").
-            age = (time.time() - cluster.keeper.last_refresh
-                   if node_id == me and cluster.keeper.last_refresh else -1.0)
-            msg = node_to_proto(rec, "draining" if node_id in drains else "ready", age)
-            if node_id == me:
-                msg.problems.extend(self._problems())
-                gpus_to_proto(msg, self._manager.gpus.inventory, self._manager.gpu_holders())
-                msg.gpus_free = self._manager.gpus_free()  # now, not at the last refresh
-                msg.idle_templates.extend(
-                    pb.IdleTemplate(uid=t.uid, pid=t.pid, key=t.key,
-                                    idle_seconds=t.idle_seconds, rss_bytes=t.rss_bytes)
-                    for t in self._manager.templates.idle())
-            nodes.append(msg)
-        for node_id, (lost_at, rec) in sorted(view.lost.items()):
-            if node_id not in live:
-                msg = node_to_proto(rec, "lost", time.time() - lost_at)
-                msg.lost_at = lost_at
-                nodes.append(msg)
-        return pb.ListNodesResponse(nodes=nodes, store=cluster.kind,
-                                    store_health=cluster.health())
-
-    def _problems(self) -> list[str]:
-        """What is wrong on this node, one line each."""
-        try:
-            space = statedir.disk_space(self._cfg.daemon.state_dir,
-                                        self._cfg.limits.state_min_free_bytes)
-        except OSError as exc:
-            return [f"state dir {self._cfg.daemon.state_dir}: {exc}"]
-        return [p for p in (space.problem(self._cfg.daemon.state_dir),
-                            self._manager.gpu_problem(),
-                            _suspect_line(self._manager.suspect_reason())) if p]
+        return nodes.answer(self._cfg, self._cluster, self._manager, caller, self._endpoint)
 
     @_handle
     def SetNodeState(self, request, context, caller):
@@ -474,49 +446,3 @@ class ControlServicer(pb_grpc.ControlServicer):
                 from None
         rec = view.live.get(node_id) or self._cluster.record()
         return node_to_proto(rec, request.state, 0.0)
-
-
-class ControlServer:
-    """Owns the gRPC server on the control socket and its health service."""
-
-    def __init__(self, cfg: Config, servicer: ControlServicer, gid: int | None):
-        self._cfg = cfg
-        self._gid = gid
-        c = cfg.control
-        lim = cfg.limits
-        threads = c.rpc_threads + lim.streams_total  # streams never take the short calls' share
-        self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="rpc"),
-            options=[("grpc.max_receive_message_length", c.max_message_bytes),
-                     ("grpc.max_send_message_length", 64 * 1024 * 1024),
-                     # A flood of connections is closed, not kept until the fds run out:
-                     ("grpc.max_allowed_incoming_connections", lim.max_connections),
-                     ("grpc.server_handshake_timeout_ms", int(lim.handshake_timeout * 1000)),
-                     ("grpc.max_connection_idle_ms", int(lim.idle_timeout * 1000))],
-            maximum_concurrent_rpcs=threads * 4)
-        pb_grpc.add_ControlServicer_to_server(servicer, self._server)
-        self.health = health.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
-
-    def start(self) -> None:
-        path = self._cfg.daemon.socket
-        if os.path.exists(path):
-            os.unlink(path)  # auth.CredentialServer already refused a live daemon
-        old = os.umask(0o177)
-        try:
-            if not self._server.add_insecure_port(f"unix:{path}"):
-                raise RuntimeError(f"cannot listen on {path}")
-        finally:
-            os.umask(old)
-        self._server.start()
-        set_socket_access(path, self._gid)
-        for service in ("", SERVICE_NAME):
-            self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
-
-    def stop(self, grace: float) -> None:
-        self.health.enter_graceful_shutdown()
-        self._server.stop(grace).wait(grace + 1)
-        try:
-            os.unlink(self._cfg.daemon.socket)
-        except FileNotFoundError:
-            pass

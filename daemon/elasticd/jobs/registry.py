@@ -128,10 +128,13 @@ class JobRegistry:
             rec = self._require(job_id)
             return rec.restarts, rec.max_restarts, rec.cancel_requested
 
-    def list(self) -> list[JobRecord]:
+    def list(self, where=None) -> list[JobRecord]:
+        """Copies of the jobs, oldest first; with ``where(job)``, of those it keeps only
+        (chosen before anything is copied: a user's `list` copies their jobs alone)."""
         with self._lock:
             return [copy.deepcopy(j) for j in
-                    sorted(self._jobs.values(), key=lambda j: j.created_at)]
+                    sorted(self._jobs.values(), key=lambda j: j.created_at)
+                    if where is None or where(j)]
 
     def subscribe(self, listener, seed=None) -> None:
         """Call ``listener(event)`` for every event from now on, under the registry's

@@ -293,6 +293,8 @@ class JobManager:
                 reason = f"cancelled by {caller.user}"
                 self._finish_cancelled(job, reason)
                 return self._registry.transition(job.id, JobState.CANCELLED, reason)
+            if job.cancel_requested:  # its agent is stopping it: nothing to write again
+                return job
             self._registry.update(job.id, cancel_requested=True)
             self._registry.event(job.id, "info", f"cancel requested by {caller.user}")
             agent = self._agents.get(job.id)

@@ -104,7 +104,10 @@ class ControlServicer:
         raise NotImplementedError('Method not implemented!')
 
     def CancelJob(self, request, context):
-        """Stop the job's workers (graceful, then hard) and mark it CANCELLED.
+        """Ask for the job's end; returns at once with the job as it is. Its workers
+        are stopped (graceful, then hard) in the background and it ends CANCELLED:
+        WaitJob or Events tell when. A second cancel of a job being cancelled
+        changes nothing.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -13,6 +13,10 @@ PYTHONPATH. Without any change to the training script it:
   moment the torch module defining each is imported (before ``torch``
   binds ``torch.save``): torch itself is never imported from here, so
   non-torch processes pay nothing for it;
+* has rank 0 host its round's MASTER_PORT store (``init_process_group``'s
+  ``env://``) on ``MASTER_ADDR`` alone when the daemon asks for it
+  (``ELASTICD_MASTER_BIND``, set for a MASTER_ADDR on loopback: a job on one
+  node), where torch's own store would listen on every interface;
 * makes SIGUSR1 dump every thread's Python stack to stderr (the rank's log),
   which is what the daemon sends a rank that stopped making progress;
 * then runs the ``sitecustomize`` this one shadows (the next one on
@@ -111,7 +115,49 @@ def _wrapper_of(phase, *names):
     return wrap
 
 
+# The worker contract (elasticd/workers/env.py; copies, checked equal by tests).
+MASTER_BIND_ENV = "ELASTICD_MASTER_BIND"
+
+
+def _bind_master_store(rendezvous_module):
+    """Make rank 0's ``env://`` store listen on ``MASTER_BIND`` only (when it is set and
+    equals MASTER_ADDR, and no agent store hosts it): torch's own binds every address.
+    Anything unexpected falls back to torch's own creation."""
+    create = getattr(rendezvous_module, "_create_c10d_store", None)
+    if not callable(create):
+        return
+
+    def create_c10d_store(hostname, port, rank, world_size, timeout, *args, **kwargs):
+        import os
+        bind = os.environ.get(MASTER_BIND_ENV, "")
+        if rank != 0 or not bind or bind != hostname or \
+                os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            return create(hostname, port, rank, world_size, timeout, *args, **kwargs)
+        import socket
+        sock = socket.socket(socket.AF_INET6 if ":" in bind else socket.AF_INET)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((bind, port))
+            sock.listen(socket.SOMAXCONN)
+            from torch.distributed import TCPStore
+        except (OSError, ImportError):
+            sock.close()
+            return create(hostname, port, rank, world_size, timeout, *args, **kwargs)
+        fd = sock.detach()  # the store owns it from here (as in jobstore/round_server.py)
+        try:
+            return TCPStore(host_name=hostname, port=port, world_size=world_size,
+                            is_master=True, timeout=timeout, multi_tenant=True,
+                            use_libuv=kwargs.get("use_libuv", args[0] if args else True),
+                            master_listen_fd=fd)
+        except TypeError:  # a torch whose TCPStore takes no listening socket
+            os.close(fd)
+            return create(hostname, port, rank, world_size, timeout, *args, **kwargs)
+
+    rendezvous_module._create_c10d_store = create_c10d_store
+
+
 _HOOKS = {
+    "torch.distributed.rendezvous": _bind_master_store,
     "torch.optim.optimizer": _register_step_hook,
     "torch.nn.modules.module": _register_forward_hook,
     "torch.serialization": _wrapper_of("checkpoint", "save", "load"),

@@ -45,6 +45,7 @@ LEARNED_PRELOAD = "ELASTICD_LEARNED_PRELOAD"
 STORE_ADDR = "ELASTICD_STORE_ADDR"                  # jobstore/: the job's store
 STORE_PORT = "ELASTICD_STORE_PORT"
 STORE_SECRET = "ELASTICD_STORE_SECRET"
+MASTER_BIND = "ELASTICD_MASTER_BIND"                # worker_site: rank 0's env:// store
 
 # ---------------------------------------------------------------- files in the run dir
 # (format strings: str.format(rank=..., restart=...))

@@ -2,7 +2,9 @@
 
 Each worker is started as the submitting user (uid, gid and groups switched
 before it enters the job's cwd, so it never runs where that user could not
-go), in its own process group, with PR_SET_PDEATHSIG=SIGKILL (so it dies
+go), in a session of its own (so its own process group, and no controlling
+terminal: nothing it runs can reach the terminal of whoever started the
+daemon), stdin /dev/null, with PR_SET_PDEATHSIG=SIGKILL (so it dies
 with the thread that started it even if the daemon is SIGKILLed), with the
 torchrun environment, and with stdout/stderr appended to its per-rank log
 file. Stopping is SIGTERM to each
@@ -13,7 +15,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import datetime
-import json
+import ipaddress
 import logging
 import os
 import pwd
@@ -59,25 +61,6 @@ def _child_setup(cwd: bytes, cpus: tuple = ()):
             os.sched_setaffinity(0, cpus)
         os.chdir(cwd)
     return setup
-
-
-def bind_cpus(pid: int, cpus: tuple) -> None:
-    """Bind every thread of a running process (a warm spare taking a worker's place)
-    to ``cpus``; a thread gone meanwhile is skipped."""
-    for tid in _threads(pid):
-        try:
-            os.sched_setaffinity(tid, cpus)
-        except OSError:
-            pass
-
-
-def _threads(pid: int) -> list[int]:
-    """The thread ids of ``pid`` (Linux: affinity and niceness are per thread); just
-    ``pid`` when its task list cannot be read."""
-    try:
-        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-    except OSError:
-        return [pid]
 
 
 def cwd_unusable(cwd: str, uid: int) -> str:
@@ -157,6 +140,8 @@ def worker_env(spec: GroupSpec, local_rank: int) -> dict[str, str]:
         envnames.ROUND: str(spec.round),
         envnames.NODE_ID: spec.node_id,
     })
+    if _loopback(spec.master_addr):  # one node: rank 0's store listens there alone
+        env[envnames.MASTER_BIND] = spec.master_addr
     env.update(progress.rank_env(spec.run_dir, rank))  # hang detection: where it beats
     env.update(spec.device_env)  # its GPUs: over whatever the submitter's shell had
     if local_rank == 0:  # learned preload: what it imported by its first step
@@ -166,6 +151,13 @@ def worker_env(spec: GroupSpec, local_rank: int) -> dict[str, str]:
         env[inprocess_reports.ENV] = inprocess_reports.report_path(spec.run_dir, rank,
                                                                    spec.restart_count)
     return env
+
+
+def _loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
 
 
 def error_file_path(spec: GroupSpec, rank: int) -> str:
@@ -206,7 +198,9 @@ class Worker:
 
 
 class WorkerGroup:
-    """One attempt's local workers. Owned by the job's agent thread."""
+    """One attempt's local workers. Owned by the job's agent thread. Each rank is forked
+    from the job's worker template, else handed to a warm spare (workers/spares.py),
+    else started cold."""
 
     def __init__(self, spec: GroupSpec, template=None):
         self.spec = spec
@@ -261,9 +255,7 @@ class WorkerGroup:
             _mark_log(spec, rank, f"{what} {how}".strip() +
                       (f" (no worker template: {cold_reason})" if cold_reason else ""))
             if spare is not None:
-                if spec.cpus:
-                    bind_cpus(spare.pid, spec.cpus)
-                proc, path = _hand_over(spare, env, spec.cwd, args), "spare"
+                proc, path = spares.hand_over(spare, env, spec.cwd, args, spec.cpus), "spare"
         if proc is None:
             proc, path = start_process(spec, list(spec.command), rank, env, user_kwargs,
                                        stdin=None), "cold"
@@ -344,7 +336,8 @@ def start_job_process(spec: GroupSpec, argv: list, env: dict, log_path: str,
 def start_process(spec: GroupSpec, argv: list, rank: int, env: dict, user_kwargs: dict,
                   stdin, stdout=None, log_path: str | None = None,
                   pass_fds: tuple = ()) -> subprocess.Popen:
-    """Start one process of the job: its user, its own process group, dies with us.
+    """Start one process of the job: its user, its own session (setsid: its own process
+    group, no controlling terminal), dies with us.
 
     Its output goes to the rank's log, or ``log_path`` (stderr always; stdout
     unless given). It enters ``spec.cwd`` only once it is the job's user; a
@@ -357,7 +350,7 @@ def start_process(spec: GroupSpec, argv: list, rank: int, env: dict, user_kwargs
                 stdout=logf if stdout is None else stdout,
                 stderr=logf if stdout is not None else subprocess.STDOUT, close_fds=True,
                 pass_fds=pass_fds,
-                process_group=0, preexec_fn=_child_setup(os.fsencode(spec.cwd), spec.cpus),
+                start_new_session=True, preexec_fn=_child_setup(os.fsencode(spec.cwd), spec.cpus),
                 umask=WORKER_UMASK, **user_kwargs)
         except subprocess.SubprocessError:
             # The only step of _child_setup that can fail is the chdir.
@@ -392,137 +385,6 @@ def warm_args(command) -> list | None:
     if args[i] == "-m":
         return args if i + 1 < len(args) else None
     return None if args[i].startswith("-") else args
-
-
-def _hand_over(spare: subprocess.Popen, env: dict, cwd: str, args: list) -> \
-        subprocess.Popen | None:
-    """Give a waiting spare its worker's identity; None if it is not there."""
-    line = json.dumps({"env": env, "cwd": cwd, "args": args}) + "\n"
-    try:
-        spare.stdin.write(line.encode())
-        spare.stdin.close()
-        return spare
-    except (BrokenPipeError, ValueError, OSError):
-        kill_group(spare.pid, signal.SIGKILL)
-        spare.wait()
-        return None
-
-
-def _renice(pid: int, nice: int) -> None:
-    """Set the niceness of every thread of ``pid`` (Linux: setpriority is per thread)."""
-    for tid in _threads(pid):
-        try:
-            os.setpriority(os.PRIO_PROCESS, tid, nice)
-        except OSError:  # gone, or not ours to change
-            pass
-
-
-class SparePool:
-    """Pre-started interpreters, one per local rank, with torch already imported.
-
-    Owned by the job's agent thread (their PDEATHSIG is tied to it). A
-    restart hands each new worker's identity to a spare instead of starting
-    a fresh interpreter, which saves the interpreter start and torch import.
-
-    The fallback of the worker template (workers/template.py): the agent starts
-    spares only while a job has no usable template. They stay because a spare
-    never forks: it is the warm path left when the template is unsafe to fork
-    (a thread or CUDA context started by the job's own sitecustomize or
-    preload), could not be made, or is turned off (agent.worker_template).
-    """
-
-    def __init__(self) -> None:
-        self._spares: dict[int, subprocess.Popen] = {}
-        self._ranks: dict[int, int] = {}     # local rank -> the global rank its log is
-
-    def fill(self, spec: GroupSpec, preload: list, nice: int = 0) -> int:
-        """Start a spare for each local rank that has none; returns how many started.
-
-        ``nice``: the spares' niceness while they import and wait, so that their
-        imports yield the CPU to the running workers (agent.warm_spare_nice); set
-        back to 0 when one becomes a worker. Only a root daemon can set it back,
-        so only a root daemon sets it."""
-        args = warm_args(spec.command)
-        if args is None:
-            return 0
-        user_kwargs = as_user_kwargs(spec.uid, spec.gid)
-        env = dict(base_env(spec), **{envnames.WARM_PRELOAD: ",".join(preload)})
-        started = 0
-        for local_rank in range(spec.nproc):
-            spare = self._spares.get(local_rank)
-            if spare is not None and spare.poll() is None:
-                continue
-            try:
-                self._ranks[local_rank] = spec.rank_offset + local_rank
-                self._spares[local_rank] = start_process(  # it sets sys.path[0] from args
-                    spec, [spec.command[0], WARMSTART, *args], spec.rank_offset + local_rank,
-                    env, user_kwargs, stdin=subprocess.PIPE)
-                if nice and os.geteuid() == 0:
-                    _renice(self._spares[local_rank].pid, nice)
-                started += 1
-            except SpawnError as exc:
-                log.warning("%s: no warm spare: %s", ctx(job=spec.job_id), exc)
-                return started
-        return started
-
-    def ready(self) -> int:
-        """How many spares are alive, waiting for a worker's identity."""
-        return sum(1 for spare in self._spares.values() if spare.poll() is None)
-
-    def imported(self) -> int:
-        """How many spares finished their imports: blocked reading their stdin, where
-        the worker's identity comes (warmstart.main). A spare still importing counts
-        in ready() but not here."""
-        return sum(1 for spare in self._spares.values()
-                   if spare.poll() is None and _reading_stdin(spare.pid))
-
-    def take(self, local_rank: int, rank: int) -> subprocess.Popen | None:
-        """The spare for a local rank, if alive and its output goes to ``rank``'s log.
-
-        A spare's stdout is the log of the rank it was started for; when a new
-        round moved this node's ranks (a node lost, one joined), it is retired
-        and the worker starts cold, so each rank's log stays its own."""
-        spare = self._spares.pop(local_rank, None)
-        if spare is not None and self._ranks.pop(local_rank, None) != rank:
-            kill_group(spare.pid, signal.SIGKILL)
-            spare.wait()
-            return None
-        if spare is not None and spare.poll() is not None:
-            return None
-        if spare is not None and os.geteuid() == 0:
-            _renice(spare.pid, 0)
-        return spare
-
-    def clear(self) -> None:
-        for spare in self._spares.values():
-            kill_group(spare.pid, signal.SIGKILL)
-        for spare in self._spares.values():
-            try:
-                spare.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
-            if spare.stdin:
-                spare.stdin.close()
-        self._spares.clear()
-        self._ranks.clear()
-
-
-# The number of read(2) on this machine's architecture, as /proc/PID/syscall shows it.
-_READ_SYSCALL = {"x86_64": "0", "aarch64": "63", "riscv64": "63", "ppc64le": "3",
-                 "s390x": "3"}.get(os.uname().machine)
-
-
-def _reading_stdin(pid: int) -> bool:
-    """Whether process ``pid`` is blocked in read(0, ...), from /proc/PID/syscall (the
-    daemon's own child: readable by it). Unknown architecture: alive counts as ready."""
-    if _READ_SYSCALL is None:
-        return True
-    try:
-        with open(f"/proc/{pid}/syscall", "rb") as fh:
-            fields = fh.read(256).split()
-    except OSError:
-        return False
-    return len(fields) > 1 and fields[0] == _READ_SYSCALL.encode() and fields[1] == b"0x0"
 
 
 def end_helper(proc: subprocess.Popen) -> None:
@@ -565,7 +427,7 @@ def can_enter(cwd: str, uid: int, gid: int, timeout: float) -> bool:
         return subprocess.run(["/bin/sh", "-c", 'cd -- "$1"', "sh", cwd], env={},
                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL, close_fds=True, timeout=timeout,
-                              **kwargs).returncode == 0
+                              start_new_session=True, **kwargs).returncode == 0
     except (OSError, subprocess.SubprocessError):
         return False
 

@@ -1,0 +1,1 @@
+"""What the daemon serves over HTTP: the Prometheus endpoint (endpoint)."""
