@@ -113,6 +113,11 @@ def ctl_job(ctx: g.Ctx, step: Step, d, check: str, nproc: int, backend: str,
         errs = [ln.strip() for ln in logs.splitlines() if re.search(r"\w+Error: ", ln)]
         problems.append("no 'DONE ... check=ok' from every rank" + (f": {errs[-1][:200]}"
                                                                      if errs else ""))
+    # Defaults keep a worker template: a rank that starts cold here means the template
+    # was refused (the first GPU run found OpenBLAS's threads doing that to 1-rank jobs).
+    if status.get("start_path") != "template":
+        problems.append(f"ranks started {status.get('start_path') or 'cold'}, not from the "
+                        "worker template: see the daemon's log for why")
     first = [float(t) for t, a, _ in g.FIRST.findall(logs) if a == "0"]
     step.add(check, not problems,
              f"submit->first step {g.secs(min(first) - t0 if first else None)}, "
