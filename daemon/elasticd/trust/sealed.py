@@ -35,7 +35,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from .values import BadValue, decode
+from .values import BadValue, as_bytes, decode
 
 VERSION = b"e1."
 DOMAIN = b"elasticd/v1 etcd-record\0"
@@ -101,18 +101,10 @@ class Opened:
 
 
 def _raw(value, cap: int) -> bytes:
-    if isinstance(value, str):
-        if len(value) > cap:
-            raise Refused(Reason.TOO_LARGE, f"over {cap} bytes")
-        try:
-            value = value.encode("utf-8")
-        except UnicodeEncodeError:
-            raise Refused(Reason.NOT_TEXT, "not encodable as UTF-8") from None
-    if not isinstance(value, (bytes, bytearray)):
-        raise Refused(Reason.NOT_JSON, "no value")
-    if len(value) > cap:
-        raise Refused(Reason.TOO_LARGE, f"{len(value)} bytes, over {cap}")
-    return bytes(value)
+    try:
+        return as_bytes(value, cap)
+    except BadValue as bad:
+        raise Refused(Reason.of(bad), bad.detail) from None
 
 
 def _decode(body: bytes, kind: Kind) -> dict:

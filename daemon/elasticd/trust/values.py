@@ -73,13 +73,9 @@ def _check_tree(doc, limit: int) -> None:
         raise BadValue(Why.BAD_NUMBER, "a number out of range")
 
 
-def decode(data: str | bytes | None, *, max_bytes: int, want: type | None = dict,
-           max_depth: int = DEFAULT_MAX_DEPTH):
-    """The JSON document in ``data``, or ``BadValue``.
-
-    ``max_bytes`` bounds the encoded size and is checked before any parsing;
-    ``want`` is the required top-level type (``dict``, ``list``, or None for
-    any); ``max_depth`` counts containers (``{}`` is depth 1)."""
+def as_bytes(data: str | bytes | None, max_bytes: int) -> bytes:
+    """``data`` as bytes, or BadValue if it is none, not text, or over ``max_bytes``
+    (a str over the cap is refused before it is encoded)."""
     if data is None:
         raise BadValue(Why.NOT_JSON, "no value")
     if isinstance(data, str):
@@ -95,6 +91,17 @@ def decode(data: str | bytes | None, *, max_bytes: int, want: type | None = dict
         raise BadValue(Why.WRONG_TYPE, f"a {type(data).__name__}, not text")
     if len(raw) > max_bytes:
         raise BadValue(Why.TOO_LARGE, f"{len(raw)} bytes, over {max_bytes}")
+    return raw
+
+
+def decode(data: str | bytes | None, *, max_bytes: int, want: type | None = dict,
+           max_depth: int = DEFAULT_MAX_DEPTH):
+    """The JSON document in ``data``, or ``BadValue``.
+
+    ``max_bytes`` bounds the encoded size and is checked before any parsing;
+    ``want`` is the required top-level type (``dict``, ``list``, or None for
+    any); ``max_depth`` counts containers (``{}`` is depth 1)."""
+    raw = as_bytes(data, max_bytes)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
