@@ -136,6 +136,8 @@ class ClusterRendezvous:
             keys = self._view.job(self.job_id)
             state = keys.state if keys else None
             if state is None:
+                if keys is not None and keys.state_revision:
+                    self._replace_unreadable_state(keys.state_revision)
                 self._view.wait(self._poll, seen)
                 continue
             if state.final:
@@ -186,6 +188,20 @@ class ClusterRendezvous:
                         and self.ready_to_join(state):
                     self._join(state.round + 1)     # waiting: the members see us
             self._view.wait(self._poll, seen)
+
+    def _replace_unreadable_state(self, revision: int) -> None:
+        """The job's state key holds a value this daemon refused and it holds no verified
+        state (an older elasticd's unsigned one after an upgrade, or garbage met by a
+        daemon that just started): open a new round over it, sealed, so the job goes on.
+        Daemons that hold a later verified round ignore this one; they then see this
+        node lost from their round and open the next, which every node takes."""
+        rnd = (self._ran.round if self._ran is not None else 0) + 1
+        new = RoundState(round=rnd, status=OPEN, opened_at=self._clock(),
+                         reason=f"round {rnd} opened: the job's round state in etcd did "
+                                "not verify (written by an older elasticd, or by someone "
+                                "without the cluster key)")
+        if self._cas_state(new, revision):
+            log.warning("%s: %s", self._where(rnd), new.reason)
 
     def _join(self, rnd: int) -> None:
         """Write our join key for a round once; again only if it vanished (lease lapsed)."""
