@@ -64,8 +64,8 @@ def parse_key(key: str) -> tuple[str, str, int]:
     if not key.startswith(EVENTS + "/"):
         raise ValueError("not under the events prefix")
     parts = key[len(EVENTS) + 1:].split("/")
-    if len(parts) != 3 or not all(map(is_ident, parts[:2])) or not parts[2].isdigit() \
-            or len(parts[2]) > 18:
+    if len(parts) != 3 or not all(map(is_ident, parts[:2])) or not parts[2].isascii() \
+            or not parts[2].isdigit() or len(parts[2]) > 18:
         raise ValueError("expected /v1/events/<job>/<node>/<seq>")
     return parts[0], parts[1], int(parts[2])
 

@@ -178,7 +178,8 @@ class JobsView:
             kind = _KINDS.get((parts[1], len(parts)), Kind.KEY) if len(parts) >= 2 else Kind.KEY
             if kind is Kind.KEY or not is_ident(parts[0]) or (
                     len(parts) >= 3 and not is_ident(parts[-1])) or (
-                    len(parts) == 4 and not (parts[2].isdigit() and len(parts[2]) <= 15)):
+                    len(parts) == 4 and not (parts[2].isascii() and parts[2].isdigit()
+                                             and len(parts[2]) <= 15)):
                 if value is not None:
                     raise Refused(Reason.BAD_KEY, "no daemon writes such a key")
                 return
