@@ -176,7 +176,11 @@ class JobsView:
             parts = key[len(self._prefix) + 1:].split("/") \
                 if key.startswith(self._prefix + "/") else []
             kind = _KINDS.get((parts[1], len(parts)), Kind.KEY) if len(parts) >= 2 else Kind.KEY
-            if kind is Kind.KEY or not is_ident(parts[0]) or (
+            # A spec under any printable id reaches the spec codec, which refuses an id
+            # that is no job id with the same words as a submission (and reports it).
+            named = is_ident(parts[0]) if kind is not Kind.SPEC else \
+                0 < len(parts[0]) <= 253 and parts[0].isprintable()
+            if kind is Kind.KEY or not named or (
                     len(parts) >= 3 and not is_ident(parts[-1])) or (
                     len(parts) == 4 and not (parts[2].isascii() and parts[2].isdigit()
                                              and len(parts[2]) <= 15)):
