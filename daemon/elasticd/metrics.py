@@ -140,6 +140,8 @@ class Metrics:
             "join, done, workers, phases, node, drain, event, spec, key) and reason (unsigned, "
             "bad_mac, replayed, invalid, too_large, too_deep, ...: trust/sealed.Reason)",
             ["kind", "reason"], registry=r)
+        for kind in (Kind.STATE, Kind.JOIN, Kind.NODE, Kind.EVENT):   # ElasticdUnvouched...
+            self.records_rejected.labels(kind.value, Reason.UNSIGNED.value)
         # Series that alerts use exist from the start, so increase() sees the first one.
         for layer in LAYERS:
             for cause in CAUSES:
