@@ -152,10 +152,7 @@ def _fuzz_case(pair: TrainingPair, count: int, seed: int) -> None:
     numbers = _fuzz(pair, count, seed)
     print(f"\nfuzz: {numbers['values']} values ({numbers['bytes'] / 1e6:.1f} MB) put in "
           f"{numbers['seconds']:.1f} s, seed {seed}")
-    for node in ("n1", "n2"):   # each daemon read (and refused) at least the last ones
-        wait_metric(pair, node, lambda r: sum(r.values()) >= count // 4,
-                    f"{node} refusing the fuzz", timeout=60)
-    steady(pair, job, before, 2.0)
+    steady(pair, job, before, 3.0)     # the watches delivered the last values meanwhile
     pair.run_short_job()
     steady(pair, job, before, 0.5)
     for node in ("n1", "n2"):
@@ -164,6 +161,9 @@ def _fuzz_case(pair: TrainingPair, count: int, seed: int) -> None:
             {"n1", "n2"} and nodes["n1"] == nodes["n2"] == "ready", nodes
         st = ctl_json(pair[node], "status", job)
         assert st["state"] == "RUNNING" and st["restarts"] == 0, st
+    for node in ("n1", "n2"):   # each daemon read (and refused) at least the last ones
+        wait_metric(pair, node, lambda r: sum(r.values()) >= count // 4,
+                    f"{node} refusing the fuzz", timeout=60)
         refused = pair.rejected(node)
         print(f"{node} refused: {sum(refused.values()):.0f} "
               f"({', '.join(f'{k}/{r} {v:.0f}' for (k, r), v in sorted(refused.items()))})")
