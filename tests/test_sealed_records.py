@@ -148,64 +148,56 @@ def test_a_closed_rounds_master_address_comes_only_from_its_own_join():
     assert result_for(state, "n1", {"n1": joins["n1"]}).group_rank == 0
 
 
-def test_a_round_whose_first_member_did_not_join_it_is_not_run_but_replaced():
+def alone_in_a_round(store, view, node: str, max_nodes: int):
+    """What ``node``'s next_round returns, alone on the job j1 (None within 10 s)."""
+    limits = JobLimits(min_nodes=1, max_nodes=max_nodes, max_restarts=5, last_call=0.0,
+                       join_timeout=60.0)
+    rdzv = ClusterRendezvous(store, view, "j1", node, "10.0.0.2", 1, lambda: None, limits,
+                             poll=0.05)
+    got, stop = {}, threading.Event()
+    t = threading.Thread(target=lambda: got.setdefault("r", rdzv.next_round(stop)))
+    t.start()
+    t.join(10)
+    stop.set()
+    return got.get("r")
+
+
+@pytest.fixture
+def sealed_view():
+    records, store = sealer(), MemoryStore()
+    view = JobsView(store, records=records, retry=0.1)
+    view.start()
+    assert view.synced.wait(10)
+    yield records, store, view
+    view.stop()
+
+
+def test_a_round_whose_first_member_did_not_join_it_is_not_run_but_replaced(sealed_view):
     """A genuine closed round whose first node's join is gone: the others ask for the
     next round instead of connecting to an address no join vouches for."""
-    records = sealer()
-    store = MemoryStore()
-    view = JobsView(store, records=records, retry=0.1)
-    view.start()
-    try:
-        assert view.synced.wait(10)
-        create_job(store, "j1", {"id": "j1", "nodes": []}, time.time(), records=records)
-        key = "/v1/jobs/j1/state"
-        kv = store.get(key)
-        closed = RoundState(round=1, status=CLOSED, members=(
-            Member("n0", "10.0.0.9", 1, 29500), Member("n2", "10.0.0.2", 1, 29501)))
-        store.compare_and_swap(key, records.seal(Kind.STATE, key, closed.to_json()),
-                               kv.revision)
-        limits = JobLimits(min_nodes=1, max_nodes=2, max_restarts=5, last_call=0.0,
-                           join_timeout=60.0)
-        n2 = ClusterRendezvous(store, view, "j1", "n2", "10.0.0.2", 1, lambda: None, limits,
-                               poll=0.05)
-        got, stop = {}, threading.Event()
-        t = threading.Thread(target=lambda: got.setdefault("r", n2.next_round(stop)))
-        t.start()
-        t.join(10)
-        stop.set()
-        assert "r" in got, "n2 formed no round of its own"
-        assert got["r"].round == 2 and got["r"].members == ("n2",)
-        assert got["r"].master_addr == "10.0.0.2"
-    finally:
-        view.stop()
+    records, store, view = sealed_view
+    create_job(store, "j1", {"id": "j1", "nodes": []}, time.time(), records=records)
+    key = "/v1/jobs/j1/state"
+    closed = RoundState(round=1, status=CLOSED, members=(
+        Member("n0", "10.0.0.9", 1, 29500), Member("n2", "10.0.0.2", 1, 29501)))
+    store.compare_and_swap(key, records.seal(Kind.STATE, key, closed.to_json()),
+                           store.get(key).revision)
+    got = alone_in_a_round(store, view, "n2", max_nodes=2)
+    assert got is not None, "n2 formed no round of its own"
+    assert (got.round, got.members, got.master_addr) == (2, ("n2",), "10.0.0.2")
 
 
-def test_a_job_whose_state_an_older_daemon_wrote_opens_a_new_sealed_round():
+def test_a_job_whose_state_an_older_daemon_wrote_opens_a_new_sealed_round(sealed_view):
     """After an upgrade the round state in etcd is the old version's, unsigned: the
     resumed job does not wait for it forever but opens a new round over it."""
-    records = sealer()
-    store = MemoryStore()
-    view = JobsView(store, records=records, retry=0.1)
-    view.start()
-    try:
-        assert view.synced.wait(10)
-        store.create("/v1/jobs/j1/spec", json.dumps({"id": "j1"}))
-        store.create("/v1/jobs/j1/state", RoundState(round=7, status=CLOSED, members=(
-            Member("n1", "10.0.0.1", 1, 29500),)).to_json())       # unsigned: refused
-        limits = JobLimits(min_nodes=1, max_nodes=1, max_restarts=5, last_call=0.0,
-                           join_timeout=60.0)
-        n1 = ClusterRendezvous(store, view, "j1", "n1", "10.0.0.1", 1, lambda: None, limits,
-                               poll=0.05)
-        got, stop = {}, threading.Event()
-        t = threading.Thread(target=lambda: got.setdefault("r", n1.next_round(stop)))
-        t.start()
-        t.join(10)
-        stop.set()
-        assert "r" in got and got["r"].round == 1 and got["r"].members == ("n1",)
-        assert records.open(Kind.STATE, "/v1/jobs/j1/state",
-                            store.get("/v1/jobs/j1/state").value).doc["status"] == CLOSED
-    finally:
-        view.stop()
+    records, store, view = sealed_view
+    store.create("/v1/jobs/j1/spec", json.dumps({"id": "j1"}))
+    store.create("/v1/jobs/j1/state", RoundState(round=7, status=CLOSED, members=(
+        Member("n1", "10.0.0.1", 1, 29500),)).to_json())       # unsigned: refused
+    got = alone_in_a_round(store, view, "n1", max_nodes=1)
+    assert got is not None and got.round == 1 and got.members == ("n1",)
+    assert records.open(Kind.STATE, "/v1/jobs/j1/state",
+                        store.get("/v1/jobs/j1/state").value).doc["status"] == CLOSED
 
 
 # ---------------------------------------------------------------- the view
