@@ -111,8 +111,10 @@ def setup_ours(n: int, url: str, shared_view: bool):
     from elasticd.rendezvous.protocol import JobLimits
     from elasticd.rendezvous.view import JobsView
     from elasticd.store import open_store
+    from elasticd.trust.sealed import SealedRecords
 
     prefix = f"/bench-{uuid.uuid4().hex[:8]}"
+    records = SealedRecords(os.urandom(32), prefix)   # sealed as the daemons' records are
     job_id = "j" + uuid.uuid4().hex[:7]
     limits = JobLimits(min_nodes=n, max_nodes=n, max_restarts=0, last_call=0.0,
                        join_timeout=3600.0)
@@ -120,7 +122,7 @@ def setup_ours(n: int, url: str, shared_view: bool):
 
     def new_view():
         store = open_store("etcd3", [url], prefix=prefix, timeout=30.0)
-        view = JobsView(store, retry=0.5)
+        view = JobsView(store, records=records, retry=0.5)
         view.start()
         stores.append(store)
         views.append(view)
@@ -138,7 +140,7 @@ def setup_ours(n: int, url: str, shared_view: bool):
     for view in views:
         if not view.synced.wait(30):
             raise RuntimeError("a jobs view did not sync with etcd")
-    create_job(stores[0], job_id, {"id": job_id, "nodes": []}, time.time())
+    create_job(stores[0], job_id, {"id": job_id, "nodes": []}, time.time(), records=records)
     deadline = time.monotonic() + 30
     while not all((k := v.job(job_id)) is not None and k.state is not None for v in views):
         if time.monotonic() > deadline:

@@ -26,9 +26,12 @@ from elasticd.cluster.eventlog import EVENTS, EventLog, event_key, parse_event, 
 from elasticd.jobs.registry import JobRecord, JobRegistry
 from elasticd.jobs.states import JobState
 from elasticd.store import MemoryStore, StoreUnavailable, open_store
+from elasticd.trust import clusterkey
+from elasticd.trust.sealed import PLAIN, Kind, Refused, SealedRecords
 from etcd_cluster import (NO_SPARES_NOBODY_MAY_CALL as NO_SPARES, cluster_daemon, fresh_prefix,
                           wait_for)
 from etcd_server import EtcdServer, etcd_binary
+from daemons import cluster_key_path
 from elasticd.v1 import control_pb2 as pb
 
 PY = sys.executable
@@ -69,8 +72,8 @@ def test_keys_that_are_not_event_keys_are_refused(key):
 
 
 def test_an_event_read_back_carries_its_origin_seq():
-    ev = parse_event(event_key("j1", "n2", 7), json.dumps(good_event(layer="process",
-                                                                     duration_seconds=1.5)))
+    ev = parse_event(event_key("j1", "n2", 7), json.dumps(good_event(
+        layer="process", duration_seconds=1.5)), PLAIN)
     assert ev == {**good_event(layer="process", duration_seconds=1.5), "origin_seq": 7}
     assert not shared(ev, "n2"), "an imported event is never published again"
     assert shared(good_event(seq=3), "n2") and not shared(good_event(seq=3), "n1")
@@ -85,8 +88,8 @@ def test_an_event_read_back_carries_its_origin_seq():
     json.dumps(good_event(layer=5)),
 ])
 def test_garbage_event_values_are_refused(value):
-    with pytest.raises(ValueError):
-        parse_event(event_key("j1", "n2", 7), value)
+    with pytest.raises(Refused):
+        parse_event(event_key("j1", "n2", 7), value, PLAIN)
 
 
 @pytest.fixture
@@ -99,7 +102,8 @@ def registry(tmp_path):
 def test_importing_the_same_events_again_adds_nothing_even_after_a_restart(registry, tmp_path):
     heard = []
     registry.listeners.append(heard.append)
-    evs = [parse_event(event_key("j1", "n2", s), json.dumps(good_event())) for s in (3, 4)]
+    evs = [parse_event(event_key("j1", "n2", s), json.dumps(good_event()), PLAIN)
+           for s in (3, 4)]
     woke = threading.Event()
 
     def wait():
@@ -141,6 +145,9 @@ class FlakyStore(MemoryStore):
         return super().put(key, value, lease)
 
 
+RECORDS = SealedRecords(b"k" * 32, "/elasticd")   # one cluster key for the nodes here
+
+
 def node(root, node_id: str, store, keep: int = 1000):
     """(cfg, registry, EventLog) of one in-process node on ``store``."""
     state = os.path.join(root, node_id)
@@ -148,7 +155,7 @@ def node(root, node_id: str, store, keep: int = 1000):
         "daemon.node_id": node_id, "daemon.state_dir": state, "daemon.socket": "/tmp/x.sock",
         "events.retry": 0.05, "events.keep_per_job": keep, "membership.watch_retry": 0.05})
     reg = JobRegistry(state, node_id)
-    return cfg, reg, EventLog(cfg, store, reg)
+    return cfg, reg, EventLog(cfg, store, reg, records=RECORDS)
 
 
 def job(reg: JobRegistry, job_id: str = "j1") -> None:
@@ -178,7 +185,7 @@ def test_events_of_one_node_reach_the_other_and_a_restart_repeats_none(tmp_path)
     # A transition while both are down; both restart: a publishes only what is
     # new, b imports only what is new.
     ra.transition("j1", JobState.SUCCEEDED, "done")
-    la, lb = EventLog(ca, store, ra), EventLog(cb, store, rb)
+    la, lb = EventLog(ca, store, ra, records=RECORDS), EventLog(cb, store, rb, records=RECORDS)
     la.start(), lb.start()
     try:
         wait_for(lambda: moves(rb, "a")[-1:] == [("a", "SUCCEEDED")], 5, what="the new event")
@@ -345,11 +352,14 @@ def test_a_daemon_restart_duplicates_no_mirrored_event(pair):
     assert summary(ctl_events(n2, job)) == summary(other)
 
 
-GARBAGE = {
+GARBAGE = {  # sealed with the cluster key where marked (the test holds it), the rest not
     "/v1/events/zz/n9/000000000001": "{not json",
-    "/v1/events/zz/n9/000000000002": json.dumps(good_event(job_id="zz", node_id="n9",
-                                                          to_state="EXPLODED")),
-    "/v1/events/zz/n9/000000000003": json.dumps(good_event(job_id="zz", node_id="n8")),
+    "/v1/events/zz/n9/000000000002": ("sealed", json.dumps(good_event(
+        job_id="zz", node_id="n9", to_state="EXPLODED"))),
+    "/v1/events/zz/n9/000000000003": ("sealed", json.dumps(good_event(job_id="zz",
+                                                                      node_id="n8"))),
+    "/v1/events/zz/n9/000000000006": json.dumps(good_event(job_id="zz", node_id="n9",
+                                                          reason="forged")),
     "/v1/events/zz/n9/x": json.dumps(good_event(job_id="zz", node_id="n9")),
     "/v1/events/zz": "[]",
     "/v1/events/zz/n9/000000000004/deeper": "{}",
@@ -361,23 +371,29 @@ def test_garbage_under_the_events_prefix_does_not_break_the_stream(pair, etcd):
     n1, n2, prefix = pair
     follow = Following(n1)
     store = open_store("etcd3", etcd.endpoints, prefix=prefix)
+    records = SealedRecords(clusterkey.load(cluster_key_path()).records, prefix)
     try:
         for key, value in GARBAGE.items():
-            store.put(key, value)
-        # One well-formed event from a node that does not exist: shown, with its node.
-        store.put("/v1/events/zz/n9/000000000005",
-                  json.dumps(good_event(job_id="zz", node_id="n9", reason="from n9")))
+            store.put(key, records.seal(Kind.EVENT, key, value[1])
+                      if isinstance(value, tuple) else value)
+        # One well-formed event, sealed, from a node that does not exist: shown, with its node.
+        key = "/v1/events/zz/n9/000000000005"
+        store.put(key, records.seal(Kind.EVENT, key, json.dumps(good_event(
+            job_id="zz", node_id="n9", reason="from n9"))))
         job = n2.ctl("submit", "--nodes", "n2", "--", PY, "-c", "pass").stdout.strip()
         n2.wait_job(job, 60)
         wait_for(lambda: any(job in ln and "node n2" in ln and "SUCCEEDED" in ln
                              for ln in follow.lines), 15, what="n2's job in n1's events -f")
         assert any("from n9" in ln and "node n9" in ln for ln in follow.lines), follow.lines
+        assert not any("forged" in ln for ln in follow.lines), follow.lines
         assert follow.proc.poll() is None, "the stream must go on"
     finally:
         err = follow.stop()
         store.close()
     assert "EXPLODED" not in err and "Traceback" not in err, err
-    assert "ignoring /" in n1.log() and "000000000002" in n1.log()
+    log = n1.log()
+    assert "refused the event record at '/v1/events/zz/n9/000000000002'" in log, log
+    assert "000000000006' in etcd (unsigned)" in log, log
     assert n1.ctl("events").returncode == 0
 
 

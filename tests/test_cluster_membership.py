@@ -17,6 +17,7 @@ import pytest
 from elasticctl import cli
 from elasticd.cluster.membership import parse_node
 from elasticd.store import open_store
+from elasticd.trust.sealed import PLAIN
 from etcd_cluster import (DEFAULT_TTL, cluster_daemon, ctl_json, fresh_prefix, states,
                           submit_on, wait_for)
 from etcd_server import EtcdServer, etcd_binary
@@ -212,13 +213,13 @@ GARBAGE_AFTER = {  # written while they run: met by their watches
     {"node_id": "n1", "slots": True}, {"node_id": "n1", "started_at": "yesterday"},
     {"node_id": "n1", "host": ["h"]}, {"node_id": "n2"}, {"node_id": 1}, [], "n1", None])
 def test_parse_node_refuses_what_a_reader_would_trip_on(record):
-    assert parse_node("/v1/nodes/n1", json.dumps(record)) is None
+    assert parse_node("/v1/nodes/n1", json.dumps(record), PLAIN) is None
 
 
 def test_parse_node_takes_a_full_record_and_unknown_fields():
     record = {"node_id": "n1", "host": "h", "address": "10.0.0.1", "slots": 8, "slots_free": 2,
               "version": "0.1.0", "started_at": 1.5, "pid": 42, "jobs": ["j1"], "new": {}}
-    assert parse_node("/v1/nodes/n1", json.dumps(record)) == record
+    assert parse_node("/v1/nodes/n1", json.dumps(record), PLAIN) == record
 
 
 def test_garbage_under_the_prefix_is_skipped(daemon_factory, etcd, prefix):
@@ -240,7 +241,7 @@ def test_garbage_under_the_prefix_is_skipped(daemon_factory, etcd, prefix):
         job_id = submit_on(a, "/bin/true")
         job = a.wait_job(job_id, timeout=30)
         assert job.state == pb.SUCCEEDED, job
-        assert "ignoring" in a.log()  # logged, not silently swallowed
+        assert "refused the node record" in a.log()  # logged, not silently swallowed
         for d in (a, b):
             assert d.proc.poll() is None, d.log()
             assert "Traceback" not in d.log(), d.log()

@@ -138,6 +138,17 @@ def test_the_first_rejection_of_each_kind_is_told_once():
         {"kind": "forged", "record": "x" * 40}
 
 
+@pytest.mark.parametrize("line", [
+    b"[" * 50000, b'{"kind": "restart", "iteration": 1e999}',
+    b'{"kind": "restart", "iteration": 1, "fault_time": NaN}',
+    b'{"kind": "restart", "iteration": ' + b"9" * 100 + b"}",
+    b'{"kind": "restart", "iteration": "1"}', b"\xff{}", b'{"kind": "restart"}'])
+def test_a_report_line_a_rank_could_write_is_a_record_or_none(line):
+    """The report file is the job's: its lines are the user's word (issue 29)."""
+    from elasticd.workers.inprocess_reports import parse_line
+    assert parse_line(line) is None
+
+
 def test_the_store_names_neither_the_secret_nor_the_record_key():
     prefix = jobstore_env.key_prefix(SECRET, "0", "0")
     assert SECRET not in prefix and jobstore_env.record_key(SECRET).hex() not in prefix

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from elasticd.cluster.membership import LeaseKeeper
 from elasticd.store import StoreUnavailable, open_store
+from elasticd.trust.sealed import PLAIN
 
 
 class Flaky:
@@ -32,7 +33,8 @@ def test_first_retry_after_a_failed_refresh_goes_at_once():
     store = Flaky(open_store("memory"))
     info = {"node_id": "n1", "host": "h", "address": "10.0.0.1", "slots": 1, "version": "t",
             "pid": 1, "state": "ready"}
-    keeper = LeaseKeeper(store, "n1", ttl=3, interval=1.0, info=lambda: dict(info))
+    keeper = LeaseKeeper(store, "n1", ttl=3, interval=1.0, info=lambda: dict(info),
+                         records=PLAIN)
     keeper.register()
     assert keeper.tick() == "refreshed the lease" and keeper._next_wait() == 1.0
     store.down = True
@@ -53,7 +55,8 @@ def test_refreshes_leave_every_interval_however_long_each_takes():
     store = Flaky(open_store("memory"))
     info = {"node_id": "n1", "host": "h", "address": "10.0.0.1", "slots": 1, "version": "t",
             "pid": 1, "state": "ready"}
-    keeper = LeaseKeeper(store, "n1", ttl=3, interval=1.0, info=lambda: dict(info))
+    keeper = LeaseKeeper(store, "n1", ttl=3, interval=1.0, info=lambda: dict(info),
+                         records=PLAIN)
     keeper.register()
     assert keeper.tick() == "refreshed the lease"
     assert keeper._next_wait(took=0.75) == 0.25

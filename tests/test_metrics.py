@@ -169,6 +169,7 @@ def test_labels_stay_bounded(faulted):
     allowed = {"to_state", "state", "layer", "cause", "operation", "error", "method", "code",
                "le", "version", "node_id", "store",
                "reason",  # elasticd_cluster_specs_rejected_total: one of RejectReason
+               "kind",  # elasticd_etcd_records_rejected_total: trust/sealed.Kind (+ Reason)
                "path",  # elasticd_rank_starts_total: template | spare | cold (StartPath)
                "result"}  # elasticd_gpu_health_checks_total: ok | failed
     for family in text_string_to_metric_families(text):

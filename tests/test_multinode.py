@@ -688,6 +688,8 @@ class InProcessNode:
         from elasticd.jobs.scheduler import JobManager
         from elasticd.rendezvous.view import JobsView
         from elasticd.store import MemoryStore
+        from elasticd.trust.clusterkey import ephemeral
+        from elasticd.trust.specs import SpecCodec
 
         self.cfg = load(None, env={}, overrides={
             "daemon.standalone": True, "daemon.node_id": node_id, "daemon.slots": 4,
@@ -696,7 +698,9 @@ class InProcessNode:
         self.root = root
         self.store = MemoryStore()
         self.registry = JobRegistry(self.cfg.daemon.state_dir, node_id)
-        self.view = JobsView(self.store, retry=0.2)
+        self.codec = SpecCodec(ephemeral(), self.cfg.control)
+        self.view = JobsView(self.store, records=self.codec.records, retry=0.2,
+                             open_spec=self.codec.open)
         self.view.start()
         node = self
 
@@ -709,7 +713,8 @@ class InProcessNode:
                 return {}
 
         self.cluster = FakeCluster()
-        self.manager = JobManager(self.cfg, self.registry, self.cluster, self.view)
+        self.manager = JobManager(self.cfg, self.registry, self.cluster, self.view,
+                                  codec=self.codec)
         self.dispatcher = Dispatcher(self.cfg, self.view, self.registry, self.manager,
                                      self.cluster)
 
@@ -784,6 +789,7 @@ def test_named_submit_is_not_refused_because_of_itself(tmp_short):
 
 def test_an_agent_crash_ends_the_job_cluster_wide(tmp_short, monkeypatch):
     from elasticd.rendezvous.protocol import RoundState
+    from elasticd.trust.sealed import Kind
     from elasticd.jobs.states import JobState
 
     node = InProcessNode(tmp_short)
@@ -799,8 +805,9 @@ def test_an_agent_crash_ends_the_job_cluster_wide(tmp_short, monkeypatch):
         rec = node.submit(PY, "-c", "import time; time.sleep(30)")
         final = node.wait_end(rec.id)
         assert final.state.value == "FAILED" and "injected bug" in final.reason
-        kv = node.store.get(f"/v1/jobs/{rec.id}/state")
-        state = RoundState.from_json(kv.value)
+        key = f"/v1/jobs/{rec.id}/state"
+        state = RoundState.from_doc(node.codec.records.open(
+            Kind.STATE, key, node.store.get(key).value).doc)
         assert state.final, f"the store still says {state.status}: other nodes never hear of it"
     finally:
         node.close()
@@ -813,6 +820,7 @@ def test_a_round_costs_one_join_write_per_node_and_one_close(etcd):
     from elasticd.rendezvous.protocol import JobLimits
     from elasticd.rendezvous.view import JobsView
     from elasticd.store import open_store
+    from elasticd.trust.sealed import PLAIN
 
     import threading
 
@@ -836,7 +844,7 @@ def test_a_round_costs_one_join_write_per_node_and_one_close(etcd):
     try:
         for i in range(n):
             store = open_store("etcd3", [etcd.url], prefix=prefix, timeout=30.0)
-            view = JobsView(store, retry=0.5)
+            view = JobsView(store, records=PLAIN, retry=0.5)
             view.start()
             stores.append(store)
             views.append(view)
@@ -847,7 +855,8 @@ def test_a_round_costs_one_join_write_per_node_and_one_close(etcd):
                                            (lambda lease=lease: lease), limits, poll=0.5))
         for v in views:
             assert v.synced.wait(30)
-        create_job(stores[0], job_id, {"id": job_id, "nodes": []}, time.time())
+        create_job(stores[0], job_id, {"id": job_id, "nodes": []}, time.time(),
+                   records=PLAIN)
         wait_for(lambda: all((k := v.job(job_id)) is not None and k.state is not None
                              for v in views), 30, "every view to see the job")
         pool = concurrent.futures.ThreadPoolExecutor(n)

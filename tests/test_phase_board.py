@@ -241,14 +241,16 @@ def test_records_cross_the_store_and_garbage_from_a_peer_is_ignored_and_counted(
     from elasticd.rendezvous.protocol import JobLimits
     from elasticd.rendezvous.view import JobsView
     from elasticd.store import open_store
+    from elasticd.trust.refusals import Refusals
+    from elasticd.trust.sealed import Kind, SealedRecords
 
     store = open_store("memory")
-    bad = []
-    view = JobsView(store, retry=0.1, on_bad_phases=lambda: bad.append(1))
+    records, refusals = SealedRecords(b"k" * 32, "/elasticd"), Refusals("test")
+    view = JobsView(store, records=records, retry=0.1, refusals=refusals)
     view.start()
     try:
         assert view.synced.wait(10)
-        create_job(store, "j1", {"name": "j1"}, 0.0)   # a job's keys live with its spec
+        create_job(store, "j1", {"name": "j1"}, 0.0, records=records)  # keys live with a spec
         lease = store.grant_lease(60)
         limits = JobLimits(min_nodes=2, max_nodes=2, max_restarts=1, last_call=0.0,
                            join_timeout=60.0)
@@ -258,12 +260,17 @@ def test_records_cross_the_store_and_garbage_from_a_peer_is_ignored_and_counted(
         wait = lambda pred: [view.wait(0.2) for _ in range(50) if not pred()]  # noqa: E731
         wait(lambda: view.phases("j1"))
         assert view.phases("j1")["n2"][0] == rec
-        store.put("/v1/jobs/j1/phases/n3", "x" * (RECORD_MAX + 1))          # huge
-        store.put("/v1/jobs/j1/phases/n4", rec.to_json())                  # another node's
-        store.put("/v1/jobs/j1/phases/n5", '{"v":1,"node":"n5","round":1,"ranks":[[0,"train",'
-                                           '1,1,"slow"]],"learned":[]}')   # a bad field
-        wait(lambda: len(bad) >= 3)
-        assert len(bad) == 3 and view.bad_phase_records == 3
+
+        def sealed(key: str, text: str) -> None:   # as a daemon of the cluster writes it
+            store.put(key, records.seal(Kind.PHASES, key, text))
+        store.put("/v1/jobs/j1/phases/n3", "x" * (64 * 1024))             # huge
+        sealed("/v1/jobs/j1/phases/n4", rec.to_json())                    # another node's
+        sealed("/v1/jobs/j1/phases/n5", '{"v":1,"node":"n5","round":1,"ranks":[[0,"train",'
+                                        '1,1,"slow"]],"learned":[]}')     # a bad field
+        store.put("/v1/jobs/j1/phases/n6", rec.to_json().replace("n2", "n6"))  # unsigned
+        wait(lambda: sum(refusals.counts.values()) >= 4)
+        assert refusals.counts == {("phases", "too_large"): 1, ("phases", "invalid"): 2,
+                                   ("phases", "unsigned"): 1}, refusals.counts
         assert set(view.phases("j1")) == {"n2"}
         n2.delete_phases()
         wait(lambda: not view.phases("j1"))

@@ -33,6 +33,12 @@ def open_round(rnd: int = 1, expected: tuple = (), restarts: int = 0) -> RoundSt
                       opened_at=100.0)
 
 
+def own_joins(state: RoundState) -> dict:
+    """The joins the members of ``state`` wrote for its round (what a node runs it from)."""
+    return {m.node_id: Join(m.node_id, m.address, m.nproc, m.port, store_port=m.store_port,
+                            hosted=m.hosted) for m in state.members}
+
+
 def closed(members: list[Member], rnd: int = 1, restarts: int = 0) -> RoundState:
     return RoundState(round=rnd, status=CLOSED, members=tuple(members), restarts=restarts)
 
@@ -260,19 +266,20 @@ def test_survivors_keep_relative_order_after_a_loss():
     members = order_members(js)
     assert [m.node_id for m in members] == ["c", "e"]
     state = closed(list(members), rnd=2)
-    assert result_for(state, "c").group_rank == 0
-    assert result_for(state, "e").group_rank == 1
+    assert result_for(state, "c", own_joins(state)).group_rank == 0
+    assert result_for(state, "e", own_joins(state)).group_rank == 1
 
 
 def test_ranks_stable_across_a_scale_up_round():
     # Round 1 closed with b, a (b first); a newcomer "0" (smallest id) joins round 2.
     r1 = closed([Member("b", "hb", 2, 1), Member("a", "ha", 2, 2)], rnd=1)
-    prev = {n: result_for(r1, n).group_rank for n in ("a", "b")}
+    prev = {n: result_for(r1, n, own_joins(r1)).group_rank for n in ("a", "b")}
     new, _ = decide(open_round(rnd=2, expected=("0", "a", "b")),
                     joins("0", "a", "b", nproc=2, prev=prev), now=0.0)
     assert new.member_ids() == ["b", "a", "0"]
     for node in ("a", "b"):
-        assert result_for(new, node).rank_offset == result_for(r1, node).rank_offset
+        assert result_for(new, node, own_joins(new)).rank_offset == \
+            result_for(r1, node, own_joins(r1)).rank_offset
 
 
 def test_order_members_carries_address_nproc_and_port():
@@ -291,7 +298,7 @@ def test_decider_is_the_smallest_joined_id():
 def test_result_for_offsets_world_and_master():
     state = closed([Member("x", "10.0.0.9", 2, 29500), Member("y", "10.0.0.8", 3, 29501),
                     Member("z", "10.0.0.7", 1, 29502)], rnd=7)
-    rx, ry, rz = (result_for(state, n) for n in ("x", "y", "z"))
+    rx, ry, rz = (result_for(state, n, own_joins(state)) for n in ("x", "y", "z"))
     assert [r.group_rank for r in (rx, ry, rz)] == [0, 1, 2]
     assert [r.rank_offset for r in (rx, ry, rz)] == [0, 2, 5]
     assert {r.world_size for r in (rx, ry, rz)} == {6}
@@ -307,17 +314,17 @@ def test_every_global_rank_exactly_once():
     state = closed(members)
     ranks = []
     for m in members:
-        r = result_for(state, m.node_id)
+        r = result_for(state, m.node_id, own_joins(state))
         ranks += range(r.rank_offset, r.rank_offset + m.nproc)
     assert sorted(ranks) == list(range(10))
 
 
 def test_result_for_a_non_member_or_an_open_round_is_none():
     state = closed([Member("a", "h", 1, 1)])
-    assert result_for(state, "b") is None
-    assert result_for(open_round(), "a") is None
+    assert result_for(state, "b", own_joins(state)) is None
+    assert result_for(open_round(), "a", {}) is None
     done = RoundState(round=1, status=SUCCEEDED, members=(Member("a", "h", 1, 1),))
-    assert result_for(done, "a") is None
+    assert result_for(done, "a", own_joins(done)) is None
 
 
 # ------------------------------------------------------------- records
@@ -348,13 +355,14 @@ def test_the_first_members_job_store_is_the_rounds_and_an_old_record_still_reads
     state = RoundState(round=2, status=CLOSED, members=order_members(joins))
     state = RoundState.from_json(state.to_json())
     for node in ("a", "b"):
-        r = result_for(state, node)
+        r = result_for(state, node, own_joins(state))
         assert (r.store_addr, r.store_port) == ("10.0.0.1", 41000)
     # A join or member written before the store port existed reads as "no store".
     old = json.dumps({"node_id": "a", "address": "x", "nproc": 1, "port": 1})
     assert Join.from_json(old).store_port == 0
     noone = RoundState(round=1, status=CLOSED, members=(Member("b", "y", 1, 2),))
-    assert result_for(noone, "b").store_port == 0 and result_for(noone, "b").store_addr == ""
+    got = result_for(noone, "b", own_joins(noone))
+    assert got.store_port == 0 and got.store_addr == ""
 
 
 def test_a_final_round_status_ends_the_job_in_one_job_state_on_every_node():
@@ -436,7 +444,7 @@ def test_a_hosted_master_port_reaches_every_node_and_old_records_read_as_not_hos
     state = RoundState.from_json(RoundState(round=2, status=CLOSED,
                                             members=order_members(js)).to_json())
     for node in ("a", "b"):
-        r = result_for(state, node)
+        r = result_for(state, node, own_joins(state))
         assert (r.master_addr, r.master_port, r.master_hosted) == ("10.0.0.1", 41000, True)
     assert Join.from_json(js[0].to_json()).hosted is True
     old = json.dumps({"node_id": "a", "address": "x", "nproc": 1, "port": 1})
@@ -444,7 +452,7 @@ def test_a_hosted_master_port_reaches_every_node_and_old_records_read_as_not_hos
     odd = json.dumps({"node_id": "a", "address": "x", "nproc": 1, "port": 1, "hosted": "yes"})
     assert Join.from_json(odd).hosted is False  # only a JSON true counts
     plain = RoundState(round=1, status=CLOSED, members=(Member("b", "y", 1, 2),))
-    assert result_for(plain, "b").master_hosted is False
+    assert result_for(plain, "b", own_joins(plain)).master_hosted is False
 
 
 def test_a_member_field_from_a_newer_release_is_ignored():

@@ -16,6 +16,7 @@ from elasticd.rendezvous.round import ClusterRendezvous, create_job
 from elasticd.rendezvous.protocol import JobLimits
 from elasticd.rendezvous.view import JobsView
 from elasticd.store import StoreUnavailable, open_store
+from elasticd.trust.sealed import PLAIN
 
 
 class CutOff:
@@ -24,6 +25,7 @@ class CutOff:
 
     def __init__(self, store, view: JobsView):
         self.store, self.view = store, view
+        self.records = view.records
         self.cut = False
         self._snapshot: dict = {}
         self._revision = 0
@@ -73,7 +75,7 @@ def next_round_as_the_agent(p: ClusterRendezvous, stop: threading.Event):
 
 def test_a_node_cut_off_from_etcd_does_not_run_its_last_round_again():
     store = open_store("memory")
-    view = JobsView(store, retry=0.1)
+    view = JobsView(store, records=PLAIN, retry=0.1)
     view.start()
     assert view.synced.wait(10)
     limits = JobLimits(min_nodes=2, max_nodes=2, max_restarts=5, last_call=0.0,
@@ -85,7 +87,7 @@ def test_a_node_cut_off_from_etcd_does_not_run_its_last_round_again():
                           poll=0.05)
     stop = threading.Event()
     try:
-        create_job(store, "j1", {"id": "j1", "nodes": []}, time.time())
+        create_job(store, "j1", {"id": "j1", "nodes": []}, time.time(), records=PLAIN)
         got = {}
         threads = [threading.Thread(target=lambda p=p: got.__setitem__(p.node_id,
                                                                          p.next_round(stop)))

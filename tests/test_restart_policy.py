@@ -168,15 +168,16 @@ def test_the_window_is_counted_cluster_wide_whichever_node_restarts(tmp_path):
     from elasticd.rendezvous.protocol import CLOSED, Member, Result
     from elasticd.rendezvous.view import JobsView
     from elasticd.store import MemoryStore
+    from elasticd.trust.sealed import PLAIN
 
     store = MemoryStore()
-    view = JobsView(store, retry=0.2)
+    view = JobsView(store, records=PLAIN, retry=0.2)
     view.start()
     limits = JobLimits(min_nodes=2, max_nodes=2, max_restarts=-1, last_call=0.0,
                        join_timeout=30.0, max_restarts_in_window=2, restart_window=3600.0)
     key = "/v1/jobs/w1/state"
     try:
-        create_job(store, "w1", {"id": "w1", "nodes": []}, time.time())
+        create_job(store, "w1", {"id": "w1", "nodes": []}, time.time(), records=PLAIN)
         nodes = {n: ClusterRendezvous(store, view, "w1", n, "127.0.0.1", 1, lambda: None,
                                       limits) for n in ("n1", "n2")}
 

@@ -15,6 +15,7 @@ from elasticd.rendezvous.protocol import FAILED, JobLimits, RoundCause
 from elasticd.rendezvous.status import StatusKind
 from elasticd.rendezvous.view import JobsView
 from elasticd.store import open_store
+from elasticd.trust.sealed import PLAIN
 
 LIMITS = JobLimits(min_nodes=2, max_nodes=3, max_restarts=5, last_call=0.0, join_timeout=60.0)
 
@@ -34,14 +35,15 @@ class Pair:
 
     def __init__(self):
         self.store = open_store("memory")
-        self.view = JobsView(self.store, retry=0.1)
+        self.view = JobsView(self.store, records=PLAIN, retry=0.1)
         self.view.start()
         assert self.view.synced.wait(10)
         self.leases = {n: self.store.grant_lease(60) for n in "abc"}
         self.nodes = {n: ClusterRendezvous(self.store, self.view, "j1", n, f"10.0.0.{i}", 1,
                                            lambda n=n: self.leases[n], LIMITS, poll=0.05)
                       for i, n in enumerate("abc", 1)}
-        create_job(self.store, "j1", {"id": "j1", "nodes": ["a", "b"]}, time.time())
+        create_job(self.store, "j1", {"id": "j1", "nodes": ["a", "b"]}, time.time(),
+                   records=PLAIN)
         self.results = self.join("a", "b")
 
     def join(self, *names):

@@ -43,3 +43,18 @@ def test_a_malformed_line_fails_the_template_and_nothing_else():
     t.state = TemplateState.READY
     t._message(b"{not json")
     assert t.state is TemplateState.FAILED and "malformed" in t.reason
+
+
+def test_hostile_lines_fail_the_template_and_never_raise():
+    """Issue 29: '[' * 50000 raised RecursionError out of _message (it caught only
+    ValueError), and so did a wait status no wait() returns, into the agent's pump."""
+    for line in (b"[" * 50000, b'{"a":' * 5000 + b"1" + b"}" * 5000, b'{"exit": 1e999}',
+                 b'{"exit": NaN, "status": 0}', b"\xff\xfe", b'{"n": ' + b"9" * 5000 + b"}"):
+        t = WorkerTemplate("j")
+        t.state = TemplateState.READY
+        t._message(line)
+        assert t.state is TemplateState.FAILED and "malformed" in t.reason, line[:20]
+    t = WorkerTemplate("j")
+    said(t, {"exit": 4242, "status": 10 ** 30}, {"exit": 10 ** 30, "status": 0},
+         {"exit": -1, "status": 0}, {"exit": 4243, "status": -5})
+    assert t._statuses == {}

@@ -25,6 +25,7 @@ from . import __version__, statedir
 from .control.auth import CredentialServer, TokenIssuer
 from .cluster.node import Cluster, ClusterStartError, open_cluster_store
 from .trust.clusterkey import ClusterKeyError
+from .trust.refusals import Refusals
 from .trust.specs import ClusterPolicy, codec_for
 from .config import Config, socket_gid
 from .control.server import ControlServer
@@ -113,15 +114,19 @@ class Daemon:
         store = metrics.timed_store(store)  # metrics: store request latency and errors
         # Every spec read from etcd is verified, decrypted and checked as it
         # enters the view (trust/specs.py); a refused one never reads as a job.
-        view = JobsView(store, retry=cfg.membership.watch_retry, open_spec=self.codec.open,
-                        on_bad_phases=metrics.phase_records_rejected.inc)
+        # Every other record is sealed with the cluster key too (trust/sealed.py):
+        # one that does not verify is counted, logged once and never acted on.
+        records = self.codec.records
+        refusals = Refusals(ctx(node=d.node_id), metrics.record_rejected)
+        view = JobsView(store, records=records, retry=cfg.membership.watch_retry,
+                        open_spec=self.codec.open, refusals=refusals)
         policy = ClusterPolicy.from_settings(cfg.cluster)
         inventory = _gpu_inventory(cfg)
         suspicion = SuspectTracker(d.node_id, d.suspect_window, d.suspect_jobs)
         suspicion.remember(registry.recent_events(   # no agent runs yet: nothing in between
             "worker_exit", d.node_id, time.time() - d.suspect_window, SUSPECT_REMEMBERED))
         registry.subscribe(suspicion.on_event)
-        cluster = Cluster(cfg, store)
+        cluster = Cluster(cfg, store, records=records, refusals=refusals)
         health = HealthGate(
             cfg, inventory, registry,
             lambda why: cluster.set_drain(d.node_id, True, "elasticd: " + why[:200]),
@@ -150,7 +155,7 @@ class Daemon:
         watches = [view, cluster]
         events = None
         if not d.standalone and cfg.events.share:  # one node has nobody to share with
-            events = EventLog(cfg, store, registry)
+            events = EventLog(cfg, store, registry, records=records, refusals=refusals)
             events.start()
             stops.callback(events.stop)
             watches.append(events)

@@ -38,6 +38,7 @@ from .jobs.registry import JobNotFound, JobRecord
 from .agent.ladder import Layer
 from .jobs.records import Failure
 from .trust.rejections import RejectReason
+from .trust.sealed import Kind, Reason
 from .agent.restartpolicy import RestartWindow
 from .jobs.states import LIVE_STATES, TERMINAL_STATES, JobState, WorkerState
 from .workers.template import StartPath
@@ -132,6 +133,14 @@ class Metrics:
             "elasticd_phase_records_rejected_total",
             "Other nodes' phase records (jobs across nodes) read from etcd and refused as "
             "malformed or oversized", registry=r)
+        self.records_rejected = Counter(  # trust/refusals.py
+            "elasticd_etcd_records_rejected_total",
+            "Records read from etcd that this node refused and never acted on, by kind (state, "
+            "join, done, workers, phases, node, drain, event, spec, key) and reason (unsigned, "
+            "bad_mac, replayed, invalid, too_large, too_deep, ...: trust/sealed.Reason)",
+            ["kind", "reason"], registry=r)
+        for kind in (Kind.STATE, Kind.JOIN, Kind.NODE, Kind.EVENT):   # ElasticdUnvouched...
+            self.records_rejected.labels(kind.value, Reason.UNSIGNED.value)
         # Series that alerts use exist from the start, so increase() sees the first one.
         for layer in LAYERS:
             for cause in CAUSES:
@@ -194,6 +203,12 @@ class Metrics:
     # -- registry events (called under the registry's lock) --------------------
     def spec_rejected(self, reason: str) -> None:
         self.specs_rejected.labels(RejectReason(reason).value).inc()
+
+    def record_rejected(self, kind: str, reason: str) -> None:
+        """A record from etcd refused (trust/refusals.py: both labels from its enums)."""
+        self.records_rejected.labels(Kind(kind).value, Reason(reason).value).inc()
+        if kind == Kind.PHASES.value:
+            self.phase_records_rejected.inc()
 
     def _on_event(self, ev: dict) -> None:
         if ev["kind"] == "start" and ev.get("start_path") in _START_PATHS:

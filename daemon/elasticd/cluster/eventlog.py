@@ -20,8 +20,11 @@ that runs on several nodes a user on one node must see the others' too
 * mirror: a ``Follower`` lists, then watches, ``/v1/events/`` and imports
   the other nodes' events into the local registry
   (``JobRegistry.import_events``, idempotent on node and origin seq), so
-  ``Events`` and its ``after_seq`` keep working on local seqs. Keys that do
-  not parse are logged once and skipped.
+  ``Events`` and its ``after_seq`` keep working on local seqs.
+
+Each event is sealed with the cluster key, bound to its key (job, node and
+seq: trust/sealed.py); one that does not verify or does not check is
+counted, logged once (trust/refusals.py) and never imported.
 
 Standalone daemons (one node, in-memory store) run none of this.
 """
@@ -38,6 +41,9 @@ from ..agent.restartpolicy import RestartRule
 from ..jobs.states import JobState
 from ..store import EVENT_PUT, Store, StoreError
 from ..store.follow import Follower
+from ..trust.fields import is_ident, is_real
+from ..trust.refusals import Refusals
+from ..trust.sealed import Kind, Reason, Refused
 
 log = logging.getLogger("elasticd.cluster.eventlog")
 
@@ -46,6 +52,7 @@ _STATES = frozenset(s.value for s in JobState) | {""}
 _TEXT = ("job_id", "kind", "from_state", "to_state", "reason", "node_id")
 _INTS = ("round", "rank", "restart")
 _RULES = frozenset(r.value for r in RestartRule)
+_MAX_TEXT = 16 * 1024     # characters of an event's text field (a reason: cut when written)
 
 
 def event_key(job_id: str, node_id: str, seq: int) -> str:
@@ -57,41 +64,51 @@ def parse_key(key: str) -> tuple[str, str, int]:
     if not key.startswith(EVENTS + "/"):
         raise ValueError("not under the events prefix")
     parts = key[len(EVENTS) + 1:].split("/")
-    if len(parts) != 3 or not all(parts) or not parts[2].isdigit():
+    if len(parts) != 3 or not all(map(is_ident, parts[:2])) or not parts[2].isascii() \
+            or not parts[2].isdigit() or len(parts[2]) > 18:
         raise ValueError("expected /v1/events/<job>/<node>/<seq>")
     return parts[0], parts[1], int(parts[2])
 
 
-def parse_event(key: str, value: str | None) -> dict:
-    """The event stored at ``key``, checked, as the registry stores it (with
-    ``origin_seq``); ValueError for anything that is not a well-formed event
-    whose job and node are the key's."""
+def parse_event(key: str, value: str | None, records) -> dict:
+    """The event stored at ``key``, verified (``records``: trust/sealed.py) and
+    checked, as the registry stores it (with ``origin_seq``); Refused for anything
+    that is not a genuine, well-formed event whose job and node are the key's."""
+    try:
+        parse_key(key)
+    except ValueError as exc:
+        raise Refused(Reason.BAD_KEY, str(exc)) from None
+    data = records.open(Kind.EVENT, key, value).doc
+    try:
+        return _event_fields(key, data)
+    except ValueError as exc:
+        raise Refused(Reason.INVALID, str(exc)) from None
+
+
+def _event_fields(key: str, data: dict) -> dict:
     job_id, node_id, seq = parse_key(key)
-    data = json.loads(value or "")
-    if not isinstance(data, dict):
-        raise ValueError("event is not an object")
     try:
         ev = {name: data[name] for name in _TEXT}
         ev.update({name: data[name] for name in _INTS})
         ev["time"] = data["time"]
     except KeyError as exc:
         raise ValueError(f"event has no {exc.args[0]}") from None
-    if not all(isinstance(ev[n], str) for n in _TEXT) \
-            or not all(type(ev[n]) is int for n in _INTS) \
-            or type(ev["time"]) not in (int, float):
+    if not all(isinstance(ev[n], str) and len(ev[n]) <= _MAX_TEXT for n in _TEXT) \
+            or not all(type(ev[n]) is int and abs(ev[n]) < 1 << 62 for n in _INTS) \
+            or not is_real(ev["time"], 0.0, 1e11):
         raise ValueError("event field of the wrong type")
     if (ev["job_id"], ev["node_id"]) != (job_id, node_id):
         raise ValueError("event names another job or node than its key")
     if ev["from_state"] not in _STATES or ev["to_state"] not in _STATES:
         raise ValueError("unknown job state")
     if "layer" in data:
-        if not isinstance(data["layer"], str) or \
-                type(data.get("duration_seconds", 0.0)) not in (int, float):
+        if not isinstance(data["layer"], str) or len(data["layer"]) > 64 or \
+                not is_real(data.get("duration_seconds", 0.0), 0.0, 1e9):
             raise ValueError("event layer of the wrong type")
         ev["layer"], ev["duration_seconds"] = data["layer"], data.get("duration_seconds", 0.0)
     if "restart_rule" in data:
         if data["restart_rule"] not in _RULES or \
-                type(data.get("restart_delay_seconds", 0.0)) not in (int, float):
+                not is_real(data.get("restart_delay_seconds", 0.0), 0.0, 1e9):
             raise ValueError("event restart plan of the wrong type")
         ev["restart_rule"] = data["restart_rule"]
         ev["restart_delay_seconds"] = data.get("restart_delay_seconds", 0.0)
@@ -110,9 +127,12 @@ class EventLog:
     """Owns the writer thread and the mirror's follower; started and stopped by
     the daemon."""
 
-    def __init__(self, cfg, store: Store, registry):
+    def __init__(self, cfg, store: Store, registry, *, records,
+                 refusals: Refusals | None = None):
         self._node_id = cfg.daemon.node_id
         self._store = store
+        self._records = records           # trust/sealed.py: how events are sealed, opened
+        self._refusals = refusals or Refusals(ctx(node=cfg.daemon.node_id))
         self._registry = registry
         self._retry = cfg.events.retry
         self._keep = cfg.events.keep_per_job
@@ -120,7 +140,6 @@ class EventLog:
         self.published = self._read_mark()
         self._counts: dict[str, int] = {}    # job -> our keys in etcd, once looked up
         self._down = ""                       # why the last write failed, until one works
-        self._bad: set[str] = set()
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -191,9 +210,12 @@ class EventLog:
 
     def _put(self, ev: dict) -> None:
         body = {k: v for k, v in ev.items() if k != "seq"}
+        for name in _TEXT:
+            if isinstance(body.get(name), str):
+                body[name] = body[name][:_MAX_TEXT]
         try:
             key = event_key(ev["job_id"], self._node_id, ev["seq"])
-            self._store.put(key, json.dumps(body))
+            self._store.put(key, self._records.seal(Kind.EVENT, key, json.dumps(body)))
         except ValueError as exc:  # a job or node id that is no key segment
             log.warning("%s: event %d not shared: %s", ctx(job=ev["job_id"]), ev["seq"], exc)
             return
@@ -257,11 +279,12 @@ class EventLog:
         evs = []
         for key, value in items:
             try:
-                ev = parse_event(key, value)
-            except (ValueError, TypeError) as exc:
-                if key not in self._bad:
-                    self._bad.add(key)
-                    log.warning("ignoring %s in etcd: %s", key, exc)
+                ev = parse_event(key, value, self._records)
+            except Refused as exc:
+                self._refusals.refused(Kind.EVENT, key, exc.reason, exc.detail)
+                continue
+            except Exception as exc:  # a bug: this key only, never the watch
+                self._refusals.refused(Kind.EVENT, key, Reason.ERROR, repr(exc), trace=True)
                 continue
             if ev["node_id"] != self._node_id:
                 evs.append(ev)

@@ -10,6 +10,12 @@ on a clean stop.
 the prefix, so a node whose lease expires is seen as lost within the TTL;
 listeners (the rendezvous) are told at once. Lost nodes are remembered for
 ``membership.lost_node_retention`` seconds so an operator sees what happened.
+
+A node record is sealed with the cluster key, bound to its key
+(trust/sealed.py), and read in one place (``open_node``): a record that does
+not verify, does not check, or is older than the one held for that node is
+counted and logged once (trust/refusals.py) and changes nothing; the node
+keeps the record last verified.
 """
 from __future__ import annotations
 
@@ -27,6 +33,9 @@ import psutil
 from ..logsetup import ctx
 from ..store import EVENT_PUT, CompareFailed, KeyExists, Lease, LeaseNotFound, Store, StoreError
 from ..store.follow import Follower
+from ..trust.fields import is_ident
+from ..trust.refusals import Refusals
+from ..trust.sealed import Kind, Opened, Reason, Refused
 
 log = logging.getLogger("elasticd.cluster.membership")
 
@@ -44,6 +53,8 @@ def node_key(node_id: str) -> str:
 
 # Fields of a node record and the types every reader may rely on.
 _INT32_MAX = 2**31 - 1
+_MAX_JOBS = 100_000
+_MAX_REMEMBERED = 1 << 16    # nodes whose newest record's count is kept
 _RECORD_FIELDS = {"slots": int, "slots_free": int, "pid": int, "started_at": (int, float),
                   "lease_ttl": (int, float),
                   "host": str, "address": str, "version": str,
@@ -51,38 +62,52 @@ _RECORD_FIELDS = {"slots": int, "slots_free": int, "pid": int, "started_at": (in
                   "suspect": str}
 
 
-def parse_node(key: str, value: str | None) -> dict | None:
-    """A node record from the store, or None if it is not one we understand."""
-    try:
-        data = json.loads(value or "")
-    except ValueError:
-        return None
-    if not isinstance(data, dict) or not isinstance(data.get("node_id"), str):
-        return None
-    if data["node_id"] != key.rsplit("/", 1)[-1]:
-        return None
+def node_fields(key: str, data: dict) -> dict:
+    """The node record stored at ``key``, in a decoded value; ValueError says what is
+    wrong with it."""
+    if not is_ident(data.get("node_id")) or data["node_id"] != key.rsplit("/", 1)[-1]:
+        raise ValueError("the record names another node than its key")
     # Every field a reader uses must have the type it expects (a record with
     # "jobs": 7 or slots beyond int32 once made `elasticctl nodes` fail).
     for name, kinds in _RECORD_FIELDS.items():
         got = data.get(name)
         if got is not None and (isinstance(got, bool) or not isinstance(got, kinds)):
-            return None
+            raise ValueError(f"{name}: of the wrong type")
     for name in ("slots", "slots_free", "gpus", "gpus_free"):
         if not 0 <= data.get(name, 0) <= _INT32_MAX:
-            return None
-    for name in ("gpu_source", "gpu_health", "suspect"):
+            raise ValueError(f"{name}: out of range")
+    for name in ("gpu_source", "gpu_health", "suspect", "host", "address", "version"):
         if len(data.get(name, "")) > 500:
-            return None
+            raise ValueError(f"{name}: too long")
     jobs = data.get("jobs", [])
-    if not isinstance(jobs, list) or not all(isinstance(j, str) for j in jobs):
-        return None
+    if not isinstance(jobs, list) or len(jobs) > _MAX_JOBS \
+            or not all(isinstance(j, str) and len(j) <= 253 for j in jobs):
+        raise ValueError("jobs: not a list of job ids")
     return data
+
+
+def open_node(records, key: str, value: str | None) -> tuple[dict, int]:
+    """(the record, its writer's count) at ``key``; Refused if it is not one."""
+    opened: Opened = records.open(Kind.NODE, key, value)
+    try:
+        return node_fields(key, opened.doc), opened.seq
+    except ValueError as exc:
+        raise Refused(Reason.INVALID, str(exc)) from None
+
+
+def parse_node(key: str, value: str | None, records) -> dict | None:
+    """A node record from the store, or None if it is not one we can vouch for."""
+    try:
+        return open_node(records, key, value)[0]
+    except Refused:
+        return None
 
 
 class LeaseKeeper:
     def __init__(self, store: Store, node_id: str, ttl: int, interval: float,
-                 info: Callable[[], dict], clock=time.time):
+                 info: Callable[[], dict], clock=time.time, *, records):
         self._store = store
+        self._records = records     # seals our record (trust/sealed.py)
         self._node_id = node_id
         self._ttl = ttl
         self._interval = interval
@@ -99,6 +124,10 @@ class LeaseKeeper:
         self.errors = 0
         self._retry_at_once = False   # see _next_wait
 
+    def _sealed(self, info: dict) -> str:
+        key = node_key(self._node_id)
+        return self._records.seal(Kind.NODE, key, json.dumps(info))
+
     # -- registration ----------------------------------------------------------
     def register(self) -> None:
         """Put our key under a new lease; NodeIdInUse if a live daemon holds it."""
@@ -106,25 +135,26 @@ class LeaseKeeper:
         info = self._info()
         lease = self._store.grant_lease(self._ttl)
         try:
-            self._store.create(key, json.dumps(info), lease=lease)
+            self._store.create(key, self._sealed(info), lease=lease)
         except KeyExists:
             current = self._store.get(key)
-            theirs = parse_node(key, current.value) if current else None
+            theirs = parse_node(key, current.value, self._records) if current else None
             if theirs is not None and not _is_our_stale_key(theirs):
                 self._store.revoke_lease(lease)
                 raise NodeIdInUse(f"node id {self._node_id!r} is held by a live daemon (host "
                                   f"{theirs.get('host')}, pid {theirs.get('pid')}); "
                                   "give this one another --node-id") from None
             if current is not None and theirs is None:
-                # No daemon writes a record we cannot read: garbage, take the key over.
+                # No daemon of this cluster writes a record we cannot vouch for: a
+                # forgery or garbage, take the key over.
                 log.warning("%s: replacing an unreadable record at %s", ctx(node=self._node_id),
                             key)
             try:  # our own key from before a crash, or it expired meanwhile
                 if current is not None:
-                    self._store.compare_and_swap(key, json.dumps(info), current.revision,
+                    self._store.compare_and_swap(key, self._sealed(info), current.revision,
                                                  lease=lease)
                 else:
-                    self._store.create(key, json.dumps(info), lease=lease)
+                    self._store.create(key, self._sealed(info), lease=lease)
             except (CompareFailed, KeyExists):
                 self._store.revoke_lease(lease)
                 raise NodeIdInUse(f"node id {self._node_id!r} was just taken by another "
@@ -187,7 +217,7 @@ class LeaseKeeper:
             self.last_refresh = self._clock()
             info = self._info()
             if info != self._written:
-                self._store.put(node_key(self._node_id), json.dumps(info), lease=self._lease)
+                self._store.put(node_key(self._node_id), self._sealed(info), lease=self._lease)
                 self._written = info
             if self.health != "ok":
                 log.info("%s: etcd reachable again; lease kept", ctx(node=self._node_id))
@@ -248,12 +278,17 @@ class NodeView:
 
 class NodeWatcher:
     def __init__(self, store: Store, node_id: str, retention: float, retry: float,
-                 clock=time.time):
+                 clock=time.time, *, records, refusals: Refusals | None = None):
         self._node_id = node_id
         self._retention = retention
         self._clock = clock
+        self._records = records
+        self._refusals = refusals or Refusals(ctx(node=node_id))
         self._lock = threading.Lock()
         self._view = NodeView()
+        # node -> writer's count of the newest record accepted (kept after the node
+        # leaves: a record of it put back later is older)
+        self._seqs: dict[str, int] = {}
         self._follower = Follower(store, NODES, "node-watch", retry, self._reset,
                                   lambda ev: self._apply(ev.key, ev.value
                                                          if ev.type == EVENT_PUT else None))
@@ -276,14 +311,40 @@ class NodeWatcher:
                                if now - v[0] < self._retention}
             return NodeView(dict(self._view.live), dict(self._view.lost))
 
+    def _record(self, key: str, value: str, held: dict | None,
+                relisted: bool = False) -> dict | None:
+        """The record to hold for ``key`` now: the new one if it verifies and is newer
+        than the held one, else the held one (None: none); a refusal is counted."""
+        try:
+            node = key[len(NODES) + 1:]
+            if not key.startswith(NODES + "/") or not is_ident(node):
+                raise Refused(Reason.BAD_KEY, "not a node key")
+            record, seq = open_node(self._records, key, value)
+            last = self._seqs.get(node, 0)
+            if seq and seq <= last and not (relisted and seq == last and held is not None):
+                raise Refused(Reason.REPLAYED, "older than the record this daemon holds")
+            if seq:
+                self._seqs[node] = seq
+                if len(self._seqs) > _MAX_REMEMBERED:
+                    with self._lock:
+                        live = set(self._view.live)
+                    self._seqs = {n: q for n, q in self._seqs.items() if n in live}
+            return record
+        except Refused as exc:
+            self._refusals.refused(Kind.NODE, key, exc.reason, exc.detail)
+        except Exception as exc:  # a bug: this key only, never the watch
+            self._refusals.refused(Kind.NODE, key, Reason.ERROR, repr(exc), trace=True)
+        return held
+
     def _reset(self, kvs: list, revision: int) -> None:
+        with self._lock:
+            held = dict(self._view.live)
         seen = {}
         for kv in kvs:
-            record = parse_node(kv.key, kv.value)
-            if record is None:
-                log.warning("ignoring unreadable node record at %s", kv.key)
-                continue
-            seen[record["node_id"]] = record
+            node = kv.key.rsplit("/", 1)[-1]
+            record = self._record(kv.key, kv.value, held.get(node), relisted=True)
+            if record is not None:
+                seen[node] = record
         with self._lock:
             gone = set(self._view.live) - set(seen)
             self._view.live = seen
@@ -295,9 +356,10 @@ class NodeWatcher:
         if value is None:
             self._lost(node)
             return
-        record = parse_node(key, value)
-        if record is None:
-            log.warning("ignoring unreadable node record at %s", key)
+        with self._lock:
+            held = self._view.live.get(node)
+        record = self._record(key, value, held)
+        if record is None or record is held:
             return
         with self._lock:
             fresh = node not in self._view.live

@@ -1,7 +1,10 @@
-"""The daemon's place in the cluster: store, lease keeper, node watcher.
+"""The daemon's place in the cluster: store, lease keeper, node watcher, drain marks.
 
 Standalone mode runs the very same parts on the in-memory store, so a
-single node and a cluster differ only in where the keys live.
+single node and a cluster differ only in where the keys live. Node records
+and drain marks are sealed with the cluster key (trust/sealed.py); a drain
+mark that does not verify is counted, logged once and ignored (the node
+keeps the mark, or the lack of one, last verified).
 """
 from __future__ import annotations
 
@@ -15,11 +18,17 @@ from urllib.parse import urlparse
 
 from .. import __version__
 from ..config import Config
+from ..logsetup import ctx
 from .membership import DRAIN, LeaseKeeper, NodeWatcher
 from ..store import EVENT_PUT, Store, StoreAuthError, StoreError, StoreUnavailable, open_store
 from ..store.follow import Follower
+from ..trust import fields
+from ..trust.refusals import Refusals
+from ..trust.sealed import Kind, Reason, Refused
 
 log = logging.getLogger("elasticd.cluster.node")
+
+MAX_JOBS_LISTED = 2000   # job ids in this node's record (it stays under what readers take)
 
 
 class ClusterStartError(RuntimeError):
@@ -70,9 +79,11 @@ def advertised_address(cfg: Config) -> str:
 
 
 class Cluster:
-    def __init__(self, cfg: Config, store: Store):
+    def __init__(self, cfg: Config, store: Store, *, records, refusals: Refusals | None = None):
         self.cfg = cfg
         self.store = store
+        self._records = records       # trust/sealed.py: node records and drain marks
+        self._refusals = refusals or Refusals(ctx(node=cfg.daemon.node_id))
         self.address = advertised_address(cfg)
         # What the node record reads from the job manager: set by capacity_from.
         self._slots_info = None                # () -> (slots_free, [job ids])
@@ -80,9 +91,9 @@ class Cluster:
         self._started_at = time.time()
         m = cfg.membership
         self.keeper = LeaseKeeper(store, cfg.daemon.node_id, m.lease_ttl, m.refresh_interval,
-                                  self.record)
+                                  self.record, records=records)
         self.watcher = NodeWatcher(store, cfg.daemon.node_id, m.lost_node_retention,
-                                   m.watch_retry)
+                                   m.watch_retry, records=records, refusals=self._refusals)
         self._drains: dict[str, dict] = {}
         self._drain_lock = threading.Lock()
         self._drain_follower = Follower(store, DRAIN, "drain-watch", m.watch_retry,
@@ -107,7 +118,8 @@ class Cluster:
                 "address": self.address, "slots": self.cfg.daemon.slots, "slots_free": free,
                 "version": __version__, "started_at": self._started_at, "pid": os.getpid(),
                 "lease_ttl": self.cfg.membership.lease_ttl,
-                "jobs": sorted(jobs), **(self._gpu_info() if self._gpu_info else {})}
+                "jobs": sorted(jobs)[:MAX_JOBS_LISTED],
+                **(self._gpu_info() if self._gpu_info else {})}
 
     def start(self) -> None:
         """Register (NodeIdInUse if the id is taken) and start the loops."""
@@ -141,40 +153,57 @@ class Cluster:
         with self._drain_lock:
             return dict(self._drains)
 
-    @staticmethod
-    def _drain_record(key: str, value: str | None) -> dict | None:
+    def _drain_record(self, key: str, value: str | None, held: dict | None) -> dict | None:
+        """The drain mark to hold for ``key``: the new one if it verifies, else the one
+        held (a refusal counted and logged once)."""
         try:
-            data = json.loads(value or "")
-        except ValueError:
-            data = None
-        if not isinstance(data, dict):
-            log.warning("ignoring unreadable drain record at %s", key)
-            return None
-        return data
+            if not key.startswith(DRAIN + "/") or not fields.is_ident(key[len(DRAIN) + 1:]):
+                raise Refused(Reason.BAD_KEY, "not a drain key")
+            doc = self._records.open(Kind.DRAIN, key, value).doc
+            try:
+                if doc.get("state") != "draining":
+                    raise ValueError("state: not draining")
+                return {"state": "draining", "by": fields.text(doc, "by", 500, ""),
+                        "at": fields.real(doc, "at", 0.0, 1e11, 0.0)}
+            except ValueError as exc:
+                raise Refused(Reason.INVALID, str(exc)) from None
+        except Refused as exc:
+            self._refusals.refused(Kind.DRAIN, key, exc.reason, exc.detail)
+        except Exception as exc:  # a bug: this key only, never the watch
+            self._refusals.refused(Kind.DRAIN, key, Reason.ERROR, repr(exc), trace=True)
+        return held
 
     def _drain_reset(self, kvs: list, revision: int) -> None:
+        with self._drain_lock:
+            held = dict(self._drains)
         marks = {}
         for kv in kvs:
-            record = self._drain_record(kv.key, kv.value)
+            node = kv.key.rsplit("/", 1)[-1]
+            record = self._drain_record(kv.key, kv.value, held.get(node))
             if record is not None:
-                marks[kv.key.rsplit("/", 1)[-1]] = record
+                marks[node] = record
         with self._drain_lock:
             self._drains = marks
 
     def _drain_event(self, ev) -> None:
         node = ev.key.rsplit("/", 1)[-1]
-        record = self._drain_record(ev.key, ev.value) if ev.type == EVENT_PUT else None
         with self._drain_lock:
-            if record is None:
-                self._drains.pop(node, None)
-            else:
+            held = self._drains.get(node)
+        if ev.type != EVENT_PUT:
+            if ev.key == f"{DRAIN}/{node}":
+                with self._drain_lock:
+                    self._drains.pop(node, None)
+            return
+        record = self._drain_record(ev.key, ev.value, held)
+        with self._drain_lock:
+            if record is not None:
                 self._drains[node] = record
 
     def set_drain(self, node_id: str, draining: bool, by: str) -> None:
         key = f"{DRAIN}/{node_id}"
-        record = {"state": "draining", "by": by, "at": time.time()}
+        record = {"state": "draining", "by": by[:500], "at": time.time()}
         if draining:
-            self.store.put(key, json.dumps(record))
+            self.store.put(key, self._records.seal(Kind.DRAIN, key, json.dumps(record)))
         else:
             self.store.delete(key)
         with self._drain_lock:  # the watch confirms it a moment later

@@ -23,7 +23,6 @@ after start; which job holds which GPU is gpus/alloc.py's.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -31,6 +30,8 @@ import shutil
 import stat
 import subprocess
 from dataclasses import dataclass
+
+from ..trust.values import BadValue, decode
 
 log = logging.getLogger("elasticd.gpus")
 
@@ -141,10 +142,10 @@ def read_fake(path: str) -> FakeState:
     if len(data) > FAKE_FILE_MAX_BYTES:
         raise InventoryError(f"fake GPU file {path}: larger than {FAKE_FILE_MAX_BYTES} bytes")
     try:
-        doc = json.loads(data)
-    except ValueError as exc:
-        raise InventoryError(f"fake GPU file {path}: not JSON: {exc}") from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("gpus"), list):
+        doc = decode(data, max_bytes=FAKE_FILE_MAX_BYTES)
+    except BadValue as bad:
+        raise InventoryError(f"fake GPU file {path}: not a JSON object: {bad}") from None
+    if not isinstance(doc.get("gpus"), list):
         raise InventoryError(f"fake GPU file {path}: needs an object with a \"gpus\" list")
     healthy, problem = doc.get("healthy", True), doc.get("problem", "")
     if not isinstance(healthy, bool) or not isinstance(problem, str):

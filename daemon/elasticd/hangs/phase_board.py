@@ -11,10 +11,11 @@ publishes one small record per job (``NodePhases``) under the job's keys::
                                      end on that node)
 
 Built in one place (``ProgressTracker.snapshot``), serialised in one place
-(``NodePhases.to_json``), read in one place (``NodePhases.from_json``, called
-where the key enters the daemon: the jobs view). A peer's record is etcd
-input: anything malformed, too big, naming another node or out of range is
-refused there (ValueError), and the view ignores and counts it.
+(``NodePhases.to_json``), read in one place (``NodePhases.from_doc``, called
+where the key enters the daemon: the jobs view, once trust/sealed.py verified
+the node's seal and decoded the value). A peer's record is etcd input:
+anything malformed, naming another node or out of range is refused there
+(ValueError), and the view ignores and counts it.
 
 ``PhasePublisher`` is the one writer: a thread per job with a stop event that
 writes the latest record every ``agent.phase_publish_interval`` seconds, and at
@@ -30,13 +31,14 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import threading
 from dataclasses import dataclass
 from typing import Callable
 
 from .timeouts import MAX_PHASES, PhaseRecord
 from ..logsetup import ctx
+from ..trust.fields import is_real, is_whole
+from ..trust.values import decode
 from ..workers.contract import beats
 
 log = logging.getLogger("elasticd.phases")
@@ -80,41 +82,34 @@ class NodePhases:
                 ranks.pop()
 
     @classmethod
-    def from_json(cls, text: str | None, node_id: str) -> "NodePhases":
-        """A peer's record from the store; ValueError for anything not exactly right."""
-        if text is None or len(text) > RECORD_MAX:
-            raise ValueError("phase record missing or over %d bytes" % RECORD_MAX)
-        doc = json.loads(text)
+    def from_doc(cls, doc: dict, node_id: str) -> "NodePhases":
+        """A peer's record, decoded; ValueError for anything not exactly right."""
         if not isinstance(doc, dict) or doc.get("v") != VERSION:
             raise ValueError("phase record of an unknown version")
         if doc.get("node") != node_id:
             raise ValueError("phase record names another node")
         rnd = doc.get("round")
         ranks, learned = doc.get("ranks"), doc.get("learned")
-        if not _int(rnd, 0, 1 << 40) or not isinstance(ranks, list) \
+        if not is_whole(rnd, 0, 1 << 48) or not isinstance(ranks, list) \
                 or not isinstance(learned, list) or len(ranks) > MAX_RANKS \
                 or len(learned) > MAX_PHASES:
             raise ValueError("phase record fields out of range")
         return cls(node_id, rnd, tuple(_rank(r) for r in ranks),
                    tuple(_learned(p) for p in learned))
 
-
-def _int(v, lo: int, hi: int) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
-
-
-def _num(v, lo: float, hi: float) -> bool:
-    return (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-            and lo <= v <= hi)
+    @classmethod
+    def from_json(cls, text: str | None, node_id: str) -> "NodePhases":
+        """From plain JSON (no seal): at most RECORD_MAX bytes, then ``from_doc``."""
+        return cls.from_doc(decode(text, max_bytes=RECORD_MAX), node_id)
 
 
 def _rank(item) -> RankPhase:
     if not isinstance(item, list) or len(item) != 5:
         raise ValueError("rank entry is not [rank, phase, for_s, steps, step_seconds]")
     rank, phase, for_s, steps, step_s = item
-    if not _int(rank, 0, 1 << 24) or not isinstance(phase, str) \
-            or not beats.valid_phase(phase) or not _num(for_s, 0, 1e8) \
-            or not _int(steps, 0, 1 << 62) or not (step_s is None or _num(step_s, 0, 1e7)):
+    if not is_whole(rank, 0, 1 << 24) or not isinstance(phase, str) \
+            or not beats.valid_phase(phase) or not is_real(for_s, 0, 1e8) \
+            or not is_whole(steps, 0, 1 << 62) or not (step_s is None or is_real(step_s, 0, 1e7)):
         raise ValueError("rank entry out of range")
     return RankPhase(rank, phase, float(for_s), steps,
                      None if step_s is None else float(step_s))
@@ -125,7 +120,7 @@ def _learned(item) -> PhaseRecord:
         raise ValueError("learned entry is not [phase, gaps, longest]")
     phase, gaps, longest = item
     if not isinstance(phase, str) or not beats.valid_phase(phase) \
-            or not _int(gaps, 0, 1 << 62) or not _num(longest, 0, 1e7):
+            or not is_whole(gaps, 0, 1 << 62) or not is_real(longest, 0, 1e7):
         raise ValueError("learned entry out of range")
     return PhaseRecord(phase, gaps, float(longest))
 

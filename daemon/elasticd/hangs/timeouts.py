@@ -45,6 +45,7 @@ import secrets
 import stat
 from dataclasses import dataclass, replace
 
+from ..trust.values import BadValue, decode
 from ..workers import env as envnames
 
 STEADY_PHASES = ("train", "forward")
@@ -201,16 +202,16 @@ def decode_limits(data: bytes | None) -> dict[str, tuple[float, float]]:
     if not data:
         return {}
     try:
-        doc = json.loads(data.decode("utf-8"))
-        phases = doc["phases"] if doc.get("version") == 1 else {}
-        out = {}
-        for phase, (soft, hard) in list(phases.items())[:MAX_PHASES]:
-            soft, hard = float(soft), float(hard)
-            if isinstance(phase, str) and 0 < soft < hard < 1e7:
-                out[phase] = (soft, hard)
-        return out
-    except (ValueError, TypeError, KeyError, AttributeError, UnicodeDecodeError):
+        doc = decode(data, max_bytes=LIMITS_FILE_MAX)
+    except BadValue:
         return {}
+    phases = doc.get("phases") if doc.get("version") == 1 else None
+    out: dict[str, tuple[float, float]] = {}
+    for phase, pair in list(phases.items())[:MAX_PHASES] if isinstance(phases, dict) else ():
+        if isinstance(pair, list) and len(pair) == 2 \
+                and all(type(v) in (int, float) for v in pair) and 0 < pair[0] < pair[1] < 1e7:
+            out[phase] = (float(pair[0]), float(pair[1]))
+    return out
 
 
 def write_limits_file(path: str, data: bytes) -> None:

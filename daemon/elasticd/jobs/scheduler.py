@@ -225,7 +225,7 @@ class JobManager:
                 raise errors.Unavailable(f"{exc}; the job was not submitted") from None
         try:
             create_job(self._cluster.store, rec.id, self._codec.seal(job_spec(rec, req.nodes)),
-                       time.time())
+                       time.time(), records=self._codec.records)
         except (StoreError, ValueError) as exc:
             self._registry.discard(rec.id)
             raise errors.Unavailable(f"etcd unavailable, the job was not submitted: {exc}") \
@@ -480,7 +480,8 @@ class JobManager:
         try:
             create_job(self._cluster.store, job.id, self._codec.seal(job_spec(job)), now,
                        round=job.round + 1, restarts=restarts,
-                       restart_times=times if counted else tuple(job.restart_times))
+                       restart_times=times if counted else tuple(job.restart_times),
+                       records=self._codec.records)
         except (StoreError, ValueError) as exc:
             log.error("%s: cannot resume: %s", ctx(job=job.id), exc)
             return

@@ -1,4 +1,4 @@
-"""The cluster rendezvous protocol: its records and its decisions, no I/O.
+"""The cluster rendezvous protocol: its keys and its decisions, no I/O.
 
 Keys of one job (under the store prefix; ``R`` is a round number)::
 
@@ -9,7 +9,12 @@ Keys of one job (under the store prefix; ``R`` is a round number)::
     /v1/jobs/<job>/done/<R>/<node>   a node's workers finished round R well (lease)
     /v1/jobs/<job>/workers/<node>    a node's worker rows and recovery summary, for
                                      status on any node (lease)
+    /v1/jobs/<job>/phases/<node>     its ranks' phases (hangs/phase_board.py; lease)
 
+The records (rendezvous/records.py) are sealed with the cluster key, bound
+to their key (trust/sealed.py); the spec by trust/specs.py. A closed round
+names its members, but the address and ports its ranks connect to come
+only from its first member's own join of that round (``master_problem``).
 Each node writes only its own join/done/workers keys, so the writes of a
 round grow linearly with the number of nodes. The state moves
 
@@ -27,41 +32,19 @@ and newcomers come after them.
 """
 from __future__ import annotations
 
-import enum
-import json
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 
 from ..agent.restartpolicy import RestartWindow
 from ..jobs.states import JobState
+from .records import (CANCELLED, CLOSED, FAILED, FINAL, OPEN, SUCCEEDED, Join, Member,
+                      RoundCause, RoundState)
 
-OPEN, CLOSED = "open", "closed"
-SUCCEEDED, FAILED, CANCELLED = "succeeded", "failed", "cancelled"
-FINAL = frozenset({SUCCEEDED, FAILED, CANCELLED})
+__all__ = ["CANCELLED", "CLOSED", "FAILED", "FINAL", "OPEN", "SUCCEEDED", "Join", "Member",
+           "RoundCause", "RoundState", "JobLimits", "RoundClock", "Result", "final_job_state",
+           "job_prefix", "order_members", "decider", "lost_rejoiners", "decide_open_round",
+           "reopen", "result_for", "master_problem"]
+
 _JOB_STATE_OF_FINAL = {SUCCEEDED: JobState.SUCCEEDED, CANCELLED: JobState.CANCELLED}
-_MAX_TIMES = 10_001    # restart times a round state may carry (control's limit + 1)
-
-
-class RoundCause(str, enum.Enum):
-    """Why a round opened after the last: what the nodes that rejoin it recover from.
-    Kept in the round state (``cause``), so no node reads it out of the reason text."""
-    FAULT = "fault"                # a worker fault on some node (or its workers restart)
-    NODE_LOST = "node_lost"        # a member node's lease expired
-    NODE_WAITING = "node_waiting"  # a node waits to join the running job (scale-up)
-
-    @property
-    def membership(self) -> bool:
-        """A change of the round's nodes, not a fault of its workers."""
-        return self is not RoundCause.FAULT
-
-    @classmethod
-    def of_legacy_reason(cls, reason: str) -> "RoundCause":
-        """The cause of a round state written by a release that kept none: its
-        reasons said ``node(s) X lost`` and ``node(s) X waiting to join``."""
-        if " lost" in reason:
-            return cls.NODE_LOST
-        if "waiting to join" in reason:
-            return cls.NODE_WAITING
-        return cls.FAULT
 
 
 def final_job_state(status: str) -> JobState:
@@ -72,112 +55,6 @@ def final_job_state(status: str) -> JobState:
 
 def job_prefix(job_id: str) -> str:
     return f"/v1/jobs/{job_id}"
-
-
-@dataclass(frozen=True)
-class Member:
-    node_id: str
-    address: str
-    nproc: int
-    port: int                      # a free port on that node, for MASTER_PORT if rank 0
-    store_port: int = 0            # its job store for in-process restart (0: none)
-    hosted: bool = False           # ``port`` is a round store that listens already
-                                   # (jobstore/round_host.py): every rank a client
-
-
-@dataclass(frozen=True)
-class RoundState:
-    round: int = 1
-    status: str = OPEN
-    members: tuple = ()            # Member, in group-rank order (closed rounds)
-    restarts: int = 0              # faults counted against max_restarts, cluster-wide
-    # unix times of the counted restarts inside the job's restart window, oldest
-    # first, at most its budget + 1 (restartpolicy.RestartWindow), cluster-wide
-    restart_times: tuple = ()
-    expected: tuple = ()           # node ids an open round waits for before closing at once
-    reason: str = ""
-    opened_at: float = 0.0
-    closed_at: float = 0.0
-    cause: RoundCause = RoundCause.FAULT   # why this round (and the rounds it became) opened
-    # Of ``expected``: the last round's members still alive when this round opened.
-    # Alive, they rejoin within a fraction of a second (they see the round open, stop
-    # their ranks, join); one whose last-round join key is gone since (its lease
-    # expired) is lost and no longer waited for; see decide_open_round.
-    rejoining: tuple = ()
-
-    def to_json(self) -> str:
-        data = asdict(self)
-        data["cause"] = self.cause.value
-        data["members"] = [asdict(m) for m in self.members]
-        data["restart_times"] = list(self.restart_times)
-        data["rejoining"] = list(self.rejoining)
-        return json.dumps(data, sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> "RoundState":
-        data = json.loads(text)
-        if not isinstance(data, dict):
-            raise ValueError("round state is not an object")
-        # Fields a newer release added are left out (a rolling upgrade mixes them).
-        members = tuple(Member(**{**{k: v for k, v in m.items() if k in _MEMBER_FIELDS},
-                                  "hosted": m.get("hosted") is True})
-                        for m in data.get("members", ()))
-        state = cls(round=int(data["round"]), status=str(data["status"]), members=members,
-                    restarts=int(data.get("restarts", 0)),
-                    restart_times=tuple(float(t) for t in
-                                        (data.get("restart_times") or ())[:_MAX_TIMES]),
-                    expected=tuple(str(n) for n in data.get("expected", ())),
-                    reason=str(data.get("reason", "")),
-                    opened_at=float(data.get("opened_at", 0.0)),
-                    closed_at=float(data.get("closed_at", 0.0)),
-                    cause=_cause(data),
-                    rejoining=tuple(str(n) for n in data.get("rejoining", ())))
-        if state.status not in (OPEN, CLOSED) and state.status not in FINAL:
-            raise ValueError(f"unknown round status {state.status!r}")
-        return state
-
-    @property
-    def final(self) -> bool:
-        return self.status in FINAL
-
-    def member_ids(self) -> list[str]:
-        return [m.node_id for m in self.members]
-
-
-_MEMBER_FIELDS = frozenset(f.name for f in fields(Member))
-
-
-def _cause(data: dict) -> RoundCause:
-    if "cause" not in data:
-        return RoundCause.of_legacy_reason(str(data.get("reason", "")))
-    try:
-        return RoundCause(data["cause"])
-    except ValueError:
-        return RoundCause.FAULT   # a cause a newer release added: a fault, as before
-
-
-@dataclass(frozen=True)
-class Join:
-    node_id: str
-    address: str
-    nproc: int
-    port: int
-    prev_rank: int = -1            # group rank in the last round this node was in
-    time: float = 0.0
-    store_port: int = 0            # its job store for in-process restart (0: none)
-    hosted: bool = False           # ``port`` is a round store listening already
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> "Join":
-        data = json.loads(text)
-        return cls(node_id=str(data["node_id"]), address=str(data["address"]),
-                   nproc=int(data["nproc"]), port=int(data["port"]),
-                   prev_rank=int(data.get("prev_rank", -1)), time=float(data.get("time", 0.0)),
-                   store_port=int(data.get("store_port", 0)),
-                   hosted=data.get("hosted") is True)
 
 
 @dataclass(frozen=True)
@@ -321,13 +198,36 @@ def reopen(state: RoundState, reason: str, count_restart: bool, limits: JobLimit
                       rejoining=tuple(sorted(set(rejoining) & set(expected)))), why
 
 
-def result_for(state: RoundState, node_id: str) -> Result | None:
-    """This node's ranks in a closed round, or None if it is not a member."""
+def master_problem(state: RoundState, joins: dict) -> tuple[RoundCause | None, str]:
+    """Why the closed round ``state`` cannot be run on what this node sees: (the
+    cause of the round to open instead, why), or (None, "") if it can. The address
+    and ports its ranks connect to (MASTER_ADDR and MASTER_PORT, the job store) are
+    its first member's, and they come only from that member's own join of the round
+    (``joins``: {node: Join} of that round, each verified where it entered the
+    daemon), which the round's copy must match. A round whose first member holds no
+    join of it any more lost that node."""
+    if not state.members:
+        return RoundCause.FAULT, f"round {state.round} has no members"
+    master = state.members[0]
+    join = joins.get(master.node_id)
+    if join is None:
+        return RoundCause.NODE_LOST, (f"its first node {master.node_id} holds no join of "
+                                      f"round {state.round}: lost")
+    if join.member() != master:
+        return RoundCause.FAULT, (f"its first node {master.node_id} joined round "
+                                  f"{state.round} with another address or port than the "
+                                  "round names")
+    return None, ""
+
+
+def result_for(state: RoundState, node_id: str, joins: dict) -> Result | None:
+    """This node's ranks in a closed round, or None if it is not a member or the
+    round cannot run (``master_problem``)."""
     ids = state.member_ids()
-    if state.status != CLOSED or node_id not in ids:
+    if state.status != CLOSED or node_id not in ids or master_problem(state, joins)[0]:
         return None
     index = ids.index(node_id)
-    master = state.members[0]
+    master = joins[state.members[0].node_id]
     return Result(round=state.round, group_rank=index, group_world_size=len(ids),
                   world_size=sum(m.nproc for m in state.members),
                   rank_offset=sum(m.nproc for m in state.members[:index]),

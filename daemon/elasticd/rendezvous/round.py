@@ -5,12 +5,15 @@ blocks until a round that includes this node is closed (joining, and
 closing it when this node is the decider); ``reopen`` asks for a new round
 after a fault; ``status`` tells the agent, each monitor tick, whether its
 round still stands. Every write is this node's own key, or a
-compare-and-swap of the state.
+compare-and-swap of the state, sealed as the view reads it (``view.records``:
+trust/sealed.py, bound to the key name). A closed round runs only if its
+first member's own join of it vouches for the address and ports its ranks
+connect to (``protocol.master_problem``); otherwise this node asks for the
+next round instead.
 """
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import logging
 import threading
@@ -20,10 +23,11 @@ from typing import Callable
 from ..logsetup import ctx
 from ..jobs.records import WorkerRow
 from ..store import CompareFailed, KeyExists, Lease, Store
+from ..trust.sealed import Kind
 from .ports import free_port
 from .protocol import (
     CLOSED, FINAL, OPEN, Join, JobLimits, Result, RoundCause, RoundClock, RoundState,
-    decide_open_round, decider, job_prefix, reopen, result_for)
+    decide_open_round, decider, job_prefix, master_problem, reopen, result_for)
 from .status import CURRENT, RoundStatus, StatusKind
 from .view import JobsView
 
@@ -49,6 +53,7 @@ class ClusterRendezvous:
                  port: Callable[[], int] = free_port):
         self._store = store
         self._view = view
+        self._records = view.records    # seals what we write as the view opens it
         self.job_id = job_id
         self.node_id = node_id
         self._address = address
@@ -96,10 +101,14 @@ class ClusterRendezvous:
     def _where(self, rnd: int | None = None) -> str:
         return ctx(job=self.job_id, node=self.node_id, round=rnd)
 
+    def _put(self, kind: Kind, key: str, body: str, lease: Lease | None) -> int:
+        return self._store.put(key, self._records.seal(kind, key, body), lease=lease)
+
     def _cas_state(self, new: RoundState, revision: int) -> bool:
+        key = self._key("state")
         try:
             self._written = max(self._written, self._store.compare_and_swap(
-                self._key("state"), new.to_json(), revision))
+                key, self._records.seal(Kind.STATE, key, new.to_json()), revision))
             return True
         except CompareFailed:
             return False
@@ -127,6 +136,8 @@ class ClusterRendezvous:
             keys = self._view.job(self.job_id)
             state = keys.state if keys else None
             if state is None:
+                if keys is not None and keys.state_revision:
+                    self._replace_unreadable_state(keys.state_revision)
                 self._view.wait(self._poll, seen)
                 continue
             if state.final:
@@ -147,7 +158,17 @@ class ClusterRendezvous:
                     if new is not None and self._cas_state(new, keys.state_revision):
                         log.info("%s: %s", self._where(state.round), why)
             elif state.status == CLOSED:
-                result = result_for(state, self.node_id)
+                joins = keys.joins.get(state.round, {})
+                cause, problem = master_problem(state, joins) \
+                    if self.node_id in state.member_ids() else (None, "")
+                if cause is not None and (self._ran is None or state.round > self._ran.round):
+                    # Never connect where no member's own join vouches for: the round
+                    # cannot run, and the next one forms from the joins there are.
+                    self._reopen_round(state.round, f"round {state.round} cannot run: "
+                                       f"{problem}", False, cause)
+                    self._view.wait(self._poll, seen)
+                    continue
+                result = result_for(state, self.node_id, joins)
                 if result is not None and self._ran is not None \
                         and state.round <= self._ran.round:
                     # The view still shows a round we already ran: our ask for the next
@@ -168,6 +189,20 @@ class ClusterRendezvous:
                     self._join(state.round + 1)     # waiting: the members see us
             self._view.wait(self._poll, seen)
 
+    def _replace_unreadable_state(self, revision: int) -> None:
+        """The job's state key holds a value this daemon refused and it holds no verified
+        state (an older elasticd's unsigned one after an upgrade, or garbage met by a
+        daemon that just started): open a new round over it, sealed, so the job goes on.
+        Daemons that hold a later verified round ignore this one; they then see this
+        node lost from their round and open the next, which every node takes."""
+        rnd = (self._ran.round if self._ran is not None else 0) + 1
+        new = RoundState(round=rnd, status=OPEN, opened_at=self._clock(),
+                         reason=f"round {rnd} opened: the job's round state in etcd did "
+                                "not verify (written by an older elasticd, or by someone "
+                                "without the cluster key)")
+        if self._cas_state(new, revision):
+            log.warning("%s: %s", self._where(rnd), new.reason)
+
     def _join(self, rnd: int) -> None:
         """Write our join key for a round once; again only if it vanished (lease lapsed)."""
         if rnd in self._joined:
@@ -181,8 +216,8 @@ class ClusterRendezvous:
         join = Join(node_id=self.node_id, address=self._address, nproc=self._nproc,
                     port=hosted or self._port(), prev_rank=self.prev_rank, time=self._clock(),
                     store_port=self._store_port, hosted=bool(hosted))
-        self._joined[rnd] = self._store.put(self._key("join", rnd, self.node_id),
-                                            join.to_json(), lease=lease)
+        self._joined[rnd] = self._put(Kind.JOIN, self._key("join", rnd, self.node_id),
+                                      join.to_json(), lease)
 
     def _forget_old_joins(self, current: int) -> None:
         for rnd in sorted(r for r in self._joined if r < current):
@@ -228,11 +263,15 @@ class ClusterRendezvous:
         """Open the next round (once, cluster-wide) for ``cause``; returns the state
         that then holds. A StoreError leaves the ask pending: next_round makes it again."""
         self._wanted = (reason, count_restart, cause)
+        return self._reopen_round(result.round, reason, count_restart, cause)
+
+    def _reopen_round(self, rnd: int, reason: str, count_restart: bool,
+                      cause: RoundCause) -> RoundState | None:
         while True:
             seen = self._view.revision
             keys = self._view.job(self.job_id)
             state = keys.state if keys else None
-            if state is None or state.final or state.round != result.round \
+            if state is None or state.final or state.round != rnd \
                     or state.status != CLOSED:
                 self._wanted = None
                 return state
@@ -267,7 +306,7 @@ class ClusterRendezvous:
 
     # -- exit barrier ----------------------------------------------------------------
     def mark_done(self, rnd: int) -> None:
-        self._store.put(self._key("done", rnd, self.node_id), "{}", lease=self._lease())
+        self._put(Kind.DONE, self._key("done", rnd, self.node_id), "{}", self._lease())
 
     def all_done(self, result: Result) -> bool:
         keys = self._view.job(self.job_id)
@@ -276,14 +315,20 @@ class ClusterRendezvous:
 
     def publish_workers(self, rows: list[WorkerRow], summary: dict | None = None) -> None:
         """This node's worker rows and its recovery summary, for status on any node."""
-        value = {"rows": [r.to_dict() for r in rows], "summary": summary or {}}
-        self._store.put(self._key("workers", self.node_id), json.dumps(value),
-                        lease=self._lease())
+        rows_only = {"rows": [r.to_dict() for r in rows], "summary": {}}
+        for value in ({**rows_only, "summary": summary or {}}, rows_only):
+            try:
+                self._put(Kind.WORKERS, self._key("workers", self.node_id), json.dumps(value),
+                          self._lease())
+                return
+            except ValueError as exc:   # over what a reader takes: the summary first
+                why = str(exc)
+        log.warning("%s: worker rows not published: %s", self._where(), why)
 
     # -- phases across nodes (hangs/phase_board.py) ---------------------------------------
     def publish_phases(self, text: str) -> None:
         """This node's phase record for the job (its lease: gone with the node)."""
-        self._store.put(self._key("phases", self.node_id), text, lease=self._lease())
+        self._put(Kind.PHASES, self._key("phases", self.node_id), text, self._lease())
 
     def delete_phases(self) -> None:
         self._store.delete(self._key("phases", self.node_id))
@@ -294,8 +339,9 @@ class ClusterRendezvous:
 
 
 def create_job(store: Store, job_id: str, spec: dict, now: float, round: int = 1,
-               restarts: int = 0, restart_times: tuple = ()) -> None:
-    """Write a new job's spec and its first, open round."""
+               restarts: int = 0, restart_times: tuple = (), *, records) -> None:
+    """Write a new job's spec (sealed already, or plain for the torchrun adapter) and
+    its first, open round, sealed with ``records`` (trust/sealed.py)."""
     prefix = job_prefix(job_id)
     try:
         store.create(f"{prefix}/spec", json.dumps(spec, sort_keys=True))
@@ -305,4 +351,5 @@ def create_job(store: Store, job_id: str, spec: dict, now: float, round: int = 1
                        restart_times=tuple(restart_times),
                        expected=tuple(sorted(spec.get("nodes") or ())),
                        reason="submitted")
-    store.create(f"{prefix}/state", first.to_json())
+    key = f"{prefix}/state"
+    store.create(key, records.seal(Kind.STATE, key, first.to_json()))

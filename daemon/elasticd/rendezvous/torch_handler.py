@@ -36,6 +36,7 @@ from torch.distributed.elastic.rendezvous.api import (RendezvousConnectionError,
                                                       RendezvousTimeoutError)
 
 from ..store import LeaseNotFound, StoreError, open_store
+from ..trust.sealed import PLAIN
 from .round import ClusterRendezvous, RendezvousStopped, RoundFinal, create_job
 from .protocol import CANCELLED, FINAL, JobLimits, Result
 from .status import StatusKind
@@ -142,7 +143,8 @@ class ElasticdRendezvousHandler(RendezvousHandler):
         self._node_id = f"{socket.gethostname()}-{os.getpid()}-{id(self) & 0xffff:x}"
         self._lease = _LeaseKeeper(self._store, int(params.get("lease_ttl", 10)))
         self._lease.start()
-        self._view = JobsView(self._store, retry=1.0)
+        # Plain records: no cluster key here (the users' own prefix), the same decoder.
+        self._view = JobsView(self._store, records=PLAIN, retry=1.0)
         self._view.start()
         self._tcp_server: TCPStore | None = None   # the store this agent hosts as rank 0
         self._timeout = float(params.get("join_timeout", 600))
@@ -156,7 +158,7 @@ class ElasticdRendezvousHandler(RendezvousHandler):
         self._result: Result | None = None
         try:
             create_job(self._store, self._run_id, {"id": self._run_id, "torchrun": True},
-                       time.time())
+                       time.time(), records=PLAIN)
         except ValueError:
             pass  # another agent created it first
         except StoreError as exc:

@@ -2,32 +2,52 @@
 
 The daemon runs one ``JobsView`` (one watch stream, however many jobs);
 rendezvous participants and the job dispatcher read it and wait on its
-condition instead of polling etcd. Records that do not parse are logged
-once and skipped: garbage under the prefix never stops a round.
+condition instead of polling etcd.
 
-A spec goes through ``open_spec(job_id, text)`` as it enters the view. The
-daemon's verifies, decrypts and checks it (clusterspec.SpecCodec.open); a
-spec it refuses is kept as ``JobKeys.rejection`` (``spec`` stays None), so
-nothing reads it as a job, and the dispatcher can report it. The torchrun
-adapter's specs are plain JSON (``plain_spec``).
+Every value enters through ``records`` (trust/sealed.py: the daemon's
+verifies the cluster key's MAC bound to the key name; the torchrun
+adapter's is plain) and becomes a typed record (rendezvous/records.py,
+hangs/phase_board.py) or is refused: not sealed, moved from another key,
+malformed, out of range, or older than what the view holds for that key
+(a round state whose round and status lie before the view's, a node's
+record whose writer's count is not above the last one's). A refused value
+is counted and logged once (trust/refusals.py) and changes nothing: the
+key keeps its last verified value in the view (a round state's revision
+does move on, so the next compare-and-swap replaces the bad value). A
+deleted key is gone from the view. Whatever goes wrong with one key is a
+refusal of that key, never an exception out of the watch.
+
+A spec goes through ``open_spec(job_id, text)``. The daemon's verifies,
+decrypts and checks it (trust/specs.SpecCodec.open); a spec it refuses is
+kept as ``JobKeys.rejection`` (``spec`` stays None) unless a verified spec
+is held, so nothing reads it as a job and the dispatcher can report it.
+The torchrun adapter's specs are plain JSON (``plain_spec``).
 """
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from ..hangs.phase_board import NodePhases
+from ..trust.fields import is_ident
+from ..trust.refusals import Refusals
 from ..trust.rejections import Rejection, SpecRejected
+from ..trust.sealed import Kind, Reason, Refused
+from ..trust.values import BadValue, decode
 from ..store import EVENT_PUT, Store
 from ..store.follow import Follower
-from .protocol import Join, RoundState
+from .records import Join, RoundState
 
 log = logging.getLogger("elasticd.rendezvous")
 
 JOBS = "/v1/jobs"
+SPEC_MAX_BYTES = 1 << 20      # a plain spec (the torchrun adapter's)
+MARKS_KEPT = 10_000           # jobs whose high-water marks outlive their keys
+_KINDS = {("spec", 2): Kind.SPEC, ("state", 2): Kind.STATE, ("join", 4): Kind.JOIN,
+          ("done", 4): Kind.DONE, ("workers", 3): Kind.WORKERS, ("phases", 3): Kind.PHASES}
 
 
 @dataclass
@@ -42,28 +62,38 @@ class JobKeys:
     rejection: Rejection | None = None             # the spec was refused (spec is None)
     phases: dict = field(default_factory=dict)    # node -> (NodePhases, monotonic time got)
 
+    def empty(self) -> bool:
+        return self.spec is None and self.state is None and self.rejection is None \
+            and not any(self.joins.values()) and not self.workers \
+            and not any(self.done.values()) and not self.phases
+
+
+@dataclass
+class _Marks:
+    """The newest of each key of one job the view accepted: what a replay is older than."""
+    order: tuple = ()                             # RoundState.order of the newest state
+    seqs: dict = field(default_factory=dict)      # key -> writer's count of its newest record
+
 
 def plain_spec(job_id: str, text: str) -> dict:
-    """A spec as plain JSON, unchecked (the torchrun adapter's own prefix)."""
-    spec = json.loads(text)
-    if not isinstance(spec, dict):
-        raise ValueError("spec is not an object")
-    return spec
+    """A spec as plain JSON, unchecked beyond the decoder (the torchrun adapter's prefix)."""
+    return decode(text, max_bytes=SPEC_MAX_BYTES)
 
 
 class JobsView:
-    def __init__(self, store: Store, retry: float = 1.0, prefix: str = JOBS,
-                 open_spec=plain_spec, on_bad_phases=None):
+    def __init__(self, store: Store, *, records, retry: float = 1.0, prefix: str = JOBS,
+                 open_spec=plain_spec, refusals: Refusals | None = None):
         self._prefix = prefix
+        self.records = records       # how every record of the job keys is sealed and opened
         self._open_spec = open_spec
+        self.refusals = refusals or Refusals("jobs view")
         self._jobs: dict[str, JobKeys] = {}
+        self._present: set[str] = set()     # keys whose value the view holds
+        self._marks: OrderedDict[str, _Marks] = OrderedDict()
         self.changed = threading.Condition()
         self.revision = 0
         self._follower = Follower(store, prefix, "jobs-watch", retry, self._reset, self._event)
         self.synced = self._follower.synced
-        self._bad: set[str] = set()
-        self.bad_phase_records = 0   # peers' phase records refused (phase_board.from_json)
-        self._on_bad_phases = on_bad_phases  # called (no arguments) for each: metrics
 
     # -- reading -------------------------------------------------------------
     def job(self, job_id: str) -> JobKeys | None:
@@ -117,10 +147,14 @@ class JobsView:
         self._follower.stop()
 
     def _reset(self, kvs: list, revision: int) -> None:
+        """A fresh list: keys gone since are deleted, the others read again (a value
+        that does not verify now keeps what the view held)."""
         with self.changed:
-            self._jobs = {}
+            listed = {kv.key for kv in kvs}
+            for key in sorted(self._present - listed):
+                self._apply(key, None, revision)
             for kv in kvs:
-                self._apply(kv.key, kv.value, kv.revision)
+                self._apply(kv.key, kv.value, kv.revision, relisted=True)
             self.revision = revision
             self.changed.notify_all()
 
@@ -134,70 +168,139 @@ class JobsView:
             if not (len(parts) == 3 and parts[1] == "phases"):
                 self.changed.notify_all()
 
-    def _apply(self, key: str, value: str | None, revision: int) -> None:
-        """Fold one key into the view; the caller holds the condition."""
-        parts = key[len(self._prefix) + 1:].split("/")
-        if len(parts) < 2:
-            return self._garbage(key, "unexpected key")
-        job_id, kind = parts[0], parts[1]
-        keys = self._jobs.setdefault(job_id, JobKeys())
+    def _apply(self, key: str, value: str | None, revision: int,
+               relisted: bool = False) -> None:
+        """Fold one key into the view; the caller holds the condition. Never raises."""
+        kind = Kind.KEY
         try:
-            if kind == "spec" and len(parts) == 2:
-                keys.spec, keys.rejection = None, None
+            parts = key[len(self._prefix) + 1:].split("/") \
+                if key.startswith(self._prefix + "/") else []
+            kind = _KINDS.get((parts[1], len(parts)), Kind.KEY) if len(parts) >= 2 else Kind.KEY
+            # A spec under any printable id reaches the spec codec, which refuses an id
+            # that is no job id with the same words as a submission (and reports it).
+            named = is_ident(parts[0]) if kind is not Kind.SPEC else \
+                0 < len(parts[0]) <= 253 and parts[0].isprintable()
+            if kind is Kind.KEY or not named or (
+                    len(parts) >= 3 and not is_ident(parts[-1])) or (
+                    len(parts) == 4 and not (parts[2].isascii() and parts[2].isdigit()
+                                             and len(parts[2]) <= 15)):
                 if value is not None:
-                    try:
-                        keys.spec = self._open_spec(job_id, value)
-                    except SpecRejected as exc:
-                        keys.rejection = exc.rejection
-            elif kind == "state" and len(parts) == 2:
-                keys.state = RoundState.from_json(value) if value is not None else None
-                keys.state_revision = revision if value is not None else 0
-            elif kind in ("join", "done") and len(parts) == 4:
-                rnd, node = int(parts[2]), parts[3]
-                table = keys.joins if kind == "join" else keys.done
-                if value is None and kind == "join":
-                    table.get(rnd, {}).pop(node, None)
-                elif value is None:
-                    table.get(rnd, set()).discard(node)
-                elif kind == "join":
-                    join = Join.from_json(value)
-                    if join.node_id != node:
-                        raise ValueError("join record names another node")
-                    table.setdefault(rnd, {})[node] = join
-                else:
-                    table.setdefault(rnd, set()).add(node)
-            elif kind == "workers" and len(parts) == 3:
+                    raise Refused(Reason.BAD_KEY, "no daemon writes such a key")
+                return
+            job_id = parts[0]
+            keys = self._jobs.setdefault(job_id, JobKeys())
+            try:
                 if value is None:
-                    keys.workers.pop(parts[2], None)
-                    keys.summaries.pop(parts[2], None)
-                else:
-                    data = json.loads(value)
-                    rows, summary = (data.get("rows"), data.get("summary", {})) \
-                        if isinstance(data, dict) else (data, {})  # a list: before summaries
-                    if not isinstance(rows, list) or not isinstance(summary, dict):
-                        raise ValueError("worker rows are not a list")
-                    keys.workers[parts[2]] = rows
-                    keys.summaries[parts[2]] = summary
-            elif kind == "phases" and len(parts) == 3:
-                keys.phases.pop(parts[2], None)
-                if value is not None:
-                    try:
-                        keys.phases[parts[2]] = (NodePhases.from_json(value, parts[2]),
-                                                 time.monotonic())
-                    except (ValueError, RecursionError) as exc:
-                        self.bad_phase_records += 1
-                        if self._on_bad_phases is not None:
-                            self._on_bad_phases()
-                        raise ValueError(f"phase record refused: {str(exc)[:200]}") from None
-            else:
-                self._garbage(key, "unknown key")
-        except (ValueError, KeyError, TypeError) as exc:
-            self._garbage(key, str(exc))
-        if keys.spec is None and keys.state is None and not keys.joins and not keys.workers \
-                and keys.rejection is None:
-            self._jobs.pop(job_id, None)
+                    self._delete(keys, kind, parts)
+                    self._present.discard(key)
+                elif self._put(keys, kind, key, parts, value, revision, relisted):
+                    self._present.add(key)
+            finally:
+                if keys.empty():
+                    self._jobs.pop(job_id, None)
+                    if job_id in self._marks:
+                        self._marks.move_to_end(job_id)
+        except Refused as exc:
+            self.refusals.refused(kind, key, exc.reason, exc.detail)
+        except Exception as exc:  # a bug, or a value nothing above foresaw: this key only
+            self.refusals.refused(kind, key, Reason.ERROR, f"{type(exc).__name__}: {exc}",
+                                  trace=True)
 
-    def _garbage(self, key: str, why: str) -> None:
-        if key not in self._bad:
-            self._bad.add(key)
-            log.warning("ignoring %s in etcd: %s", key, why)
+    def _delete(self, keys: JobKeys, kind: Kind, parts: list) -> None:
+        if kind is Kind.SPEC:
+            keys.spec, keys.rejection = None, None
+        elif kind is Kind.STATE:
+            keys.state, keys.state_revision = None, 0
+        elif kind in (Kind.JOIN, Kind.DONE):
+            table = keys.joins if kind is Kind.JOIN else keys.done
+            rnd = int(parts[2])
+            got = table.get(rnd)
+            if got is not None:
+                got.pop(parts[3], None) if kind is Kind.JOIN else got.discard(parts[3])
+                if not got:
+                    del table[rnd]
+        elif kind is Kind.WORKERS:
+            keys.workers.pop(parts[2], None)
+            keys.summaries.pop(parts[2], None)
+        else:
+            keys.phases.pop(parts[2], None)
+
+    def _put(self, keys: JobKeys, kind: Kind, key: str, parts: list, value: str,
+             revision: int, relisted: bool) -> bool:
+        """Take a new value of ``key``; True if the view now holds it (Refused if not)."""
+        job_id = parts[0]
+        if kind is Kind.SPEC:
+            return self._put_spec(keys, key, job_id, value)
+        if kind is Kind.STATE:
+            keys.state_revision = revision   # a CAS from the view's revision replaces it
+            state = self._typed(RoundState.from_doc, self.records.open(kind, key, value).doc)
+            marks = self._marks_of(job_id)
+            if state.order < marks.order:
+                raise Refused(Reason.REPLAYED, f"round {state.round} {state.status} lies before "
+                              f"the round {marks.order[0]} this daemon holds")
+            keys.state, marks.order = state, max(marks.order, state.order)
+            return True
+        opened = self.records.open(kind, key, value)
+        seqs = self._marks_of(job_id).seqs
+        last = seqs.get(key, 0)
+        if opened.seq and opened.seq <= last:
+            if relisted and opened.seq == last and key in self._present:
+                return True        # the record the view holds, listed again
+            raise Refused(Reason.REPLAYED, "its writer's count is not above the last one's")
+        node = parts[-1]
+        if kind is Kind.JOIN:
+            join = self._typed(Join.from_doc, opened.doc)
+            if join.node_id != node:
+                raise Refused(Reason.INVALID, "the join names another node than its key")
+            keys.joins.setdefault(int(parts[2]), {})[node] = join
+        elif kind is Kind.DONE:
+            keys.done.setdefault(int(parts[2]), set()).add(node)
+        elif kind is Kind.WORKERS:
+            rows, summary = opened.doc.get("rows"), opened.doc.get("summary", {})
+            if not isinstance(rows, list) or not isinstance(summary, dict):
+                raise Refused(Reason.INVALID, "worker rows are not a list with a summary")
+            keys.workers[node], keys.summaries[node] = rows, summary
+        else:
+            record = self._typed(lambda doc: NodePhases.from_doc(doc, node), opened.doc)
+            keys.phases[node] = (record, time.monotonic())
+        if opened.seq:
+            seqs[key] = opened.seq
+        return True
+
+    def _put_spec(self, keys: JobKeys, key: str, job_id: str, value: str) -> bool:
+        try:
+            spec = self._open_spec(job_id, value)
+        except SpecRejected as exc:
+            if keys.spec is None:    # kept for the dispatcher to report, and for status
+                keys.rejection = exc.rejection
+                self._present.add(key)
+            raise Refused(_SPEC_REASONS.get(exc.rejection.reason.value, Reason.INVALID),
+                          exc.rejection.detail) from None
+        except BadValue as bad:
+            raise Refused(Reason.of(bad), bad.detail) from None
+        keys.spec, keys.rejection = spec, None
+        return True
+
+    @staticmethod
+    def _typed(build, doc: dict):
+        try:
+            return build(doc)
+        except (ValueError, TypeError, KeyError) as exc:
+            raise Refused(Reason.INVALID, str(exc)[:200]) from None
+
+    def _marks_of(self, job_id: str) -> _Marks:
+        marks = self._marks.get(job_id)
+        if marks is None:
+            marks = self._marks[job_id] = _Marks()
+            while len(self._marks) > MARKS_KEPT:
+                oldest = next(iter(self._marks))
+                if oldest in self._jobs:      # held: keep it, look no further
+                    self._marks.move_to_end(oldest)
+                    break
+                del self._marks[oldest]
+        return marks
+
+
+# A refused spec's reason (trust/rejections.RejectReason) as a record refusal's.
+_SPEC_REASONS = {"unsigned": Reason.UNSIGNED, "bad_signature": Reason.BAD_MAC,
+                 "id_mismatch": Reason.BAD_MAC, "undecryptable": Reason.BAD_MAC}

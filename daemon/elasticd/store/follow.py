@@ -1,10 +1,17 @@
 """Following a prefix: list it, then watch it from the list's revision.
 
-Every in-memory view of the store (nodes, drain marks, jobs) is kept the
-same way, by one ``Follower`` thread each: ``on_reset`` gets the whole
+Every in-memory view of the store (nodes, drain marks, jobs, events) is kept
+the same way, by one ``Follower`` thread each: ``on_reset`` gets the whole
 prefix after each (re)list, ``on_event`` every change after it, in order.
 A compacted history means a fresh list; an unreachable store a bounded wait
 and a new watch from the last revision seen; nothing is lost either way.
+
+What a handler makes of one key is that key's business: the handlers check
+and refuse values themselves (trust/refusals.py), and an exception that still
+escapes one is logged (once per key) and counted in ``handler_errors``, and
+the follower goes on with the next event. It never lists again because of a
+value: the list would hold the same value, and a watch that relists forever
+delivers nothing to anyone (one bad key once stalled every job that way).
 """
 from __future__ import annotations
 
@@ -15,6 +22,8 @@ from typing import Callable
 from .base import KV, Store, StoreError, WatchCompacted, WatchEvent
 
 log = logging.getLogger("elasticd.store")
+
+_LOGGED_KEYS = 1024   # keys whose handler failure is logged; later ones are only counted
 
 
 class Follower:
@@ -30,6 +39,8 @@ class Follower:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.synced = threading.Event()
+        self.handler_errors = 0          # events (or lists) a handler raised on
+        self._logged: set[str] = set()
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
@@ -45,17 +56,28 @@ class Follower:
         if self._thread is not None:
             self._thread.join(timeout=self._retry + 2)
 
+    def _handled(self, key: str, handle, *args) -> None:
+        """Run one handler; an exception from it is that key's, never the watch's."""
+        try:
+            handle(*args)
+        except Exception:
+            self.handler_errors += 1
+            if key not in self._logged and len(self._logged) < _LOGGED_KEYS:
+                self._logged.add(key)
+                log.exception("%s: handling %r failed; skipped, the watch goes on",
+                              self._name, key[:200])
+
     def _run(self) -> None:
         revision = None
         while not self._stop.is_set():
             try:
                 if revision is None:
                     kvs, revision = self._store.list(self._prefix)
-                    self._on_reset(kvs, revision)
+                    self._handled(f"(the list of {self._prefix})", self._on_reset, kvs, revision)
                     self.synced.set()
                 for ev in self._store.watch(self._prefix, revision, self._stop):
                     revision = ev.revision
-                    self._on_event(ev)
+                    self._handled(ev.key, self._on_event, ev)
             except WatchCompacted:
                 revision = None
             except StoreError as exc:

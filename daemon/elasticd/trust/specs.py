@@ -44,6 +44,8 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from .clusterkey import DerivedKeys
 from ..errors import InvalidArgument
 from .rejections import RejectReason, Rejection, SpecRejected
+from .sealed import SealedRecords
+from .values import BadValue, decode
 from ..control.validation import cluster_spec
 
 FORMAT = "elasticd-spec/1"
@@ -56,6 +58,7 @@ CLEAR_FIELDS = ("id", "name", "cwd", "uid", "gid", "user", "min_nodes", "max_nod
                 "nodes", "created_at", "submitted_on", "inprocess",
                 "gpus_per_node", "cpu_bind")  # GPUs: gpus/alloc.py
 SECRET_FIELDS = ("command", "env")
+MAX_STORED = 4 << 20   # bytes of a stored spec (control's limits keep a real one far below)
 SIGNED_FIELDS = ("format", *CLEAR_FIELDS, "sealed")
 _STORED = frozenset(SIGNED_FIELDS) | {"mac"}
 
@@ -66,13 +69,16 @@ def _canonical(values) -> bytes:
 
 
 class SpecCodec:
-    """Seals specs this daemon writes and opens those it reads (see the module doc)."""
+    """Seals specs this daemon writes and opens those it reads (see the module doc).
+    ``records`` seals and opens every other record, from the same cluster key
+    (trust/sealed.py; ``domain``: the etcd prefix, bound into each MAC)."""
 
-    def __init__(self, keys: DerivedKeys, limits, clock=time.time):
+    def __init__(self, keys: DerivedKeys, limits, clock=time.time, domain: str = ""):
         self._mac_key = keys.mac
         self._aead = AESGCM(keys.enc)
         self._limits = limits
         self._clock = clock
+        self.records = SealedRecords(keys.records, domain)
 
     # -- writing -------------------------------------------------------------
     def seal(self, spec: dict) -> dict:
@@ -99,11 +105,9 @@ class SpecCodec:
             return SpecRejected(Rejection(job_id[:200], reason, detail[:500], self._clock(),
                                           uid))
         try:
-            record = json.loads(text)
-        except ValueError:
-            raise reject(RejectReason.MALFORMED, "not JSON") from None
-        if not isinstance(record, dict):
-            raise reject(RejectReason.MALFORMED, "not a JSON object")
+            record = decode(text, max_bytes=MAX_STORED)
+        except BadValue as bad:
+            raise reject(RejectReason.MALFORMED, f"not a spec: {bad}") from None
         if "mac" not in record or record.get("format") != FORMAT:
             raise reject(RejectReason.UNSIGNED, "the spec carries no signature of the cluster "
                          "key (written by something other than an elasticd daemon of this "
@@ -126,8 +130,9 @@ class SpecCodec:
                          "found under another id (replayed)", uid)
         try:
             raw = base64.b64decode(record["sealed"], validate=True)
-            secret = json.loads(self._aead.decrypt(raw[:_NONCE], raw[_NONCE:],
-                                                   _AAD_LABEL + job_id.encode()))
+            secret = decode(self._aead.decrypt(raw[:_NONCE], raw[_NONCE:],
+                                               _AAD_LABEL + job_id.encode()),
+                            max_bytes=MAX_STORED)
             spec = {**{f: record[f] for f in CLEAR_FIELDS},
                     **{f: secret[f] for f in SECRET_FIELDS}}
         except (InvalidTag, binascii.Error, ValueError, TypeError, KeyError):
@@ -169,4 +174,4 @@ def codec_for(cfg) -> SpecCodec:
     from . import clusterkey
     keys = clusterkey.ephemeral() if cfg.daemon.standalone else clusterkey.load(
         cfg.cluster.key_file)
-    return SpecCodec(keys, cfg.control)
+    return SpecCodec(keys, cfg.control, domain=cfg.etcd.prefix)

@@ -3,9 +3,10 @@
 Every value read from etcd, every line from a worker template or a worker,
 every file a worker can touch goes through ``decode`` before anything looks
 inside it. It never raises anything but ``BadValue``: a value too large, not
-UTF-8, not JSON, nested too deep, holding NaN, an infinity or a number too
-long, or not of the wanted top-level type is a typed rejection of that one
-value, never an exception that escapes into a watch loop or an agent thread.
+UTF-8, not JSON, nested too deep, holding NaN, an infinity or a whole number
+of more than 64 digits, or not of the wanted top-level type is a typed
+rejection of that one value, never an exception that escapes into a watch
+loop or an agent thread.
 
 What it does not do is check fields: the typed record built from the value
 (a join, a round state, a node record) does that, and turns ``BadValue``
@@ -19,7 +20,7 @@ import json
 import math
 
 DEFAULT_MAX_DEPTH = 16       # the deepest record the daemon writes is 5 levels
-MAX_NUMBER_CHARS = 64        # a longer literal is no number we ever write
+MAX_NUMBER_CHARS = 64        # digits of a whole number: a longer one is none we ever write
 
 
 class Why(str, enum.Enum):
@@ -41,45 +42,40 @@ class BadValue(ValueError):
         self.detail = detail
 
 
-def _number(text: str) -> float | int:
-    if len(text) > MAX_NUMBER_CHARS:
-        raise BadValue(Why.BAD_NUMBER, f"a number literal of {len(text)} characters")
-    if any(c in text for c in ".eE"):
-        value = float(text)
-        if not math.isfinite(value):
-            raise BadValue(Why.BAD_NUMBER, f"{text[:20]} is not a finite number")
-        return value
-    return int(text)
+_INT_BOUND = 10 ** MAX_NUMBER_CHARS
 
 
 def _no_constant(name: str):
     raise BadValue(Why.BAD_NUMBER, f"{name} is not a number we accept")
 
 
-def _depth_at_most(doc, limit: int) -> bool:
-    """True if no container in ``doc`` lies deeper than ``limit`` (iterative)."""
-    stack = [(doc, 1)]
+def _check_tree(doc, limit: int) -> None:
+    """BadValue if a container in ``doc`` lies deeper than ``limit`` or a number is not
+    finite or has more than MAX_NUMBER_CHARS digits (one iterative pass, no recursion:
+    checking after the C parser is several times cheaper than a hook per number)."""
+    stack = [(doc, 1)] if type(doc) in (dict, list) else []
     while stack:
         node, depth = stack.pop()
-        if isinstance(node, dict):
-            children = node.values()
-        elif isinstance(node, list):
-            children = node
-        else:
-            continue
         if depth > limit:
-            return False
-        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
-    return True
+            raise BadValue(Why.TOO_DEEP, f"nested deeper than {limit}")
+        for c in (node.values() if type(node) is dict else node):
+            kind = type(c)
+            if kind is dict or kind is list:
+                stack.append((c, depth + 1))
+            elif kind is float:
+                if not math.isfinite(c):
+                    raise BadValue(Why.BAD_NUMBER, "a number that is not finite")
+            elif kind is int and not -_INT_BOUND < c < _INT_BOUND:
+                raise BadValue(Why.BAD_NUMBER, f"a number of more than {MAX_NUMBER_CHARS} "
+                                               "digits")
+    if type(doc) is float and not math.isfinite(doc) or \
+            type(doc) is int and not -_INT_BOUND < doc < _INT_BOUND:
+        raise BadValue(Why.BAD_NUMBER, "a number out of range")
 
 
-def decode(data: str | bytes | None, *, max_bytes: int, want: type | None = dict,
-           max_depth: int = DEFAULT_MAX_DEPTH):
-    """The JSON document in ``data``, or ``BadValue``.
-
-    ``max_bytes`` bounds the encoded size and is checked before any parsing;
-    ``want`` is the required top-level type (``dict``, ``list``, or None for
-    any); ``max_depth`` counts containers (``{}`` is depth 1)."""
+def as_bytes(data: str | bytes | None, max_bytes: int) -> bytes:
+    """``data`` as bytes, or BadValue if it is none, not text, or over ``max_bytes``
+    (a str over the cap is refused before it is encoded)."""
     if data is None:
         raise BadValue(Why.NOT_JSON, "no value")
     if isinstance(data, str):
@@ -95,21 +91,33 @@ def decode(data: str | bytes | None, *, max_bytes: int, want: type | None = dict
         raise BadValue(Why.WRONG_TYPE, f"a {type(data).__name__}, not text")
     if len(raw) > max_bytes:
         raise BadValue(Why.TOO_LARGE, f"{len(raw)} bytes, over {max_bytes}")
+    return raw
+
+
+def decode(data: str | bytes | None, *, max_bytes: int, want: type | None = dict,
+           max_depth: int = DEFAULT_MAX_DEPTH):
+    """The JSON document in ``data``, or ``BadValue``.
+
+    ``max_bytes`` bounds the encoded size and is checked before any parsing;
+    ``want`` is the required top-level type (``dict``, ``list``, or None for
+    any); ``max_depth`` counts containers (``{}`` is depth 1)."""
+    raw = as_bytes(data, max_bytes)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise BadValue(Why.NOT_TEXT, "not UTF-8") from None
     try:
-        doc = json.loads(text, parse_float=_number, parse_int=_number,
-                         parse_constant=_no_constant)
+        doc = json.loads(text, parse_constant=_no_constant)
     except BadValue:
         raise
     except RecursionError:
         raise BadValue(Why.TOO_DEEP, "nested deeper than the parser goes") from None
-    except (ValueError, TypeError, OverflowError) as exc:
+    except ValueError as exc:   # Python refuses int literals over 4300 digits itself
+        why = Why.BAD_NUMBER if "integer string conversion" in str(exc) else Why.NOT_JSON
+        raise BadValue(why, str(exc)[:120]) from None
+    except (TypeError, OverflowError) as exc:
         raise BadValue(Why.NOT_JSON, str(exc)[:120]) from None
     if want is not None and not isinstance(doc, want):
         raise BadValue(Why.WRONG_TYPE, f"a {type(doc).__name__}, not a {want.__name__}")
-    if not _depth_at_most(doc, max_depth):
-        raise BadValue(Why.TOO_DEEP, f"nested deeper than {max_depth}")
+    _check_tree(doc, max_depth)
     return doc

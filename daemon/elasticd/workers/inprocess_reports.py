@@ -23,12 +23,13 @@ object is skipped.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 
 from . import env as envnames
 from . import files as workerfiles
+from ..trust import fields
+from ..trust.values import BadValue, decode
 
 log = logging.getLogger("elasticd.workers.inprocess_reports")
 
@@ -46,25 +47,28 @@ def report_path(run_dir: str, rank: int, restart_count: int) -> str:
 def parse_line(line: bytes) -> dict | None:
     """One report, checked and trimmed; None for anything else."""
     try:
-        data = json.loads(line)
-    except (ValueError, RecursionError):
-        return None
-    if not isinstance(data, dict):
+        data = decode(line, max_bytes=MAX_READ)
+    except BadValue:
         return None
     kind = data.get("kind")
     try:
         if kind == "restart":
-            return {"kind": kind, "iteration": int(data["iteration"]),
-                    "fault": str(data.get("fault", ""))[:_TEXT_LIMIT],
-                    "fault_time": float(data.get("fault_time", 0.0)),
-                    "ready_time": float(data.get("ready_time", 0.0))}
+            return {"kind": kind, "iteration": fields.whole(data, "iteration", 0, 1 << 62),
+                    "fault": _text(data, "fault", _TEXT_LIMIT),
+                    "fault_time": fields.real(data, "fault_time", 0.0, 1e11, 0.0),
+                    "ready_time": fields.real(data, "ready_time", 0.0, 1e11, 0.0)}
         if kind in ("abandoned", "stuck"):
-            return {"kind": kind, "reason": str(data.get("reason", ""))[:_TEXT_LIMIT]}
+            return {"kind": kind, "reason": _text(data, "reason", _TEXT_LIMIT)}
         if kind == "forged":
-            return {"kind": kind, "record": str(data.get("record", ""))[:_RECORD_LIMIT]}
-    except (KeyError, TypeError, ValueError, OverflowError):
+            return {"kind": kind, "record": _text(data, "record", _RECORD_LIMIT)}
+    except ValueError:
         return None
     return None
+
+
+def _text(data: dict, name: str, limit: int) -> str:
+    value = data.get(name, "")
+    return (value if isinstance(value, str) else str(value))[:limit]
 
 
 class ReportReader:

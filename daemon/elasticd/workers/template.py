@@ -46,6 +46,7 @@ from .template_key import TemplateKey, entry_part
 from .signals import group_processes, kill_group
 from .. import statedir
 from ..logsetup import ctx
+from ..trust.values import BadValue, decode
 
 log = logging.getLogger("elasticd.workers.template")
 
@@ -379,7 +380,7 @@ class WorkerTemplate:
             self._fail(f"unsafe to fork: {why}")
             return None, f"worker template unsafe to fork: {why}"
         pid = reply.get("pid")
-        if type(pid) is not int or pid <= 1 or pid in self._ranks:
+        if type(pid) is not int or not 1 < pid < 1 << 31 or pid in self._ranks:
             self._fail("a malformed fork reply")
             return None, "worker template sent a malformed reply"
         pidfd, wrong = _pin_child(pid, self.pid, self.uid)
@@ -426,16 +427,17 @@ class WorkerTemplate:
                 return
 
     def _message(self, line: bytes) -> None:
-        try:
-            msg = json.loads(line)
-        except ValueError:
-            self._fail("it sent a malformed message")
+        try:  # the template runs the job's user's imports: its lines are untrusted
+            msg = decode(line, max_bytes=_MESSAGE_MAX, want=None)
+        except BadValue as bad:
+            self._fail(f"it sent a malformed message ({bad.why.value})")
             return
         if not isinstance(msg, dict):
             return
         if "exit" in msg:
             pid, status = msg.get("exit"), msg.get("status")
-            if isinstance(pid, int) and isinstance(status, int):
+            if type(pid) is int and type(status) is int and 0 < pid < 1 << 31 \
+                    and 0 <= status < 1 << 16:
                 proc = self._ranks.pop(pid, None)
                 if proc is not None:
                     proc.exited(os.waitstatus_to_exitcode(status))

@@ -44,6 +44,7 @@ from .template import TemplateState, WorkerTemplate
 from .template_key import TemplateKey, entry_part, key_from_record, key_to_record
 from .. import statedir
 from ..logsetup import ctx
+from ..trust.values import BadValue, decode
 
 log = logging.getLogger("elasticd.workers.template_pool")
 
@@ -288,8 +289,9 @@ class TemplatePool:
         if not self._agent.template_restore or self._agent.template_idle_timeout <= 0:
             return 0
         try:
-            records = json.loads(got.data)["templates"] if got.ok else None
-        except (ValueError, KeyError, TypeError):
+            records = decode(got.data, max_bytes=_SAVED_MAX).get("templates") if got.ok \
+                else None
+        except BadValue:
             records = None
         if not isinstance(records, list):
             log.warning("%s: idle worker templates not restored: %s is %s",
