@@ -12,6 +12,7 @@ import pytest
 
 from elasticd import config, statedir
 from elasticd.cluster.eventlog import EVENTS, EventLog
+from elasticd.trust.sealed import SealedRecords
 from elasticd.jobs.registry import JobRecord, JobRegistry
 from elasticd.jobs.retention import Budget, Finished, Plan, Scope, Why, decide
 from elasticd.jobs.retirer import Retirer
@@ -275,7 +276,7 @@ def test_a_job_retired_whole_takes_this_nodes_events_in_etcd_once_etcd_answers(n
     cfg, registry = node
     store = DownStore()
     cfg = dataclasses.replace(cfg, events=dataclasses.replace(cfg.events, retry=0.05))
-    events = EventLog(cfg, store, registry)
+    events = EventLog(cfg, store, registry, records=SealedRecords(b"k" * 32, "/elasticd"))
     other = f"{EVENTS}/j1/node-b/000000000001"
     store.put(other, "{}")  # another node's event of the job: its own to retire
     events.start()
