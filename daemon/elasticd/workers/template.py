@@ -2,13 +2,16 @@
 
 The template is ``python [-u|-B] workers/warmstart.py --template FD ARGS`` started
 through the same spawn path as the workers (workers.start_job_process: the
-job's user, its groups, its directory, the job's environment as its key
-has it, workers/template_key.py), on the pool's spawner thread, so that its
+job's user, its groups, its directory, the job's environment less what
+differs per submit, workers/template_key.template_env), on the pool's spawner thread, so that its
 PDEATHSIG is tied to a thread that lives as long as the daemon
 (workers/template_pool.py); its ``sys.path`` is a cold start's (see
 warmstart.entry_path). It imports ``agent.warm_preload`` once and then
 waits on FD, one end of a socketpair that only this daemon holds. Each rank
-is a child it forks on request (warmstart._serve / _become_rank).
+is a child it forks on request (warmstart._serve / _become_rank). Its ready
+message names the variables its imports read (``EnvReads``, parsed and
+bounded here: the template runs the user's code): the pool gives it only to
+jobs in whose environment they are the same.
 
 Exit statuses: the ranks are the template's children, so the template
 reaps them and reports each raw wait status on the channel; the daemon
@@ -40,15 +43,17 @@ import time
 from typing import Callable
 
 from . import env as envnames, group as workers
-from .template_key import TemplateKey, entry_part
+from .template_key import EnvReads, TemplateKey, entry_part
 from .forked import ForkedProcess, pin_child
 from .signals import kill_group
 from .. import statedir
+from ..trust import values
 from ..logsetup import ctx
 
 log = logging.getLogger("elasticd.workers.template")
 
-_MESSAGE_MAX = 1 << 16  # a template line longer than this is a broken template
+_MESSAGE_MAX = 1 << 20  # a template line longer than this is a broken template (the
+                        # ready message lists up to READ_NAMES_MAX names of <= 256 bytes)
 _UNCLAIMED_MAX = 64     # exit statuses kept for pids whose fork reply has not come
 
 
@@ -92,6 +97,8 @@ class WorkerTemplate:
         self.was_ready = False    # it served ranks before (then a death may be revived)
         self._unsafe = False      # it refused as unsafe to fork: a new one would too
         self.key: TemplateKey | None = None   # what it was made of (template_key.py)
+        self.env: dict = {}       # the environment it imports under (template_env)
+        self.env_reads: EnvReads | None = None  # what its imports read of it, once ready
         self.uid = -1             # the user it runs as (set at start)
         self.log_job = job_id     # whose logs/JOB/template.log has its output
 
@@ -103,13 +110,13 @@ class WorkerTemplate:
         return self._fork_timeout
 
     # -- life --------------------------------------------------------------
-    def start(self, spec: workers.GroupSpec, key: "TemplateKey | None",
+    def start(self, spec: workers.GroupSpec, key: "TemplateKey | None", env: dict,
               spawn: Callable | None = None) -> None:
         """Start the template for ``spec``'s job; does not wait for it (see ``ready``).
-        ``key`` (workers/template_key.py) is all it is made of besides the job's
-        command and log: its environment is the key's plus the preload lists (the
-        learned modules are imported after the preload if a probe child could,
-        workers/preload.py). ``spawn``: how its process is started,
+        ``key`` and ``env`` (workers/template_key.py: the job's ``template_env``) are
+        all it is made of besides the job's command and log: its environment is
+        ``env`` plus the preload lists (the learned modules are imported after the
+        preload if a probe child could, workers/preload.py). ``spawn``: how its process is started,
         ``workers.start_job_process`` or a stand-in with its signature (the pool's
         spawner thread, so that its PDEATHSIG is tied to a thread that lives as long
         as the daemon, not to the job's agent)."""
@@ -118,7 +125,7 @@ class WorkerTemplate:
             self._fail("the command is not `python SCRIPT` or `python -m MODULE`",
                        TemplateState.OFF)
             return
-        self.key = key
+        self.key, self.env, self.env_reads = key, dict(env), None
         self.uid = spec.uid
         flags = []
         while args and args[0] in ("-u", "-B"):
@@ -128,9 +135,10 @@ class WorkerTemplate:
         # job's argv at fork (warmstart._become).
         args = args[:2] if args[0] == "-m" else args[:1]
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        # Made of its key alone: any job with an equal key may use it (template_pool.py).
-        env = dict(key.env, **{envnames.WARM_PRELOAD: ",".join(key.preload),
-                               envnames.LEARNED_PRELOAD: ",".join(key.learned)})
+        # Any job with an equal key, in whose environment what its imports read is the
+        # same, may use it (template_pool.py).
+        env = dict(env, **{envnames.WARM_PRELOAD: ",".join(key.preload),
+                           envnames.LEARNED_PRELOAD: ",".join(key.learned)})
         try:
             statedir.private_dir(spec.log_dir)  # its log; the ranks' run dir is the group's
             self._proc = (spawn or workers.start_job_process)(
@@ -151,6 +159,12 @@ class WorkerTemplate:
         self.started_at = time.monotonic()
         log.info("%s: worker template starting, pid %d (key %s)", self.where(),
                  self._proc.pid, key.digest)
+
+    def fits(self, job_env: dict) -> bool:
+        """Whether it is ready and a job with ``job_env`` (its ``template_env``) would
+        have read, importing, what it read (template_key.EnvReads)."""
+        return self.ready(0) and self.env_reads is not None \
+            and self.env_reads.fit(self.env, job_env)
 
     def revivable(self) -> bool:
         """Whether it died after serving ranks (not: could not be made, or unsafe), so
@@ -314,9 +328,9 @@ class WorkerTemplate:
                 return
 
     def _message(self, line: bytes) -> None:
-        try:
-            msg = json.loads(line)
-        except ValueError:
+        try:  # the user's code runs in it: size and depth checked before it is parsed
+            msg = values.decode(line, max_bytes=_MESSAGE_MAX, want=None)
+        except values.BadValue:
             self._fail("it sent a malformed message")
             return
         if not isinstance(msg, dict):
@@ -338,9 +352,11 @@ class WorkerTemplate:
                 return
             self.state, self.was_ready = TemplateState.READY, True
             self.ready_seconds = time.monotonic() - self.started_at
-            log.info("%s: worker template ready in %.2f s (pid %d, %d modules)",
-                     self.where(), self.ready_seconds, self.pid,
-                     msg["modules"] if type(msg.get("modules")) is int else 0)
+            self.env_reads = EnvReads.of_message(msg.get("env_read"))
+            log.info("%s: worker template ready in %.2f s (pid %d, %d modules; its imports "
+                     "read %s)", self.where(), self.ready_seconds, self.pid,
+                     msg["modules"] if type(msg.get("modules")) is int else 0,
+                     self.env_reads.describe())
         elif msg.get("id") == self._next_id and type(msg["id"]) is int:  # the one asked
             self._replies[msg["id"]] = msg
 
