@@ -329,18 +329,18 @@ class TemplatePool:
             if self._saved_last:
                 return
             self._saved_last = last
-            with self._lock:
+            with self._lock:  # (a job's that died is forgotten here)
+                self._busy = {k: e for k, e in self._busy.items() if e.template.state in (
+                    TemplateState.STARTING, TemplateState.READY)}
                 saved = [] if not self._agent.template_restore else [
                     s for s in [template_saved.of(e.template, e.origin, e.used_at, False)
                                 for e in reversed(self._idle)] +
                     [template_saved.of(e.template, e.origin, time.time(), True)
-                     for e in self._busy.values() if e.template.state in (
-                         TemplateState.STARTING, TemplateState.READY)] + self._parked if s]
+                     for e in self._busy.values()] + self._parked if s]
             try:
                 template_saved.write(self._cfg.daemon.state_dir, saved)
             except OSError as exc:
-                log.warning("%s: could not keep the recent worker templates for the next "
-                            "start: %s", self._where(), exc)
+                log.warning("%s: could not keep the worker templates: %s", self._where(), exc)
 
     def _ensure_thread(self) -> None:
         with self._lock:
