@@ -384,7 +384,8 @@ def _add_arguments(name: str, sp: argparse.ArgumentParser, common=None) -> None:
                          "agent.template_idle_timeout", parents=[common] if common else [],
             usage="elasticctl template warm [options] -- CMD ARGS...")
         sp.add_argument("--nproc-per-node", type=_int_at_least(1, "--nproc-per-node"),
-                        default=1, metavar="K", help="as the job will be submitted (default 1)")
+                        default=1, metavar="K",
+                        help="as the job will be submitted (default 1)")
         sp.add_argument("--env", type=parse_env, action="append", default=[], metavar="K=V",
                         help="as the job will be submitted (repeatable)")
         sp.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ARGS...",

@@ -3,9 +3,9 @@
 The template is ``python [-u|-B] workers/warmstart.py --template FD ARGS`` started
 through the same spawn path as the workers (workers.start_job_process: the
 job's user, its groups, its directory, the job's environment less what
-differs per submit, workers/template_key.template_env), on the pool's spawner thread, so that its
-PDEATHSIG is tied to a thread that lives as long as the daemon
-(workers/template_pool.py); its ``sys.path`` is a cold start's (see
+differs per submit, workers/template_key.template_env), on the pool's
+spawner thread, so that its PDEATHSIG is tied to a thread that lives as long
+as the daemon (workers/template_pool.py); its ``sys.path`` is a cold start's (see
 warmstart.entry_path). It imports ``agent.warm_preload`` once and then
 waits on FD, one end of a socketpair that only this daemon holds. Each rank
 is a child it forks on request (warmstart._serve / _become_rank). Its ready
@@ -116,10 +116,10 @@ class WorkerTemplate:
         ``key`` and ``env`` (workers/template_key.py: the job's ``template_env``) are
         all it is made of besides the job's command and log: its environment is
         ``env`` plus the preload lists (the learned modules are imported after the
-        preload if a probe child could, workers/preload.py). ``spawn``: how its process is started,
-        ``workers.start_job_process`` or a stand-in with its signature (the pool's
-        spawner thread, so that its PDEATHSIG is tied to a thread that lives as long
-        as the daemon, not to the job's agent)."""
+        preload if a probe child could, workers/preload.py). ``spawn``: how its
+        process is started, ``workers.start_job_process`` or a stand-in with its
+        signature (the pool's spawner thread, so that its PDEATHSIG is tied to a
+        thread that lives as long as the daemon, not to the job's agent)."""
         args = workers.warm_args(spec.command)
         if args is None or key is None:
             self._fail("the command is not `python SCRIPT` or `python -m MODULE`",
