@@ -1,5 +1,6 @@
 """The worker template: submit -> first step, and a fault in the first second -> first
-step after the restart, against torchrun --standalone and a cold elasticd.
+step after the restart, against torchrun --standalone and a cold elasticd; every
+submit's environment differs from the one before in a run-name variable (RUN_NAME).
 
     python bench/template_start.py [--reps 3] [--idle 5]
 
@@ -10,10 +11,14 @@ The same job under each launcher, 2 ranks on this node, gloo, one restart:
 
 Launchers (same invocation, order rotated each repetition):
   pooled     python -m elasticd --standalone, defaults: the worker template forks
-             every rank, and the template of the user's previous job with the same
-             key is kept idle (agent.template_idle_timeout) and taken at the submit;
-             a short warming job runs once before the first repetition, so every
-             measured submit finds one (its first-start path says so: "reused")
+             every rank, and the template of the user's previous job is kept idle
+             (agent.template_idle_timeout) and taken at the submit when the job's
+             key and the variables its imports read are the same (RUN_NAME is
+             neither); a short warming job runs once before the first repetition,
+             so every measured submit finds one (its first-start path: "reused")
+  restarted  the pooled daemon restarted just before (SIGKILL and SIGTERM in
+             turn, each repetition): the template it had is started again at
+             its start, and the submit comes once `nodes` shows it ready
   template   the same with agent.template_idle_timeout=0: the job's template
              starts when the job is submitted (a first submit, the pool empty)
   cold       the same daemon settings with agent.worker_template=false and
@@ -51,7 +56,8 @@ from elasticd.v1 import control_pb2 as pb  # noqa: E402
 
 CRASH_RE = re.compile(r"^CRASH (\d+\.\d+) rank=", re.M)
 FIRST_RE = re.compile(r"^FIRST_STEP (\d+\.\d+) attempt=(\d+)", re.M)
-LAUNCHERS = ("pooled", "template", "cold", "torchrun")
+LAUNCHERS = ("pooled", "restarted", "template", "cold", "torchrun")
+DAEMON_OF = {"restarted": "pooled"}
 SLEEPER = "import time\ntime.sleep(float(__import__('sys').argv[1]))\n"
 
 
@@ -71,11 +77,16 @@ def marks(text: str) -> tuple:
     return (min(crash) if crash else None), first
 
 
-def run_daemon(d: BenchDaemon, work: str, crash: bool) -> tuple:
+def run_env(n: int) -> dict:
+    """The environment of submit number ``n``: a run name of its own."""
+    return dict(torchrun_env(), RUN_NAME=f"exp{n}")
+
+
+def run_daemon(d: BenchDaemon, work: str, crash: bool, n: int) -> tuple:
     """(seconds submit -> first step, seconds fault -> first step after, start paths)."""
     cmd = [sys.executable, "-m", "elasticd.examples.train", *train_args(crash)]
     t0 = time.time()
-    job_id = d.submit(cmd, cwd=work, nproc=2, max_restarts=1, env=torchrun_env())
+    job_id = d.submit(cmd, cwd=work, nproc=2, max_restarts=1, env=run_env(n))
     job = d.wait_job(job_id, timeout=300)
     text = d.rank_log(job_id, 0) + "\n" + d.rank_log(job_id, 1)
     if pb.JobState.Name(job.state) != "SUCCEEDED":
@@ -103,6 +114,23 @@ def run_torchrun(work: str, crash: bool, rep: int) -> tuple:
     if 0 not in first or (crash and 1 not in first):
         raise RuntimeError(f"torchrun run failed: {read_text(base + '.err')[-2000:]}")
     return first[0] - t0, (first[1] - fault) if crash else None, ["torchrun"], 0
+
+
+def restart(d: BenchDaemon, how: str, timeout: float = 180.0) -> float:
+    """Stop ``d`` (SIGKILL or SIGTERM) and start it again; seconds until the template it
+    had is ready again (before any submit)."""
+    if how == "SIGKILL":
+        d.proc.kill()
+        d.proc.wait()
+    d.stop()
+    t0 = time.monotonic()
+    d.start()
+    while time.monotonic() - t0 < timeout:
+        nodes = d.client().call("ListNodes", pb.ListNodesRequest()).nodes
+        if any(t.state == "ready" for n in nodes for t in n.idle_templates):
+            return time.monotonic() - t0
+        time.sleep(0.1)
+    raise RuntimeError(f"no template ready {timeout:g}s after a {how} restart:\n{d.log()}")
 
 
 def idle_cost(d: BenchDaemon, work: str, seconds: float) -> tuple:
@@ -155,29 +183,37 @@ def main() -> None:
     }
     for d in daemons.values():
         d.start()
-    results = {name: {"start": [], "restart": [], "paths": [], "rss": []} for name in LAUNCHERS}
+    results = {name: {"start": [], "restart": [], "paths": [], "rss": [], "ready": []}
+               for name in LAUNCHERS}
+    submits = iter(range(1, 1 << 30))  # every submit's RUN_NAME differs from the last
     try:
-        warm = run_daemon(daemons["pooled"], work, False)  # leaves its template idle
+        warm = run_daemon(daemons["pooled"], work, False, 0)  # leaves its template idle
         print(f"warming job on the pooled daemon: start {warm[0]:.3f}s "
               f"paths {'/'.join(warm[2])}", flush=True)
         for rep in range(a.reps):
             n = len(LAUNCHERS)
             order = LAUNCHERS[rep % n:] + LAUNCHERS[:rep % n]
             for name in order:
-                for crash in (False, True):
+                if name == "restarted":
+                    how = ("SIGKILL", "SIGTERM")[rep % 2]
+                    results[name]["ready"].append(restart(daemons["pooled"], how))
+                for crash in (False, True) if name != "restarted" else (False,):
                     if name == "torchrun":
-                        start, restart, paths, rss = run_torchrun(work, crash, rep)
+                        start, fault, paths, rss = run_torchrun(work, crash, rep)
                     else:
-                        start, restart, paths, rss = run_daemon(daemons[name], work, crash)
+                        start, fault, paths, rss = run_daemon(
+                            daemons[DAEMON_OF.get(name, name)], work, crash, next(submits))
                     r = results[name]
                     r["start"].append(start)
                     if crash:
-                        r["restart"].append(restart)
+                        r["restart"].append(fault)
                     r["paths"].append("/".join(paths))
                     if rss:
                         r["rss"].append(rss)
                     print(f"rep {rep} {name:9s} crash={crash!s:5s} start {start:.3f}s"
-                          + (f" restart {restart:.3f}s" if restart is not None else "")
+                          + (f" restart {fault:.3f}s" if fault is not None else "")
+                          + (f" (template ready {r['ready'][-1]:.1f}s after the {how} "
+                             "restart)" if name == "restarted" else "")
                           + f" paths {'/'.join(paths)}", flush=True)
         rss, cpu = idle_cost(daemons["template"], work, a.idle)
         pooled = pool_cost(daemons["pooled"], a.idle)
@@ -190,12 +226,21 @@ def main() -> None:
     tr = results["torchrun"]
     for name in LAUNCHERS:
         r = results[name]
-        s, f = median(r["start"]), median(r["restart"])
-        rows.append([name, f"{s:.3f}s", f"{median(tr['start']) / s:.2f}x",
-                     f"{f:.3f}s", f"{median(tr['restart']) / f:.2f}x",
-                     ", ".join(sorted(set(r["paths"])))])
-    print(table(rows, ["LAUNCHER", "SUBMIT->STEP", "VS TORCHRUN", "FAULT@5->STEP",
-                       "VS TORCHRUN", "START PATHS"]))
+        s = median(r["start"])
+        row = [name, f"{s:.3f}s ({min(r['start']):.3f}-{max(r['start']):.3f})",
+               f"{median(tr['start']) / s:.2f}x"]
+        if r["restart"]:
+            f = median(r["restart"])
+            row += [f"{f:.3f}s ({min(r['restart']):.3f}-{max(r['restart']):.3f})",
+                    f"{median(tr['restart']) / f:.2f}x"]
+        else:
+            row += ["-", "-"]
+        rows.append(row + [", ".join(sorted(set(r["paths"])))])
+    print(table(rows, ["LAUNCHER", "SUBMIT->STEP (MIN-MAX)", "VS TORCHRUN",
+                       "FAULT@5->STEP (MIN-MAX)", "VS TORCHRUN", "START PATHS"]))
+    ready = results["restarted"]["ready"]
+    print(f"restarted: the template ready again {median(ready):.1f}s (median; "
+          f"{min(ready):.1f}-{max(ready):.1f}) after the daemon's start, before the submit")
     print(f"template RSS (status): {rss / (1 << 20):.0f} MiB; daemon CPU while a template idles: "
           f"{cpu:.2f}% of one core over {a.idle:g}s")
     print(f"pooled daemon, no job: {pooled[0]} idle template(s), "

@@ -19,7 +19,8 @@ import pytest
 
 from daemons import short_tmpdir
 from elasticd.workers.group import GroupSpec
-from elasticd.workers.template_key import TemplateKey, key_from_record, key_to_record
+from elasticd.workers.template_key import (
+    READ_NAMES_MAX, EnvReads, TemplateKey, key_from_record, key_to_record, template_env)
 from test_local_trust import User, real_users
 from test_worker_template import (
     NOGROUP, PY, SCRIPT, _alive, _neutral, events, seen, state, status, submit,
@@ -105,7 +106,8 @@ def test_two_jobs_share_a_key_only_when_all_that_shapes_imports_is_equal():
     # What differs from one submit to the next, and no import reads: the same key.
     assert TemplateKey.of(_spec(job_id="j2", command=(PY, "-u", "train.py", "--lr", "2"),
                                 env={"PATH": "/usr/bin", "PWD": "/elsewhere", "SHLVL": "3",
-                                     "ELASTICD_STORE_SECRET": "b" * 32}, round=7,
+                                     "ELASTICD_STORE_SECRET": "b" * 32, "RUN_NAME": "exp2",
+                                     "SEED": "7", "WANDB_RUN_ID": "x1"}, round=7,
                                 master_port=1234, log_dir="/l2", run_dir="/r2"),
                           ["torch"]) == key
     env = dict(_spec().env)
@@ -115,8 +117,19 @@ def test_two_jobs_share_a_key_only_when_all_that_shapes_imports_is_equal():
                   dict(command=("/opt/py/bin/python3", "-u", "train.py")),
                   dict(env=dict(env, PYTHONPATH="/mine")),
                   dict(env=dict(env, LD_LIBRARY_PATH="/lib2")),
-                  dict(env=dict(env, TORCH_LOGS="+dynamo"))):
+                  dict(env=dict(env, LD_PRELOAD="/lib2/x.so")),
+                  dict(env=dict(env, TORCH_LOGS="+dynamo")),
+                  dict(env=dict(env, OPENBLAS_NUM_THREADS="4")),
+                  dict(env=dict(env, CUDA_VISIBLE_DEVICES="1")),
+                  dict(env=dict(env, HOME="/h2")), dict(env=dict(env, LC_ALL="C"))):
         assert TemplateKey.of(_spec(**other), ["torch"]) != key, other
+    # agent.template_key_env adds names and prefixes.
+    run = _spec(env=dict(env, RUN_NAME="exp1"))
+    assert TemplateKey.of(run, ["torch"], key_env=("RUN_NAME",)) != \
+        TemplateKey.of(_spec(), ["torch"], key_env=("RUN_NAME",))
+    assert TemplateKey.of(run, ["torch"], key_env=("RUN_*",)) != \
+        TemplateKey.of(_spec(), ["torch"], key_env=("RUN_*",))
+    assert TemplateKey.of(run, ["torch"], key_env=("WANDB_*",)) == key
     assert TemplateKey.of(_spec(), ["torch", "numpy"]) != key
     assert TemplateKey.of(_spec(), ["torch"], ["transformers"]) != key
     assert TemplateKey.of(_spec(command=("/bin/sh", "-c", "x")), ["torch"]) is None
@@ -125,12 +138,37 @@ def test_two_jobs_share_a_key_only_when_all_that_shapes_imports_is_equal():
         TemplateKey.of(_spec(command=(PY, "-m", "c", "--x")), [])
     assert "PWD" not in dict(key.env) and "ELASTICD_STORE_SECRET" not in dict(key.env)
     assert dict(key.env)["PYTHONPATH"].endswith("worker_site")  # what every worker gets
+    # The template imports under the job's environment less what differs per submit.
+    made = template_env(run)
+    assert made["RUN_NAME"] == "exp1" and made["PATH"] == "/usr/bin"
+    assert not {"PWD", "SHLVL", "ELASTICD_STORE_SECRET"} & set(made)
+
+
+def test_a_job_fits_a_template_only_if_what_its_imports_read_is_the_same():
+    made = {"PATH": "/usr/bin", "RUN_NAME": "exp1", "MY_FLAG": "1"}
+    reads = EnvReads.of_message(["MY_FLAG", "NOT_SET"])
+    assert not reads.whole and reads.names == {"MY_FLAG", "NOT_SET"}
+    assert reads.fit(made, dict(made, RUN_NAME="exp2"))          # no import read it
+    assert not reads.fit(made, dict(made, MY_FLAG="2"))           # one did
+    assert not reads.fit(made, {k: v for k, v in made.items() if k != "MY_FLAG"})
+    assert not reads.fit(made, dict(made, NOT_SET=""))            # unset in the template
+    # The whole environment walked, or a message the daemon cannot vouch for (the
+    # user's code runs in the template): only the very same environment fits.
+    for message in ("*", None, 7, ["ok", 3], ["bad-name"], ["x" * 300],
+                    ["V%d" % i for i in range(READ_NAMES_MAX + 1)], {"MY_FLAG": 1}):
+        whole = EnvReads.of_message(message)
+        assert whole.whole, message
+        assert whole.fit(made, dict(made)) and not whole.fit(made, dict(made, RUN_NAME="x"))
 
 
 def test_a_saved_key_reads_back_equal_and_a_bad_one_is_refused():
-    key = TemplateKey.of(_spec(cpus=(0, 1)), ["torch"], ["numpy"])
-    rec = key_to_record(key)
-    assert key_from_record(json.loads(json.dumps(rec))) == key
+    spec = _spec(cpus=(0, 1), env=dict(_spec().env, RUN_NAME="exp1"))
+    key, env = TemplateKey.of(spec, ["torch"], ["numpy"]), template_env(spec)
+    rec = key_to_record(key, env)
+    assert key_from_record(json.loads(json.dumps(rec))) == (key, env)
+    # The key's variables are agent.template_key_env's at the next start.
+    again, _ = key_from_record(rec, ("RUN_*",))
+    assert dict(again.env)["RUN_NAME"] == "exp1" and "RUN_NAME" not in dict(key.env)
     for bad in (None, [], dict(rec, uid=-1), dict(rec, uid="0"), dict(rec, cwd=""),
                 dict(rec, env=[["A"]]), dict(rec, env={"A": "b"}), dict(rec, flags=["-c"]),
                 dict(rec, groups=["x"]), dict(rec, preload="torch")):
@@ -216,7 +254,7 @@ def test_a_user_holds_at_most_template_idle_per_user_idle_templates(
     run_job(node, a, cwd, "one", out)
     (first,) = wait_for(lambda: idle_templates(node, a), 30, "the idle template")
     run_job(node, b, cwd, "two", out)
-    run_job(node, a, cwd, "three", out, env=("H16P_KEY=other",))
+    run_job(node, a, cwd, "three", out, env=(f"PYTHONPATH={cwd}",))  # another key
     wait_for(lambda: not _alive(first), 30, "the user's longest idle template to end")
     assert len(idle_templates(node, a)) == 1 and len(idle_templates(node, b)) == 1
 
@@ -255,29 +293,6 @@ def test_no_idle_template_outlives_the_daemon(daemon_factory, users, work, how):
     else:
         assert node.stop() == 0  # a clean stop ends the pool's templates
     wait_for(lambda: not _alive(template), 30, "the idle template to die with the daemon")
-
-
-@pytest.mark.slow
-def test_templates_idle_at_a_clean_stop_are_ready_again_before_the_first_submit(
-        daemon_factory, users, work):
-    node = start_node(daemon_factory)
-    a = users[0]
-    cwd, out = work
-    run_job(node, a, cwd, "same", out)
-    (before,) = wait_for(lambda: idle_templates(node, a), 30, "the idle template")
-    assert node.stop() == 0
-    wait_for(lambda: not _alive(before), 30, "the idle template to end with the daemon")
-    saved = os.path.join(node.state_dir, "idle-templates.json")
-    assert os.stat(saved).st_mode & 0o777 == 0o600  # it holds environments: root's alone
-    node.start()
-    (again,) = wait_for(lambda: idle_templates(node, a), 30,
-                        "the template started again before any submit")
-    assert again.pid != before.pid and again.uids().real == a.uid
-    wait_for(lambda: not os.path.exists(saved), 30, "the saved file to be read once")
-    job_id = run_job(node, a, cwd, "later", out)
-    assert reused(node, job_id)
-    r = seen(out, "later", 0)
-    assert r["pre"] is True and r["ppid"] == again.pid and r["cwd"] == cwd
 
 
 @pytest.mark.parametrize("content", [b"\x00garbage{", b'{"version": 1, "templates": 7}',

@@ -161,17 +161,16 @@ def inheritable_env(environ: dict) -> tuple[dict, list]:
     return env, sorted(skipped)
 
 
-def cmd_submit(ctx: Context) -> int:
-    a = ctx.args
-    lo, hi = a.nnodes
+def caller_cwd_env(ctx: Context) -> tuple[str, dict]:
+    """The caller's directory and environment (plus --env), as a job inherits them."""
     env, skipped = inheritable_env(dict(os.environ))
     if skipped:
         ctx.note(f"not passing {len(skipped)} environment variable(s) that cannot be sent "
                  f"(function exports or non-UTF-8 values): {', '.join(skipped)[:200]}")
-    env.update(dict(a.env))
+    env.update(dict(ctx.args.env))
     try:
         cwd = os.getcwd()
-        for text in (cwd, *a.cmd, *env.values()):
+        for text in (cwd, *ctx.args.cmd, *env.values()):
             text.encode("utf-8")
     except UnicodeError:
         raise clientlib.CtlError("the working directory or the command is not valid UTF-8; "
@@ -179,6 +178,13 @@ def cmd_submit(ctx: Context) -> int:
     except FileNotFoundError:
         raise clientlib.CtlError("the current directory no longer exists; cd somewhere that does") \
             from None
+    return cwd, env
+
+
+def cmd_submit(ctx: Context) -> int:
+    a = ctx.args
+    lo, hi = a.nnodes
+    cwd, env = caller_cwd_env(ctx)
     req = pb.SubmitRequest(name=a.name or "", command=a.cmd, cwd=cwd, env=env,
                            min_nodes=lo, max_nodes=hi, nproc_per_node=a.nproc_per_node,
                            nodes=[n for n in a.nodes.split(",") if n],
@@ -246,6 +252,15 @@ def cmd_wait(ctx: Context) -> int:
     return _finish_wait(ctx, ctx.args.job, ctx.args.timeout)
 
 
+def cmd_template(ctx: Context) -> int:
+    """`template warm -- CMD`: a worker template for your next job with CMD, started on
+    this node now, from your directory and environment as `submit` would send them."""
+    cwd, env = caller_cwd_env(ctx)
+    ctx.printer.warmed(ctx.client.call("WarmTemplate", pb.WarmTemplateRequest(
+        command=ctx.args.cmd, cwd=cwd, env=env, nproc_per_node=ctx.args.nproc_per_node)))
+    return EXIT_OK
+
+
 def cmd_nodes(ctx: Context) -> int:
     ctx.printer.nodes(ctx.client.call("ListNodes", pb.ListNodesRequest()))
     return EXIT_OK
@@ -293,10 +308,13 @@ COMMANDS: dict[str, tuple[Callable[[Context], int], str, str, bool]] = {
               "sudo elasticctl drain node7", True),
     "uncordon": (cmd_uncordon, "let a drained node take jobs again (root only)",
                  "sudo elasticctl uncordon node7", True),
+    "template": (cmd_template, "warm: start a worker template on this node now, so that "
+                               "your first job here with that command starts warm",
+                 "elasticctl template warm --nproc-per-node 8 -- python train.py", True),
 }
 
 
-def _add_arguments(name: str, sp: argparse.ArgumentParser) -> None:
+def _add_arguments(name: str, sp: argparse.ArgumentParser, common=None) -> None:
     if name == "submit":
         sp.add_argument("--name", help="job name, unique among live jobs")
         sp.add_argument("--nnodes", type=parse_nnodes, default=(1, 1), metavar="MIN[:MAX]",
@@ -360,6 +378,18 @@ def _add_arguments(name: str, sp: argparse.ArgumentParser) -> None:
                         help="every user's jobs (root only; others always see their own)")
     elif name in ("drain", "uncordon"):
         sp.add_argument("node", metavar="NODE", help="node id")
+    elif name == "template":
+        sp = sp.add_subparsers(dest="action", metavar="warm", required=True).add_parser(
+            "warm", help="start one now; it idles until your job takes it, up to "
+                         "agent.template_idle_timeout", parents=[common] if common else [],
+            usage="elasticctl template warm [options] -- CMD ARGS...")
+        sp.add_argument("--nproc-per-node", type=_int_at_least(1, "--nproc-per-node"),
+                        default=1, metavar="K",
+                        help="as the job will be submitted (default 1)")
+        sp.add_argument("--env", type=parse_env, action="append", default=[], metavar="K=V",
+                        help="as the job will be submitted (repeatable)")
+        sp.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ARGS...",
+                        help="the command the job will run, after --")
     if name == "wait":
         sp.add_argument("--timeout", type=_seconds, metavar="S",
                         help="stop waiting after S seconds (exit 1)")
@@ -389,7 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
                              usage=usage,
                              epilog=f"example:\n  {example}",
                              formatter_class=argparse.RawDescriptionHelpFormatter)
-        _add_arguments(name, sp)
+        _add_arguments(name, sp, common)
         sp.set_defaults(func=func, parser=sp)
     return parser
 
@@ -401,11 +431,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.command is None:
         parser.print_help(sys.stderr)
         parser.exit(EXIT_USAGE)
-    if args.command == "submit":
+    if args.command in ("submit", "template"):
         cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
         if not cmd:
             args.parser.error("give the command to run after --, e.g. -- python train.py")
-        if args.timeout is not None and not args.wait:
+        if args.command == "submit" and args.timeout is not None and not args.wait:
             args.parser.error("--timeout needs --wait")
         args.cmd = cmd
     return args

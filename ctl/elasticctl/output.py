@@ -286,6 +286,8 @@ def nodes_table(resp: control_pb2.ListNodesResponse) -> str:
                      f"{rss / (1 << 20):.0f} MiB resident")
             text += "".join(f"\n  uid {t.uid}  pid {t.pid}  key {t.key}  idle "
                             f"{t.idle_seconds:.0f}s  {t.rss_bytes / (1 << 20):.0f} MiB"
+                            + (f"  {t.origin}" if t.origin not in ("", "job") else "")
+                            + (f"  {t.state}" if t.state == "starting" else "")
                             for t in n.idle_templates)
     return text
 
@@ -369,6 +371,15 @@ class Printer:
 
     def nodes(self, resp: control_pb2.ListNodesResponse) -> None:
         self._json(to_dict(resp)) if self.json else self._emit(nodes_table(resp))
+
+    def warmed(self, resp: control_pb2.WarmTemplateResponse) -> None:
+        """The result of `template warm`."""
+        self._json(to_dict(resp)) if self.json else self._emit(
+            f"worker template pid {resp.pid} (key {resp.key}) " +
+            ("is there already for that job" if resp.already else
+             "ended at once (over this node's limits for idle templates)"
+             if resp.state == "stopped" else "starting") +
+            f": {resp.state}; `elasticctl nodes` shows it")
 
     def node_state(self, node: control_pb2.Node) -> None:
         """The result of `drain` / `uncordon`: the node as it now is."""

@@ -279,11 +279,26 @@ class AgentSettings:
     template_idle_max: int = _setting(4, "most idle worker templates on this node, all "
                                          "users together", min=0, max=1024)
     template_restore: bool = _setting(True, "at start, start again the worker templates "
-                                            "that were idle when the daemon last stopped "
-                                            "cleanly (kept in the state dir meanwhile), so "
-                                            "a user's first job after a restart or an "
-                                            "upgrade is warm too; each then waits "
-                                            "agent.template_idle_timeout like any idle one")
+                                            "this node had when the daemon last ran (idle "
+                                            "ones within agent.template_idle_timeout of "
+                                            "their last use, and running jobs'; kept in the "
+                                            "state dir as they change, so a crash loses "
+                                            "nothing of it), so a user's first job after a "
+                                            "restart, a crash or an upgrade is warm too; "
+                                            "each then idles like any other")
+    template_idle_rss_max: int = _setting(4 << 30, "bytes of resident memory the idle "
+                                                   "worker templates of this node may hold "
+                                                   "together (the longest idle ends first; "
+                                                   "at start, what each last measured "
+                                                   "bounds what is started again); 0: none "
+                                                   "is kept", min=0, max=1 << 50)
+    template_key_env: list = _setting([], "environment variables that also shape what a "
+                                          "worker template imports, beyond the built-in "
+                                          "list and what its imports read through "
+                                          "os.environ (e.g. one a C extension reads with "
+                                          "getenv() as it loads): a name, or a prefix "
+                                          "ending in '*'; a job differing in one gets "
+                                          "a template of its own")
     template_idle_check_interval: float = _setting(1.0, "seconds between looks at the idle "
                                                         "worker templates (ended when their "
                                                         "time is up, or dropped when dead)",
@@ -627,6 +642,11 @@ def _check_relations(cfg: Config, errors: list[str]) -> None:
         errors.append("inprocess.barrier_timeout: must exceed agent.hang_hard_timeout "
                       f"({i.barrier_timeout} <= {a.hang_hard_timeout}), or the healthy ranks "
                       "give up on a hung rank before elasticd kills and replaces it")
+    from .workers.template_key import KEY_ENV_ENTRY
+    bad = [v for v in a.template_key_env if not KEY_ENV_ENTRY.match(v)]
+    if bad:
+        errors.append(f"agent.template_key_env: {bad[0][:80]!r} is not a variable name or "
+                      "a prefix ending in '*' (letters, digits, '_')")
     if a.template_idle_per_user > a.template_idle_max:
         errors.append("agent.template_idle_per_user: must not exceed agent.template_idle_max "
                       f"({a.template_idle_per_user} > {a.template_idle_max})")

@@ -36,8 +36,8 @@ def answer(cfg, cluster, manager, caller: Caller, endpoint=None) -> pb.ListNodes
             gpus_to_proto(msg, manager.gpus.inventory, manager.gpu_holders())
             msg.gpus_free = manager.gpus_free()  # now, not at the last refresh
             msg.idle_templates.extend(  # another user's only to root
-                pb.IdleTemplate(uid=t.uid, pid=t.pid, key=t.key,
-                                idle_seconds=t.idle_seconds, rss_bytes=t.rss_bytes)
+                pb.IdleTemplate(uid=t.uid, pid=t.pid, key=t.key, idle_seconds=t.idle_seconds,
+                                rss_bytes=t.rss_bytes, origin=t.origin, state=t.state)
                 for t in manager.templates.idle() if caller.may_act_on(t.uid))
         nodes.append(msg)
     for node_id, (lost_at, rec) in sorted(view.lost.items()):

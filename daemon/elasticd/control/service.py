@@ -33,6 +33,7 @@ from ..store import StoreError
 from .fairpool import over_queue
 from .streamgate import CallGate, StreamGate
 from ..jobs.states import TERMINAL_STATES, WorkerState
+from ..workers import template_ahead
 from ..v1 import control_pb2 as pb
 from ..v1 import control_pb2_grpc as pb_grpc
 
@@ -446,3 +447,15 @@ class ControlServicer(pb_grpc.ControlServicer):
                 from None
         rec = view.live.get(node_id) or self._cluster.record()
         return node_to_proto(rec, request.state, 0.0)
+
+    @_handle
+    def WarmTemplate(self, request, context, caller):
+        req = validation.submit_request(pb.SubmitRequest(  # checked as the job it is for
+            command=request.command, cwd=request.cwd, env=request.env,
+            nproc_per_node=request.nproc_per_node), self._cfg.control)
+        validation.caller_can_enter(req.cwd, caller.uid, caller.gid,
+                                    self._cfg.control.cwd_check_timeout)
+        got = template_ahead.warm(self._manager.templates, self._cfg, caller.uid, caller.gid,
+                                  req.command, req.cwd, req.env, req.nproc_per_node)
+        return pb.WarmTemplateResponse(pid=got.pid, key=got.key, state=got.state,
+                                       already=got.already)

@@ -71,6 +71,37 @@ class SubmitResponse(_message.Message):
     job: Job
     def __init__(self, job: _Optional[_Union[Job, _Mapping]] = ...) -> None: ...
 
+class WarmTemplateRequest(_message.Message):
+    __slots__ = ("command", "cwd", "env", "nproc_per_node")
+    class EnvEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    COMMAND_FIELD_NUMBER: _ClassVar[int]
+    CWD_FIELD_NUMBER: _ClassVar[int]
+    ENV_FIELD_NUMBER: _ClassVar[int]
+    NPROC_PER_NODE_FIELD_NUMBER: _ClassVar[int]
+    command: _containers.RepeatedScalarFieldContainer[str]
+    cwd: str
+    env: _containers.ScalarMap[str, str]
+    nproc_per_node: int
+    def __init__(self, command: _Optional[_Iterable[str]] = ..., cwd: _Optional[str] = ..., env: _Optional[_Mapping[str, str]] = ..., nproc_per_node: _Optional[int] = ...) -> None: ...
+
+class WarmTemplateResponse(_message.Message):
+    __slots__ = ("pid", "key", "state", "already")
+    PID_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ALREADY_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    key: str
+    state: str
+    already: bool
+    def __init__(self, pid: _Optional[int] = ..., key: _Optional[str] = ..., state: _Optional[str] = ..., already: _Optional[bool] = ...) -> None: ...
+
 class ListJobsRequest(_message.Message):
     __slots__ = ("all_users", "page_token")
     ALL_USERS_FIELD_NUMBER: _ClassVar[int]
@@ -451,18 +482,22 @@ class Node(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., state: _Optional[str] = ..., host: _Optional[str] = ..., address: _Optional[str] = ..., slots: _Optional[int] = ..., slots_free: _Optional[int] = ..., version: _Optional[str] = ..., started_at: _Optional[float] = ..., heartbeat_age_seconds: _Optional[float] = ..., jobs: _Optional[_Iterable[str]] = ..., lost_at: _Optional[float] = ..., lease_ttl_seconds: _Optional[float] = ..., problems: _Optional[_Iterable[str]] = ..., gpus: _Optional[int] = ..., gpus_free: _Optional[int] = ..., gpu_source: _Optional[str] = ..., gpu_health: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[NodeGpu, _Mapping]]] = ..., suspect: _Optional[str] = ..., idle_templates: _Optional[_Iterable[_Union[IdleTemplate, _Mapping]]] = ...) -> None: ...
 
 class IdleTemplate(_message.Message):
-    __slots__ = ("uid", "pid", "key", "idle_seconds", "rss_bytes")
+    __slots__ = ("uid", "pid", "key", "idle_seconds", "rss_bytes", "origin", "state")
     UID_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     IDLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ORIGIN_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
     uid: int
     pid: int
     key: str
     idle_seconds: float
     rss_bytes: int
-    def __init__(self, uid: _Optional[int] = ..., pid: _Optional[int] = ..., key: _Optional[str] = ..., idle_seconds: _Optional[float] = ..., rss_bytes: _Optional[int] = ...) -> None: ...
+    origin: str
+    state: str
+    def __init__(self, uid: _Optional[int] = ..., pid: _Optional[int] = ..., key: _Optional[str] = ..., idle_seconds: _Optional[float] = ..., rss_bytes: _Optional[int] = ..., origin: _Optional[str] = ..., state: _Optional[str] = ...) -> None: ...
 
 class NodeGpu(_message.Message):
     __slots__ = ("index", "uuid", "memory_mib", "numa_node", "cpus", "job_id")

@@ -79,6 +79,11 @@ class ControlStub:
                 request_serializer=elasticd_dot_v1_dot_control__pb2.SetNodeStateRequest.SerializeToString,
                 response_deserializer=elasticd_dot_v1_dot_control__pb2.Node.FromString,
                 _registered_method=True)
+        self.WarmTemplate = channel.unary_unary(
+                '/elasticd.v1.Control/WarmTemplate',
+                request_serializer=elasticd_dot_v1_dot_control__pb2.WarmTemplateRequest.SerializeToString,
+                response_deserializer=elasticd_dot_v1_dot_control__pb2.WarmTemplateResponse.FromString,
+                _registered_method=True)
 
 
 class ControlServicer:
@@ -150,6 +155,16 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WarmTemplate(self, request, context):
+        """Start a worker template on this node for the caller's next job (`elasticctl
+        template warm`): as the caller, from a request checked like a submission;
+        idle from then on, ended after agent.template_idle_timeout. Answers at once
+        (the template imports in the background: ListNodes shows it).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -197,6 +212,11 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.SetNodeState,
                     request_deserializer=elasticd_dot_v1_dot_control__pb2.SetNodeStateRequest.FromString,
                     response_serializer=elasticd_dot_v1_dot_control__pb2.Node.SerializeToString,
+            ),
+            'WarmTemplate': grpc.unary_unary_rpc_method_handler(
+                    servicer.WarmTemplate,
+                    request_deserializer=elasticd_dot_v1_dot_control__pb2.WarmTemplateRequest.FromString,
+                    response_serializer=elasticd_dot_v1_dot_control__pb2.WarmTemplateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -442,6 +462,33 @@ class Control:
             '/elasticd.v1.Control/SetNodeState',
             elasticd_dot_v1_dot_control__pb2.SetNodeStateRequest.SerializeToString,
             elasticd_dot_v1_dot_control__pb2.Node.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WarmTemplate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/elasticd.v1.Control/WarmTemplate',
+            elasticd_dot_v1_dot_control__pb2.WarmTemplateRequest.SerializeToString,
+            elasticd_dot_v1_dot_control__pb2.WarmTemplateResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -2,7 +2,7 @@
 
 A rank leads its own process group (its own session), so a group signal
 reaches what it started too. A rank the worker template forked is
-signalled through its pidfd (workers/template.ForkedProcess.signal_group):
+signalled through its pidfd (workers/forked.ForkedProcess.signal_group):
 its pid came from a process of the job's user.
 """
 from __future__ import annotations

@@ -2,17 +2,20 @@
 
 The template is ``python [-u|-B] workers/warmstart.py --template FD ARGS`` started
 through the same spawn path as the workers (workers.start_job_process: the
-job's user, its groups, its directory, the job's environment as its key
-has it, workers/template_key.py), on the pool's spawner thread, so that its
-PDEATHSIG is tied to a thread that lives as long as the daemon
-(workers/template_pool.py); its ``sys.path`` is a cold start's (see
+job's user, its groups, its directory, the job's environment less what
+differs per submit, workers/template_key.template_env), on the pool's
+spawner thread, so that its PDEATHSIG is tied to a thread that lives as long
+as the daemon (workers/template_pool.py); its ``sys.path`` is a cold start's (see
 warmstart.entry_path). It imports ``agent.warm_preload`` once and then
 waits on FD, one end of a socketpair that only this daemon holds. Each rank
-is a child it forks on request (warmstart._serve / _become_rank).
+is a child it forks on request (warmstart._serve / _become_rank). Its ready
+message names the variables its imports read (``EnvReads``, parsed and
+bounded here: the template runs the user's code): the pool gives it only to
+jobs in whose environment they are the same.
 
 Exit statuses: the ranks are the template's children, so the template
 reaps them and reports each raw wait status on the channel; the daemon
-keeps a ``ForkedProcess`` per rank with the ``Popen`` interface the agent
+keeps a ``ForkedProcess`` (workers/forked.py) per rank with the ``Popen`` interface the agent
 uses (``pid``, ``poll``, ``returncode``, ``wait``), so a forked rank's exit
 code or signal is exactly what a cold worker's would be. No orphans: every
 rank has PDEATHSIG=SIGKILL on the template, the template has it on the
@@ -39,18 +42,18 @@ import time
 
 from typing import Callable
 
-import psutil
-
 from . import env as envnames, group as workers
-from .template_key import TemplateKey, entry_part
-from .signals import group_processes, kill_group
+from .template_key import EnvReads, TemplateKey, entry_part
+from .forked import ForkedProcess, pin_child
+from .signals import kill_group
 from .. import statedir
+from ..trust import values
 from ..logsetup import ctx
-from ..trust.values import BadValue, decode
 
 log = logging.getLogger("elasticd.workers.template")
 
-_MESSAGE_MAX = 1 << 16  # a template line longer than this is a broken template
+_MESSAGE_MAX = 1 << 20  # a template line longer than this is a broken template (the
+                        # ready message lists up to READ_NAMES_MAX names of <= 256 bytes)
 _UNCLAIMED_MAX = 64     # exit statuses kept for pids whose fork reply has not come
 
 
@@ -68,117 +71,6 @@ class StartPath(enum.Enum):
     TEMPLATE = "template"
     SPARE = "spare"
     COLD = "cold"
-
-
-class ForkedProcess:
-    """A rank forked by the template: the part of ``subprocess.Popen`` the agent uses.
-
-    Its pid came from the template, a process of the job's user that runs the
-    user's code (the preload): it is checked to be the template's child and
-    the job's uid before it is kept, and signals go through a pidfd opened
-    then, so they reach that process and never another that got its pid.
-    Its exit is what the template reports; one that exited (the pidfd says
-    so) with no report within the fork timeout reads as killed by SIGKILL."""
-
-    def __init__(self, template: "WorkerTemplate", pid: int, pidfd: int | None):
-        self._template = template
-        self.pid = pid
-        self._pidfd = pidfd      # None: it was gone (reaped) before it could be opened
-        self._gone_at: float | None = None
-        self.returncode: int | None = None
-
-    def exited(self, code: int) -> None:
-        self.returncode = code
-        if self._pidfd is not None:
-            os.close(self._pidfd)
-            self._pidfd = None
-
-    def _alive(self) -> bool:
-        """Not yet exited (a zombie has exited); its pid is then still its own."""
-        if self._pidfd is None:
-            return False
-        try:
-            readable, _, _ = select.select([self._pidfd], [], [], 0)
-        except (OSError, ValueError):
-            return False
-        return not readable
-
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            self._template.pump(0)
-        if self.returncode is None and not self._alive():
-            now = time.monotonic()
-            if self._gone_at is None:
-                self._gone_at = now
-            elif now - self._gone_at > self._template.fork_timeout:
-                log.warning("%s: rank pid %d exited and its worker template never said how; "
-                            "it reads as killed by SIGKILL", self._template.where(), self.pid)
-                self.exited(-signal.SIGKILL)
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            left = 1.0 if deadline is None else deadline - time.monotonic()
-            if left <= 0:
-                raise subprocess.TimeoutExpired(f"rank pid {self.pid}", timeout)
-            self._template.pump(min(left, 0.5))
-        return self.returncode
-
-    def send_signal(self, sig: int) -> None:
-        if self.returncode is None and self._pidfd is not None:
-            try:
-                signal.pidfd_send_signal(self._pidfd, sig)
-            except ProcessLookupError:
-                pass
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
-    def signal_group(self, sig: int) -> None:
-        """Signal the rank's process group (it leads one once it runs) and what it left
-        there. While the rank has not been reaped its pid, and so its group's id, is
-        its own; after, only processes of the job's uid in that group are signalled,
-        each through a pidfd."""
-        if self._alive():
-            kill_group(self.pid, sig)  # no group yet (before its setsid): none hit
-            self.send_signal(sig)
-            return
-        for proc, _ in group_processes({self.pid}, ("pid", "uids")):
-            if proc.info["uids"] is None or proc.info["uids"].real != self._template.uid:
-                continue
-            try:
-                fd = os.pidfd_open(proc.pid)
-            except OSError:
-                continue
-            try:
-                if os.getpgid(proc.pid) == self.pid:  # still in it, once pinned
-                    signal.pidfd_send_signal(fd, sig)
-            except OSError:
-                pass
-            finally:
-                os.close(fd)
-
-
-def _pin_child(pid: int, parent: int, uid: int) -> tuple[int | None, str]:
-    """A pidfd for ``pid`` if it is ``parent``'s child run by ``uid`` (None if it is
-    gone already: its exit report says the rest), or (None, why it is not)."""
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return None, ""
-    except OSError as exc:
-        return None, f"cannot open a pidfd for it: {exc}"
-    try:  # checked once pinned: the fd and what /proc says are the same process
-        proc = psutil.Process(pid)
-        ppid, owner = proc.ppid(), proc.uids().real
-    except psutil.Error:
-        os.close(fd)
-        return None, ""  # reaped between the two: gone
-    if ppid != parent or owner != uid:
-        os.close(fd)
-        return None, f"pid {pid} is not its child run by uid {uid}"
-    return fd, ""
 
 
 class WorkerTemplate:
@@ -205,6 +97,8 @@ class WorkerTemplate:
         self.was_ready = False    # it served ranks before (then a death may be revived)
         self._unsafe = False      # it refused as unsafe to fork: a new one would too
         self.key: TemplateKey | None = None   # what it was made of (template_key.py)
+        self.env: dict = {}       # the environment it imports under (template_env)
+        self.env_reads: EnvReads | None = None  # what its imports read of it, once ready
         self.uid = -1             # the user it runs as (set at start)
         self.log_job = job_id     # whose logs/JOB/template.log has its output
 
@@ -216,22 +110,22 @@ class WorkerTemplate:
         return self._fork_timeout
 
     # -- life --------------------------------------------------------------
-    def start(self, spec: workers.GroupSpec, key: "TemplateKey | None",
+    def start(self, spec: workers.GroupSpec, key: "TemplateKey | None", env: dict,
               spawn: Callable | None = None) -> None:
         """Start the template for ``spec``'s job; does not wait for it (see ``ready``).
-        ``key`` (workers/template_key.py) is all it is made of besides the job's
-        command and log: its environment is the key's plus the preload lists (the
-        learned modules are imported after the preload if a probe child could,
-        workers/preload.py). ``spawn``: how its process is started,
-        ``workers.start_job_process`` or a stand-in with its signature (the pool's
-        spawner thread, so that its PDEATHSIG is tied to a thread that lives as long
-        as the daemon, not to the job's agent)."""
+        ``key`` and ``env`` (workers/template_key.py: the job's ``template_env``) are
+        all it is made of besides the job's command and log: its environment is
+        ``env`` plus the preload lists (the learned modules are imported after the
+        preload if a probe child could, workers/preload.py). ``spawn``: how its
+        process is started, ``workers.start_job_process`` or a stand-in with its
+        signature (the pool's spawner thread, so that its PDEATHSIG is tied to a
+        thread that lives as long as the daemon, not to the job's agent)."""
         args = workers.warm_args(spec.command)
         if args is None or key is None:
             self._fail("the command is not `python SCRIPT` or `python -m MODULE`",
                        TemplateState.OFF)
             return
-        self.key = key
+        self.key, self.env, self.env_reads = key, dict(env), None
         self.uid = spec.uid
         flags = []
         while args and args[0] in ("-u", "-B"):
@@ -241,9 +135,10 @@ class WorkerTemplate:
         # job's argv at fork (warmstart._become).
         args = args[:2] if args[0] == "-m" else args[:1]
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        # Made of its key alone: any job with an equal key may use it (template_pool.py).
-        env = dict(key.env, **{envnames.WARM_PRELOAD: ",".join(key.preload),
-                               envnames.LEARNED_PRELOAD: ",".join(key.learned)})
+        # Any job with an equal key, in whose environment what its imports read is the
+        # same, may use it (template_pool.py).
+        env = dict(env, **{envnames.WARM_PRELOAD: ",".join(key.preload),
+                           envnames.LEARNED_PRELOAD: ",".join(key.learned)})
         try:
             statedir.private_dir(spec.log_dir)  # its log; the ranks' run dir is the group's
             self._proc = (spawn or workers.start_job_process)(
@@ -264,6 +159,12 @@ class WorkerTemplate:
         self.started_at = time.monotonic()
         log.info("%s: worker template starting, pid %d (key %s)", self.where(),
                  self._proc.pid, key.digest)
+
+    def fits(self, job_env: dict) -> bool:
+        """Whether it is ready and a job with ``job_env`` (its ``template_env``) would
+        have read, importing, what it read (template_key.EnvReads)."""
+        return self.ready(0) and self.env_reads is not None \
+            and self.env_reads.fit(self.env, job_env)
 
     def revivable(self) -> bool:
         """Whether it died after serving ranks (not: could not be made, or unsafe), so
@@ -383,7 +284,7 @@ class WorkerTemplate:
         if type(pid) is not int or not 1 < pid < 1 << 31 or pid in self._ranks:
             self._fail("a malformed fork reply")
             return None, "worker template sent a malformed reply"
-        pidfd, wrong = _pin_child(pid, self.pid, self.uid)
+        pidfd, wrong = pin_child(pid, self.pid, self.uid)
         if wrong:  # its user's code answered for it: never signal what it names
             self._unsafe = True
             self._fail(f"its fork reply named a process not its own: {wrong}")
@@ -428,8 +329,8 @@ class WorkerTemplate:
 
     def _message(self, line: bytes) -> None:
         try:  # the template runs the job's user's imports: its lines are untrusted
-            msg = decode(line, max_bytes=_MESSAGE_MAX, want=None)
-        except BadValue as bad:
+            msg = values.decode(line, max_bytes=_MESSAGE_MAX, want=None)
+        except values.BadValue as bad:
             self._fail(f"it sent a malformed message ({bad.why.value})")
             return
         if not isinstance(msg, dict):
@@ -452,9 +353,11 @@ class WorkerTemplate:
                 return
             self.state, self.was_ready = TemplateState.READY, True
             self.ready_seconds = time.monotonic() - self.started_at
-            log.info("%s: worker template ready in %.2f s (pid %d, %d modules)",
-                     self.where(), self.ready_seconds, self.pid,
-                     msg["modules"] if type(msg.get("modules")) is int else 0)
+            self.env_reads = EnvReads.of_message(msg.get("env_read"))
+            log.info("%s: worker template ready in %.2f s (pid %d, %d modules; its imports "
+                     "read %s)", self.where(), self.ready_seconds, self.pid,
+                     msg["modules"] if type(msg.get("modules")) is int else 0,
+                     self.env_reads.describe())
         elif msg.get("id") == self._next_id and type(msg["id"]) is int:  # the one asked
             self._replies[msg["id"]] = msg
 

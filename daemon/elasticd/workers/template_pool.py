@@ -2,87 +2,76 @@
 
 A job's agent asks the pool for its template (``acquire``) as the job
 arrives. When an idle template's key (workers/template_key.py: the same uid,
-gid and groups, interpreter, flags, entry, cwd, CPUs, environment and
-preload) equals the job's, the job takes it and its first ranks are forked
-at once, with no interpreter start and no ``import torch`` after the submit;
-otherwise a new template starts. When the job ends here its agent hands the
-template back (``release``): a template that is ready and has no rank left
-waits, idle, for the next job of that key, up to ``agent.template_idle_timeout``
-(0: none is kept; each ends with its job). Idle templates are bounded per
-user (``agent.template_idle_per_user``, the user's share of this node) and
-per node (``agent.template_idle_max``): the longest idle goes first.
+gid and groups, interpreter, flags, entry, cwd, CPUs, preload and
+import-shaping variables) equals the job's, and every variable its imports
+read has the same value in the job's environment (``EnvReads``), the job
+takes it and its first ranks are forked at once, with no interpreter start
+and no ``import torch`` after the submit; otherwise a new template starts,
+never one whose imports saw something else. When the job ends here its
+agent hands the template back (``release``): a template that is ready and
+has no rank left waits, idle, for the next job that fits it, up to
+``agent.template_idle_timeout`` (0: none is kept; each ends with its job).
+Idle templates are bounded per user (``agent.template_idle_per_user``), per
+node (``agent.template_idle_max``) and in resident memory, all together
+(``agent.template_idle_rss_max``): the longest idle goes first.
+
+Ready before the submit: what every template the pool knows of (idle, or a
+job's now) was made of is written to the state dir whenever that changes
+(workers/template_saved.py); workers/template_ahead.py starts the recent ones
+again at the daemon's next start, after a clean stop or a crash, and one
+ahead of a user's first job on request (``elasticctl template warm``), each
+idle in the pool from then on. A job that finds one still importing waits
+for it (its reads are known once it is ready), as it would for its own.
 
 Threads: the pool's own thread (one owner, a stop event, bounded waits)
 starts every template's process (``spawn``), so that each template's
 PDEATHSIG is tied to a thread that lives as long as the daemon: a template
 outlives the agent of the job that started it, never the daemon. The same
-thread ends idle templates whose time is up or that died. A template is used
-by one thread at a time: the agent that acquired it, or the pool while it
-idles (every look at an idle one is made under the pool's lock).
+thread ends idle templates whose time is up, that died, or that pass the
+memory bound. A template is used by one thread at a time: the agent that
+acquired it, or the pool while it idles (every look at an idle one is made
+under the pool's lock).
 
-Nothing of one job passes to the next but what the key says is equal: a
-forked rank gets its own job's environment, directory, argv and log
-(warmstart._become_rank); the template's own output stays in the log of the
-job that started it.
+A forked rank gets its own job's environment, directory, argv and log
+(warmstart._become_rank); the template's output stays in its first job's log.
 """
 from __future__ import annotations
 
-import json
+import bisect
 import logging
-import os
-import pwd
 import queue
-import re
 import subprocess
 import threading
 import time
 from dataclasses import dataclass
 
-from . import files, group as workers
+from . import group as workers, template_ahead, template_saved
 from .signals import kill_group
 from .template import TemplateState, WorkerTemplate
-from .template_key import TemplateKey, entry_part, key_from_record, key_to_record
-from .. import statedir
+from .template_key import TemplateKey, template_env
+from .template_saved import SavedTemplate
 from ..logsetup import ctx
-from ..trust.values import BadValue, decode
 
 log = logging.getLogger("elasticd.workers.template_pool")
 
-SAVED_NAME = "idle-templates.json"   # in the state dir, between a stop and the next start
-_SAVED_MAX = 16 << 20
-_JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
-
-
-def _saved(rec) -> tuple[TemplateKey, list, str]:
-    """(key, boot arguments, job whose log it writes to) of one saved template, checked."""
-    if not isinstance(rec, dict):
-        raise ValueError("not an object")
-    key = key_from_record(rec.get("key"))
-    boot, job = rec.get("boot"), rec.get("log_job")
-    if not isinstance(boot, list) or not all(isinstance(a, str) for a in boot) \
-            or workers.warm_args([key.interpreter, *boot]) is None \
-            or entry_part(boot) != (key.flags, key.entry):
-        raise ValueError("its command is not one a template runs")
-    if not isinstance(job, str) or not _JOB_ID.match(job):
-        raise ValueError("not a job id")
-    return key, list(boot), job
+_HOW = {"restored": "started again at the daemon's start",
+        "ahead": "started ahead (elasticctl template warm)"}
 
 
 @dataclass(frozen=True)
 class Acquired:
-    """A job's template, and whether it came from the pool (idle how long)."""
+    """A job's template, and whether it came from the pool (idle how long, made how)."""
     template: WorkerTemplate
     reused: bool = False
     idle_seconds: float = 0.0
+    origin: str = "job"
 
     def sentence(self) -> str:
-        t = self.template
-        if self.reused:
-            return (f"worker template reused from the pool (idle {self.idle_seconds:.0f} s, "
-                    f"pid {t.pid}, key {t.key.digest}): " +
-                    ("no import after the submit" if t.state is TemplateState.READY else
-                     "started again at the daemon's start, still importing"))
-        return ""
+        how, t = _HOW.get(self.origin, ""), self.template
+        return "" if not self.reused else (
+            f"worker template reused from the pool (idle {self.idle_seconds:.0f} s, pid "
+            f"{t.pid}, key {t.key.digest}{', ' + how if how else ''}): no import after the "
+            "submit")
 
 
 @dataclass(frozen=True)
@@ -94,12 +83,20 @@ class IdleTemplate:
     last_job: str
     idle_seconds: float
     rss_bytes: int
+    origin: str            # template_saved.ORIGINS
+    state: str             # TemplateState: starting (importing) or ready
 
 
-@dataclass
-class _Idle:
+@dataclass(eq=False)
+class _Entry:
     template: WorkerTemplate
-    since: float
+    since: float           # monotonic: idle since (a job's: taken then)
+    origin: str
+    used_at: float         # the wall clock at ``since``
+
+
+def _since(e: _Entry) -> float:
+    return e.since
 
 
 class _Spawn:
@@ -129,74 +126,112 @@ class _Spawn:
         self.done.set()
 
 
+
 class TemplatePool:
     def __init__(self, cfg):
         self._cfg = cfg
         self._agent = cfg.agent
         self._lock = threading.Lock()
-        self._idle: list[_Idle] = []
+        self._idle: list[_Entry] = []            # longest idle first
+        self._busy: dict[int, _Entry] = {}       # id(template) -> entry: jobs' templates
+        self._parked: list[SavedTemplate] = []   # jobs' templates the daemon's stop ended
+        self._save_lock = threading.Lock()
+        self._saved_last = False                 # the stop wrote the file: no more writes
         self._requests: queue.Queue = queue.Queue()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.reuses = 0     # jobs that took an idle template (metrics)
 
+    def _where(self, job: str | None = None) -> str:
+        return ctx(job=job, node=self._cfg.daemon.node_id)
+
     # -- for the agents ------------------------------------------------------
     def acquire(self, job_id: str, spec: workers.GroupSpec, learned=()) -> Acquired:
-        """The template for ``spec``'s job: an idle one with an equal key, else a new
-        one, starting (its state says how it went; OFF: the command takes none)."""
+        """The template for ``spec``'s job: an idle one it fits, else a new one, starting
+        (its state says how it went; OFF: the command takes none)."""
         a = self._agent
-        key = TemplateKey.of(spec, a.warm_preload, learned)
-        if key is not None:
+        key = TemplateKey.of(spec, a.warm_preload, learned, a.template_key_env)
+        env = template_env(spec)
+        got = self._reuse(job_id, key, env) if key is not None else None
+        if got is None:
+            t = WorkerTemplate(job_id, self._cfg.daemon.node_id, a.template_ready_timeout,
+                               a.template_fork_timeout)
+            t.start(spec, key, env, spawn=self.spawn)
+            got = Acquired(t)
+        if got.template.state in (TemplateState.STARTING, TemplateState.READY):
+            with self._lock:
+                self._busy[id(got.template)] = _Entry(got.template, time.monotonic(),
+                                                      got.origin, time.time())
+            self.save()
+        return got
+
+    def _reuse(self, job_id: str, key: TemplateKey, env: dict) -> Acquired | None:
+        """An idle template ``key`` and ``env`` fit, taken out of the pool, or None."""
+        passed: list[_Entry] = []  # importing when taken; then what they read differed
+        try:
             while True:
-                entry = self._take(key)
-                if entry is None:
-                    break
-                t = entry.template
-                if t.state is TemplateState.STARTING or t.settle(0):  # (restored: importing)
-                    t.job_id = job_id
-                    with self._lock:
-                        self.reuses += 1
-                    got = Acquired(t, True, time.monotonic() - entry.since)
-                    log.info("%s: %s", ctx(job=job_id, node=self._cfg.daemon.node_id),
-                             got.sentence())
-                    return got
-                t.stop()  # it died while idle: the next, or a new one
-        t = WorkerTemplate(job_id, self._cfg.daemon.node_id, a.template_ready_timeout,
-                           a.template_fork_timeout)
-        t.start(spec, key, spawn=self.spawn)
-        return Acquired(t)
+                e = self._take(job_id, key, env)
+                if e is None:
+                    return None
+                t = e.template
+                if t.state is TemplateState.STARTING:
+                    t.ready(stop=self._stop)  # what its imports read is known once ready
+                if not t.settle(0):
+                    self._end(e, f"it died while idle: {t.reason or t.state.value}")
+                    continue
+                if not t.fits(env):
+                    self._passed(job_id, t)
+                    passed.append(e)
+                    continue
+                t.job_id = job_id
+                with self._lock:
+                    self.reuses += 1
+                got = Acquired(t, True, time.monotonic() - e.since, e.origin)
+                log.info("%s: %s", self._where(job_id), got.sentence())
+                return got
+        finally:
+            with self._lock:
+                for e in passed:
+                    bisect.insort(self._idle, e, key=_since)
 
     def release(self, template: WorkerTemplate | None, keep: bool = True) -> str:
-        """The template of a job that ended here: kept idle for the user's next job
-        with an equal key (when ``keep``, wanted, ready with no rank left, and the
-        pool still runs), else stopped. One sentence saying which."""
-        if template is None or template.state not in (TemplateState.STARTING,
-                                                      TemplateState.READY):
+        """The template of a job that ended here: kept idle for the user's next job that
+        fits it (when ``keep``, wanted, ready with no rank left, and the pool still
+        runs), else stopped. One sentence saying which. ``keep`` is False only when
+        the daemon stops: what the template was made of is then kept for the next
+        start (``restore``)."""
+        if template is None:
             return ""
-        a = self._agent
-        why = ("the daemon is stopping" if self._stop.is_set() or not keep else
-               "agent.template_idle_timeout is 0" if a.template_idle_timeout <= 0 else
-               "agent.template_idle_per_user is 0" if a.template_idle_per_user <= 0 else
-               "agent.template_idle_max is 0" if a.template_idle_max <= 0 else
-               "it is not ready, or a rank of it is still alive"
-               if template.key is None or not template.settle(1.0) else "")
+        with self._lock:
+            entry = self._busy.pop(id(template), None)
+        if template.state not in (TemplateState.STARTING, TemplateState.READY):
+            self.save()
+            return ""
+        why = "the daemon is stopping" if not keep else self.closed() or (
+            "it is not ready, or a rank of it is still alive"
+            if template.key is None or not template.settle(1.0) else "")
         if why:
+            if not keep and entry is not None:
+                saved = template_saved.of(template, entry.origin, time.time(), True)
+                if saved is not None:
+                    with self._lock:
+                        self._parked.append(saved)
             template.stop()
+            self.save()
             return f"worker template stopped ({why})"
         uid = template.key.uid
-        with self._lock:
-            self._idle.append(_Idle(template, time.monotonic()))
-            evicted = self._evict(uid)
-        self._ensure_thread()
-        for e in evicted:
-            self._end(e, "the longest idle over the pool's limits "
-                         "(agent.template_idle_per_user / template_idle_max)")
+        e = _Entry(template, time.monotonic(), "job", time.time())
+        evicted = self._admit(e)
+        self.save()
+        if e in evicted:
+            return ("worker template stopped (over the pool's limits: "
+                    "agent.template_idle_per_user, template_idle_max, template_idle_rss_max)")
         log.info("%s: worker template pid %d kept idle for uid %d's next job with the same "
-                 "key %s (up to %g s)", ctx(job=template.job_id, node=self._cfg.daemon.node_id),
-                 template.pid, uid, template.key.digest, self._agent.template_idle_timeout)
+                 "key %s (up to %g s)", self._where(template.job_id), template.pid, uid,
+                 template.key.digest, self._agent.template_idle_timeout)
         return (f"worker template kept idle for this user's next job with the same "
-                f"interpreter, directory and environment (pid {template.pid}, up to "
-                f"{self._agent.template_idle_timeout:g} s: agent.template_idle_timeout)")
+                f"interpreter, directory and import-shaping environment (pid {template.pid}, "
+                f"up to {self._agent.template_idle_timeout:g} s: agent.template_idle_timeout)")
 
     def spawn(self, *args, **kwargs) -> subprocess.Popen:
         """``workers.start_job_process(*args, **kwargs)``, run on the pool's thread (see
@@ -219,17 +254,55 @@ class TemplatePool:
             raise workers.SpawnError("the daemon is stopping")
         return req.proc
 
+    # -- before any job asks (workers/template_ahead.py: restore, warm) -----------
+    def restore(self) -> int:
+        """At the daemon's start: see template_ahead.restore."""
+        saved, problems = template_saved.read(self._cfg.daemon.state_dir,
+                                              self._agent.template_key_env)
+        for problem in problems:
+            log.warning("%s: recent worker templates not restored: %s", self._where(), problem)
+        started = template_ahead.restore(self, self._cfg, saved)
+        self.save()  # the file now says what runs
+        return started
+
+    def closed(self) -> str:
+        """Why no template may be kept idle here, or ""."""
+        a = self._agent
+        return ("the daemon is stopping" if self._stop.is_set() else
+                "agent.template_idle_timeout is 0" if a.template_idle_timeout <= 0 else
+                "agent.template_idle_per_user is 0" if a.template_idle_per_user <= 0 else
+                "agent.template_idle_max is 0" if a.template_idle_max <= 0 else
+                "agent.template_idle_rss_max is 0" if a.template_idle_rss_max <= 0 else "")
+
+    def fitting(self, key: TemplateKey, env: dict) -> WorkerTemplate | None:
+        """An idle template a job of ``key`` and ``env`` would take (or one of the same
+        environment still importing), left in the pool."""
+        with self._lock:
+            for e in reversed(self._idle):
+                t = e.template
+                if t.key == key and (t.env == env or t.fits(env)):
+                    return t
+        return None
+
+    def admit(self, template: WorkerTemplate, origin: str, idle_for: float = 0.0) -> bool:
+        """Put a template no job has into the pool, idle for ``idle_for`` s already;
+        False when the pool's bounds ended it at once."""
+        e = _Entry(template, time.monotonic() - idle_for, origin, time.time() - idle_for)
+        return e not in self._admit(e)
+
     # -- what there is -------------------------------------------------------
     def idle(self) -> list[IdleTemplate]:
         now = time.monotonic()
         with self._lock:
             return [IdleTemplate(e.template.key.uid, e.template.pid, e.template.key.digest,
-                                 e.template.job_id, now - e.since, e.template.rss_bytes())
+                                 e.template.job_id, now - e.since, e.template.rss_bytes(),
+                                 e.origin, e.template.state.value)
                     for e in self._idle]
 
     # -- life ----------------------------------------------------------------
     def stop(self, timeout: float = 5.0) -> None:
-        """End the pool's thread and every idle template (the daemon is stopping)."""
+        """End the pool's thread and every idle template (the daemon is stopping), once
+        what they were made of is written for the next start."""
         self._stop.set()
         self._requests.put(None)
         thread = self._thread
@@ -243,101 +316,31 @@ class TemplatePool:
             if req is not None:
                 req.error = workers.SpawnError("the daemon is stopping")
                 req.done.set()
+        self.save(last=True)
         with self._lock:
             idle, self._idle = self._idle, []
-        if self._agent.template_restore:
-            self._save(idle)
         for e in idle:
             self._end(e, "the daemon is stopping")
 
     # -- over a daemon restart (agent.template_restore) ----------------------------
-    @property
-    def _saved_path(self) -> str:
-        return os.path.join(self._cfg.daemon.state_dir, SAVED_NAME)
-
-    def _save(self, idle: list[_Idle]) -> None:
-        """What the idle templates were made of, for the next start (``restore``)."""
-        records = [{"key": key_to_record(e.template.key), "boot": e.template.boot_args,
-                    "log_job": e.template.log_job} for e in idle
-                   if e.template.key is not None and e.template.boot_args]
-        if not records:
-            return
-        path = self._saved_path
-        try:
-            tmp = path + ".tmp"
-            fd = statedir.open_private(tmp, os.O_WRONLY | os.O_TRUNC)
-            with open(fd, "w") as fh:
-                json.dump({"version": 1, "templates": records}, fh)
-            os.replace(tmp, path)
-        except OSError as exc:
-            log.warning("%s: could not keep the idle worker templates for the next start: %s",
-                        ctx(node=self._cfg.daemon.node_id), exc)
-
-    def restore(self) -> int:
-        """Start again the templates that were idle when the daemon last stopped, so that
-        each user's next job is warm from the first submit after a restart; each waits
-        a full ``agent.template_idle_timeout``. The saved file is read once and removed.
-        Returns how many started."""
-        path = self._saved_path
-        got = files.read(path, os.geteuid(), _SAVED_MAX)  # never a link, FIFO or giant
-        if got.problem is files.Problem.MISSING:
-            return 0
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
-        if not self._agent.template_restore or self._agent.template_idle_timeout <= 0:
-            return 0
-        try:
-            records = decode(got.data, max_bytes=_SAVED_MAX).get("templates") if got.ok \
-                else None
-        except BadValue:
-            records = None
-        if not isinstance(records, list):
-            log.warning("%s: idle worker templates not restored: %s is %s",
-                        ctx(node=self._cfg.daemon.node_id), path,
-                        got.problem.value if got.problem else "not what this daemon wrote")
-            return 0
-        started = 0
-        for rec in records[:self._agent.template_idle_max]:
+    def save(self, last: bool = False) -> None:
+        """Write what the pool knows of (idle, jobs', parked) for the next start."""
+        with self._save_lock:
+            if self._saved_last:
+                return
+            self._saved_last = last
+            with self._lock:  # (a job's that died is forgotten here)
+                self._busy = {k: e for k, e in self._busy.items() if e.template.state in (
+                    TemplateState.STARTING, TemplateState.READY)}
+                saved = [] if not self._agent.template_restore else [
+                    s for s in [template_saved.of(e.template, e.origin, e.used_at, False)
+                                for e in reversed(self._idle)] +
+                    [template_saved.of(e.template, e.origin, time.time(), True)
+                     for e in self._busy.values()] + self._parked if s]
             try:
-                key, boot, job = _saved(rec)
-            except ValueError as exc:
-                log.warning("%s: a saved idle worker template skipped: %s",
-                            ctx(node=self._cfg.daemon.node_id), exc)
-                continue
-            try:
-                pwd.getpwuid(key.uid)
-            except KeyError:
-                log.info("%s: a saved idle worker template of uid %d skipped: no such user "
-                         "any more", ctx(node=self._cfg.daemon.node_id), key.uid)
-                continue
-            with self._lock:
-                mine = sum(1 for e in self._idle if e.template.key.uid == key.uid)
-                if mine >= self._agent.template_idle_per_user \
-                        or len(self._idle) >= self._agent.template_idle_max:
-                    continue
-            a = self._agent
-            t = WorkerTemplate(job, self._cfg.daemon.node_id, a.template_ready_timeout,
-                               a.template_fork_timeout)
-            t.start(self._restore_spec(key, boot, job), key, spawn=self.spawn)
-            if t.state is not TemplateState.STARTING:
-                continue
-            with self._lock:
-                self._idle.append(_Idle(t, time.monotonic()))
-            started += 1
-            log.info("%s: worker template pid %d of uid %d started again, idle for the "
-                     "user's next job with key %s (it was idle when the daemon stopped)",
-                     ctx(node=self._cfg.daemon.node_id), t.pid, key.uid, key.digest)
-        return started
-
-    def _restore_spec(self, key: TemplateKey, boot: list, job: str) -> workers.GroupSpec:
-        return workers.GroupSpec(
-            job_id=job, command=(key.interpreter, *boot), cwd=key.cwd, env={}, uid=key.uid,
-            gid=key.gid, nproc=1, restart_count=0, max_restarts=0, round=0, group_rank=0,
-            group_world_size=1, world_size=1, rank_offset=0, master_addr="", master_port=0,
-            log_dir=os.path.join(self._cfg.logs_dir, job), run_dir="",
-            node_id=self._cfg.daemon.node_id, cpus=key.cpus)
+                template_saved.write(self._cfg.daemon.state_dir, saved)
+            except OSError as exc:
+                log.warning("%s: could not keep the worker templates: %s", self._where(), exc)
 
     def _ensure_thread(self) -> None:
         with self._lock:
@@ -360,12 +363,11 @@ class TemplatePool:
             try:
                 self._expire()
             except Exception:
-                log.exception("%s: could not look at the idle worker templates",
-                              ctx(node=self._cfg.daemon.node_id))
+                log.exception("%s: could not look at the idle worker templates", self._where())
 
     def _expire(self) -> None:
         now = time.monotonic()
-        ended: list[tuple[_Idle, str]] = []
+        ended: list[tuple[_Entry, str]] = []
         with self._lock:
             for e in list(self._idle):
                 if now - e.since >= self._agent.template_idle_timeout:
@@ -376,19 +378,48 @@ class TemplatePool:
                 else:
                     continue
                 self._idle.remove(e)
+            ended += [(e, "the longest idle over agent.template_idle_rss_max")
+                      for e in self._over_memory()]
         for e, why in ended:
             self._end(e, why)
+        if ended:
+            self.save()
 
     # -- under the lock ------------------------------------------------------
-    def _take(self, key: TemplateKey) -> _Idle | None:
+    def _take(self, job_id: str, key: TemplateKey, env: dict) -> _Entry | None:
+        """The most recently idle template of ``key`` that ``env`` fits, else one of
+        ``key`` still importing (whether it fits is known once it is ready)."""
         with self._lock:
-            for e in reversed(self._idle):  # the most recently idle first
-                if e.template.key == key:
+            starting = None
+            for e in reversed(self._idle):
+                t = e.template
+                if t.key != key:
+                    continue
+                if t.fits(env):
                     self._idle.remove(e)
                     return e
-        return None
+                if t.state is TemplateState.READY:
+                    self._passed(job_id, t)
+                elif starting is None and t.state is TemplateState.STARTING:
+                    starting = e
+            if starting is not None:
+                self._idle.remove(starting)
+            return starting
 
-    def _evict(self, uid: int) -> list[_Idle]:
+    def _admit(self, e: _Entry) -> list[_Entry]:
+        """Put ``e`` in the pool and end what passes its bounds (maybe ``e``): the
+        longest idle first. Returns what it ended."""
+        with self._lock:
+            bisect.insort(self._idle, e, key=_since)
+            evicted = self._evict(e.template.key.uid)
+        self._ensure_thread()
+        for old in evicted:
+            self._end(old, "the longest idle over the pool's limits "
+                           "(agent.template_idle_per_user / template_idle_max / "
+                           "template_idle_rss_max)")
+        return evicted
+
+    def _evict(self, uid: int) -> list[_Entry]:
         out = []
         mine = [e for e in self._idle if e.template.key.uid == uid]
         while len(mine) > self._agent.template_idle_per_user:
@@ -397,10 +428,23 @@ class TemplatePool:
             out.append(e)
         while len(self._idle) > self._agent.template_idle_max:
             out.append(self._idle.pop(0))
+        return out + self._over_memory()
+
+    def _over_memory(self) -> list[_Entry]:
+        sizes = [e.template.rss_bytes() for e in self._idle]
+        out = []
+        while self._idle and sum(sizes) > self._agent.template_idle_rss_max:
+            sizes.pop(0)
+            out.append(self._idle.pop(0))
         return out
 
-    def _end(self, e: _Idle, why: str) -> None:
+    def _passed(self, job_id: str, t: WorkerTemplate) -> None:
+        log.info("%s: idle worker template pid %d (key %s) not taken: a variable its imports "
+                 "read (%s) differs", self._where(job_id), t.pid, t.key.digest,
+                 t.env_reads.describe() if t.env_reads else "?")
+
+    def _end(self, e: _Entry, why: str) -> None:
         t = e.template
-        log.info("%s: idle worker template pid %d of uid %d ended: %s",
-                 ctx(node=self._cfg.daemon.node_id), t.pid, t.key.uid, why)
+        log.info("%s: idle worker template pid %d of uid %d ended: %s", self._where(), t.pid,
+                 t.uid, why)
         t.stop()

@@ -172,11 +172,49 @@ def _become(assignment: dict, boot_args: list) -> None:
 # Requests, daemon -> template: a 4-byte big-endian length, then that many
 # bytes of JSON. A "fork" request carries the rank's log as one SCM_RIGHTS
 # descriptor sent with its length header. Replies and news, template ->
-# daemon: one JSON object per line: {"ready": ...} once after the preload,
+# daemon: one JSON object per line: {"ready": ..., "env_read": [NAME, ...] or "*"}
+# once after the preload (_record_env_reads),
 # {"id": N, "pid": P} or {"id": N, "refused": WHY} per fork request, and
 # {"exit": PID, "status": WAITSTATUS} for each child the template reaped.
 
 _REQUEST_MAX = 64 << 20
+
+
+# Which variables the preload read (workers/template_key.py, EnvReads: the daemon keys the
+# template on their values): names read through os.environ/os.environb while it imports
+# ([], get, in, setdefault, os.getenv: all go through __getitem__), or "*" when an import
+# walked the whole environment (iteration, copy(), items()) or read too many to list.
+# The names this file sets itself are left out: the job's value is in its key.
+READ_NAMES_MAX = 2048
+
+
+def _record_env_reads():
+    """Record reads of os.environ from now; the returned function ends it and gives the
+    ready message's ``env_read``."""
+    cls = type(os.environ)
+    getitem, iterate = cls.__getitem__, cls.__iter__
+    names, walked = set(), []
+
+    def reading(self, key):
+        if isinstance(key, (str, bytes)):
+            names.add(key.decode("utf-8", "replace") if isinstance(key, bytes) else key)
+        return getitem(self, key)
+
+    def walking(self):
+        walked.append(True)
+        return iterate(self)
+
+    cls.__getitem__, cls.__iter__ = reading, walking
+
+    def done():
+        cls.__getitem__, cls.__iter__ = getitem, iterate
+        own = {NVML_CUDA_CHECK_ENV, WARM_PRELOAD_ENV, LEARNED_PRELOAD_ENV}
+        if _blas_pinned:
+            own.add(BLAS_THREADS_ENVS[0])
+        listed = sorted(n for n in names - own if (n[:1].isalpha() or n[:1] == "_")
+                        and n.isascii() and n.replace("_", "a").isalnum() and len(n) <= 256)
+        return "*" if walked or len(listed) > READ_NAMES_MAX else listed
+    return done
 
 
 def _fork_unsafe() -> str:
@@ -238,7 +276,7 @@ def _reap(sock) -> None:
         _send(sock, {"exit": pid, "status": status})
 
 
-def _serve(fd: int):
+def _serve(fd: int, env_read="*"):
     """Serve the daemon until it asks for a rank; returns (request, log fd) in the
     forked child, exits in the template when the daemon hangs up."""
     import select
@@ -252,7 +290,7 @@ def _serve(fd: int):
     signal.set_wakeup_fd(wake_w)
     unsafe = _fork_unsafe()
     _send(sock, {"ready": True, "pid": os.getpid(), "unsafe": unsafe,
-                 "modules": len(sys.modules)})
+                 "modules": len(sys.modules), "env_read": env_read})
     while True:
         try:
             readable, _, _ = select.select([sock, wake_r], [], [])
@@ -368,12 +406,14 @@ def _preload_learned(timeout: float = 60.0) -> None:
 def template_main(fd: int, boot_args: list) -> None:
     if _set_entry(boot_args):
         _pin_blas_threads()
+        recorded = _record_env_reads()
         _preload()
         _preload_learned()
+        env_read = recorded()
     else:
         sys.stderr.write("elasticd worker template: the job's script is not there\n")
         sys.exit(2)
-    request, log_fd, template_pid = _serve(fd)
+    request, log_fd, template_pid = _serve(fd, env_read)
     _become_rank(request, log_fd, template_pid, boot_args)
 
 
