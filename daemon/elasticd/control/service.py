@@ -33,6 +33,7 @@ from .streamgate import StreamGate
 from ..jobs.states import TERMINAL_STATES, WorkerState
 from ..v1 import control_pb2 as pb
 from ..v1 import control_pb2_grpc as pb_grpc
+from ..workers import hostname
 
 log = logging.getLogger("elasticd.control.service")
 
@@ -450,6 +451,7 @@ class ControlServicer(pb_grpc.ControlServicer):
         except OSError as exc:
             return [f"state dir {self._cfg.daemon.state_dir}: {exc}"]
         return [p for p in (space.problem(self._cfg.daemon.state_dir),
+                            hostname.cached_problem(),
                             self._manager.gpu_problem(),
                             _suspect_line(self._manager.suspect_reason())) if p]
 
