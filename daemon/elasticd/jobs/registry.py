@@ -41,6 +41,33 @@ class NameInUse(ValueError):
     pass
 
 
+class AmbiguousName(ValueError):
+    """A name that stands for several jobs the caller may see; the message lists them
+    (id, state, when), newest first, and says to give the id. ``jobs``: their ids."""
+
+    MAX_LISTED = 10
+
+    def __init__(self, name: str, jobs: list, live: bool):
+        jobs = sorted(jobs, key=lambda j: j.created_at, reverse=True)
+        owners = {j.uid for j in jobs}
+
+        def one(j) -> str:
+            who = f"{j.user or j.uid}'s " if len(owners) > 1 else ""
+            ended = "" if j.live else f", ended {_when(j.finished_at or j.state_since)}"
+            return f"{who}{j.id} {j.state.value} (submitted {_when(j.created_at)}{ended})"
+        listed = "; ".join(one(j) for j in jobs[:self.MAX_LISTED])
+        more = f"; and {len(jobs) - self.MAX_LISTED} more" if len(jobs) > self.MAX_LISTED else ""
+        kind = "live jobs" if live else "finished jobs (none live)"
+        super().__init__(f"the name {name!r} stands for {len(jobs)} {kind}: {listed}{more}; "
+                         "give the job id")
+        self.ids = [j.id for j in jobs]
+        self.live = live
+
+
+def _when(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "?"
+
+
 class JobExists(ValueError):
     pass
 
@@ -239,6 +266,24 @@ class JobRegistry:
                 raise JobNotFound(key)
             return copy.deepcopy(rec)
 
+    def lookup(self, key: str, may_see) -> JobRecord:
+        """A copy of the job with id ``key``, else of the one named ``key`` among the jobs
+        whose uid ``may_see(uid)`` allows (another user's names tell nothing): the live
+        one, else the only finished one. JobNotFound when there is none; AmbiguousName
+        when several live ones share it (only root sees several: a user's live names are
+        unique), or none is live and several finished ones do."""
+        with self._lock:
+            rec = self._jobs.get(key)
+            if rec is None:
+                named = [j for j in self._jobs.values() if j.name == key and may_see(j.uid)]
+                live = [j for j in named if j.live]
+                if len(live) > 1 or (not live and len(named) > 1):
+                    raise AmbiguousName(key, live or named, bool(live))
+                rec = (live or named or [None])[0]
+            if rec is None:
+                raise JobNotFound(key)
+            return copy.deepcopy(rec)
+
     def control_flags(self, job_id: str) -> tuple[int, int, bool]:
         """(restarts, max_restarts, cancel_requested): what a monitor tick needs,
         without copying the whole record (its environment can be large)."""
@@ -303,8 +348,9 @@ class JobRegistry:
         with self._lock:
             if rec.id in self._jobs:
                 raise JobExists(f"job {rec.id} is already known here")
-            if rec.name and any(j.name == rec.name and j.live for j in self._jobs.values()):
-                raise NameInUse(rec.name)
+            if rec.name and any(j.name == rec.name and j.live and j.uid == rec.uid
+                                for j in self._jobs.values()):
+                raise NameInUse(rec.name)  # one namespace per user: others' names are theirs
             now = self._clock()
             rec.created_at = rec.created_at or now
             rec.state_since = now
