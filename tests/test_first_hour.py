@@ -16,7 +16,8 @@ pip in the tree gets this project's pip settings, as a user of this project's
 machines has them: the machine's pip config files (``/etc/pip.conf``,
 ``/etc/xdg/pip``, root's ``~/.config/pip``) are copied in and the directories
 they name (``/opt/wheels``: the torch CPU wheel; ``/opt/pypi*``: local
-indexes) are bind-mounted read-only. Without such settings here, the demo runs
+indexes) are bind-mounted read-only; the machine's own CA certificates
+(``/usr/local/share/ca-certificates``: a proxy's before PyPI) are trusted there. Without such settings here, the demo runs
 with ``TORCH_INDEX_URL`` set to PyTorch's CPU index, as the README shows it
 (PyPI's torch is the CUDA build: several GB).
 
@@ -103,6 +104,16 @@ def _pip_settings(tree: systemd_tree.BootedTree) -> bool:
     return found
 
 
+def _local_cas(tree: systemd_tree.BootedTree) -> None:
+    """This machine's own CA certificates (a proxy's, for one) trusted in the tree too."""
+    local = "/usr/local/share/ca-certificates"
+    certs = [f for f in (os.listdir(local) if os.path.isdir(local) else ()) if f.endswith(".crt")]
+    for name in certs:
+        tree.write(f"{local}/{name}", Path(local, name).read_bytes())
+    if certs:
+        tree.run("update-ca-certificates", timeout=120)
+
+
 def _clone(tree: systemd_tree.BootedTree, source: str, where: str) -> None:
     if not tree.exists("/mnt/src"):
         _host_mount(tree, source, "/mnt/src")
@@ -120,6 +131,7 @@ def test_the_readme_commands_on_a_bare_debian_from_a_clone_in_root(bare_tree, so
     with systemd_tree.BootedTree(bare_tree, init=False) as tree:
         tree.write("/etc/hosts", f"127.0.0.1 localhost\n127.0.1.1 {systemd_tree.HOSTNAME}\n")
         env = {} if _pip_settings(tree) else {"TORCH_INDEX_URL": CPU_INDEX}
+        _local_cas(tree)
         assert tree.run("sh", "-c", "command -v python3", check=False).returncode != 0
         _clone(tree, source, "/root/elasticd")
         assert tree.run("stat", "-c", "%a", "/root").stdout.strip() == "700"
