@@ -125,9 +125,12 @@ def signature(f: Failure) -> tuple:
 
 
 def _or_tail(report: ErrorReport, w: Worker, log_dir: str, tail_lines: int) -> ErrorReport:
+    """The error file's report, else the rank's last lines: their last one is the cause
+    of a rank that exited, not of one a signal ended (its lines only lead up to it)."""
     if report.message or report.traceback or report.problem is not None:
         return report
-    return stderr_tail(log_dir, w.rank, tail_lines)
+    tail = stderr_tail(log_dir, w.rank, tail_lines)
+    return tail._replace(message="") if (w.outcome or 0) < 0 else tail
 
 
 def report_of(w: Worker, uid: int | None = None, max_bytes: int = DEFAULT_MAX_BYTES,
