@@ -133,3 +133,24 @@ def test_events_follow_ends_with_the_job(node, users):
     again = ctl(node, alice, "events", job, "-f", timeout=60)
     assert again.returncode == 0 and "RUNNING -> SUCCEEDED" in again.stdout
     assert time.monotonic() - t0 < 10
+
+
+def test_a_name_stands_for_the_callers_jobs_only():
+    from types import SimpleNamespace as Job
+    from elasticd.jobs.names import AmbiguousName, stands_for
+    from elasticd.jobs.states import JobState
+
+    def job(id_, uid, live, created):
+        return Job(id=id_, name="bert", uid=uid, live=live, user=f"u{uid}", created_at=created,
+                   finished_at=0.0 if live else created + 1, state_since=created,
+                   state=JobState.RUNNING if live else JobState.FAILED)
+    jobs = [job("a1", 1001, True, 10.0), job("a0", 1001, False, 5.0), job("b1", 1002, True, 20.0)]
+    assert stands_for("bert", jobs, lambda uid: uid == 1001).id == "a1"
+    assert stands_for("bert", jobs, lambda uid: uid == 1003) is None
+    with pytest.raises(AmbiguousName) as root:
+        stands_for("bert", jobs, lambda uid: True)
+    assert root.value.ids == ["b1", "a1"] and root.value.live
+    assert "u1002's b1 RUNNING" in str(root.value)
+    finished = [job("c2", 7, False, 30.0), job("c1", 7, False, 20.0)]
+    with pytest.raises(AmbiguousName, match=r"stands for 2 finished jobs \(none live\): c2 "):
+        stands_for("bert", finished, lambda uid: uid == 7)

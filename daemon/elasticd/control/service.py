@@ -23,7 +23,8 @@ from .. import errors, statedir
 from . import validation
 from .auth import TOKEN_METADATA_KEY, AuthError, Caller, TokenIssuer, set_socket_access
 from ..config import Config
-from ..jobs.registry import AmbiguousName, JobNotFound, JobRecord, JobRegistry
+from ..jobs.names import AmbiguousName
+from ..jobs.registry import JobNotFound, JobRecord, JobRegistry
 from .logs import LogReader
 from ..jobs.scheduler import JobManager, check_access
 from .messages import (

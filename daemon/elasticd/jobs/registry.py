@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import statedir
+from . import names
 from ..logsetup import ctx
 from ..agent.ladder import Attempt
 from .records import Failure, WorkerRow
@@ -39,33 +40,6 @@ class JobNotFound(KeyError):
 
 class NameInUse(ValueError):
     pass
-
-
-class AmbiguousName(ValueError):
-    """A name that stands for several jobs the caller may see; the message lists them
-    (id, state, when), newest first, and says to give the id. ``jobs``: their ids."""
-
-    MAX_LISTED = 10
-
-    def __init__(self, name: str, jobs: list, live: bool):
-        jobs = sorted(jobs, key=lambda j: j.created_at, reverse=True)
-        owners = {j.uid for j in jobs}
-
-        def one(j) -> str:
-            who = f"{j.user or j.uid}'s " if len(owners) > 1 else ""
-            ended = "" if j.live else f", ended {_when(j.finished_at or j.state_since)}"
-            return f"{who}{j.id} {j.state.value} (submitted {_when(j.created_at)}{ended})"
-        listed = "; ".join(one(j) for j in jobs[:self.MAX_LISTED])
-        more = f"; and {len(jobs) - self.MAX_LISTED} more" if len(jobs) > self.MAX_LISTED else ""
-        kind = "live jobs" if live else "finished jobs (none live)"
-        super().__init__(f"the name {name!r} stands for {len(jobs)} {kind}: {listed}{more}; "
-                         "give the job id")
-        self.ids = [j.id for j in jobs]
-        self.live = live
-
-
-def _when(t: float) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "?"
 
 
 class JobExists(ValueError):
@@ -268,18 +242,10 @@ class JobRegistry:
 
     def lookup(self, key: str, may_see) -> JobRecord:
         """A copy of the job with id ``key``, else of the one named ``key`` among the jobs
-        whose uid ``may_see(uid)`` allows (another user's names tell nothing): the live
-        one, else the only finished one. JobNotFound when there is none; AmbiguousName
-        when several live ones share it (only root sees several: a user's live names are
-        unique), or none is live and several finished ones do."""
+        whose uid ``may_see(uid)`` allows (jobs/names.py): JobNotFound when there is
+        none, names.AmbiguousName when it stands for several."""
         with self._lock:
-            rec = self._jobs.get(key)
-            if rec is None:
-                named = [j for j in self._jobs.values() if j.name == key and may_see(j.uid)]
-                live = [j for j in named if j.live]
-                if len(live) > 1 or (not live and len(named) > 1):
-                    raise AmbiguousName(key, live or named, bool(live))
-                rec = (live or named or [None])[0]
+            rec = self._jobs.get(key) or names.stands_for(key, self._jobs.values(), may_see)
             if rec is None:
                 raise JobNotFound(key)
             return copy.deepcopy(rec)
