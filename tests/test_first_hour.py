@@ -64,7 +64,7 @@ rc=0; elasticctl wait bert || rc=$?
 elasticctl status bert
 kill "$daemon"; wait "$daemon" || true
 cd /root/elasticd && deactivate
-bash scripts/setup.sh --link-commands
+bash scripts/setup.sh --demo --link-commands
 command -v elasticctl
 exit $rc
 """
