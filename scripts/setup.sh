@@ -18,7 +18,8 @@
 #     2.13.0. pip's own settings (pip.conf, PIP_* variables: e.g. a
 #     find-links dir holding the CPU wheel) apply as always. The install is
 #     skipped when nothing that decides it has changed (pyproject.toml, the
-#     interpreter, TORCH_INDEX_URL), so a second run takes a fraction of a second.
+#     interpreter, TORCH_INDEX_URL), so a second run takes about a second. As root, a
+#     .venv/ made before from a python3 others cannot run is made again.
 #   - for the tests only (not with --demo): etcd (Debian's etcd-server +
 #     etcd-client), promtool (prometheus), ip (iproute2) and nft (nftables),
 #     each only if its command is missing; the packages' own services are kept
@@ -239,6 +240,14 @@ install_python_packages() {
         command -v "$py" >/dev/null 2>&1 || { say "PYTHON=$py not found"; return 1; }
         stamp=""
     else
+        if [ -x .venv/bin/python ] && ! others_can_run "$(readlink -f .venv/bin/python)" &&
+                others_can_run /usr/bin/python3 && python_ok /usr/bin/python3; then
+            # Made before from a python3 only root can run (pyenv's under /root): the
+            # workers of other users could not start; make it again from one they can.
+            say ".venv/ was made from $(readlink -f .venv/bin/python), which others cannot run;" \
+                "making it again"
+            rm -rf .venv
+        fi
         if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c '' >/dev/null 2>&1; then
             say "making the project virtualenv in .venv/"
             make_venv
