@@ -83,8 +83,8 @@ def users_cannot_run_python() -> str:
                 f"`bash scripts/test.sh` there, or `chmod o+x {clone}`")
     elif _blocking_dir(base):
         todo = (f"the venv's base interpreter {base} lies under {_blocking_dir(base)}, which "
-                f"others cannot enter: make the venv anew from a Python they can run "
-                f"(`rm -rf .venv && bash scripts/setup.sh` picks one)")
+                f"others cannot enter: `bash scripts/setup.sh` makes the venv again from "
+                f"/usr/bin/python3 (or make it with a Python they can run)")
     else:
         todo = "make sure others may read the clone and its .venv/"
     return (f"the tests run workers as users they create, who cannot run {sys.executable} "
