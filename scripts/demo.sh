@@ -5,7 +5,8 @@
 #   bash scripts/demo.sh            (set DEMO_KEEP=1 to leave the daemon running)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+bash scripts/setup.sh --demo  # Python, .venv/ and the project; not the tests' etcd & co.
+repo="$PWD"
 # The project's virtualenv (.venv/bin/python) unless PYTHON says otherwise.
 PYTHON="$(bash scripts/python.sh)"
 
@@ -22,6 +23,8 @@ stop_daemon() {
     if [ -z "${DEMO_KEEP:-}" ]; then
         kill -TERM "$daemon" 2>/dev/null && wait "$daemon" 2>/dev/null || true
         echo "==> daemon stopped; its log and the job's files are in $work"
+        echo "==> to run elasticd and elasticctl yourself: . $repo/.venv/bin/activate" \
+             "(or bash scripts/setup.sh --link-commands); see the README's \"Using it\""
     else
         echo "==> daemon still running (pid $daemon): export ELASTICD_SOCKET=$sock"
     fi

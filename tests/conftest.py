@@ -1,17 +1,23 @@
 """Shared fixtures: real elasticd daemons (see daemons.py), cleaned up after.
 
 On teardown every daemon a test made is stopped and any worker process it
-left behind is killed.
+left behind is killed. Before the first test, ``preflight()`` stops the run
+with one line when it cannot work here: the users the tests create cannot
+run this clone's Python (a clone in /root, 0700), or this host's name does
+not resolve (torch's workers would retry it for minutes).
 """
 from __future__ import annotations
 
 import os
 import shutil
+import stat
+import subprocess
 import sys
 
 import pytest
 
-from daemons import DaemonProc, short_tmpdir
+from daemons import REPO, DaemonProc, short_tmpdir
+from elasticd.workers import hostname
 
 # A pid of 0 or less names the caller's own process group (or every process):
 # from a test that would be pytest itself and, in CI, the whole run (a
@@ -33,6 +39,72 @@ def _killpg(pgid: int, sig: int) -> None:
 
 
 os.kill, os.killpg = _kill, _killpg
+
+# An unprivileged uid for the preflight: the tests' real users are others to the clone.
+_NOBODY = 65534
+
+
+def _blocking_dir(path: str) -> str:
+    """The first directory above ``path`` that others may not enter, or ""."""
+    parts = os.path.abspath(path).split(os.sep)
+    for i in range(2, len(parts)):
+        d = os.sep.join(parts[:i])
+        try:
+            if not os.stat(d).st_mode & stat.S_IXOTH:
+                return d
+        except OSError:
+            return d
+    return ""
+
+
+def users_cannot_run_python() -> str:
+    """Why the users the tests create could not run this interpreter and import
+    elasticd (one line), or "". As root only: others skip the cases with users."""
+    if os.geteuid() != 0:
+        return ""
+    why = ""
+    try:
+        proc = subprocess.run([sys.executable, "-c", "import elasticd, elasticctl"],
+                              user=_NOBODY, group=_NOBODY, extra_groups=[], cwd="/",
+                              capture_output=True, text=True, timeout=60)
+        if proc.returncode != 0:
+            why = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+    except OSError as exc:
+        why = f"{exc.strerror or exc}"
+    except subprocess.TimeoutExpired:
+        why = "it did not finish within 60 s"
+    if not why:
+        return ""
+    base = os.path.realpath(sys.executable)
+    clone = next(filter(None, (_blocking_dir(p) for p in (sys.executable, REPO))), "")
+    if clone:
+        todo = (f"{clone} is {stat.filemode(os.stat(clone).st_mode)}, others cannot enter it: "
+                f"clone the repo into a directory they can (e.g. /srv/elasticd) and run "
+                f"`bash scripts/test.sh` there, or `chmod o+x {clone}`")
+    elif _blocking_dir(base):
+        todo = (f"the venv's base interpreter {base} lies under {_blocking_dir(base)}, which "
+                f"others cannot enter: `bash scripts/setup.sh` makes the venv again from "
+                f"/usr/bin/python3 (or make it with a Python they can run)")
+    else:
+        todo = "make sure others may read the clone and its .venv/"
+    return (f"the tests run workers as users they create, who cannot run {sys.executable} "
+            f"({why}); {todo} (ELASTICD_TEST_PREFLIGHT=0 runs the suite anyway)")
+
+
+def preflight() -> str:
+    """What stops the suite before its first test, in one line (an error a person can
+    act on, in the first seconds, instead of tests that wait out minutes), or ""."""
+    return users_cannot_run_python() or hostname.problem()
+
+
+def pytest_configure(config):
+    if hasattr(config, "workerinput"):  # an xdist worker: the controller looked already
+        return
+    if os.environ.get("ELASTICD_TEST_PREFLIGHT") == "0":  # run anyway, knowing why not
+        return
+    why = preflight()
+    if why:
+        pytest.exit(f"elasticd tests cannot run here: {why}", returncode=4)
 
 # The tests run with the project virtualenv's python (scripts/test.sh): put
 # its bin/ first on PATH, as activating it would, so commands installed with

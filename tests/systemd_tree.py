@@ -146,34 +146,37 @@ def ensure_debootstrap() -> str:
     return found
 
 
-def cache_key(mirror_url: str) -> str:
-    spec = {"suite": SUITE, "variant": VARIANT, "packages": sorted(PACKAGES),
+def cache_key(mirror_url: str, packages: tuple = PACKAGES) -> str:
+    spec = {"suite": SUITE, "variant": VARIANT, "packages": sorted(packages),
             "mirror": mirror_url, "format": TREE_FORMAT, "masked": sorted(MASKED_UNITS)}
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def cached_tree() -> tuple[Path, float | None]:
+def cached_tree(packages: tuple = PACKAGES, kind: str = "") -> tuple[Path, float | None]:
     """(the tree, seconds it took to build or None when it came from the cache).
 
     Built once per package list and mirror under CACHE_DIR, by one process at a
     time (a lock file); a half-built tree is never used, and trees of older
-    package lists are deleted when a new one is made.
+    package lists of the same ``kind`` are deleted when a new one is made
+    (``kind`` names a tree of other packages, e.g. "bare": a minimal Debian
+    without python3, kept beside the default one).
     """
     url = mirror()
-    key = cache_key(url)
+    key = cache_key(url, packages)
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
-    tree = CACHE_DIR / f"{SUITE}-{key}"
+    stem = f"{SUITE}.{kind}" if kind else SUITE
+    tree = CACHE_DIR / f"{stem}-{key}"
     with open(CACHE_DIR / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if (tree / ".complete").exists():
             return tree, None
         debootstrap = ensure_debootstrap()
-        for old in CACHE_DIR.glob(f"{SUITE}-*"):
+        for old in CACHE_DIR.glob(f"{stem}-*"):
             shutil.rmtree(old, ignore_errors=True)
         t0 = time.monotonic()
         partial = CACHE_DIR / f".partial-{key}"
         shutil.rmtree(partial, ignore_errors=True)
-        proc = _run([debootstrap, f"--variant={VARIANT}", f"--include={','.join(PACKAGES)}",
+        proc = _run([debootstrap, f"--variant={VARIANT}", f"--include={','.join(packages)}",
                      SUITE, partial, url], timeout=1200, check=False)
         if proc.returncode != 0:
             log = (partial / "debootstrap" / "debootstrap.log")
@@ -181,7 +184,7 @@ def cached_tree() -> tuple[Path, float | None]:
             shutil.rmtree(partial, ignore_errors=True)
             raise TreeUnavailable(f"debootstrap {SUITE} from {url} failed:\n{detail}")
         _prepare(partial)
-        (partial / ".complete").write_text(json.dumps({"mirror": url, "packages": PACKAGES}))
+        (partial / ".complete").write_text(json.dumps({"mirror": url, "packages": packages}))
         partial.rename(tree)
         return tree, time.monotonic() - t0
 
@@ -190,6 +193,7 @@ def _prepare(tree: Path) -> None:
     """What every boot needs and debootstrap does not do."""
     for unit in MASKED_UNITS:
         link = tree / "etc/systemd/system" / unit
+        link.parent.mkdir(parents=True, exist_ok=True)
         link.unlink(missing_ok=True)
         link.symlink_to("/dev/null")
     (tree / "etc/hostname").write_text(HOSTNAME + "\n")
@@ -210,15 +214,23 @@ mount --rbind /dev "$root/dev"
 mount -t tmpfs -o mode=0755,nosuid,nodev tmpfs "$root/run"
 mount -t tmpfs -o mode=1777,nosuid,nodev tmpfs "$root/tmp"
 hostname "$5"
-exec chroot "$root" /lib/systemd/systemd --system
+shift 5
+exec chroot "$root" "$@"
 """
+# PID 1 of a tree: its systemd, or (``BootedTree(init=False)``: a tree without systemd, as a
+# minimal container has it) a process that only waits to be killed.
+SYSTEMD_INIT = ("/lib/systemd/systemd", "--system")
+NO_INIT = ("sleep", "infinity")
 
 
 class BootedTree:
-    """A tree booted under its own systemd; a context manager that always tears it down."""
+    """A tree booted under its own systemd (or, ``init=False``, under a PID 1 that only
+    waits: no services, as in a minimal container); a context manager that always tears
+    it down."""
 
-    def __init__(self, tree: Path):
+    def __init__(self, tree: Path, init: bool = True):
         self.tree = Path(tree)
+        self.init = SYSTEMD_INIT if init else NO_INIT
         self.workdir: Path | None = None
         self.root: Path | None = None
         self.cgroup: Path | None = None
@@ -261,7 +273,8 @@ class BootedTree:
              str(self.cgroup), "unshare", "--fork", "--kill-child=SIGKILL", "--pid", "--mount",
              "--uts", "--cgroup", "--propagation", "private",
              "sh", "-c", _BOOT_SCRIPT, "boot", str(self.tree),
-             str(self.workdir / "upper"), str(self.workdir / "work"), str(self.root), HOSTNAME],
+             str(self.workdir / "upper"), str(self.workdir / "work"), str(self.root), HOSTNAME,
+             *self.init],
             env={**TREE_ENV, "container": "elasticd-test"}, stdin=subprocess.DEVNULL,
             stdout=self._console, stderr=subprocess.STDOUT,
             start_new_session=True)
@@ -275,7 +288,7 @@ class BootedTree:
                 raise AssertionError(f"no systemd in the tree after {timeout}s:\n{self.console()}")
             time.sleep(0.02)
         self._pidns = os.readlink(f"/proc/{self.pid}/ns/pid")
-        state = ""
+        state = "" if self.init == SYSTEMD_INIT else "running"
         while state not in ("running", "degraded"):
             state = self.run("systemctl", "is-system-running", check=False).stdout.strip()
             if time.monotonic() > deadline:
@@ -286,11 +299,12 @@ class BootedTree:
         self.boot_seconds = time.monotonic() - t0
 
     def _systemd_pid(self) -> int | None:
-        """The unshare's child once it is systemd (it was sh until the exec)."""
+        """The unshare's child once it is the tree's init (it was sh until the exec)."""
+        comm = os.path.basename(self.init[0])
         try:
             children = Path(f"/proc/{self.unshare.pid}/task/{self.unshare.pid}/children")
             for pid in children.read_text().split():
-                if Path(f"/proc/{pid}/comm").read_text().strip() == "systemd":
+                if Path(f"/proc/{pid}/comm").read_text().strip() == comm:
                     return int(pid)
         except OSError:
             pass

@@ -252,6 +252,10 @@ def test_a_job_on_n1_and_n2_seen_waited_for_and_cancelled_from_n3(trio):
     refused(n3.ctl("events", job, user=NOBODY), "PERMISSION_DENIED")
     refused(n3.ctl("cancel", job, user=NOBODY), "PERMISSION_DENIED")
     assert "no job 'zzzzzzzz'" in refused(n3.ctl("status", "zzzzzzzz"), "NOT_FOUND")
+    # Another user's name, of a job only other nodes run, tells nothing: as a name nobody has.
+    theirs = refused(n3.ctl("status", "bert", user=NOBODY), "NOT_FOUND")
+    assert theirs == refused(n3.ctl("status", "ernie", user=NOBODY),
+                             "NOT_FOUND").replace("ernie", "bert"), theirs
     res = n3.ctl("wait", job, "--timeout", "0.5")
     assert res.returncode == 1 and "still running" in res.stderr, res.stderr
 

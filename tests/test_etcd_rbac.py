@@ -146,13 +146,18 @@ def test_daemons_and_torchrun_users_each_reach_only_their_prefix(auth_etcd, daem
                           env=dict(os.environ))
     assert bare.returncode != 0, bare.stdout[-2000:]
 
-    # Root sees the torchrun job's keys where they belong, none under the daemons'.
+    # Root sees (in etcd's history: a finished run leaves no keys) that the torchrun job
+    # wrote where it belongs, and nothing of it under the daemons' prefix.
     admin = login(etcd, "root")
     try:
-        ours, _ = admin.list("/elasticd-torchrun/v1/jobs/rbac-job/")
+        _, now = admin.list("/")
+        ours = {e.key for e in admin.watch("/elasticd-torchrun/v1/jobs/rbac-job/", 0,
+                                           timeout=5) if e.revision <= now}
         assert ours, "the torchrun job wrote nothing under its prefix"
-        theirs, _ = admin.list("/elasticd/v1/jobs/")
-        assert all("rbac-job" not in kv.key for kv in theirs)
+        assert admin.list("/elasticd-torchrun/v1/jobs/rbac-job/")[0] == []  # and left none
+        theirs = {e.key for e in admin.watch("/elasticd/v1/jobs/", 0, timeout=5)
+                  if e.revision <= now}
+        assert theirs and all("rbac-job" not in key for key in theirs)
     except StoreError as exc:
         pytest.fail(f"root cannot read etcd: {exc}")
     finally:

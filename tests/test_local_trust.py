@@ -293,10 +293,12 @@ def test_a_symlinked_error_file_leaks_nothing(node, users):
 def test_a_fifo_error_file_neither_blocks_cancel_nor_keeps_the_slots(node, users):
     alice = users["alice"]
     work = alice.mkdir(os.path.join(node.root, "alice-fifo"))
+    # Each attempt exits with a code of its own: the same failure three times in a row
+    # would end the job as a crash loop (agent.crash_loop_limit) before the cancel.
     job_id = submitted(submit_as(
         node, alice, "--nproc-per-node", "2", "--max-restarts", "1000", "--", PY, "-c",
         "import os, time; os.mkfifo(os.environ['TORCHELASTIC_ERROR_FILE']); time.sleep(0.5); "
-        "raise SystemExit(1)", cwd=work))
+        "raise SystemExit(1 + int(os.environ['TORCHELASTIC_RESTART_COUNT']) % 100)", cwd=work))
     wait_for(lambda: status(node, job_id)["restarts"] >= 2, 60, "two restarts")
     assert "unreadable error file" in status(node, job_id)["last_failure"]["cause"]
     r = node.ctl("cancel", job_id, timeout=30)  # root's cancel, as in the report

@@ -231,11 +231,27 @@ def cmd_logs(ctx: Context) -> int:
     return EXIT_OK
 
 
+def ends_job(ev: pb.Event, job_id: str) -> bool:
+    """The event that moves the job to a final state (`events JOB -f` ends there)."""
+    return bool(job_id) and ev.job_id == job_id and ev.kind == "state" and \
+        ev.to_state in TERMINAL
+
+
 def cmd_events(ctx: Context) -> int:
     a = ctx.args
     job_id = ctx.client.call("GetJob", pb.GetJobRequest(id=a.job)).id if a.job else ""
     req = pb.EventsRequest(id=job_id, follow=a.follow)
+    last = 0
     for ev in ctx.client.stream("Events", req, timeout=None if a.follow else STREAM_TIMEOUT):
+        ctx.printer.event(ev)
+        last = ev.seq
+        if a.follow and ends_job(ev, job_id):
+            break  # the job ended: like `logs -f`, so does the command
+    else:
+        return EXIT_OK
+    # What the daemon recorded after the end already (e.g. its worker template kept).
+    for ev in ctx.client.stream("Events", pb.EventsRequest(id=job_id, after_seq=last),
+                                timeout=STREAM_TIMEOUT):
         ctx.printer.event(ev)
     return EXIT_OK
 
@@ -314,9 +330,14 @@ COMMANDS: dict[str, tuple[Callable[[Context], int], str, str, bool]] = {
 }
 
 
+JOB_HELP = ("job id, or a name of yours: your live job of that name, else your only "
+            "finished one (names are per user)")
+
+
 def _add_arguments(name: str, sp: argparse.ArgumentParser, common=None) -> None:
     if name == "submit":
-        sp.add_argument("--name", help="job name, unique among live jobs")
+        sp.add_argument("--name", help="job name, unique among your live jobs (other users' "
+                                       "names are theirs)")
         sp.add_argument("--nnodes", type=parse_nnodes, default=(1, 1), metavar="MIN[:MAX]",
                         help="nodes the job runs on: a fixed count or an elastic range "
                              "(default 1)")
@@ -359,9 +380,9 @@ def _add_arguments(name: str, sp: argparse.ArgumentParser, common=None) -> None:
         sp.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ARGS...",
                         help="the command each worker runs, after --, kept verbatim")
     elif name in ("status", "cancel", "wait"):
-        sp.add_argument("job", metavar="JOB", help="job id or live job name")
+        sp.add_argument("job", metavar="JOB", help=JOB_HELP)
     elif name == "logs":
-        sp.add_argument("job", metavar="JOB", help="job id or live job name")
+        sp.add_argument("job", metavar="JOB", help=JOB_HELP)
         sp.add_argument("--rank", type=_int_at_least(0, "--rank"), metavar="R",
                         help="only this rank (default: every rank on this node, "
                              "each line prefixed [rank R])")
@@ -371,8 +392,9 @@ def _add_arguments(name: str, sp: argparse.ArgumentParser, common=None) -> None:
                         help="start with the last N lines of each log")
     elif name == "events":
         sp.add_argument("job", metavar="JOB", nargs="?",
-                        help="job id or live job name (default: every job you may see)")
-        sp.add_argument("-f", "--follow", action="store_true", help="keep printing new events")
+                        help=JOB_HELP + " (default: every job you may see)")
+        sp.add_argument("-f", "--follow", action="store_true",
+                        help="keep printing new events (with JOB: until the job ends)")
     elif name == "list":
         sp.add_argument("--all", action="store_true",
                         help="every user's jobs (root only; others always see their own)")

@@ -227,6 +227,16 @@ class AgentSettings:
                                                   "(TORCHELASTIC_ERROR_FILE) the daemon reads; "
                                                   "a larger one is an unreadable error file",
                                          min=1024, max=1 << 30)
+    failure_tail_lines: int = _setting(20, "last lines of a failed rank's output (since its "
+                                           "start) kept as its failure's traceback when it "
+                                           "left no error file: what `elasticctl status` "
+                                           "shows, its last line the cause; 0: none",
+                                       min=0, max=1000)
+    crash_loop_limit: int = _setting(3, "attempts in a row that fail the same way (exit, "
+                                        "last line of the failed rank's output) without "
+                                        "progress after which the job fails at once as a "
+                                        "crash loop, its budget unspent; 0: never",
+                                     min=0, max=1000)
     warm_spare_restart_delay: float = _setting(0.0, "seconds after the first progress beat of "
                                                     "workers that started from spares before "
                                                     "the spares are started again (workers "

@@ -47,6 +47,7 @@ from .exposition.endpoint import MetricsEndpoint
 from .rendezvous.view import JobsView
 from .sdnotify import Notifier
 from .store import StoreError
+from .workers import hostname
 
 log = logging.getLogger("elasticd")
 OWN_FILES = 1024  # fds kept for the daemon's own use beside control connections
@@ -97,6 +98,9 @@ class Daemon:
             log.info("%s: elasticd %s ready in %.0f ms on %s (store %s, %d slots, state in %s)",
                      ctx(node=d.node_id), __version__, (time.monotonic() - t0) * 1000, d.socket,
                      self.cluster.kind, d.slots, d.state_dir)
+            unresolved = hostname.cached_problem()
+            if unresolved:  # workers need it (gloo, torchrun's store address): say so now
+                log.warning("%s: %s", ctx(node=d.node_id), unresolved)
             self._notifier.ready(f"serving on {d.socket}")
             self._main_loop()
             log.info("%s: stopping", ctx(node=d.node_id))

@@ -40,7 +40,8 @@ from ..hangs.phase_board import JobPeers, PhasePublisher
 from ..hangs.detector import ProgressTracker
 from .recovery import Recovery
 from .restartpolicy import (  # noqa: F401 (re-exported)
-    AttemptProgress, BackoffSettings, made_progress, plan_restart, restart_delay, spares_due)
+    AttemptProgress, BackoffSettings, CrashLoop, made_progress, plan_restart, restart_delay,
+    spares_due)
 from ..rendezvous.round import ClusterRendezvous, RendezvousStopped, RoundFinal
 from ..rendezvous.protocol import (
     CANCELLED, FAILED, SUCCEEDED, Result, RoundCause, RoundState, final_job_state)
@@ -199,6 +200,7 @@ class Agent:
         self._attempt_started = time.monotonic()
         self._first_beat: float | None = None
         self._no_progress_streak = 0
+        self._crash_loop = CrashLoop(a.crash_loop_limit)  # the same failure, no progress
         self._progress = ProgressTracker(
             job_id, cfg.agent, registry, cfg.daemon.node_id, on_beat=self._on_beat,
             seed=registry.get(job_id).hang_timeouts)  # the hang timeouts learned before
@@ -574,6 +576,9 @@ class Agent:
         self._stop_group(group)
         failure = self._blame(job, group)
         self._publish(group)
+        if self._crash_loop.note(failures.signature(failure), plan.streak == 0) and \
+                decision.action is Action.RESTART:
+            decision = Decision(Action.FAIL, self._crash_loop.sentence())
         state = self._try(lambda: self._rdzv.reopen(result, failure.cause, True))
         if decision.action is Action.FAIL or (state is not None and state.final):
             self._fail(decision, group, failure, state)
@@ -660,8 +665,8 @@ class Agent:
         for w in list(group.workers):
             if w.outcome in (None, 0):
                 continue
-            report = failures.read_error_file(w.error_file, job.uid,
-                                              self._cfg.agent.error_file_max_bytes)
+            report = failures.report_of(w, job.uid, self._cfg.agent.error_file_max_bytes,
+                                        self._log_dir(job), self._cfg.agent.failure_tail_lines)
             failure = self._explain(self._worker_failure(job, w, report))
             self._progress.forget(w.rank)
             cause = failure.cause
@@ -793,9 +798,12 @@ class Agent:
             group_rank=rdzv.group_rank, group_world_size=rdzv.group_world_size,
             world_size=rdzv.world_size, rank_offset=rdzv.rank_offset,
             master_addr=rdzv.master_addr, master_port=rdzv.master_port,
-            log_dir=os.path.join(self._cfg.logs_dir, job.id),
+            log_dir=self._log_dir(job),
             run_dir=os.path.join(self._cfg.jobs_run_dir, job.id), node_id=d.node_id,
             device_env=self._binding.env(), cpus=self._binding.cpus)
+
+    def _log_dir(self, job: JobRecord) -> str:
+        return os.path.join(self._cfg.logs_dir, job.id)
 
     def _node_spec(self, job: JobRecord, master_addr: str = "") -> GroupSpec:
         """The job's spawn spec before any round: for what this node starts for the job
@@ -856,7 +864,8 @@ class Agent:
 
     def _first_failure(self, job: JobRecord, group: WorkerGroup) -> Failure:
         blamed = failures.most_to_blame(group.workers, job.uid,
-                                        self._cfg.agent.error_file_max_bytes)
+                                        self._cfg.agent.error_file_max_bytes,
+                                        self._log_dir(job), self._cfg.agent.failure_tail_lines)
         if blamed is None:
             return self._failure(job, -1, 1, 0, "worker failed")
         return self._worker_failure(job, *blamed)

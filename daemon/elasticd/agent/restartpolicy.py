@@ -13,7 +13,8 @@ progress; it returns a ``RestartPlan``:
   ``restart_delay(k)``: ``restart_backoff_initial``, then + ``restart_backoff_step``
   doubling (0, 0.5, 1, 2, ... s) up to ``restart_backoff_max``.
 
-``RestartPlan.sentence()`` is the one place its words are built (the restart
+``CrashLoop`` ends a job whose attempts keep failing the same way before any
+progress. ``RestartPlan.sentence()`` is the one place its words are built (the restart
 event, `elasticctl status`); ``to_dict``/``from_dict`` the one place it is
 serialised into the job record.
 
@@ -116,6 +117,39 @@ def spares_due(now: float, started: float, first_beat: float | None, started_war
     if started_warm and first_beat is not None and now >= first_beat + after_beat_delay:
         return True
     return now >= started + first_start_delay
+
+
+# ---------------------------------------------------------------- crash loops
+
+@dataclass
+class CrashLoop:
+    """Attempts in a row that failed the same way without progress (one agent's).
+
+    A job that fails before it does anything, the same way each time (a
+    missing module, a bad path, a wrong flag), will not get better by being
+    restarted: after ``limit`` such attempts (``agent.crash_loop_limit``; 0:
+    never) the job fails at once, with that failure as its reason, instead of
+    spending its restart budgets and their backoff. ``signature`` is what
+    makes two failures the same (agent/failures.signature); an attempt that
+    made progress, or failed another way, starts the count over. No I/O."""
+    limit: int
+    signature: tuple = ()
+    count: int = 0
+
+    def note(self, signature: tuple, progressed: bool) -> bool:
+        """Count one failed attempt; True when it completes a crash loop."""
+        if progressed or not self.limit:
+            self.signature, self.count = (), 0
+            return False
+        if signature == self.signature:
+            self.count += 1
+        else:
+            self.signature, self.count = signature, 1
+        return self.count >= self.limit
+
+    def sentence(self) -> str:
+        return (f"crash loop: it failed the same way in {self.count} attempts in a row "
+                f"without progress (agent.crash_loop_limit {self.limit}); not restarting")
 
 
 # ---------------------------------------------------------------- the window budget

@@ -8,6 +8,7 @@ from .. import statedir
 from .auth import Caller
 from .messages import gpus_to_proto, node_to_proto
 from ..store import StoreError
+from ..workers import hostname
 from ..v1 import control_pb2 as pb
 
 
@@ -57,6 +58,7 @@ def problems(cfg, manager, endpoint=None) -> list[str]:
     suspect = manager.suspect_reason()
     return [p for p in (space.problem(cfg.daemon.state_dir),
                         endpoint.problem() if endpoint is not None else "",
+                        hostname.cached_problem(),
                         manager.gpu_problem(),
                         f"suspect, preferred last for cluster jobs: {suspect}" if suspect
                         else "") if p]

@@ -23,6 +23,7 @@ from .. import errors
 from . import nodes, validation
 from .auth import TOKEN_METADATA_KEY, AuthError, Caller, TokenIssuer
 from ..config import Config
+from ..jobs.names import AmbiguousName
 from ..jobs.registry import JobNotFound, JobRecord, JobRegistry
 from .logs import LogReader
 from ..jobs.retention import logs_retired_message
@@ -222,20 +223,30 @@ class ControlServicer(pb_grpc.ControlServicer):
     def _find(self, key: str, caller) -> tuple[JobRecord, bool]:
         """The job with this id or name, if the caller may see it: (its record
         here, True), else (the record the cluster's keys make of a job only
-        other nodes run, False). A live job wins over a finished one of the
-        same name here."""
+        other nodes run, False). A name is looked up among the caller's jobs
+        only (root: everyone's); another user's is NOT_FOUND, word for word as
+        one nobody has. A live job wins over a finished one of the same name
+        here; a name of several finished ones (or, for root, several live
+        ones) is FAILED_PRECONDITION listing them (jobs/registry.py)."""
         key = validation.job_key(key)
+        ambiguous = None
         try:
-            local = self._registry.get(key)
+            local = self._registry.lookup(key, caller.may_act_on)
         except JobNotFound:
             local = None
+        except AmbiguousName as exc:
+            local, ambiguous = None, exc
         if local is not None and (local.id == key or local.live):
             check_access(local, caller)
             return local, True
+        if ambiguous is not None and ambiguous.live:
+            raise errors.FailedPrecondition(str(ambiguous))
         remote = self._remote(key, caller)
         if remote is not None:
             check_access(remote, caller)
             return remote, False
+        if ambiguous is not None:
+            raise errors.FailedPrecondition(str(ambiguous))
         if local is not None:
             check_access(local, caller)
             return local, True
@@ -260,8 +271,13 @@ class ControlServicer(pb_grpc.ControlServicer):
         try:
             found = clusterjobs.find(self._view, key, caller.may_act_on)
         except clusterjobs.AmbiguousName as exc:
-            raise errors.FailedPrecondition(str(exc)) from None
-        return clusterjobs.record_from_keys(found[1], time.time()) if found else None
+            if caller.is_root or any(self._owner(j) == caller.uid for j in exc.ids):
+                raise errors.FailedPrecondition(str(exc)) from None
+            return None  # only others' jobs bear the name: it tells nothing
+        if found is None or (found[0] != key and self._owner(found[0]) != caller.uid
+                             and not caller.is_root):
+            return None  # another user's name: as if nobody had it
+        return clusterjobs.record_from_keys(found[1], time.time())
 
     def _refresh(self, job: JobRecord, here: bool) -> JobRecord:
         """The job's record now: from the registry, or from the cluster's keys."""

@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 from .. import statedir
+from . import names
 from ..logsetup import ctx
 from ..agent.restartpolicy import RestartPlan
 from .jobrecord import JobRecord, spec_bytes
@@ -121,6 +122,16 @@ class JobRegistry:
                 raise JobNotFound(key)
             return copy.deepcopy(rec)
 
+    def lookup(self, key: str, may_see) -> JobRecord:
+        """A copy of the job with id ``key``, else of the one named ``key`` among the jobs
+        whose uid ``may_see(uid)`` allows (jobs/names.py): JobNotFound when there is
+        none, names.AmbiguousName when it stands for several."""
+        with self._lock:
+            rec = self._jobs.get(key) or names.stands_for(key, self._jobs.values(), may_see)
+            if rec is None:
+                raise JobNotFound(key)
+            return copy.deepcopy(rec)
+
     def control_flags(self, job_id: str) -> tuple[int, int, bool]:
         """(restarts, max_restarts, cancel_requested): what a monitor tick needs,
         without copying the whole record (its environment can be large)."""
@@ -188,8 +199,9 @@ class JobRegistry:
         with self._lock:
             if rec.id in self._jobs:
                 raise JobExists(f"job {rec.id} is already known here")
-            if rec.name and any(j.name == rec.name and j.live for j in self._jobs.values()):
-                raise NameInUse(rec.name)
+            if rec.name and any(j.name == rec.name and j.live and j.uid == rec.uid
+                                for j in self._jobs.values()):
+                raise NameInUse(rec.name)  # one namespace per user: others' names are theirs
             now = self._clock()
             rec.created_at = rec.created_at or now
             rec.state_since = now

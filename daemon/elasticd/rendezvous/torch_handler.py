@@ -18,7 +18,11 @@ prefix=...``), never the daemons': with etcd's RBAC (``elasticd etcd-roles``)
 a torchrun user gets the ``elasticd-torchrun`` role and no access to the
 daemons' keys. TLS and credentials come from ``--rdzv-conf`` keys or, better
 (``ps`` shows the command line), ``ELASTICD_ETCD_*`` variables, the same
-names as the daemon's etcd settings (``etcd_options``).
+names as the daemon's etcd settings (``etcd_options``). Its timing is
+``--rdzv-conf`` keys too (``CONF_NUMBERS``: lease_ttl, last_call_timeout,
+join_timeout, request_timeout), checked where they come in. A finished run
+leaves nothing in etcd: each agent's keys live under its lease, revoked at
+``shutdown``, and the agent that leaves last removes the run's spec and state.
 """
 from __future__ import annotations
 
@@ -37,14 +41,39 @@ from torch.distributed.elastic.rendezvous.api import (RendezvousConnectionError,
 
 from ..store import LeaseNotFound, StoreError, open_store
 from ..trust.sealed import PLAIN
+from ..workers import hostname
 from .round import ClusterRendezvous, RendezvousStopped, RoundFinal, create_job
-from .protocol import CANCELLED, FINAL, JobLimits, Result
+from .protocol import CANCELLED, FINAL, JobLimits, Result, job_prefix
 from .status import StatusKind
 from .view import JobsView
 
 log = logging.getLogger("elasticd.torchrun")
 
 DEFAULT_PREFIX = "/elasticd-torchrun"
+# --rdzv-conf keys that are numbers: (default, smallest allowed, largest allowed, what).
+CONF_NUMBERS = {
+    "lease_ttl": (10, 1, 3600, "seconds an agent's lease lives unrefreshed: a dead agent "
+                               "leaves the round after this"),
+    "last_call_timeout": (2.0, 0.0, 3600.0, "seconds a round waits for more agents once "
+                                            "--nnodes' minimum joined"),
+    "join_timeout": (600.0, 1.0, 86400.0, "seconds an agent waits for a round to close, and "
+                                          "a round may stay below the minimum"),
+    "request_timeout": (5.0, 0.1, 300.0, "seconds one etcd request may take"),
+}
+
+
+def conf_number(conf: dict, name: str) -> float:
+    """The ``--rdzv-conf`` number ``name`` (CONF_NUMBERS), or its default; ValueError
+    naming the key when it is not a number in its range."""
+    default, lo, hi, _ = CONF_NUMBERS[name]
+    raw = conf.get(name, default)
+    try:
+        value = type(default)(raw)
+    except (TypeError, ValueError):
+        raise ValueError(f"--rdzv-conf {name}={raw!r}: not a number") from None
+    if not lo <= value <= hi:
+        raise ValueError(f"--rdzv-conf {name}={raw!r}: must be between {lo:g} and {hi:g}")
+    return value
 
 
 def endpoints_from(endpoint: str) -> list[str]:
@@ -132,25 +161,34 @@ class ElasticdRendezvousHandler(RendezvousHandler):
         self._run_id = params.run_id
         try:
             opts = etcd_options(params.config)
+            numbers = {name: conf_number(params.config, name) for name in CONF_NUMBERS}
+            if api not in ("v3", "v2", "auto"):
+                raise ValueError(f"--rdzv-conf api={api!r}: must be v3, v2 or auto")
         except (ValueError, OSError) as exc:
             raise ValueError(f"elasticd rendezvous: {exc}") from None
+        # The ranks reach the store at this address (MASTER_ADDR): a name that does not
+        # resolve would have them retry it until their timeout, minutes from now.
+        self._addr = params.local_addr or socket.getfqdn()
+        unresolved = hostname.problem(self._addr)
+        if unresolved:
+            raise ValueError(f"elasticd rendezvous: {unresolved} (or give torchrun "
+                             "--local-addr with this node's address)")
         tls = bool(opts["ca_cert"] or opts["cert"])
         self._store = open_store({"v3": "etcd3", "v2": "etcd2", "auto": "auto"}[api],
                                  _endpoints(params.endpoint, tls),
                                  prefix=params.get("prefix", DEFAULT_PREFIX),
-                                 timeout=float(params.get("request_timeout", 5)), **opts)
-        self._addr = params.local_addr or socket.getfqdn()
+                                 timeout=numbers["request_timeout"], **opts)
         self._node_id = f"{socket.gethostname()}-{os.getpid()}-{id(self) & 0xffff:x}"
-        self._lease = _LeaseKeeper(self._store, int(params.get("lease_ttl", 10)))
+        self._lease = _LeaseKeeper(self._store, numbers["lease_ttl"])
         self._lease.start()
         # Plain records: no cluster key here (the users' own prefix), the same decoder.
         self._view = JobsView(self._store, records=PLAIN, retry=1.0)
         self._view.start()
         self._tcp_server: TCPStore | None = None   # the store this agent hosts as rank 0
-        self._timeout = float(params.get("join_timeout", 600))
+        self._timeout = numbers["join_timeout"]
         limits = JobLimits(min_nodes=params.min_nodes, max_nodes=params.max_nodes,
                            max_restarts=10 ** 9,  # torchrun keeps its own budget
-                           last_call=float(params.get("last_call_timeout", 2)),
+                           last_call=numbers["last_call_timeout"],
                            join_timeout=self._timeout)
         self._rdzv = ClusterRendezvous(
             self._store, self._view, self._run_id, self._node_id, self._addr, nproc=1,
@@ -233,10 +271,31 @@ class ElasticdRendezvousHandler(RendezvousHandler):
         return self._run_id
 
     def shutdown(self) -> bool:
-        self._lease.stop()
+        """torchrun's run ended here (it calls this unless a signal ended it): close the
+        rendezvous, as torch's own handlers do, and leave nothing of the run in etcd."""
+        try:
+            self._rdzv.finish(CANCELLED, f"closed by torchrun on {self._node_id}")
+        except StoreError as exc:
+            log.warning("cannot close the rendezvous of %s: %s", self._run_id, exc)
+        self._lease.stop()  # this agent's join, done and workers keys go with its lease
         self._view.stop()
-        self._store.close()
+        try:
+            self._forget_run()
+        finally:
+            self._store.close()
         return True
+
+    def _forget_run(self) -> None:
+        """Remove the run's spec and state once no agent's keys are left under it. Each
+        agent looks after revoking its own lease, so the one that revoked last sees none
+        and removes them (a crashed agent's keys go with its lease's TTL)."""
+        prefix = job_prefix(self._run_id)
+        try:
+            left, _ = self._store.list(prefix + "/")
+            if all(kv.key in (f"{prefix}/spec", f"{prefix}/state") for kv in left):
+                self._store.delete_prefix(prefix + "/")
+        except StoreError as exc:
+            log.warning("cannot remove the finished run %s from etcd: %s", self._run_id, exc)
 
 
 def _timedelta(seconds: float):

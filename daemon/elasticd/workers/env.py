@@ -28,6 +28,10 @@ TORCHRUN_MAX_RESTARTS = "TORCHELASTIC_MAX_RESTARTS"
 TORCHRUN_RUN_ID = "TORCHELASTIC_RUN_ID"
 TORCHRUN_USE_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
 ERROR_FILE = "TORCHELASTIC_ERROR_FILE"   # torch's @record writes the rank's error here
+# The signals torchrun's agent handles and forwards (its --signals-to-handle); its workers
+# inherit the variable, and a submitter's own value is kept, as torchrun's PET_ one is.
+SIGNALS_TO_HANDLE = "TORCHELASTIC_SIGNALS_TO_HANDLE"
+SIGNALS_TO_HANDLE_DEFAULT = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 
 # ---------------------------------------------------------------- elasticd's own
 JOB_ID = "ELASTICD_JOB_ID"

@@ -20,6 +20,7 @@ import logging
 import os
 import pwd
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -135,6 +136,8 @@ def worker_env(spec: GroupSpec, local_rank: int) -> dict[str, str]:
         envnames.TORCHRUN_RUN_ID: spec.job_id,
         envnames.TORCHRUN_USE_AGENT_STORE: "False",
         envnames.ERROR_FILE: error_file_path(spec, rank),
+        envnames.SIGNALS_TO_HANDLE: spec.env.get(envnames.SIGNALS_TO_HANDLE,
+                                                 envnames.SIGNALS_TO_HANDLE_DEFAULT),
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": spec.env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
         envnames.JOB_ID: spec.job_id,
         envnames.ROUND: str(spec.round),
@@ -356,11 +359,20 @@ def start_process(spec: GroupSpec, argv: list, rank: int, env: dict, user_kwargs
             # The only step of _child_setup that can fail is the chdir.
             raise SpawnError(cwd_unusable(spec.cwd, spec.uid)) from None
         except FileNotFoundError:
-            raise SpawnError(f"command not found: {argv[0]}") from None
+            raise SpawnError(not_found(argv[0], env)) from None
         except PermissionError as exc:
             raise SpawnError(f"cannot run {argv[0]}: {exc.strerror}") from None
         except OSError as exc:
             raise SpawnError(f"cannot start {argv[0]}: {exc}") from None
+
+
+def not_found(command: str, env: dict) -> str:
+    """``command not found: python``, with a hint where the job's PATH has python3 (as
+    Debian and Ubuntu do: no ``python`` unless a venv is active)."""
+    text = f"command not found: {command}"
+    if command == "python" and shutil.which("python3", path=env.get("PATH", os.defpath)):
+        text += " (the job's PATH has python3: submit `-- python3 ...`)"
+    return text
 
 
 WARMSTART = os.path.join(os.path.dirname(os.path.abspath(__file__)), "warmstart.py")

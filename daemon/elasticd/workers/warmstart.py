@@ -144,7 +144,29 @@ def _restore_blas_threads() -> None:
                 break
 
 
+def _not_ours(filename: str) -> bool:
+    """A frame of the job's code, not of this bootstrap or of runpy (which ran it)."""
+    return filename != __file__ and os.path.basename(filename) not in ("runpy.py",
+                                                                       "<frozen runpy>")
+
+
+def _user_frames_only(hook):
+    """``hook`` (sys.excepthook), shown the traceback from the job's first frame on, as a
+    cold ``python SCRIPT`` prints it: the frames of this file and runpy that ran the
+    job are left out (whole, when the job raised none of its own)."""
+    def excepthook(kind, value, tb):
+        head = tb
+        while head is not None and not _not_ours(head.tb_frame.f_code.co_filename):
+            head = head.tb_next
+        if head is not None and isinstance(value, BaseException):
+            value.__traceback__ = head  # what the default hook prints, whatever it is given
+            tb = head
+        hook(kind, value, tb)
+    return excepthook
+
+
 def _become(assignment: dict, boot_args: list) -> None:
+    sys.excepthook = _user_frames_only(sys.excepthook)
     os.environ.clear()
     os.environ.update(assignment["env"])
     _restore_blas_threads()
@@ -164,7 +186,7 @@ def _become(assignment: dict, boot_args: list) -> None:
         runpy.run_module(args[1], run_name="__main__", alter_sys=True)
     else:
         sys.argv = list(args)
-        runpy.run_path(args[0], run_name="__main__")
+        runpy.run_path(os.path.abspath(args[0]), run_name="__main__")  # __file__ as cold
 
 
 # ------------------------------------------------------------ the worker template
