@@ -168,6 +168,10 @@ DUMP_ENV = textwrap.dedent(f"""
     keys = {ENV_KEYS!r}
     data = {{k: os.environ.get(k) for k in keys}}
     data["cwd"] = os.getcwd()
+    # the error file's dir (the job's run dir) as the worker sees it while it runs
+    err_dir = os.path.dirname(data["TORCHELASTIC_ERROR_FILE"] or "")
+    data["err_dir_is_dir"] = os.path.isdir(err_dir)
+    data["err_dir_writable"] = os.access(err_dir, os.W_OK)
     with open("env-" + os.environ["RANK"] + ".json", "w") as fh:
         json.dump(data, fh)
 """)
@@ -199,11 +203,18 @@ def test_workers_get_the_torchrun_environment_and_the_submitters(shared):
         assert env["cwd"] == workdir  # the submitter's working directory
         assert 0 < int(env["MASTER_PORT"]) < 65536
         err = env["TORCHELASTIC_ERROR_FILE"]
-        assert os.path.isabs(err) and os.path.isdir(os.path.dirname(err))
-        assert os.access(os.path.dirname(err), os.W_OK)
+        assert os.path.isabs(err) and env["err_dir_is_dir"]  # while the job ran
+        assert env["err_dir_writable"]
     assert seen[0]["MASTER_ADDR"] == seen[1]["MASTER_ADDR"] != ""
     assert seen[0]["MASTER_PORT"] == seen[1]["MASTER_PORT"]
     assert seen[0]["TORCHELASTIC_ERROR_FILE"] != seen[1]["TORCHELASTIC_ERROR_FILE"]
+    # the job's run dir goes once the job has ended (retention's pass on a job's end)
+    run_dir = os.path.dirname(seen[0]["TORCHELASTIC_ERROR_FILE"])
+    assert os.path.dirname(seen[1]["TORCHELASTIC_ERROR_FILE"]) == run_dir
+    deadline = time.monotonic() + 30
+    while os.path.lexists(run_dir) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.lexists(run_dir), f"{run_dir} is still there after the job ended"
 
 
 def test_submit_works_from_a_shell_that_exports_functions(shared):
