@@ -308,12 +308,16 @@ def test_a_full_state_filesystem_is_a_clean_submit_error_and_no_phantom_job(daem
                    check=True)
     try:
         port = free_port()
+        # Nothing the daemon may free makes room: retention frees space on a full
+        # disk only by retiring finished jobs' logs (and a pass runs only at start,
+        # when a job ends, and every retention.interval), so the job already here
+        # runs while the disk is full, and the interval is longer than the test.
         d = start("limits.state_min_free_bytes=65536", f"metrics.port={port}",
-                  "metrics.address=127.0.0.1", root=root)
+                  "metrics.address=127.0.0.1", "retention.interval=3600", root=root)
         daemons.append(d)
         assert "elasticd_state_disk_full 0.0" in scrape(port)
-        before = d.submit("/bin/true")
-        d.wait_job(before)
+        before = d.submit("/bin/sleep", "600")
+        d.wait_state(before, "RUNNING")
         with open(os.path.join(state, "filler"), "wb") as fh:
             try:
                 while True:
@@ -333,6 +337,8 @@ def test_a_full_state_filesystem_is_a_clean_submit_error_and_no_phantom_job(daem
         assert d.proc.poll() is None
         # Room again: the job that failed is not there after a restart either.
         os.unlink(os.path.join(state, "filler"))
+        assert d.ctl("cancel", before).returncode == 0
+        d.wait_job(before)
         d.stop()
         d.start()
         listed = json.loads(d.ctl("-o", "json", "list").stdout)["jobs"]
