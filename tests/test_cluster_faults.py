@@ -48,7 +48,7 @@ def own_node(d) -> "object":
 
 # ---------------------------------------------------------------- etcd outage
 
-@pytest.mark.parametrize("outage", [OUTAGE_SECONDS,
+@pytest.mark.parametrize("outage", [pytest.param(OUTAGE_SECONDS, marks=pytest.mark.slow),
                                     pytest.param(60.0, marks=pytest.mark.slow, id="60s")])
 def test_etcd_outage_daemons_stay_up_jobs_keep_running_leases_come_back(daemon_factory,
                                                                         outage):

@@ -75,6 +75,7 @@ def two_node_torchrun(etcd, run_id: str, tmp_path, env: dict, conf: str = "") ->
     return cmd
 
 
+@pytest.mark.slow  # a TLS etcd and a torchrun job through it: most of a minute
 def test_torchrun_reaches_a_tls_etcd_with_a_client_certificate(tmp_path):
     certs = make_certs(str(tmp_path / "pki"))
     with EtcdServer(certs=certs, client_cert_auth=True) as etcd:
@@ -105,6 +106,7 @@ def test_etcd_roles_prints_the_etcdctl_setup():
     assert clash.returncode == 2 and "overlap" in clash.stderr, clash.stderr
 
 
+@pytest.mark.slow  # an etcd with auth, two daemons and torchrun users: most of a minute
 def test_daemons_and_torchrun_users_each_reach_only_their_prefix(auth_etcd, daemon_factory,
                                                                  tmp_path):
     etcd, pw = auth_etcd

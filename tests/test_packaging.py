@@ -59,6 +59,7 @@ def unpacked(deb, tmp_path_factory) -> Path:
     return root
 
 
+@pytest.mark.slow  # builds a whole venv into a .deb: a minute and more
 def test_deb_metadata(deb):
     info = run("dpkg-deb", "--info", deb).stdout
     fields = dict(line.strip().split(": ", 1) for line in info.splitlines()
@@ -73,6 +74,7 @@ def test_deb_metadata(deb):
         assert script in info
 
 
+@pytest.mark.slow  # builds a whole venv into a .deb: a minute and more
 def test_deb_contents(deb):
     lines = run("dpkg-deb", "--contents", deb).stdout.splitlines()
     entries = {line.split()[5].removeprefix("."): line for line in lines}
@@ -91,6 +93,7 @@ def test_deb_contents(deb):
     assert not any("/site-packages/torch/" in p or "/site-packages/pip/" in p for p in site)
 
 
+@pytest.mark.slow  # builds a whole venv into a .deb: a minute and more
 def test_deb_files_point_at_their_installed_places(unpacked):
     root = unpacked
     assert (root / "DEBIAN" / "conffiles").read_text().split() == ["/etc/elasticd/elasticd.toml"]
@@ -128,6 +131,7 @@ def _may_install() -> str | None:
     return None
 
 
+@pytest.mark.slow  # builds a whole venv into a .deb: a minute and more
 def test_installed_deb_runs_a_job(deb):
     why = _may_install()
     if why:

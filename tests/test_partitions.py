@@ -80,6 +80,7 @@ def lives_on(c, job: str, host: str) -> list:
 
 # ---------------------------------------------------------------- one host cut off
 
+@pytest.mark.slow  # a partition case: namespaces, three hosts and a lease expiry
 def test_host_cut_off_from_etcd_only(netcluster):
     """h3 reaches its peers but not etcd: its lease expires, the others stop
     their workers and go on as two; h3's workers are gone within the TTL plus

@@ -56,6 +56,7 @@ def _torchrun(etcd, run_id, workdir, extra, nnodes="2"):
     return cmd
 
 
+@pytest.mark.slow  # two torchrun agents through a crash and their restart: a minute
 def test_two_torchrun_agents_train_and_recover_from_a_crash(etcd, tmp_path):
     ck = str(tmp_path / "ck")
     cmd = _torchrun(etcd, "adapter-crash", str(tmp_path),
