@@ -18,8 +18,8 @@ import tomllib
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from .inprocess.settings import InprocessSettings, problems as inprocess_problems
-from .settingfield import setting as _setting  # shared with the in-process settings
+from ..inprocess.settings import InprocessSettings, problems as inprocess_problems
+from ..settingfield import setting as _setting  # shared with the in-process settings
 
 DEFAULT_CONFIG_PATH = "/etc/elasticd/elasticd.toml"
 ENV_PREFIX = "ELASTICD_"
@@ -652,7 +652,7 @@ def _check_relations(cfg: Config, errors: list[str]) -> None:
         errors.append("inprocess.barrier_timeout: must exceed agent.hang_hard_timeout "
                       f"({i.barrier_timeout} <= {a.hang_hard_timeout}), or the healthy ranks "
                       "give up on a hung rank before elasticd kills and replaces it")
-    from .workers.template_key import KEY_ENV_ENTRY
+    from ..workers.template_key import KEY_ENV_ENTRY
     bad = [v for v in a.template_key_env if not KEY_ENV_ENTRY.match(v)]
     if bad:
         errors.append(f"agent.template_key_env: {bad[0][:80]!r} is not a variable name or "
@@ -682,7 +682,7 @@ def _check_relations(cfg: Config, errors: list[str]) -> None:
         errors.append(f"daemon.socket: must be an absolute path, got {d.socket!r}")
     elif len(d.socket.encode()) + len(".cred") > 107:
         errors.append(f"daemon.socket: path too long for a unix socket ({len(d.socket)} bytes)")
-    from .gpus.inventory import InventoryError, parse_setting
+    from ..gpus.inventory import InventoryError, parse_setting
     try:
         parse_setting(d.gpus)
     except InventoryError as exc:
