@@ -33,16 +33,16 @@ from prometheus_client import (CollectorRegistry, Counter, Histogram, Info, Proc
                                disable_created_metrics)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from . import __version__, statedir
-from .jobs.registry import JobNotFound, JobRecord
-from .agent.ladder import Layer
-from .jobs.records import Failure
-from .trust.rejections import RejectReason
-from .trust.sealed import Kind, Reason
-from .agent.restartpolicy import RestartWindow
-from .jobs.states import LIVE_STATES, TERMINAL_STATES, JobState, WorkerState
-from .workers.template import StartPath
-from .store import (KV, CompareFailed, KeyExists, Lease, LeaseNotFound, Store,
+from .. import __version__, statedir
+from ..jobs.registry import JobNotFound, JobRecord
+from ..agent.ladder import Layer
+from ..jobs.records import Failure
+from ..trust.rejections import RejectReason
+from ..trust.sealed import Kind, Reason
+from ..agent.restartpolicy import RestartWindow
+from ..jobs.states import LIVE_STATES, TERMINAL_STATES, JobState, WorkerState
+from ..workers.template import StartPath
+from ..store import (KV, CompareFailed, KeyExists, Lease, LeaseNotFound, Store,
                     StoreAuthError, StoreCorrupt, StoreError, StoreUnavailable,
                     WatchCompacted, WatchEvent)
 
