@@ -511,8 +511,8 @@ def test_the_non_root_default_socket_lives_under_home_without_a_runtime_dir(monk
     monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
     monkeypatch.delenv("XDG_STATE_HOME", raising=False)
     monkeypatch.setenv("HOME", "/home/someone")
-    sock, state = config._default_paths(1234)
+    sock, state = config.default_paths(1234)
     assert sock == "/home/someone/.local/state/elasticd/control.sock"
     assert state == "/home/someone/.local/state/elasticd"
     monkeypatch.setenv("XDG_RUNTIME_DIR", "/run/user/1234")
-    assert config._default_paths(1234)[0] == "/run/user/1234/elasticd/control.sock"
+    assert config.default_paths(1234)[0] == "/run/user/1234/elasticd/control.sock"

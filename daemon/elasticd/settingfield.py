@@ -1,6 +1,6 @@
 """The dataclass field that carries one setting's help text and bounds.
 
-``config.py`` reads this metadata to document (``--help``, the sample TOML)
+``config/`` reads this metadata to document (``--help``, the sample TOML)
 and to check (``min``, ``max``, ``choices``) every setting; the in-process
 settings (inprocess/settings.py) are built with it too, so the daemon's
 ``[inprocess]`` section and the worker-side wrapper share one definition.
@@ -14,7 +14,7 @@ from typing import Any
 
 def setting(default: Any, help: str, *, min: float | None = None, max: float | None = None,
             choices: tuple[str, ...] | None = None, exclusive_min: bool = False) -> Any:
-    """A field with ``default`` and the metadata config.py documents and checks.
+    """A field with ``default`` and the metadata config/ documents and checks.
 
     A list default is copied for each instance (dataclasses refuse a shared
     mutable default).

@@ -1,11 +1,11 @@
 """The in-process restart settings: one definition for the daemon's ``[inprocess]``
-config section (config.py) and the worker-side wrapper (wrapper.py).
+config section (config/) and the worker-side wrapper (wrapper.py).
 
 ``InprocessSettings`` holds the 8 fields, their defaults, help and bounds (the
-field metadata of settingfield.py, which config.py documents and checks); the daemon
+field metadata of settingfield.py, which config/ documents and checks); the daemon
 sends each field to the workers as ``ELASTICD_INPROCESS_<NAME>``
 (workers/env.py). ``problems`` is the wrapper's rule check and ``from_env``
-its parsing of those variables. Stdlib only, no torch: config.py imports it.
+its parsing of those variables. Stdlib only, no torch: config/ imports it.
 """
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ class InprocessSettings:
 
 
 def problems(s: InprocessSettings) -> list[SettingProblem]:
-    """What breaks the wrapper's rules (empty: none). config.py reports these under
+    """What breaks the wrapper's rules (empty: none). config/rules.py reports these under
     ``inprocess.<field>``, the wrapper under the field's name."""
     bad = []
     if not 0 < s.soft_timeout < s.hard_timeout < s.barrier_timeout:

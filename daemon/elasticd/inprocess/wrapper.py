@@ -74,43 +74,34 @@ Without ELASTICD_STORE_ADDR (run by torchrun, or submitted without
 ``--inprocess``) the wrapper initialises the process group from the usual
 torchrun environment and calls the function once: the script still runs,
 and faults are handled by process restarts.
+
+The monitor thread is monitor.py; the process group's import, abort and teardown
+pgroup.py; the reports to the daemon reporter.py.
 """
 from __future__ import annotations
 
 import collections
-import ctypes
-import datetime
-import faulthandler
 import functools
 import inspect
-import json
 import logging
 import os
-import sys
 import threading
 import time
-import traceback
 from dataclasses import dataclass
 
 import torch.distributed as dist
-from torch.distributed import distributed_c10d as c10d
 
-from ..hangs import timeouts as hang_timeouts
 from ..workers import env as envnames, inprocess_reports
 from ..jobstore import address as jobstore_env
-from ._beat import current_phase, keepalive, last_beat, steps
+from ._beat import keepalive
 from .coord import BarrierTimeout, IterationStore, latest_iteration
+from .monitor import Monitor, RestartRequested
+from .pgroup import import_before_any_group, td, teardown
 from .records import RecordSealer
+from .reporter import Reporter, say
 from .settings import ENV_PREFIX, InprocessSettings, from_env, problems  # noqa: F401
 
 log = logging.getLogger("elasticd.inprocess")
-
-STUCK_EXIT_CODE = 75  # a rank stuck outside Python ends itself with this code
-LIMITS_REREAD = 1.0   # seconds between reads of the daemon's learned limits
-
-
-class RestartRequested(Exception):
-    """Raised in the main thread when another rank's fault ends this iteration."""
 
 
 class RestartAbandoned(RuntimeError):
@@ -167,7 +158,7 @@ class _Run:
         self.takes_iteration = takes_iteration
         self.rank = int(os.environ["RANK"])
         self.world_size = int(os.environ["WORLD_SIZE"])
-        self.report = _Reporter(os.environ.get(inprocess_reports.ENV, ""), self.rank)
+        self.report = Reporter(os.environ.get(inprocess_reports.ENV, ""), self.rank)
         self.faults: collections.deque[float] = collections.deque()  # monotonic fault times
 
     def run(self, args, kwargs):
@@ -178,14 +169,14 @@ class _Run:
         if not addr:
             log.warning("rank %d: no ELASTICD_STORE_ADDR (not submitted with --inprocess): "
                         "running once, faults restart the processes", self.rank)
-            dist.init_process_group(self.w.backend, timeout=_td(self.s.hard_timeout))
+            dist.init_process_group(self.w.backend, timeout=td(self.s.hard_timeout))
             try:
                 return self._call(args, kwargs, 0)
             finally:
-                _teardown()
-        _import_before_any_group()
+                teardown()
+        import_before_any_group()
         base = dist.TCPStore(addr, int(os.environ[jobstore_env.PORT]), is_master=False,
-                             timeout=_td(self.s.barrier_timeout), wait_for_workers=False)
+                             timeout=td(self.s.barrier_timeout), wait_for_workers=False)
         # One prefix per round and process attempt: a store that outlives a round (its
         # node stays the first member) never hands a new group an old group's keys.
         attempt = os.environ.get(envnames.TORCHRUN_RESTART_COUNT, "0")
@@ -223,8 +214,8 @@ class _Run:
             fault, fault_time = outcome.fault, time.time()
             self._count_fault(outcome)
             iteration += 1
-            _say(f"rank {self.rank}: fault in iteration {iteration - 1} ({outcome.fault}); "
-                 f"restarting in-process as iteration {iteration}")
+            say(f"rank {self.rank}: fault in iteration {iteration - 1} ({outcome.fault}); "
+                f"restarting in-process as iteration {iteration}")
             _pause(self.s.backoff)
 
     def _join_point(self, root, replaces: str) -> tuple[int, str]:
@@ -261,7 +252,7 @@ class _Run:
 
     def _give_up(self, why: str, cause: BaseException | None):
         self.report.write({"kind": "abandoned", "reason": why})
-        _say(f"rank {self.rank}: in-process restart gives up: {why}")
+        say(f"rank {self.rank}: in-process restart gives up: {why}")
         raise RestartAbandoned(f"rank {self.rank}: {why}") from cause
 
     def _iteration(self, coord: IterationStore, store, iteration: int, args, kwargs,
@@ -269,14 +260,14 @@ class _Run:
         waited = coord.barrier("start", self.s.barrier_timeout)
         dist.init_process_group(self.w.backend, store=dist.PrefixStore("pg/", store),
                                 rank=self.rank, world_size=self.world_size,
-                                timeout=_td(self.s.hard_timeout))
+                                timeout=td(self.s.hard_timeout))
         ready = time.time()
-        _say(f"INPROCESS_ITERATION {iteration} rank={self.rank} pid={os.getpid()} "
-             f"t={ready:.6f} barrier_wait={waited:.3f}s")
+        say(f"INPROCESS_ITERATION {iteration} rank={self.rank} pid={os.getpid()} "
+            f"t={ready:.6f} barrier_wait={waited:.3f}s")
         if iteration:
             self.report.write({"kind": "restart", "iteration": iteration, "fault": after[0],
                                "fault_time": after[1], "ready_time": ready})
-        monitor = _Monitor(coord, self.rank, self.s, threading.get_ident(), self.report)
+        monitor = Monitor(coord, self.rank, self.s, threading.get_ident(), self.report)
         monitor.start()
         try:
             value, error = self._call(args, kwargs, iteration), None
@@ -292,9 +283,11 @@ class _Run:
                 fault = coord.fault() or "restart requested"
             elif isinstance(error, Exception):
                 text = str(error).splitlines()[0] if str(error) else ""
-                fault = coord.report_fault(f"rank {self.rank}: {type(error).__name__}: {text}"[:500])
+                what = f"rank {self.rank}: {type(error).__name__}: {text}"
+                fault = coord.report_fault(what[:500])
                 if fault.startswith(f"rank {self.rank}:"):
-                    log.error("rank %d: the wrapped function raised", self.rank, exc_info=error)
+                    log.error("rank %d: the wrapped function raised", self.rank,
+                              exc_info=error)
             else:
                 # Exit or interrupt: not ours to restart from; the others must not wait for us.
                 coord.report_fault(f"rank {self.rank}: {type(error).__name__}")
@@ -304,7 +297,7 @@ class _Run:
                 # The traceback's frames hold the function's locals, which can keep the
                 # process group (and its connections) alive; it was logged above.
                 error.__traceback__ = None
-            _teardown()  # closes our connections: peers still blocked in a collective fail now
+            teardown()  # closes our connections: peers still blocked in a collective fail now
         return _Outcome(False, fault=fault, error=error)
 
     def _call(self, args, kwargs, iteration: int):
@@ -321,204 +314,9 @@ class _Outcome:
     error: BaseException | None = None
 
 
-class _Monitor:
-    """Watches the store for faults, and this rank's beats, while the function runs."""
-
-    def __init__(self, coord: IterationStore, rank: int, s: InProcessSettings, main_tid: int,
-                 report: "_Reporter"):
-        self.coord, self.rank, self.s, self.main_tid = coord, rank, s, main_tid
-        self.report = report
-        self._stop = threading.Event()
-        self._lock = threading.Lock()  # held while the main thread may be interrupted
-        self._armed = True
-        self._thread = threading.Thread(target=self._run, name="elasticd-inprocess-monitor",
-                                        daemon=True)
-
-    def start(self) -> None:
-        self._started = time.monotonic()
-        self._steps_at_start = steps()
-        self._learned: dict[str, tuple[float, float]] = {}
-        self._learned_at = float("-inf")
-        self._thread.start()
-
-    def limits(self) -> tuple[float, float]:
-        """(soft, hard) for the phase this rank is in: the daemon's learned ones, bounded
-        by the settings; the settings where it learned none."""
-        now = time.monotonic()
-        if now - self._learned_at >= LIMITS_REREAD:
-            self._learned_at = now
-            self._learned = hang_timeouts.read_limits_file(
-                os.environ.get(hang_timeouts.LIMITS_FILE_ENV, ""))
-        learned = self._learned.get(current_phase())
-        if learned is None:
-            return self.s.soft_timeout, self.s.hard_timeout
-        soft = min(self.s.soft_timeout, learned[0])
-        return soft, soft + min(self.s.hard_timeout - self.s.soft_timeout, learned[1] - learned[0])
-
-    def quiesce(self) -> None:
-        """Stop watching; afterwards no RestartRequested is pending or can arrive."""
-        while True:
-            try:
-                with self._lock:
-                    self._armed = False
-                self._stop.set()
-                self._thread.join()
-                # An interrupt sent but not yet delivered is dropped (NULL clears it).
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.main_tid), None)
-                return
-            except RestartRequested:  # delivered while stopping: already counted as a fault
-                continue
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.s.monitor_interval):
-            try:
-                fault = self.coord.fault()
-                if fault is None:
-                    fault = self._own_stall()
-            except Exception as exc:  # the store is gone: let the main thread find out
-                log.warning("rank %d: in-process monitor stopped: %s", self.rank, exc)
-                return
-            if fault is not None:
-                if self._interrupt(fault):
-                    self._await_return(fault)
-                return
-
-    def _await_return(self, fault: str) -> None:
-        """The main thread has hard - soft seconds to get back to Python (quiesce)."""
-        soft, hard = self.limits()
-        grace = hard - soft
-        if not self._stop.wait(grace):
-            _exit_stuck(self.rank, self.main_tid, grace, fault, self.report)
-
-    def _own_stall(self) -> str | None:
-        beat = last_beat()
-        if beat < self._started or steps() <= self._steps_at_start:
-            return None  # no step yet this iteration: the first step has no limit here
-        idle = time.monotonic() - beat
-        soft, _ = self.limits()
-        if idle < soft:
-            return None
-        how = "learned" if soft < self.s.soft_timeout else "inprocess.soft_timeout"
-        return self.coord.report_fault(f"rank {self.rank}: no progress for {idle:.0f}s "
-                                       f"(soft timeout {soft:g}s, {how}, phase "
-                                       f"{current_phase()})")
-
-    def _interrupt(self, fault: str) -> bool:
-        """Abort the group and stop the function; False if it is already leaving."""
-        with self._lock:
-            if not self._armed:
-                return False
-            _say(f"rank {self.rank}: {fault}; aborting this iteration")
-            _abort_group()
-            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.main_tid),
-                                                       ctypes.py_object(RestartRequested))
-            return True
-
-
-def _exit_stuck(rank: int, main_tid: int, grace: float, fault: str, report: "_Reporter"):
-    """End a process whose main thread cannot be reached: the daemon replaces it.
-
-    Its stacks go to the rank's log; the reason goes to the daemon twice: as a
-    ``stuck`` report (the cause is then a hang) and as torch's error file (the
-    cause text and the main thread's stack in ``elasticctl status``).
-    """
-    why = (f"rank {rank}: hang: not back in Python {grace:g}s after the fault stopped its "
-           f"function (stuck in C code or a blocked collective; hard - soft timeout); "
-           f"ending the process so elasticd replaces it. The fault: {fault}")
-    _say(why)
-    try:
-        faulthandler.dump_traceback(all_threads=True)  # stderr: the rank's log
-    except (OSError, ValueError, RuntimeError) as exc:
-        _say(f"rank {rank}: could not dump the stacks: {exc}")
-    frame = sys._current_frames().get(main_tid)
-    stack = "".join(traceback.format_stack(frame)) if frame is not None else ""
-    report.write({"kind": "stuck", "reason": why})
-    _write_error_file(why, stack)
-    os._exit(STUCK_EXIT_CODE)
-
-
-def _write_error_file(message: str, stack: str) -> None:
-    """torch's @record error file (TORCHELASTIC_ERROR_FILE), which the daemon reads."""
-    path = os.environ.get(envnames.ERROR_FILE)
-    if not path:
-        return
-    data = {"message": {"message": message,
-                        "extraInfo": {"py_callstack": stack,
-                                      "timestamp": str(int(time.time()))}}}
-    try:
-        with open(path, "w", encoding="utf-8") as fh:
-            json.dump(data, fh)
-    except OSError as exc:
-        _say(f"cannot write the error file {path}: {exc}")
-
-
-class _Reporter:
-    """Appends JSON lines to the daemon's report file (ELASTICD_INPROCESS_REPORT)."""
-
-    def __init__(self, path: str, rank: int):
-        self.path, self.rank = path, rank
-
-    def write(self, record: dict) -> None:
-        if not self.path:
-            return
-        record = dict(record, rank=self.rank, pid=os.getpid(), time=time.time())
-        try:
-            with open(self.path, "a", encoding="utf-8") as fh:
-                fh.write(json.dumps(record) + "\n")
-        except OSError as exc:
-            log.warning("rank %d: cannot report to elasticd (%s): %s", self.rank, self.path, exc)
-
-
 def _pause(seconds: float) -> None:
     """Wait between iterations, still beating (the daemon must not take us for hung)."""
     end = time.monotonic() + seconds
     while (left := end - time.monotonic()) > 0:
         keepalive()
         time.sleep(min(left, 1.0))
-
-
-def _import_before_any_group() -> None:
-    """Import what would otherwise pin the first process group in memory.
-
-    Modules that the first optimizer construction imports (torch._dynamo and
-    the torch.distributed parts it pulls in) take references to the default
-    process group existing at their import. That group then outlives its
-    abort, its connections stay open, and peers blocked in a collective with
-    this rank wait for the hard timeout instead of failing at once.
-    """
-    try:
-        import torch._dynamo  # noqa: F401
-    except Exception as exc:
-        log.warning("could not import torch._dynamo ahead of the process group: %s", exc)
-
-
-def _abort_group() -> None:
-    """Abort the default process group: connections closed, in-flight work failed."""
-    if not dist.is_initialized():
-        return
-    abort = getattr(c10d, "_abort_process_group", None)
-    try:
-        if abort is not None:
-            abort()
-        else:
-            dist.destroy_process_group()
-    except Exception as exc:
-        log.warning("aborting the process group failed: %s", exc)
-
-
-def _teardown() -> None:
-    _abort_group()
-    if dist.is_initialized():
-        try:
-            dist.destroy_process_group()
-        except Exception as exc:
-            log.warning("destroying the process group failed: %s", exc)
-
-
-def _say(line: str) -> None:
-    sys.stderr.write(line + "\n")
-    sys.stderr.flush()
-
-
-def _td(seconds: float) -> datetime.timedelta:
-    return datetime.timedelta(seconds=seconds)

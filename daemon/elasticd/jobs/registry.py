@@ -10,19 +10,15 @@ persists the record and appends an event, all under one lock; watchers
 from __future__ import annotations
 
 import base64
-import contextlib
 import copy
-import json
 import logging
-import os
 import secrets
 import sqlite3
 import threading
 import time
 from typing import Any
 
-from .. import statedir
-from . import names
+from . import jobdb, names
 from ..logsetup import ctx
 from ..agent.restartpolicy import RestartPlan
 from .jobrecord import JobRecord, spec_bytes
@@ -61,34 +57,9 @@ def new_job_id() -> str:
     return base64.b32encode(secrets.token_bytes(5)).decode().lower()
 
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS jobs (id TEXT PRIMARY KEY, data TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS events (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT,
-    job_id TEXT NOT NULL,
-    data TEXT NOT NULL
-);
-CREATE INDEX IF NOT EXISTS events_job ON events (job_id, seq);
--- Other nodes' events, mirrored here (import_events): once each.
-CREATE UNIQUE INDEX IF NOT EXISTS events_origin ON events
-    (json_extract(data, '$.node_id'), json_extract(data, '$.origin_seq'))
-    WHERE json_extract(data, '$.origin_seq') IS NOT NULL;
-"""
-
-
 class JobRegistry:
     def __init__(self, state_dir: str, node_id: str, clock=time.time):
-        statedir.private_dir(state_dir)
-        path = os.path.join(state_dir, "jobs.sqlite3")
-        # Every job's environment is in here: 0600 from the first byte, the
-        # WAL and shared-memory files too (SQLite copies the database's mode
-        # when it makes them again; made here first all the same).
-        for name in (path, path + "-wal", path + "-shm"):
-            statedir.touch_private(name)
-        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.executescript(_SCHEMA)
+        self._db = jobdb.open_db(state_dir)  # jobs.sqlite3, private
         self._lock = threading.RLock()
         self.changed = threading.Condition(self._lock)
         self._node_id = node_id
@@ -163,36 +134,14 @@ class JobRegistry:
     def events(self, after_seq: int = 0, job_id: str | None = None,
                limit: int = 1000) -> list[dict]:
         with self._lock:
-            if job_id:
-                rows = self._db.execute(
-                    "SELECT seq, data FROM events WHERE job_id=? AND seq>? ORDER BY seq LIMIT ?",
-                    (job_id, after_seq, limit))
-            else:
-                rows = self._db.execute(
-                    "SELECT seq, data FROM events WHERE seq>? ORDER BY seq LIMIT ?",
-                    (after_seq, limit))
-            out = []
-            for seq, data in rows.fetchall():
-                ev = json.loads(data)
-                ev["seq"] = seq
-                out.append(ev)
-            return out
+            return jobdb.read_events(self._db, after_seq, job_id, limit)
 
     def recent_events(self, kind: str, node_id: str, since: float,
                       limit: int = 1000) -> list[dict]:
         """This node's events of one kind since ``since`` (newest ``limit``, oldest
         first): what a listener that outlives the daemon's restarts reads back."""
         with self._lock:
-            rows = self._db.execute(
-                "SELECT seq, data FROM events WHERE json_extract(data, '$.kind')=? "
-                "AND json_extract(data, '$.node_id')=? AND json_extract(data, '$.time')>=? "
-                "ORDER BY seq DESC LIMIT ?", (kind, node_id, since, limit)).fetchall()
-        out = []
-        for seq, data in reversed(rows):
-            ev = json.loads(data)
-            ev["seq"] = seq
-            out.append(ev)
-        return out
+            return jobdb.recent_events(self._db, kind, node_id, since, limit)
 
     # -- writing -----------------------------------------------------------
     def create(self, rec: JobRecord) -> JobRecord:
@@ -211,7 +160,8 @@ class JobRegistry:
             try:
                 with self._transaction():
                     self._persist(rec)
-                    ev = self._insert_event(rec, "state", f"submitted by {rec.user or rec.uid}",
+                    by = rec.user or rec.uid
+                    ev = self._insert_event(rec, "state", f"submitted by {by}",
                                             from_state=None, to_state=rec.state)
             except sqlite3.Error as exc:
                 raise NotPersisted(rec.id, exc) from None
@@ -286,23 +236,14 @@ class JobRegistry:
     def record_rejection(self, rej) -> None:
         """An event for a job spec from etcd this node refused (rejections.Rejection):
         there is no record of that job here, only this event, kind ``rejected``."""
-        ev = {"job_id": rej.job_id, "time": rej.time, "kind": "rejected", "from_state": "",
-              "to_state": "", "reason": rej.message, "node_id": self._node_id, "round": 0,
-              "rank": -1, "restart": 0, "rejected_reason": rej.reason.value}
-        if rej.uid is not None:
-            ev["uid"] = rej.uid  # vouched for by the signature: its user may see the event
+        ev = jobdb.rejection_event(rej, self._node_id)
         with self._lock:
-            cur = self._db.execute("INSERT INTO events (job_id, data) VALUES (?, ?)",
-                                   (rej.job_id, json.dumps(ev)))
-            self.last_seq = cur.lastrowid
+            self.last_seq = jobdb.insert_event(self._db, rej.job_id, ev)
             self.changed.notify_all()
 
     def has_rejection(self, job_id: str, reason: str) -> bool:
         with self._lock:
-            return self._db.execute(
-                "SELECT 1 FROM events WHERE job_id=? AND json_extract(data, '$.kind')='rejected' "
-                "AND json_extract(data, '$.rejected_reason')=? LIMIT 1",
-                (job_id, reason)).fetchone() is not None
+            return jobdb.has_rejection(self._db, job_id, reason)
 
     def close(self) -> None:
         with self._lock:
@@ -358,16 +299,8 @@ class JobRegistry:
             self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
     # -- internals ---------------------------------------------------------
-    @contextlib.contextmanager
     def _transaction(self):
-        self._db.execute("BEGIN IMMEDIATE")
-        try:
-            yield
-            self._db.execute("COMMIT")
-        except BaseException:
-            if self._db.in_transaction:
-                self._db.execute("ROLLBACK")
-            raise
+        return jobdb.transaction(self._db)
 
     def _require(self, job_id: str) -> JobRecord:
         rec = self._jobs.get(job_id)
@@ -409,9 +342,7 @@ class JobRegistry:
             ev["start_path"], ev["duration_seconds"] = start_path, duration
         if plan is not None:
             ev["restart_rule"], ev["restart_delay_seconds"] = plan.rule.value, plan.delay
-        cur = self._db.execute("INSERT INTO events (job_id, data) VALUES (?, ?)",
-                               (rec.id, json.dumps(ev)))
-        ev["seq"] = cur.lastrowid
+        ev["seq"] = jobdb.insert_event(self._db, rec.id, ev)
         return ev
 
     def _announce(self, ev: dict) -> None:
@@ -430,7 +361,8 @@ class JobRegistry:
             return self.changed.wait_for(predicate, timeout=timeout)
 
     def import_events(self, events: list[dict]) -> int:
-        """Add other nodes' events (cluster/eventlog.py) under new local seqs; how many were new.
+        """Add other nodes' events (cluster/eventlog.py) under new local seqs; how many
+        were new.
 
         Each carries ``node_id`` and ``origin_seq`` (its seq on that node); a unique
         index on the pair (events_origin) makes importing again (a re-list, a daemon
@@ -438,18 +370,7 @@ class JobRegistry:
         Listeners are not called: they count this node's own events.
         """
         with self._lock:
-            added, last = 0, self.last_seq
-            self._db.execute("BEGIN")
-            try:
-                for ev in events:
-                    cur = self._db.execute("INSERT OR IGNORE INTO events (job_id, data) "
-                                           "VALUES (?, ?)", (ev["job_id"], json.dumps(ev)))
-                    if cur.rowcount == 1:
-                        added, last = added + 1, cur.lastrowid
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
+            added, last = jobdb.import_events(self._db, events)
             if added:
                 self.last_seq = last
                 self.changed.notify_all()

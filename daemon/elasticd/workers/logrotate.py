@@ -1,7 +1,7 @@
 """Bounded rank logs: rotation of ``rank-R.log`` into ``rank-R.log.1``.
 
 Workers write their output straight into their rank's log through an
-O_APPEND descriptor (workers/group.py), so a slow daemon never blocks them and a
+O_APPEND descriptor (workers/launch.py), so a slow daemon never blocks them and a
 daemon restart loses nothing they wrote. To bound what a log takes on disk,
 the ``LogKeeper`` looks at the logs of running jobs every
 ``agent.log_check_interval`` seconds; a log past half of ``agent.log_max_bytes``

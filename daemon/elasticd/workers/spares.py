@@ -1,7 +1,7 @@
 """Warm spares: pre-started interpreters of a job, torch imported, waiting to become ranks.
 
 A spare is ``python workers/warmstart.py ARGS`` started through the workers'
-own spawn path (workers/group.start_process: the job's user, a session of
+own spawn path (workers/launch.start_process: the job's user, a session of
 its own, stdin a pipe from the daemon); it imports the job's preload, then
 waits on stdin for one line, the identity of the worker it becomes
 (warmstart.main). The agent keeps them while its job has no usable worker

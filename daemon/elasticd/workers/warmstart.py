@@ -1,27 +1,25 @@
 """Bootstrap of a warm spare worker: import the heavy modules, then wait.
 
-The daemon starts this file by path with the job's own Python interpreter
-(so it needs nothing of elasticd installed there), as the job's user, in
-the job's directory and environment, as ``python workers/warmstart.py ARGS`` where
-ARGS is what follows the interpreter in the job's command. It imports torch
-ahead of need, then blocks on stdin for one JSON line: the worker's full
-environment and its command line. It then becomes that worker exactly as
-``python [-u] SCRIPT ARGS`` or ``python [-u] -m MODULE ARGS`` would, minus
-the seconds of interpreter start and torch import. EOF on stdin means "not
-needed": exit 0.
+The daemon starts this file by path with the job's own Python interpreter (so it
+needs nothing of elasticd installed there, and stays one file), as the job's user, in
+the job's directory and environment, as ``python workers/warmstart.py ARGS`` where ARGS
+is what follows the interpreter in the job's command. It imports torch ahead of need,
+then blocks on stdin for one JSON line: the worker's full environment and its command
+line. It then becomes that worker exactly as ``python [-u] SCRIPT ARGS`` or ``python
+[-u] -m MODULE ARGS`` would, minus the seconds of interpreter start and torch import.
+EOF on stdin means "not needed": exit 0.
 
-Before it imports anything, ``sys.path[0]`` is what the cold start of the
-job's command would have (``entry_path``): the script's real directory, or
-the working directory for ``-m``, or nothing under ``-P``/PYTHONSAFEPATH;
-never the working directory for a script, where anyone who can write it
-could plant a ``torch.py``.
+Before it imports anything, ``sys.path[0]`` is what the cold start of the job's command
+would have (``entry_path``): the script's real directory, or the working directory for
+``-m``, or nothing under ``-P``/PYTHONSAFEPATH; never the working directory for a
+script, where anyone who can write it could plant a ``torch.py``.
 
 Nothing here may print before the assignment arrives except import errors.
 
 ``python workers/warmstart.py --template FD ARGS`` is the job's worker template
-(workers/template.py is its daemon side): the same start and preload, then
-it serves requests on FD, a socketpair end only the daemon holds, and forks
-one child per rank that becomes that rank (``_serve``, ``_become_rank``).
+(workers/template.py is its daemon side): the same start and preload, then it serves
+requests on FD, a socketpair end only the daemon holds, and forks one child per rank
+that becomes that rank (``_serve``, ``_become_rank``).
 """
 import json
 import os
@@ -34,16 +32,16 @@ TEMPLATE_FLAG = "--template"
 # checked equal by tests/test_worker_env.py).
 WARM_PRELOAD_ENV = "ELASTICD_WARM_PRELOAD"
 LEARNED_PRELOAD_ENV = "ELASTICD_LEARNED_PRELOAD"
-# torch.cuda.is_available() and device_count() (which some modules call at import) start
-# the CUDA driver unless this is 1, and no process forked after that can use CUDA: the
-# template forks its ranks. Set while a template or spare imports; the rank gets the
-# job's own environment back (_become).
+# torch.cuda.is_available() and device_count() (which some modules call at import) start the
+# CUDA driver unless this is 1, and no process forked after that can use CUDA: the template
+# forks its ranks. Set while a template or spare imports; the rank gets the job's own
+# environment back (_become).
 NVML_CUDA_CHECK_ENV = "PYTORCH_NVML_BASED_CUDA_CHECK"
-# OpenBLAS (under numpy, which torch imports when it is there) starts one thread per CPU
-# as it loads, unless one of these says otherwise, and a process with threads is unsafe
-# to fork: every job with one rank per node (OMP_NUM_THREADS is set only for several)
-# got cold starts wherever numpy was installed. The template imports with the first at
-# 1; each rank it forks sizes the pool as its cold start would have (_restore_blas_threads).
+# OpenBLAS (under numpy, which torch imports when it is there) starts one thread per CPU as
+# it loads, unless one of these says otherwise, and a process with threads is unsafe to
+# fork: with one rank per node (OMP_NUM_THREADS is set only for several) a job would get
+# cold starts wherever numpy is installed. The template imports with the first at 1; each
+# rank it forks sizes the pool as its cold start would have (_restore_blas_threads).
 BLAS_THREADS_ENVS = ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS")
 _BLAS_SET_THREADS = ("openblas_set_num_threads", "openblas_set_num_threads64_",
                      "scipy_openblas_set_num_threads", "scipy_openblas_set_num_threads64_")
@@ -51,12 +49,11 @@ _blas_pinned = False
 
 
 def entry_path(args: list) -> str | None:
-    """``sys.path[0]`` of a cold ``python ARGS`` in the current directory, as CPython
-    computes it: ``-m``: the working directory (getcwd, links resolved); a
-    script: the directory of its realpath, or of the path as given when it
-    cannot be resolved ("" when that has no directory). None when the cold
-    start would not exist (no arguments) or prepend nothing (safe_path).
-    """
+    """``sys.path[0]`` of a cold ``python ARGS`` in the current directory, as CPython computes
+    it: ``-m``: the working directory (getcwd, links resolved); a script: the directory of
+    its realpath, or of the path as given when it cannot be resolved ("" when that has no
+    directory). None when the cold start would not exist (no arguments) or prepend nothing
+    (safe_path)."""
     if getattr(sys.flags, "safe_path", False):
         return None
     args = list(args)
@@ -191,22 +188,21 @@ def _become(assignment: dict, boot_args: list) -> None:
 
 # ------------------------------------------------------------ the worker template
 #
-# Requests, daemon -> template: a 4-byte big-endian length, then that many
-# bytes of JSON. A "fork" request carries the rank's log as one SCM_RIGHTS
-# descriptor sent with its length header. Replies and news, template ->
-# daemon: one JSON object per line: {"ready": ..., "env_read": [NAME, ...] or "*"}
-# once after the preload (_record_env_reads),
-# {"id": N, "pid": P} or {"id": N, "refused": WHY} per fork request, and
-# {"exit": PID, "status": WAITSTATUS} for each child the template reaped.
+# Requests, daemon -> template: a 4-byte big-endian length, then that many bytes of JSON.
+# A "fork" request carries the rank's log as one SCM_RIGHTS descriptor sent with its
+# length header. Replies and news, template -> daemon: one JSON object per line:
+# {"ready": ..., "env_read": [NAME, ...] or "*"} once after the preload
+# (_record_env_reads), {"id": N, "pid": P} or {"id": N, "refused": WHY} per fork
+# request, and {"exit": PID, "status": WAITSTATUS} for each child the template reaped.
 
 _REQUEST_MAX = 64 << 20
 
 
 # Which variables the preload read (workers/template_key.py, EnvReads: the daemon keys the
-# template on their values): names read through os.environ/os.environb while it imports
-# ([], get, in, setdefault, os.getenv: all go through __getitem__), or "*" when an import
-# walked the whole environment (iteration, copy(), items()) or read too many to list.
-# The names this file sets itself are left out: the job's value is in its key.
+# template on their values): names read through os.environ/os.environb while it imports ([],
+# get, in, setdefault, os.getenv: all go through __getitem__), or "*" when an import walked
+# the whole environment (iteration, copy(), items()) or read too many to list. The names
+# this file sets itself are left out: the job's value is in its key.
 READ_NAMES_MAX = 2048
 
 
@@ -364,16 +360,13 @@ def _become_rank(request: dict, log_fd: int, template_pid: int, boot_args: list)
     libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: dies with the template
     if os.getppid() != template_pid:  # the template died before that took effect
         os._exit(1)
-    signal.pthread_sigmask(signal.SIG_SETMASK, [])
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
-    os.close(devnull)
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])  # stdin: /dev/null in _become
     os.dup2(log_fd, 1)
     os.dup2(log_fd, 2)
     os.close(log_fd)
     beats = sys.modules.get("elasticd_heartbeat")
-    if beats is not None and hasattr(beats, "_become_new_process"):
-        beats._become_new_process()  # the template imported it: this is a rank of its own
+    if beats is not None and hasattr(beats, "become_new_process"):
+        beats.become_new_process()  # the template imported it: this is a rank of its own
     _become(request, boot_args)
 
 

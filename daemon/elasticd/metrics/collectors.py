@@ -1,0 +1,195 @@
+"""The gauges read from the live objects at scrape time, so they are never stale: jobs,
+workers and slots; the node lease; the state dir and rank logs; the GPUs.
+"""
+from __future__ import annotations
+
+import time
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from .. import statedir
+from ..jobs.registry import JobNotFound
+from ..agent.restartpolicy import RestartWindow
+from ..jobs.states import LIVE_STATES, JobState, WorkerState
+
+
+class JobCollector:
+    """Jobs, workers and slots of this node, read at scrape time."""
+
+    def __init__(self, registry, manager, metrics):  # metrics.recorder.Metrics
+        self._jobs = registry
+        self._manager = manager
+        self._metrics = metrics
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        now = time.time()
+        live, ended = self._metrics.job_counts()
+        by_state = {s.value: 0 for s in JobState}
+        by_state.update(ended)
+        oldest = {s.value: 0.0 for s in JobState if s in LIVE_STATES}
+        workers = 0
+        budget_used = 0.0
+        stragglers: list[tuple[str, dict]] = []
+        templates: list[int] = []
+        for job_id in live:
+            try:
+                job = self._jobs.get(job_id)
+            except JobNotFound:
+                continue
+            state = job.state.value
+            by_state[state] += 1
+            if job.state in LIVE_STATES:
+                oldest[state] = max(oldest[state], now - job.state_since)
+                if job.max_restarts > 0:
+                    budget_used = max(budget_used, job.restarts / job.max_restarts)
+                window = RestartWindow(job.max_restarts_per_window, job.restart_window)
+                if window.limit > 0:
+                    in_window = len(window.recent(job.restart_times, time.time()))
+                    budget_used = max(budget_used, in_window / window.limit)
+            workers += sum(1 for w in job.workers if w.state is WorkerState.RUNNING)
+            if job.straggler and job.state is JobState.RUNNING:
+                stragglers.append((job.id, job.straggler))
+            if job.template_rss_bytes and job.state in LIVE_STATES:
+                templates.append(job.template_rss_bytes)
+        g = GaugeMetricFamily("elasticd_jobs", "Jobs known to this node, by state",
+                              labels=["state"])
+        for state, n in by_state.items():
+            g.add_metric([state], n)
+        yield g
+        g = GaugeMetricFamily(
+            "elasticd_job_state_max_age_seconds",
+            "How long the job longest in each live state has been in it (0: none there)",
+            labels=["state"])
+        for state, age in oldest.items():
+            g.add_metric([state], max(0.0, age))
+        yield g
+        yield GaugeMetricFamily(
+            "elasticd_job_restart_budget_used_ratio",
+            "Restarts used over restarts allowed, for the live job that used the most "
+            "(of its lifetime budget or of its budget over the restart window)",
+            value=min(budget_used, 1.0))
+        ages = self._metrics.progress_beat_ages()
+        g = GaugeMetricFamily(
+            "elasticd_job_progress_beat_max_age_seconds",
+            "Age of the oldest last progress beat among running jobs that send beats "
+            "(no sample until beats are sent)")
+        if ages:
+            g.add_metric([], max(ages))
+        yield g
+        ratio = GaugeMetricFamily(
+            "elasticd_job_straggler_ratio",
+            "Work per step of the job's slowest rank on this node over the median rank's "
+            "(live jobs with two or more ranks here that stepped enough)", labels=["job_id"])
+        slowest = GaugeMetricFamily(
+            "elasticd_job_slowest_rank", "The global rank of the job's slowest rank on this "
+            "node (see elasticd_job_straggler_ratio)", labels=["job_id"])
+        for job_id, straggler in stragglers:
+            ratio.add_metric([job_id], straggler.get("ratio", 0.0))
+            slowest.add_metric([job_id], straggler.get("rank", -1))
+        yield ratio
+        yield slowest
+        yield GaugeMetricFamily(
+            "elasticd_job_template_rss_bytes", "Resident memory of the live jobs' worker "
+            "templates on this node, summed (elasticctl status: each job's)",
+            value=sum(templates))
+        yield GaugeMetricFamily(
+            "elasticd_job_templates", "Live jobs with a worker template running on this node",
+            value=len(templates))
+        pool = getattr(self._manager, "templates", None)  # workers/template_pool.py
+        if pool is not None:
+            idle = pool.idle()
+            yield GaugeMetricFamily(
+                "elasticd_idle_templates", "Worker templates kept idle on this node for "
+                "their user's next job (agent.template_idle_timeout)", value=len(idle))
+            yield GaugeMetricFamily(
+                "elasticd_idle_template_rss_bytes", "Resident memory of the idle worker "
+                "templates on this node, summed", value=sum(t.rss_bytes for t in idle))
+            yield CounterMetricFamily(
+                "elasticd_template_reuses", "Jobs whose worker template was taken from "
+                "the idle ones on this node (no import after the submit)", value=pool.reuses)
+        yield GaugeMetricFamily("elasticd_workers_running", "Worker processes running",
+                                value=workers)
+        yield GaugeMetricFamily("elasticd_slots", "Worker slots of this node",
+                                value=self._manager.slots_total)
+        yield GaugeMetricFamily("elasticd_slots_used", "Worker slots in use on this node",
+                                value=self._manager.slots_used())
+
+
+class LeaseCollector:
+    """This node's lease in the store, as the lease keeper last saw it."""
+
+    def __init__(self, keeper):
+        self._keeper = keeper
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        k = self._keeper
+        yield GaugeMetricFamily("elasticd_node_lease_ok",
+                                "1 while this node holds its lease and its last refresh "
+                                "succeeded, else 0", value=1 if k.health == "ok" else 0)
+        yield GaugeMetricFamily("elasticd_node_lease_last_refresh_timestamp_seconds",
+                                "When the lease was last registered or refreshed (0: never)",
+                                value=k.last_refresh)
+        yield CounterMetricFamily("elasticd_node_lease_refreshes",
+                                  "Successful lease refreshes", value=k.refreshes)
+        yield CounterMetricFamily("elasticd_node_lease_errors",
+                                  "Lease refreshes or registrations that failed", value=k.errors)
+        yield CounterMetricFamily("elasticd_node_lease_reregistrations",
+                                  "Registrations again after the lease was lost",
+                                  value=k.reregistrations)
+
+
+class StateCollector:
+    """The state dir's filesystem and the bounding of rank logs (workers/logrotate.py)."""
+
+    def __init__(self, cfg, keeper):
+        self._dir = cfg.daemon.state_dir
+        self._min_free = cfg.limits.state_min_free_bytes
+        self._keeper = keeper
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        try:
+            space = statedir.disk_space(self._dir, self._min_free)
+        except OSError:
+            space = None
+        yield GaugeMetricFamily("elasticd_state_disk_free_bytes",
+                                "Free bytes on the state dir's filesystem",
+                                value=space.free_bytes if space else 0)
+        yield GaugeMetricFamily("elasticd_state_disk_full",
+                                "1 while the state dir's filesystem has less than "
+                                "limits.state_min_free_bytes free (submits fail, logs may "
+                                "lose output), else 0", value=1 if space is None or space.full
+                                else 0)
+        k = self._keeper
+        yield CounterMetricFamily("elasticd_log_rotations", "Rank logs rotated to stay under "
+                                  "agent.log_max_bytes", value=k.rotations)
+        yield CounterMetricFamily("elasticd_log_dropped_bytes", "Bytes of rank logs dropped "
+                                  "by rotation (the oldest output)", value=k.dropped_bytes)
+        yield CounterMetricFamily("elasticd_log_rotation_errors", "Rotations of rank logs "
+                                  "that failed (disk full, ...)", value=k.errors)
+
+
+# -- GPUs (gpus/alloc.py, gpus/health.py) ----------------------------------------------
+class GpuCollector:
+    """This node's GPUs, total and free, read at scrape time (no per-device labels)."""
+
+    def __init__(self, manager):
+        self._manager = manager
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        yield GaugeMetricFamily("elasticd_gpus", "GPUs of this node (daemon.gpus)",
+                                value=self._manager.gpus.total)
+        yield GaugeMetricFamily("elasticd_gpus_free", "GPUs of this node no job holds",
+                                value=self._manager.gpus_free())
+

@@ -1,0 +1,34 @@
+"""``GroupSpec``: everything needed to start one job's workers on this node for one
+attempt (built by the agent, read by the worker group, the template and the spares)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """Everything needed to start one job's workers on this node for one attempt."""
+    job_id: str
+    command: tuple
+    cwd: str
+    env: dict
+    uid: int
+    gid: int
+    nproc: int
+    restart_count: int
+    max_restarts: int
+    round: int
+    group_rank: int
+    group_world_size: int
+    world_size: int
+    rank_offset: int
+    master_addr: str
+    master_port: int
+    log_dir: str
+    run_dir: str
+    node_id: str = ""
+    extra_env: dict = field(default_factory=dict)
+    # The job's devices on this node (gpu_alloc.Binding.env) and the CPUs its
+    # workers are bound to (() : not bound).
+    device_env: dict = field(default_factory=dict)
+    cpus: tuple = ()
