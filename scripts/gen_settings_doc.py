@@ -64,7 +64,7 @@ def _human(name: str, help_text: str, value: Any) -> str:
     """A reading aid for large byte counts and long durations, e.g. ' (64 MiB)'."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
         return ""
-    if name.endswith("bytes") and value >= 1024:
+    if (name.endswith("bytes") or help_text.startswith("bytes")) and value >= 1024:
         for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
             if value >= size and value % size == 0:
                 return f" ({int(value // size)} {unit})"
