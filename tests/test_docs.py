@@ -106,3 +106,14 @@ def test_readme_quick_start_and_bench_markers():
 def test_no_history(page):
     found = [m.group(0) for m in HISTORY.finditer(page.read_text())]
     assert not found, f"{page.relative_to(REPO)} tells history: {found}"
+
+
+def test_layout_names_every_package_folder():
+    """docs/layout.md's tree names each folder of daemon/elasticd/ (stubs aside), no more."""
+    text = (DOCS / "layout.md").read_text()
+    named = set(re.findall(r"^  ([a-z_]+)/", text, re.M))
+    pkg = REPO / "daemon" / "elasticd"
+    folders = {p.name for p in pkg.iterdir()
+               if p.is_dir() and any(p.glob("*.py")) and p.name != "v1"}
+    assert named == folders, (f"docs/layout.md names {sorted(named - folders)} that are not "
+                              f"folders, misses {sorted(folders - named)}")
