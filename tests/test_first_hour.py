@@ -24,7 +24,7 @@ with ``TORCH_INDEX_URL`` set to PyTorch's CPU index, as the README shows it
 The tree gets ``127.0.1.1 elasticd-test`` in /etc/hosts, as Debian's installer
 writes a host's name there (debootstrap writes no /etc/hosts).
 
-Manual check (documented in the README): ``ELASTICD_FIRST_HOUR_SUITE=1
+Manual check (documented in docs/testing.md): ``ELASTICD_FIRST_HOUR_SUITE=1
 python -m pytest tests/test_first_hour.py -m slow -n 0 -s`` also clones into
 /srv/elasticd, as the preflight's line says, and runs the whole default suite
 there (``bash scripts/test.sh``; 34 minutes on 2 cores shared with other

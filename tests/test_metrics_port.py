@@ -5,7 +5,7 @@ A real unprivileged user made here binds the port before a real root daemon
 starts: the daemon starts anyway, serves the user's job, says what is wrong
 (a log line, `elasticctl nodes`, the gRPC health of ``elasticd.metrics``),
 and serves metrics once the user lets go. A port below
-``net.ipv4.ip_unprivileged_port_start`` (README: where no user can take it)
+``net.ipv4.ip_unprivileged_port_start`` (docs/metrics.md: where no user can take it)
 is one the user cannot bind at all, and the root daemon serves there.
 """
 from __future__ import annotations
