@@ -36,8 +36,8 @@ class DaemonSettings:
     gpus: str = _setting("auto", "this node's GPUs: auto (NVML if nvidia-ml-py is installed, "
                                  "else nvidia-smi, else none), none, or indices like 0,1,3")
     fake_gpus_file: str = _setting("", "TEST ONLY: a JSON file describing fake GPUs and their "
-                                       "health, read instead of NVML/nvidia-smi (see README, "
-                                       "GPUs); empty on real nodes")
+                                       "health, read instead of NVML/nvidia-smi "
+                                       "(docs/gpus.md); empty on real nodes")
     nvidia_smi_timeout: float = _setting(10.0, "seconds nvidia-smi may take to answer",
                                          min=0, exclusive_min=True, max=600)
     gpu_health_command: str = _setting("", "command run (as the daemon's user, not the job's) "

@@ -8,7 +8,7 @@ which ``elasticctl nodes`` lists; ``on_change``, which the daemon turns into
 the gRPC health of ``HEALTH_SERVICE``), and tries again every
 ``metrics.retry_interval`` seconds until it listens. The retry thread is
 this object's own, ends once the port is bound or ``stop()`` is called, and
-waits at most one interval at a time. README "Metrics and packaging" says how
+waits at most one interval at a time. docs/metrics.md, "The endpoint", says how
 to serve metrics where no user can take the port first.
 """
 from __future__ import annotations

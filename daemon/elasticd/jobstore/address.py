@@ -18,8 +18,8 @@ torch's TCPStore has no authentication: its ``list_keys`` shows every key,
 the prefix with it, to whoever connects, and such a user can overwrite or
 delete keys. The prefix is then no secret, but the record key still is: a
 planted or replayed record fails verification and is ignored. What such a
-user can still do is delay or deny (see README "In-process restart: the job
-store"), never make the ranks act on a record they did not write.
+user can still do is delay or deny (docs/restarts.md, "Layer 1: in-process"),
+never make the ranks act on a record they did not write.
 """
 from __future__ import annotations
 
