@@ -328,7 +328,8 @@ def torch_worker(tmp_path_factory):
         from torch.optim import optimizer
         from torch.nn.modules import module
         from torch.distributed import distributed_c10d as c10d
-        print("step hook", hb.optimizer_step_hook in optimizer._global_optimizer_post_hooks.values())
+        hooks = optimizer._global_optimizer_post_hooks.values()
+        print("step hook", hb.optimizer_step_hook in hooks)
         print("forward hook", hb.forward_hook in module._global_forward_hooks.values())
         wrapped = {"save": torch.save, "load": torch.load, "dcp.save": dcp.state_dict_saver.save,
                    "dcp.load": dcp.state_dict_loader.load, "barrier": c10d.barrier}
