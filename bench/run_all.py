@@ -65,7 +65,7 @@ BENCHES = (
         Row("template-submit", "submit → first training step, the template of the user's "
                                "previous job kept (`RUN_NAME` differs per submit)"),
         Row("template-restarted", "the same, first submit after a daemon restart"),
-        Row("template-fault", "fault in the first second → first step after the restart, "
+        Row("template-fault", "fault at step 5 → first step after the restart, "
                               "ranks forked from the template"))),
     Bench("restart", "restart_vs_torchrun.py", (), ("--reps", "1"), (
         Row("restart-warm", "worker crash → first step after restart (warm spares)"),)),
