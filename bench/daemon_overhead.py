@@ -29,6 +29,7 @@ import psutil
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (BenchDaemon, machine, median, ms, percentile,  # noqa: E402
                     revision, table, tempdir)
+from rows import emit_row  # noqa: E402
 
 from elasticd.v1 import control_pb2 as pb  # noqa: E402
 
@@ -208,6 +209,8 @@ def main(argv=None) -> int:
     ]
     print()
     print(table(rows, ["measure", "value", "detail", "goal", ""]))
+    emit_row("idle-daemon", elasticd=f"{idle['rss_mb']:.0f} MB RSS, {idle['cpu_pct']:.2f} % "
+             f"CPU ({idle['window']:.0f} s), ready in {ms(s_med, 0)} (median of {len(starts)})")
     print(f"\nmachine after: {machine()}")
     return 0
 

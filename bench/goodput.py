@@ -55,6 +55,8 @@ Launchers:
                  otherwise); the node fault is a kill -9 of agent 1 or 2 and
                  everything under it (never agent 0: it hosts the c10d store),
                  started again with the same command
+  torchrun-c10d-lc2  the same with --rdzv-conf last_call_timeout=2: elasticd's
+                 last call, the setting of torch's that matches ours
 Rank 0 stays on n1 / agent 0 throughout, whose log is read.
 
 Printed per launcher: steps without and with faults, goodput, restarts,
@@ -84,9 +86,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from common import (BenchDaemon, kill_owned, kill_procs, machine, read_text,  # noqa: E402
                     revision, start_torchrun, stop_torchrun, table, tempdir, torchrun_bin,
                     torchrun_env, tree)
+from rows import emit_row  # noqa: E402
 
 LAUNCHERS = ("torchrun", "elasticd", "elasticd-old")
-LAUNCHERS3 = ("torchrun-c10d", "elasticd", "elasticd-lastcall")
+LAUNCHERS3 = ("torchrun-c10d", "torchrun-c10d-lc2", "elasticd", "elasticd-lastcall")
 # The rounds of a job across nodes before the 3-node follow-up of issue 22, by
 # settings: rank 0 hosts MASTER_PORT's store (others retry a refused connect), and a
 # round after a fault waits the last call (or the lease) for a member that died.
@@ -356,6 +359,7 @@ def run_torchrun3(run: Run, a, work: str, faults: Faults, etcd) -> None:
     cmd = [*torchrun_bin(), "--nnodes", "2:3", "--nproc-per-node", "1", "--rdzv-backend",
            "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id,
            "--max-restarts", "100", "--monitor-interval", "0.1",
+           *(["--rdzv-conf", "last_call_timeout=2"] if run.launcher.endswith("-lc2") else []),
            "-m", "elasticd.examples.train", *train_args(ckpt)]
     env = dict(torchrun_env(), PYTHONUNBUFFERED="1")
     agents: list = [None, None, None]
@@ -472,6 +476,7 @@ def report(runs: list[Run], launchers: list[str], a) -> None:
                        "restarts", "faults", "fault -> training", "steps lost to rollback",
                        "error"]))
     good = {r[0]: float(r[3].rstrip(" %")) for r in rows}
+    emit_table_row(rows, good, a)
     torch_name = "torchrun" if a.nodes == 1 else "torchrun-c10d"
     goal, ahead = (90, 0) if a.nodes == 1 else (85, 20)
     if "elasticd" in good:
@@ -482,6 +487,25 @@ def report(runs: list[Run], launchers: list[str], a) -> None:
               + f": {'PASS' if ok else 'MISS'}"
               + (f"  ({torch_name} {good[torch_name]:.0f} %, elasticd ahead by {lead:.0f} "
                  "points)" if lead is not None else ""))
+
+
+def emit_table_row(rows: list, good: dict, a) -> None:
+    """The README's row (bench/run_all.py): goodput and fault -> training, torchrun at its
+    defaults and, on 3 nodes, with elasticd's last call (torchrun-c10d-lc2)."""
+    if "elasticd" not in good:
+        return
+    recover = {r[0]: r[6] for r in rows}
+
+    def cell(name: str) -> str:
+        return (f"{good[name]:.0f} % ({recover[name]} per fault)" if name in good
+                else "not run")
+    torch_name, matched = ("torchrun", "") if a.nodes == 1 else ("torchrun-c10d",
+                                                                 "torchrun-c10d-lc2")
+    ahead = [f"+{good['elasticd'] - good[x]:.0f} points vs {x.removeprefix('torchrun-')}"
+             for x in (torch_name, matched) if x in good]
+    emit_row("goodput" if a.nodes == 1 else "goodput-3nodes",
+             elasticd=f"**{cell('elasticd')}**, {a.duration:g} s", torch=cell(torch_name),
+             matched=cell(matched) if matched else "", ratio=", ".join(ahead))
 
 
 def main(argv=None) -> int:

@@ -66,6 +66,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (BenchDaemon, fault_marks, machine, read_text, revision,  # noqa: E402
                     run_each, secs, start_torchrun, stop_torchrun, table, tempdir,
                     torchrun_env)
+from rows import emit_row  # noqa: E402
 
 from elasticd import config  # noqa: E402
 from elasticd.v1 import control_pb2 as pb  # noqa: E402
@@ -263,6 +264,23 @@ def report(runs: list[Run], a, settings: dict) -> None:
         if r.mode == "torchrun":
             print(f"  torchrun   {r.note}; no hang detection: its bound is the collective "
                   f"timeout ({a.collective_timeout:g} s here; gloo's default 1800 s)")
+    emit_table_row(runs, a)
+
+
+def emit_table_row(runs: list[Run], a) -> None:
+    """The README's row (bench/run_all.py): first step after the hang, medians by mode."""
+    ours = []
+    for mode, label in (("inprocess", "`--inprocess`"), ("process", "process")):
+        valid = sorted(r.total for r in runs if r.mode == mode and not r.invalid and r.first)
+        if valid:
+            ours.append(f"{valid[len(valid) // 2]:.1f} s ({label}, median of {len(valid)})")
+    if not ours:
+        return
+    torch = [secs(r.total) if r.first else f"none within {a.torchrun_window:g} s"
+             for r in runs if r.mode == "torchrun"]
+    emit_row("hang", elasticd=", ".join(ours) + (" (--quick settings)" if a.quick else ""),
+             torch=(", ".join(torch) + f" (no hang detection; bound: the collective timeout, "
+                    f"{a.collective_timeout:g} s here)") if torch else "not run")
 
 
 def main(argv=None) -> int:

@@ -46,6 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (BenchDaemon, fault_marks, last_error, machine, median,  # noqa: E402
                     read_text, revision, run_each, secs, start_torchrun, stop_torchrun,
                     table, tempdir, torchrun_env)
+from rows import emit_row  # noqa: E402
 
 from elasticd.v1 import control_pb2 as pb  # noqa: E402
 
@@ -198,6 +199,12 @@ def report(runs: list[Run], launchers: list[str], a) -> None:
         print("\n== invalid runs (not counted) ==")
         for r in bad:
             print("  " + r.line())
+    if "inprocess" in launchers:  # the README's row: torchrun has no setting to match here
+        ours = med["inprocess"]
+        emit_row(f"inprocess-{a.fault}",
+                 elasticd=f"{secs(ours)} ({len(ok['inprocess'])} valid runs, median)",
+                 torch=f"{secs(base)} (torchrun)" if base else "not run",
+                 ratio=f"{base / ours:.0f}x" if base and ours else "-")
 
 
 def main(argv=None) -> int:

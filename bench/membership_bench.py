@@ -39,6 +39,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, _HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(_HERE), "tests"))
 from common import BenchDaemon, machine, median, percentile, revision, secs, table  # noqa: E402
+from rows import emit_row  # noqa: E402
 from daemons import cluster_key_args  # noqa: E402
 from etcd_server import EtcdServer, etcd_binary, free_port  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
@@ -231,6 +232,8 @@ def main(argv=None) -> int:
             print(f"  {name}: " + " ".join(f"{t:.2f}" for t in times))
         print(table(out, ["setting", "median", "min", "p90", "max", "etcd expiry (median)",
                           "then watch -> daemon (median)", "goal", ""]))
+        emit_row("node-loss-noticed", elasticd=f"median {out[0][1]} (TTL 3 s; {out[1][1]} at "
+                 f"TTL 1 s), {args.trials} kills each")
         print("etcd 3.4 looks for expired leases every 500 ms, so detection is the TTL minus "
               "the age of the last refresh, plus up to 0.5 s, plus the watch.")
     return 0

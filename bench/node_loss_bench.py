@@ -62,6 +62,7 @@ sys.path.insert(0, os.path.join(REPO, "tests"))
 from common import (kill_owned, machine, median, own, own_tree, read_text,  # noqa: E402
                     revision, tempdir, wait_quiet)
 from daemons import DaemonProc  # noqa: E402
+from rows import emit_row  # noqa: E402
 from etcd_server import EtcdServer, free_port  # noqa: E402
 
 LAUNCHERS = ("elasticd", "torchrun-c10d", "torchrun-c10d-lc2", "torchrun-etcd")
@@ -238,6 +239,25 @@ def fmt(x) -> str:
     return "-" if x is None else f"{x:.2f} s"
 
 
+def table_row(med: dict, results: dict) -> dict:
+    """The README table's cells: first step after the kill, medians; torchrun c10d at its
+    defaults (30 s last call) and with elasticd's last call (lc2), etcd v2 beside."""
+    ours = med["elasticd"][1]
+
+    def cell(x: str) -> str:
+        if x not in med:
+            return "not run"
+        n_ok = sum(1 for r in results[x] if r["first"] is not None)
+        return (f"{fmt(med[x][1])} ({x.removeprefix('torchrun-')}, {n_ok}/{len(results[x])} "
+                f"recovered)" if med[x][1] else f"none within the timeout ({x})")
+    ratios = [f"{med[x][1] / ours:.1f}x {x.removeprefix('torchrun-')}"
+              for x in ("torchrun-c10d", "torchrun-c10d-lc2") if x in med and med[x][1]]
+    torch = cell("torchrun-c10d") + ("; " + cell("torchrun-etcd") if "torchrun-etcd" in med
+                                     else "")
+    return {"elasticd": f"{fmt(ours)} (median of {len(results['elasticd'])})",
+            "torch": torch, "matched": cell("torchrun-c10d-lc2"), "ratio": ", ".join(ratios)}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=2)
@@ -289,6 +309,7 @@ def main() -> int:
                          if med[x][0] and med["elasticd"][0] else ""))
         print(f"\ntarget: survivors notice a node loss within 3 s: elasticd stopped its "
               f"workers in {fmt(med['elasticd'][0])}")
+        emit_row("node-loss", **table_row(med, results))
     return 0
 
 

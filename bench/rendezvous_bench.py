@@ -379,7 +379,24 @@ def main() -> int:
             print(f"\ngoal: at N = {top}, ours >= 5x faster than torch's etcd rendezvous: "
                   f"{ratio:.1f}x -> {'PASS' if ratio >= 5 else 'MISS'}"
                   + ("" if top == 64 else " (goal is stated at N = 64)"))
+        if top:  # the README's row (bench/run_all.py): min = max = N, no last call to match
+            emit_table_row(rows, top)
     return 0
+
+
+def emit_table_row(rows: dict, n: int) -> None:
+    def cell(impl: str) -> str:
+        r = rows.get((impl, n), {})
+        if not r.get("ok"):
+            return f"{impl}: {'failed' if r else 'not run'}"
+        wrote = f", {fmt_n(r.get('writes'))} writes" if impl in ETCD_IMPLS else ""
+        return f"{fmt_t(r['time_all'])}{wrote} ({impl})"
+    ours = rows[("ours", n)]
+    ratios = [f"{rows[(i, n)]['time_all'] / ours['time_all']:.1f}x {i}"
+              for i in ("torch-etcd", "c10d") if rows.get((i, n), {}).get("ok")]
+    from rows import emit_row
+    emit_row("rendezvous", elasticd=f"N = {n}: {cell('ours')}",
+             torch="; ".join(cell(i) for i in ("torch-etcd", "c10d")), ratio=", ".join(ratios))
 
 
 if __name__ == "__main__":

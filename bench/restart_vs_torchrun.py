@@ -61,6 +61,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (BenchDaemon, REPO, last_error, machine, median, read_text,  # noqa: E402
                     revision, secs, start_torchrun, stop_torchrun, table, tempdir,
                     torchrun_env, wait_quiet)
+from rows import emit_row  # noqa: E402
 
 from elasticd.v1 import control_pb2 as pb  # noqa: E402
 
@@ -285,6 +286,13 @@ def report(runs: list[Run], launchers: list[str], a) -> None:
     if ratios:
         print()
         print(table(ratios, ["ratio", "value", "goal >= 2x"]))
+    if "elasticd-warm" in launchers:  # the README's row: torchrun has no setting to match
+        ours = med["elasticd-warm"]
+        emit_row("restart-warm",
+                 elasticd=f"{secs(ours)} ({len(ok['elasticd-warm'])} runs, median; crash "
+                          f"mode {a.crash_mode})",
+                 torch=f"{secs(t)} (torchrun)" if t else "not run",
+                 ratio=f"{t / ours:.1f}x" if t and ours else "-")
 
     print("\n== where the time goes (medians; each launcher's own marks) ==")
     rows = []

@@ -51,6 +51,7 @@ import psutil
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (BenchDaemon, machine, median, read_text, revision,  # noqa: E402
                     start_torchrun, stop_torchrun, table, tempdir, torchrun_env)
+from rows import emit_row  # noqa: E402
 
 from elasticd.v1 import control_pb2 as pb  # noqa: E402
 
@@ -238,6 +239,7 @@ def main() -> None:
         rows.append(row + [", ".join(sorted(set(r["paths"])))])
     print(table(rows, ["LAUNCHER", "SUBMIT->STEP (MIN-MAX)", "VS TORCHRUN",
                        "FAULT@5->STEP (MIN-MAX)", "VS TORCHRUN", "START PATHS"]))
+    emit_table_rows(results)
     ready = results["restarted"]["ready"]
     print(f"restarted: the template ready again {median(ready):.1f}s (median; "
           f"{min(ready):.1f}-{max(ready):.1f}) after the daemon's start, before the submit")
@@ -246,6 +248,23 @@ def main() -> None:
     print(f"pooled daemon, no job: {pooled[0]} idle template(s), "
           f"{pooled[1] / (1 << 20):.0f} MiB resident; daemon CPU {pooled[2]:.2f}% of one core "
           f"over {a.idle:g}s; load average {os.getloadavg()[0]:.1f}")
+
+
+def emit_table_rows(results: dict) -> None:
+    """The README's rows (bench/run_all.py): medians (min-max) against torchrun --standalone,
+    which has no setting that matches a kept template."""
+    tr = results["torchrun"]
+
+    def row(key: str, name: str, what: str) -> None:
+        ours, theirs = results[name][what], tr[what]
+        if not ours or not theirs:
+            return
+        emit_row(key, elasticd=f"{median(ours):.2f} s ({min(ours):.2f}-{max(ours):.2f}; {name})",
+                 torch=f"{median(theirs):.2f} s ({min(theirs):.2f}-{max(theirs):.2f})",
+                 ratio=f"{median(theirs) / median(ours):.1f}x")
+    row("template-submit", "pooled", "start")
+    row("template-restarted", "restarted", "start")
+    row("template-fault", "pooled", "restart")
 
 
 if __name__ == "__main__":

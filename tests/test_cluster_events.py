@@ -138,9 +138,11 @@ class FlakyStore(MemoryStore):
     def __init__(self):
         super().__init__()
         self.down = False
+        self.refused: list[str] = []  # the keys of the writes that failed
 
     def put(self, key, value, lease=None):
         if self.down:
+            self.refused.append(key)
             raise StoreUnavailable("etcd is down (test)")
         return super().put(key, value, lease)
 
@@ -210,7 +212,8 @@ def test_events_made_while_etcd_is_down_are_shared_once_it_is_back(tmp_path):
         t0 = time.monotonic()
         job(ra)
         assert time.monotonic() - t0 < 0.5, "a transition must never wait for etcd"
-        time.sleep(0.3)
+        wait_for(lambda: event_key("j1", "a", 1) in store.refused, 5,
+                 what="a's first try to share its event")
         assert moves(rb, "a") == []
         store.down = False
         wait_for(lambda: len(moves(rb, "a")) == 3, 5, what="the events kept during the outage")
@@ -345,7 +348,13 @@ def test_a_daemon_restart_duplicates_no_mirrored_event(pair):
     n2.stop()
     n2.start()
     n1.start()
-    time.sleep(2.0)  # both have listed the events prefix again
+    # Witness that both listed the events prefix again: a job each submits now shows up
+    # in the other's events (from that listing or from the watch that follows it).
+    fresh = [(d.ctl("submit", "--nnodes", "1", "--", "/bin/true").stdout.strip(), d, peer)
+             for d, peer in ((n1, n2), (n2, n1))]
+    for new, d, peer in fresh:
+        wait_for(lambda: (d.node_id, "state", "SUCCEEDED", -1) in summary(
+            ctl_events(peer, new)), 15, what=f"{d.node_id}'s new job on {peer.node_id}")
     after = ctl_events(n1, job)
     assert summary(after) == summary(before)
     assert [e["seq"] for e in after] == [e["seq"] for e in before]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 
@@ -150,7 +151,11 @@ def test_kill9_node_is_lost_within_ttl_and_stays_listed(pair):
           f"(TTL {DEFAULT_TTL:g} s)")
     assert detected <= DEFAULT_TTL + 1
 
-    time.sleep(2.0)  # and it stays listed as lost (lost_node_retention is an hour)
+    # And it stays listed as lost (lost_node_retention is an hour), witnessed after n-a's
+    # view took a later record: its own, naming a job submitted now.
+    job = submit_on(a, "/bin/sleep", "30")
+    wait_for(lambda: job in by_id(ctl_json(a, "nodes"))["n-a"]["jobs"], 10,
+             what="n-a's record naming its new job in n-a's view")
     doc = ctl_json(a, "nodes")
     nodes = by_id(doc)
     assert nodes["n-b"]["state"] == "lost", doc
@@ -231,7 +236,11 @@ def test_garbage_under_the_prefix_is_skipped(daemon_factory, etcd, prefix):
         b = cluster_daemon(daemon_factory, etcd.url, "n-b", prefix).start()
         for key, value in GARBAGE_AFTER.items():
             store.put(key, value)
-        time.sleep(1.0)  # let both watches deliver it
+        # Witness that both watches delivered the node keys: the last one's refusal is
+        # logged (keys reach a watch in the order they were written).
+        last = re.compile(r"refused the node record at '[^']*/v1/nodes/a/b/c'")
+        for d in (a, b):
+            wait_for(lambda d=d: last.search(d.log()), 10, what=f"{d.node_id} refusing a/b/c")
 
         for d in (a, b):
             assert d.proc.poll() is None, d.log()

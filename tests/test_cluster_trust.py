@@ -150,8 +150,15 @@ def rejected_on(d: DaemonProc, job_id: str, reason: str, by_status: bool = True)
 
 
 def never_ran(cluster: Cluster, marks: str, *job_ids: str) -> None:
-    time.sleep(2.0)  # what adoption would have started by now, it would have
+    """No node took or ran any of ``job_ids``. The witness that each node got past the
+    point where it would have adopted one: its ``rejected`` event for it, which dispatch
+    records where it decides not to adopt (the callers waited for it: rejected_on)."""
     for d in cluster.nodes:
+        r = d.ctl("-o", "json", "events")
+        assert r.returncode == 0, r.stderr
+        rejected = {e["job_id"] for e in map(json.loads, filter(str.strip, r.stdout.splitlines()))
+                    if e["kind"] == "rejected" and e["node_id"] == d.node_id}
+        assert set(job_ids) <= rejected, (d.node_id, job_ids, rejected)
         listed = d.ctl("-o", "json", "list", "--all").stdout + d.ctl("-o", "json", "list").stdout
         for job_id in job_ids:
             assert job_id not in listed, f"{d.node_id} took {job_id}: {listed}"

@@ -253,6 +253,30 @@ def test_tracker_gives_an_exiting_rank_the_long_allowance():
                                "elasticd's sitecustomize, or shutting down)"]
 
 
+def test_tracker_warns_once_of_a_rank_that_cannot_beat_and_never_watches_it():
+    tr, ops, reg = tracker()
+    group = FakeGroup([100])
+    path = heartbeat_file("/run/j", 0)
+    ops.groups[100] = 100
+    ops.pids[path], ops.phases[path], ops.marks[path] = 100, "off", 1
+    # Written before the daemon first saw the rank (a template's fork is that quick).
+    tr.check(group)
+    assert reg.events == [("hang", 0, "rank 0: pid 100 sends no progress beats: elasticd's "
+                                      "sitecustomize could not install them (its log says "
+                                      "why); hang detection is off for this rank")]
+    ops.now, ops.marks[path] = 50.0, 2  # written again: still no beat, no second warning
+    assert tr.check(group) == [] and len(reg.events) == 1
+    ops.now = 10_000.0  # far past every limit: a job that never beat is never killed
+    assert tr.check(group) == [] and ops.sent == []
+
+
+def test_tracker_ignores_an_off_record_of_an_earlier_process():
+    tr, ops, reg = tracker()
+    path = heartbeat_file("/run/j", 0)
+    ops.pids[path], ops.phases[path], ops.marks[path] = 99, "off", 1  # pid 99: gone
+    assert tr.check(FakeGroup([100])) == [] and reg.events == []
+
+
 def test_tracker_is_off_when_hang_detection_is_off():
     tr, ops, reg = tracker(enabled=False)
     group = FakeGroup([100])
@@ -276,11 +300,16 @@ def test_settings_refuse_soft_not_below_hard_and_first_step_below_hard():
 
 # ---------------------------------------------------------------- sitecustomize
 
-def test_sitecustomize_beats_on_optimizer_steps_and_chains_to_the_one_it_hides(tmp_path):
-    other = tmp_path / "other"
+@pytest.fixture(scope="module")
+def torch_worker(tmp_path_factory):
+    """One real torch process started as elasticd starts a worker (the worker site first
+    on PYTHONPATH, a heartbeat file), with a sitecustomize of its own next in line: what
+    it printed and its heartbeat file. One torch import serves the tests below."""
+    tmp = tmp_path_factory.mktemp("torch-worker")
+    other = tmp / "other"
     other.mkdir()
     (other / "sitecustomize.py").write_text("import os\nos.environ['CHAINED'] = 'yes'\n")
-    hb = tmp_path / "hb"
+    hb = tmp / "hb"
     script = textwrap.dedent("""
         import os, sys
         assert "torch" not in sys.modules, "sitecustomize must not import torch"
@@ -293,13 +322,92 @@ def test_sitecustomize_beats_on_optimizer_steps_and_chains_to_the_one_it_hides(t
         opt.step()
         words = open(os.environ["ELASTICD_HEARTBEAT_FILE"]).read().split()
         print("pid", words[:3] == [str(os.getpid()), "train", "1"])
+        # Every hook the worker site installs, installed (none failed on this torch):
+        import elasticd_heartbeat as hb
+        import torch.distributed.checkpoint as dcp
+        from torch.optim import optimizer
+        from torch.nn.modules import module
+        from torch.distributed import distributed_c10d as c10d
+        hooks = optimizer._global_optimizer_post_hooks.values()
+        print("step hook", hb.optimizer_step_hook in hooks)
+        print("forward hook", hb.forward_hook in module._global_forward_hooks.values())
+        wrapped = {"save": torch.save, "load": torch.load, "dcp.save": dcp.state_dict_saver.save,
+                   "dcp.load": dcp.state_dict_loader.load, "barrier": c10d.barrier}
+        print("wrapped", sorted(k for k, f in wrapped.items()
+                                if getattr(f, "__elasticd_phase__", None)))
+        print("left", sorted(getattr(f, "_hooks", {}) for f in sys.meta_path
+                             if type(f).__name__ == "_ImportHookFinder"))
     """)
     env = dict(os.environ, PYTHONPATH=f"{WORKER_SITE}{os.pathsep}{other}",
                **{HEARTBEAT_ENV: str(hb)})
     out = subprocess.run([PY, "-c", script], env=env, capture_output=True, text=True,
-                         timeout=60)
+                         timeout=120)
+    return out, hb
+
+
+def test_sitecustomize_beats_on_optimizer_steps_and_chains_to_the_one_it_hides(torch_worker):
+    out, _ = torch_worker
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[:3] == ["chained yes", "before False", "pid True"]
+
+
+def test_sitecustomize_installs_every_beat_hook_on_this_torch(torch_worker):
+    """Fails when a torch release moves what a hook needs: the beats would be off."""
+    out, hb = torch_worker
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[3:7] == [
+        "step hook True", "forward hook True",
+        "wrapped ['barrier', 'dcp.load', 'dcp.save', 'load', 'save']", "left []"], out.stdout
+    assert "no progress beats" not in out.stderr, out.stderr
+
+
+# A torch whose optimizer module cannot take the step hook: what a failing hook does.
+BROKEN_TORCH = {"torch/__init__.py": "", "torch/optim/__init__.py": "",
+                "torch/optim/optimizer.py": (
+                    "def register_optimizer_step_post_hook(hook):\n"
+                    "    raise RuntimeError('no hooks in this torch')\n")}
+
+
+def _broken_torch(where) -> None:
+    for name, text in BROKEN_TORCH.items():
+        (where / name).parent.mkdir(parents=True, exist_ok=True)
+        (where / name).write_text(text)
+
+
+def test_a_hook_that_fails_says_so_in_the_log_and_the_heartbeat_file(tmp_path):
+    _broken_torch(tmp_path)
+    hb = tmp_path / "hb"
+    env = dict(os.environ, PYTHONPATH=WORKER_SITE, **{HEARTBEAT_ENV: str(hb)})
+    out = subprocess.run([PY, "-c", "import os, torch.optim.optimizer; print(os.getpid())"],
+                         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr  # the import itself goes on
+    assert "elasticd: this process sends no progress beats, hang detection is off for it: " \
+           "the hook on torch.optim.optimizer failed: RuntimeError: no hooks in this torch" \
+           in out.stderr, out.stderr
+    rec = BeatRecord.parse(hb.read_bytes())
+    assert rec is not None and rec.off and rec.pid == int(out.stdout), hb.read_bytes()
+
+
+def test_a_warm_process_says_it_once_it_is_a_rank(tmp_path):
+    """A spare or a template imports torch before it has a rank (no heartbeat file yet):
+    the first code it runs as the rank writes the record."""
+    _broken_torch(tmp_path)
+    hb = tmp_path / "hb"
+    script = textwrap.dedent(f"""
+        import os, runpy, torch.optim.optimizer
+        print("before", os.path.exists({str(hb)!r}), flush=True)
+        os.environ[{HEARTBEAT_ENV!r}] = {str(hb)!r}
+        exec("print('rank', os.getpid())")
+    """)
+    env = {k: v for k, v in os.environ.items() if k != HEARTBEAT_ENV}
+    out = subprocess.run([PY, "-c", script], env=dict(env, PYTHONPATH=WORKER_SITE),
+                         cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.split()
+    assert lines[:2] == ["before", "False"] and lines[2] == "rank", out.stdout
+    rec = BeatRecord.parse(hb.read_bytes())
+    assert rec is not None and rec.off and rec.pid == int(lines[3])
+    assert out.stderr.count("no progress beats") == 2, out.stderr  # its log, then the rank's
 
 
 def test_heartbeat_module_works_without_elasticd_and_never_raises(tmp_path):

@@ -165,6 +165,13 @@ if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
 """
 
 
+def _maps_torch(proc: psutil.Process) -> bool:
+    try:
+        return any("libtorch" in m.path for m in proc.memory_maps(grouped=True))
+    except psutil.Error:
+        return False
+
+
 @pytest.mark.parametrize("warm", ["spare", "template"])
 def test_a_torch_py_planted_in_a_shared_cwd_is_never_imported(daemon_factory, users, warm):
     # Two warm paths import torch ahead of the job: a warm spare (the template off)
@@ -188,14 +195,17 @@ def test_a_torch_py_planted_in_a_shared_cwd_is_never_imported(daemon_factory, us
                                  PY, script, go, cwd=shared))
     # The first attempt (a cold start, or forked from the template) runs; a spare
     # starts beside it (the template was there before it).
-    wait_for(lambda: [p for p in psutil.process_iter(["cmdline", "uids"])
-                      if "workers/warmstart.py" in " ".join(p.info["cmdline"] or [])
-                      and p.info["uids"] and p.info["uids"].real == alice.uid],
-             120, f"a warm {warm} for alice's job")
+    warm_procs = wait_for(lambda: [
+        p for p in psutil.process_iter(["cmdline", "uids"])
+        if "workers/warmstart.py" in " ".join(p.info["cmdline"] or [])
+        and p.info["uids"] and p.info["uids"].real == alice.uid], 120,
+        f"a warm {warm} for alice's job")
     log_path = os.path.join(node.state_dir, "logs", job_id, "rank-0.log")
     wait_for(lambda: os.path.exists(log_path) and "TORCH_FILE" in node.rank_log(job_id, 0),
              120, "the first attempt")
-    time.sleep(1.0)
+    # Witness that the warm process got past its torch import (where a planted torch.py
+    # would have run) before the second attempt needs it: torch's library is mapped.
+    wait_for(lambda: any(map(_maps_torch, warm_procs)), 120, f"the warm {warm} to import torch")
     open(go, "w").close()  # the first attempt fails; the spare/template makes the second
     job = node.wait_job(job_id, timeout=240)
     log = node.rank_log(job_id, 0)

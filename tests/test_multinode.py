@@ -360,7 +360,10 @@ def cancelled_job(trio):
         ended[node] = (st["state"], time.monotonic() - t0)
     wait_for(lambda: not alive(workers), 10, "every node's workers to stop")
     stopped = time.monotonic() - t0
-    time.sleep(1.0)  # let the last etcd writes reach every node
+    # Witness that every node's last worker rows reached every node: all 3 say stopped.
+    for viewer in ("n1", "n2", "n3"):
+        wait_for(lambda: [w["state"] for w in status(trio[viewer], job)["workers"]] ==
+                 ["stopped"] * 3, 15, f"{viewer} to see every worker stopped")
     return {"job": job, "cancel": res, "ended": ended, "stopped": stopped, "workers": workers}
 
 

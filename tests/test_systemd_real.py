@@ -471,6 +471,21 @@ def test_purge_stops_the_daemon_and_removes_what_the_package_made(tree):
     assert tree.run("getent", "group", "elasticd", check=False).returncode == 0
 
 
-def test_numbers():
-    """Not a check: prints what the cases above measured (run with -s to see it)."""
+def test_numbers(tree):
+    """What the cases above measured (printed: run with -s), checked for what must hold
+    between them: each time within the waits the cases allow, the watchdog fired within
+    its limit of the SIGSTOP, and the new daemon came before the job ran again."""
     print("\nsystemd numbers: " + json.dumps(NUMBERS))
+    assert isinstance(NUMBERS.get("boot to running s"), float), NUMBERS  # the tree's own
+    times = {k: v for k, v in NUMBERS.items() if k.endswith(" s") and k != "tree build s"}
+    assert all(isinstance(v, float) and 0 <= v <= 3 * WAIT for v in times.values()), times
+    if "SIGSTOP -> job running again s" in times:
+        assert times["SIGSTOP -> new daemon s"] <= times["SIGSTOP -> job running again s"]
+        # The journal's time of the watchdog's message, on the tree's (this kernel's) clock:
+        # no sooner than the limit after the daemon's last ping (it pings every half
+        # limit: sdnotify.py), and before the new daemon started.
+        fired = times["SIGSTOP -> watchdog fires s"]
+        assert TEST_WATCHDOG_SEC / 2 - 0.1 <= fired <= times["SIGSTOP -> new daemon s"] + 0.1, \
+            times
+    if "systemd-analyze security exposure" in NUMBERS:
+        assert NUMBERS["systemd-analyze security exposure"] <= 7.0, NUMBERS

@@ -1,4 +1,4 @@
-"""Store pieces that need no etcd: retrying, the memory store's clock,
+"""Store pieces that need no etcd: the memory store's clock,
 key rules, the prefix wrapper and open_store's arguments."""
 
 from __future__ import annotations
@@ -14,44 +14,7 @@ from elasticd.store import (
     check_key,
     dir_prefix,
     open_store,
-    retrying,
 )
-
-
-def test_retrying_backs_off_and_reports_each_retry():
-    outcomes = [StoreUnavailable("down"), StoreUnavailable("down"), "ok"]
-    slept, seen = [], []
-
-    def fn():
-        result = outcomes.pop(0)
-        if isinstance(result, Exception):
-            raise result
-        return result
-
-    assert retrying(fn, attempts=5, backoff=0.1, sleep=slept.append,
-                    on_retry=lambda n, e, d: seen.append((n, str(e), d))) == "ok"
-    assert slept == [0.1, 0.2]
-    assert seen == [(1, "down", 0.1), (2, "down", 0.2)]
-
-
-def test_retrying_gives_up_and_caps_the_wait():
-    slept = []
-    with pytest.raises(StoreUnavailable):
-        retrying(lambda: (_ for _ in ()).throw(StoreUnavailable("x")), attempts=6,
-                 backoff=1.0, max_backoff=3.0, sleep=slept.append)
-    assert slept == [1.0, 2.0, 3.0, 3.0, 3.0]
-
-
-def test_retrying_does_not_retry_other_errors():
-    calls = []
-
-    def fn():
-        calls.append(1)
-        raise KeyExists("taken")
-
-    with pytest.raises(KeyExists):
-        retrying(fn, attempts=5, sleep=lambda d: None)
-    assert calls == [1]
 
 
 class FakeClock:

@@ -53,18 +53,6 @@ def _tail(fd: int, lines: int) -> tuple[int, int]:
     return 0, seen + (1 if size else 0)
 
 
-def tail_offset(path: str, lines: int) -> int:
-    """Byte offset where the last ``lines`` lines of the file begin."""
-    try:
-        fd = os.open(path, _OPEN)
-    except FileNotFoundError:
-        return 0
-    try:
-        return _tail(fd, lines)[0]
-    finally:
-        os.close(fd)
-
-
 @dataclass
 class _Place:
     generation: int   # rotations of the live log when ``offset`` was taken

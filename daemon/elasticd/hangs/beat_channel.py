@@ -57,6 +57,11 @@ class BeatRecord:
     def exiting(self) -> bool:
         return self.phase == contract.EXITING
 
+    @property
+    def off(self) -> bool:
+        """The process cannot beat (its sitecustomize could not install the beats)."""
+        return self.phase == contract.OFF
+
     @classmethod
     def parse(cls, data: bytes | None) -> "BeatRecord | None":
         fields = contract.parse_record(data) if data else None

@@ -1,49 +1,44 @@
 """Hang detection: watch each rank's progress beats; dump stacks, then kill.
 
 Workers beat without any change to the training script: elasticd puts
-``worker_site/`` first on their PYTHONPATH, whose ``sitecustomize`` makes
-every ``torch.optim`` optimizer step, every module forward pass and every
-torch.save/load or distributed checkpoint write a record into the rank's
-heartbeat file (``ELASTICD_HEARTBEAT_FILE``; the record's format is the
-worker contract, worker_site/elasticd_heartbeat.py) and makes SIGUSR1 dump
-all Python stacks into the rank's log. Scripts may also call
-``elasticd_heartbeat.heartbeat()`` and ``elasticd_section(name)``.
+``worker_site/`` first on their PYTHONPATH, whose ``sitecustomize`` makes every
+``torch.optim`` optimizer step, every module forward pass and every torch.save/load
+or distributed checkpoint write a record into the rank's heartbeat file
+(``ELASTICD_HEARTBEAT_FILE``; format: the worker contract,
+worker_site/elasticd_heartbeat.py) and makes SIGUSR1 dump all Python stacks into
+the rank's log. Scripts may also call ``heartbeat()`` and ``elasticd_section(name)``.
 
-Where each rank beats, how its records are read and the OS calls on ranks
-are hangs/beat_channel.py's. The agent calls ``ProgressTracker.check(group)`` once
-per monitor tick. A
-beat is a change of the heartbeat file's mtime seen by the daemon, timed on
-the daemon's monotonic clock (the worker's clock and wall-clock steps do not
-matter); the record then read says the rank's phase, steps and busy time.
-The limits a rank gets come from hangs/timeouts.py: learned per phase from
-the job's own gaps between beats (carried across attempts, and across
-daemon restarts in the job record), the fixed settings as the upper bound.
-The tracker also feeds the ranks' busy time per step to hangs/stragglers.py and
-names the slowest rank. For a job across nodes the agent hands it the other
-nodes' records (hangs/phase_board.py: their ranks' phases and step times, and what
-they learned), and publishes its ``snapshot()``: a rank here waiting for a
-checkpoint there gets the checkpoint's limits, the learned gaps merge, and the
-straggler is named job-wide. Per rank, ``judge()`` decides:
+Where each rank beats, how its records are read and the OS calls on ranks are
+hangs/beat_channel.py's. The agent calls ``ProgressTracker.check(group)`` once per
+monitor tick. A beat is a change of the heartbeat file's mtime seen by the daemon,
+timed on the daemon's monotonic clock; the record then read says the rank's phase,
+steps and busy time. The limits come from hangs/timeouts.py: learned per phase from
+the job's own gaps between beats (kept across attempts and daemon restarts in the
+job record), the fixed settings as the upper bound. The tracker feeds the ranks'
+busy time per step to hangs/stragglers.py, which names the slowest rank. For a job
+across nodes the agent hands it the other nodes' records (hangs/phase_board.py:
+their ranks' phases, step times and what they learned) and publishes its
+``snapshot()``: a rank here waiting for a checkpoint there gets the checkpoint's
+limits, the learned gaps merge, and the straggler is named job-wide. Per rank,
+``judge()`` decides:
 
-* A job is only watched once it has shown that it beats: some rank beat in
-  this attempt, or in an earlier attempt of the same job. A script that
-  never beats (no optimizer, no ``heartbeat()``; ``python -I``; not Python
-  at all) is never killed for hanging.
-* A watched rank that made its first step in this attempt: no beat for its
-  phase's soft limit -> SIGUSR1 once (stacks into its log, an event); for its
-  hard limit -> SIGKILL of its process group, and the failure's cause says
-  ``hang``.
+* A job is only watched once it has shown that it beats: some rank beat in this
+  attempt or an earlier one. A script that never beats (no optimizer, no
+  ``heartbeat()``; ``python -I``; not Python at all) is never killed for hanging;
+  a rank whose process says it cannot beat (an ``off`` record: its sitecustomize
+  failed) gets a warning event.
+* A watched rank that made its first step in this attempt: no beat for its phase's
+  soft limit -> SIGUSR1 once (stacks into its log, an event); for its hard limit ->
+  SIGKILL of its process group, and the failure's cause says ``hang``.
 * A watched rank with no step yet in this attempt (starting up, loading a
-  checkpoint, compiling, or stuck in ``init_process_group``): the same,
-  measured from its start or its latest beat, with
-  ``agent.first_step_timeout`` as the hard limit and the dump the fixed
-  margin (hard - soft) before it.
-* A rank whose process said it is exiting (the heartbeat module's atexit
-  hook, run once its non-daemon threads have ended): the same long
-  allowance, measured from that word, for the interpreter's shutdown.
+  checkpoint, compiling, stuck in ``init_process_group``): the same, measured from
+  its start or latest beat, ``agent.first_step_timeout`` the hard limit and the dump
+  the fixed margin (hard - soft) before it.
+* A rank whose process said it is exiting (the heartbeat module's atexit hook, run
+  once its non-daemon threads ended): the same long allowance, from that word.
 
-A kill always follows a dump by at least one tick, so the stacks are
-written before the process dies.
+A kill always follows a dump by at least one tick, so the stacks are written
+before the process dies.
 """
 from __future__ import annotations
 
@@ -83,19 +78,15 @@ class Verdict(NamedTuple):
 def judge(now: float, started: float, last_beat: float | None, watched: bool,
           dumped: bool, limits: HangLimits, exiting: bool = False,
           stepped: bool = True) -> Verdict:
-    """What to do about one live rank, from its times (no I/O).
-
-    ``limits``: its phase's (hang_timeouts.phase_limit) soft and hard limits.
-    ``dumped``: its stacks were already dumped in this idle spell; a kill
-    needs that first, so the stacks are in the log before the process dies.
-    ``exiting``: its last beat said the process is shutting down.
-    ``stepped``: it made its first step in this attempt; until then (and
-    while exiting) it has the first-step allowance.
-    """
+    """What to do about one live rank, from its times (no I/O). ``limits``: its phase's
+    (timeouts.phase_limit) soft and hard limits; ``dumped``: its stacks were already
+    dumped in this idle spell (a kill needs that first, so the stacks are in the log
+    before the process dies); ``exiting``: its last beat said it is shutting down;
+    ``stepped``: it made its first step in this attempt (until then, and while exiting,
+    it has the first-step allowance)."""
     idle = now - (started if last_beat is None else last_beat)
     if last_beat is None or exiting or not stepped:
-        hard = limits.first_step
-        soft = limits.first_step - (limits.hard - limits.soft)
+        hard, soft = limits.first_step, limits.first_step - (limits.hard - limits.soft)
     else:
         hard, soft = limits.hard, limits.soft
     if not watched or idle < soft:
@@ -120,12 +111,12 @@ class _Rank:
     phase: str = contract.TRAIN  # the phase its latest beat said it is in
     phase_since: float = 0.0    # daemon time its latest beat put it in that phase
     stepped: bool = False       # it made its first step in this attempt
+    off: bool = False           # its process said it cannot beat (warned)
     waits_for: PhaseLimit | None = None  # a peer's checkpoint/section limits, until it beats
     step_base: int = 0          # its step count when it last began waiting (in-process restart)
 
 
-@dataclass
-class _Killed:
+class _Killed(NamedTuple):
     rank: int
     idle: float
     at: float
@@ -162,8 +153,7 @@ class ProgressTracker:
             rec = PhaseRecord.from_dict(item)
             if rec is not None and len(self._phases) < MAX_PHASES:
                 self._phases[rec.phase] = rec
-        if self._phases:
-            self._job_beats = True  # it beat in an earlier life of this daemon
+        self._job_beats = bool(self._phases)  # it beat in an earlier life of this daemon
 
     def check(self, group, peers: JobPeers | None = None) -> list[str]:
         """Look at every live rank of ``group`` once; returns what was done (sentences).
@@ -187,12 +177,14 @@ class ProgressTracker:
             path = heartbeat_file(run_dir, w.rank)
             mark = self.ops.beat_mark(path)
             r = self._ranks.get(w.rank)
-            if r is None or r.pid != w.pid:  # new, or respawned alone: a fresh start
+            fresh = r is None or r.pid != w.pid  # new, or respawned alone: a fresh start
+            if fresh:
                 r = self._ranks[w.rank] = _Rank(pid=w.pid, started=now, mark=mark,
                                                 phase_since=now)
-            elif mark is not None and mark != r.mark:
-                r.mark = mark
-                self._beat(w.rank, r, self.ops.read_beat(path, group.spec.uid), now)
+            if mark is not None and (fresh or mark != r.mark):
+                r.mark, rec = mark, self.ops.read_beat(path, group.spec.uid)
+                if not self._beats_off(w, r, rec) and not fresh:
+                    self._beat(w.rank, r, rec, now)
             live.append((w, r, path))
         watched = self._job_beats
         limits_of = self._rank_limits(live, learn, now)
@@ -258,8 +250,8 @@ class ProgressTracker:
         return out
 
     def _beat(self, rank: int, r: _Rank, rec: BeatRecord | None, now: float) -> None:
-        """A new record from the rank: learn the gap it ends (if hangs/timeouts.py's
-        rule says it counts), take its phase and steps."""
+        """A new record: learn the gap it ends (if timeouts.py says it counts), take its
+        phase and steps."""
         progress = rec is not None and rec.phase not in (contract.EXITING, contract.WAIT)
         if (progress and r.stepped and r.last_beat is not None and not r.exiting
                 and self._killed_seen < r.last_beat
@@ -283,6 +275,17 @@ class ProgressTracker:
         if self.on_beat is not None:
             self.on_beat()
 
+    def _beats_off(self, w, r: _Rank, rec: BeatRecord | None) -> bool:
+        """Whether ``rec`` is the rank's own process saying it cannot beat (a fresh rank's
+        file may hold an earlier process's record: no beat either way); warns once."""
+        off = rec is not None and rec.off and self.ops.pgid(rec.pid) == w.pid
+        if off and not r.off:
+            r.off = True
+            self._record(w.rank, f"rank {w.rank}: pid {rec.pid} sends no progress beats: "
+                         "elasticd's sitecustomize could not install them (its log says "
+                         "why); hang detection is off for this rank")
+        return off
+
     def _learn(self, phase: str, gap: float) -> None:
         rec = self._phases.get(phase)
         if rec is None and len(self._phases) >= MAX_PHASES:
@@ -296,12 +299,11 @@ class ProgressTracker:
         return limits_table(self._phases, self._learn_settings(self._group))
 
     def _learn_settings(self, group) -> LearnSettings:
-        """How limits are learned for ``group``'s job. A rank here may wait in a
-        collective for a peer on another node that is in a checkpoint or a section:
-        this node sees that peer's phase in its node's record (hangs/phase_board.py). So a
-        job across nodes gets learned limits only while every other node of its round
-        has a fresh record; else the fixed ones (here and in the in-process wrapper's
-        limits file; the gaps are still recorded)."""
+        """How limits are learned for ``group``'s job. A rank here may wait in a collective
+        for a peer on another node in a checkpoint or a section, whose phase this node sees
+        in that node's record (hangs/phase_board.py): a job across nodes gets learned limits
+        only while every other node of its round has a fresh record; else the fixed ones
+        (here and in the in-process wrapper's limits file; the gaps are still recorded)."""
         learn = LearnSettings.from_settings(self.settings)
         if group is not None and group.spec.world_size > group.spec.nproc \
                 and not self._peers.complete:
@@ -329,8 +331,7 @@ class ProgressTracker:
 
     def forget(self, rank: int) -> None:
         """The rank's process was replaced: watch its successor from its start."""
-        self._ranks.pop(rank, None)
-        self._killed.pop(rank, None)
+        self._ranks.pop(rank, None), self._killed.pop(rank, None)
 
     def explain(self, failure: Failure) -> Failure:
         """The failure record, its cause naming the hang if a rank was killed for one."""
@@ -367,13 +368,12 @@ class ProgressTracker:
         if move == "above":
             self._announced = found
             if self._owns(found):
+                where = found.rank_node or self.node_id or "-"
                 self._record(found.rank, f"rank {found.rank} is a straggler: {found.ratio:.1f}x "
-                                         f"the median rank's work per step "
-                                         f"({found.step_seconds:.3f}s vs "
-                                         f"{found.median_step_seconds:.3f}s, {found.ranks} ranks "
-                                         f"on {found.nodes} node(s); it runs on node "
-                                         f"{found.rank_node or self.node_id or '-'}; "
-                                         f"agent.straggler_threshold {a.straggler_threshold:g})",
+                             f"the median rank's work per step ({found.step_seconds:.3f}s vs "
+                             f"{found.median_step_seconds:.3f}s, {found.ranks} ranks on "
+                             f"{found.nodes} node(s); it runs on node {where}; "
+                             f"agent.straggler_threshold {a.straggler_threshold:g})",
                              kind="straggler")
         elif move == "below":
             was, self._announced = self._announced, found

@@ -33,7 +33,6 @@ from .base import (
     WatchEvent,
     check_key,
     dir_prefix,
-    retrying,
 )
 from .memory import MemoryStore
 
@@ -41,7 +40,7 @@ __all__ = [
     "EVENT_DELETE", "EVENT_EXPIRE", "EVENT_PUT", "KV", "CompareFailed", "KeyExists",
     "Lease", "LeaseNotFound", "MemoryStore", "Store", "StoreAuthError", "StoreCorrupt",
     "StoreError", "StoreUnavailable", "WatchCompacted", "WatchEvent", "check_key",
-    "detect_api", "dir_prefix", "open_store", "retrying",
+    "detect_api", "dir_prefix", "open_store",
 ]
 
 KINDS = {"memory": "memory", "etcd2": "etcd2", "v2": "etcd2", "etcd3": "etcd3",

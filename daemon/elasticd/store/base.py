@@ -14,18 +14,14 @@ against all three.
 
 Calls make one attempt, bounded by the store's timeout (failing over to
 the next endpoint only where the request surely never reached the first
-one).  Transient failures raise :class:`StoreUnavailable`; callers that
-want retries wrap the call in :func:`retrying`.
+one).  Transient failures raise :class:`StoreUnavailable`.
 """
 
 from __future__ import annotations
 
 import abc
 import threading
-import time
-from typing import Callable, Iterator, NamedTuple, TypeVar
-
-T = TypeVar("T")
+from typing import Iterator, NamedTuple
 
 EVENT_PUT = "put"
 EVENT_DELETE = "delete"
@@ -258,36 +254,3 @@ class Store(abc.ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def retrying(
-    fn: Callable[[], T],
-    attempts: int = 3,
-    backoff: float = 0.2,
-    on_retry: Callable[[int, StoreError, float], None] | None = None,
-    *,
-    max_backoff: float = 2.0,
-    sleep: Callable[[float], None] = time.sleep,
-) -> T:
-    """Call ``fn`` up to ``attempts`` times while it raises StoreUnavailable.
-
-    Waits ``backoff`` seconds after the first failure, doubling up to
-    ``max_backoff``.  ``on_retry(attempt, error, delay)`` runs before each
-    wait (count retries there).  Other errors and the last failure are
-    raised.  Retry only calls that are safe to repeat: a ``create`` whose
-    first attempt timed out after landing fails the retry with KeyExists.
-    """
-    if attempts < 1:
-        raise ValueError(f"attempts must be at least 1, not {attempts}")
-    delay = backoff
-    for attempt in range(1, attempts + 1):
-        try:
-            return fn()
-        except StoreUnavailable as e:
-            if attempt == attempts:
-                raise
-            if on_retry is not None:
-                on_retry(attempt, e, delay)
-            sleep(delay)
-            delay = min(delay * 2, max_backoff)
-    raise AssertionError("unreachable")

@@ -73,6 +73,7 @@ SECTION_PREFIX = "section:"
 EXITING = "exiting"
 WAIT = "wait"
 BARRIER = "barrier"
+OFF = "off"  # the process cannot beat (beats_off): never a beat, the daemon warns once
 _NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
 
 _mono = time.monotonic
@@ -91,6 +92,8 @@ _steady = TRAIN     # what the rank does between bracketed phases: train or forw
 _stack = []         # bracketed phases entered and not yet left, innermost last
 _import_pid = os.getpid()  # the rank's own process; a forked child (a DataLoader worker)
                            # inherits this value and must not speak for the rank
+_off_why = ""       # why this process cannot beat (beats_off); "" while it can
+_off_said = False   # its heartbeat file says so
 
 
 # ---------------------------------------------------------------- the record
@@ -102,7 +105,7 @@ def format_record(pid, phase, steps, busy_us):
 
 
 def valid_phase(phase):
-    if phase in (TRAIN, FORWARD, CHECKPOINT, EXITING, WAIT, BARRIER):
+    if phase in (TRAIN, FORWARD, CHECKPOINT, EXITING, WAIT, BARRIER, OFF):
         return True
     name = phase[len(SECTION_PREFIX):] if phase.startswith(SECTION_PREFIX) else ""
     return 0 < len(name) <= NAME_MAX and all(c in _NAME_CHARS for c in name)
@@ -322,6 +325,59 @@ def _report_imports():
             os.close(fd)
     except Exception:
         pass
+
+
+def beats_off(why):
+    """Called by elasticd's sitecustomize when it could not install the beats: say so,
+    once, in the rank's log and in its heartbeat file (phase ``off``, never a beat: the
+    daemon warns that hang detection is off for the rank). A warm spare or a worker
+    template has no rank yet: the first code it runs as a rank says it."""
+    global _off_why
+    if _off_why:
+        return
+    _off_why = (str(why) or "unknown error")[:300]
+    if not _say_off():
+        _log_off()
+        if hasattr(sys, "addaudithook"):
+            sys.addaudithook(_off_once_a_rank)
+
+
+def _say_off():
+    """Write the ``off`` record if this process is a rank now (True once written)."""
+    global _off_said
+    path = os.environ.get(ENV_VAR, "")
+    if _off_said or not path or os.getpid() != _import_pid or _spawned_child():
+        return _off_said
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        try:
+            os.write(fd, format_record(os.getpid(), OFF, 0, 0))
+        finally:
+            os.close(fd)
+    except (OSError, ValueError):
+        return False
+    _off_said = True
+    _log_off()
+    return True
+
+
+def _log_off():
+    try:
+        sys.stderr.write("elasticd: this process sends no progress beats, hang detection is "
+                         "off for it: %s\n" % _off_why)
+        sys.stderr.flush()
+    except Exception:
+        pass
+
+
+def _off_once_a_rank(event, args):
+    """Audit hook: at the first code run once the process is a rank (a spare or a
+    template's fork runs its script through exec), the ``off`` record."""
+    if event == "exec" and not _off_said:
+        try:
+            _say_off()
+        except Exception:
+            pass
 
 
 def become_new_process():

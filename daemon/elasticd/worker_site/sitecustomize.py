@@ -19,6 +19,9 @@ PYTHONPATH. Without any change to the training script it:
   node), where torch's own store would listen on every interface;
 * makes SIGUSR1 dump every thread's Python stack to stderr (the rank's log),
   which is what the daemon sends a rank that stopped making progress;
+* says so when a beat hook cannot be installed (``elasticd_heartbeat.beats_off``:
+  a line in the rank's log and an ``off`` record the daemon warns about), so
+  hang detection is never off without a word;
 * then runs the ``sitecustomize`` this one shadows (the next one on
   sys.path, e.g. a distribution's or the user's own), so nothing is lost.
 
@@ -62,7 +65,7 @@ class _ImportHookFinder(object):
         loader = getattr(spec, "loader", None)
         if loader is None or not hasattr(loader, "exec_module"):
             return spec
-        spec.loader = _LoaderThenHook(loader, self._hooks.pop(name))
+        spec.loader = _LoaderThenHook(loader, self._hooks.pop(name), name)
         if not self._hooks:
             try:
                 sys.meta_path.remove(self)
@@ -72,9 +75,10 @@ class _ImportHookFinder(object):
 
 
 class _LoaderThenHook(object):
-    def __init__(self, loader, on_loaded):
+    def __init__(self, loader, on_loaded, name):
         self._loader = loader
         self._on_loaded = on_loaded
+        self._name = name
 
     def __getattr__(self, name):  # get_source, is_package, ... as the real loader has them
         return getattr(self._loader, name)
@@ -86,8 +90,9 @@ class _LoaderThenHook(object):
         self._loader.exec_module(module)
         try:
             self._on_loaded(module)
-        except Exception:  # a broken hook must not break importing torch
-            pass
+        except Exception as exc:  # a broken hook must not break importing torch
+            if self._name != _MASTER_STORE_MODULE:
+                _beats_off("the hook on " + self._name, exc)
 
 
 def _register_step_hook(optimizer_module):
@@ -156,8 +161,9 @@ def _bind_master_store(rendezvous_module):
     rendezvous_module._create_c10d_store = create_c10d_store
 
 
+_MASTER_STORE_MODULE = "torch.distributed.rendezvous"
 _HOOKS = {
-    "torch.distributed.rendezvous": _bind_master_store,
+    _MASTER_STORE_MODULE: _bind_master_store,
     "torch.optim.optimizer": _register_step_hook,
     "torch.nn.modules.module": _register_forward_hook,
     "torch.serialization": _wrapper_of("checkpoint", "save", "load"),
@@ -181,6 +187,21 @@ def _install_torch_hooks():
         sys.meta_path.insert(0, _ImportHookFinder(pending))
 
 
+def _beats_off(what, exc):
+    """The beats could not be installed: elasticd_heartbeat says so in the rank's log and
+    its heartbeat file, where the daemon reads it (never silently off)."""
+    why = "%s failed: %s: %s" % (what, type(exc).__name__, exc)
+    try:
+        from elasticd_heartbeat import beats_off
+        beats_off(why)
+    except Exception:
+        try:
+            sys.stderr.write("elasticd: this process sends no progress beats, hang detection "
+                             "is off for it: %s\n" % why)
+        except Exception:
+            pass
+
+
 def _run_shadowed_sitecustomize():
     """Run the next ``sitecustomize`` on sys.path, the one this file hides."""
     import os
@@ -201,9 +222,12 @@ def _run_shadowed_sitecustomize():
         traceback.print_exc()
 
 
-for _step in (_install_fault_handler, _install_torch_hooks):
-    try:
-        _step()
-    except Exception:
-        pass
+try:
+    _install_fault_handler()
+except Exception:
+    pass
+try:
+    _install_torch_hooks()
+except Exception as _exc:
+    _beats_off("installing the torch hooks", _exc)
 _run_shadowed_sitecustomize()
