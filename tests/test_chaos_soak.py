@@ -145,6 +145,7 @@ def _seed() -> int:
     return int(os.environ.get("ED19_SOAK_SEED") or random.SystemRandom().randrange(1 << 30))
 
 
+@pytest.mark.slow  # a soak: three namespaced hosts and a minute of faults
 def test_chaos_soak_short(netcluster):
     c = netcluster(hosts=3)
     soak(c, seconds=15, steps=250, nodes=(2, 3), seed=_seed())
