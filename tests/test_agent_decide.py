@@ -12,7 +12,7 @@ import pytest
 
 from elasticd.agent.loop import Action, Snapshot, decide, restart_delay
 from elasticd.agent.failures import read_error_file
-from elasticd.agent.ladder import Layer
+from elasticd.jobs.ladder import Layer
 from elasticd.rendezvous.protocol import RoundCause
 from elasticd.rendezvous.status import CURRENT, RoundStatus, StatusKind
 

@@ -35,11 +35,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from . import __version__, statedir
 from .jobs.registry import JobNotFound, JobRecord
-from .agent.ladder import Layer
+from .jobs.ladder import Layer
 from .jobs.records import Failure
 from .trust.rejections import RejectReason
 from .trust.sealed import Kind, Reason
-from .agent.restartpolicy import RestartWindow
+from .jobs.restartpolicy import RestartWindow
 from .jobs.states import LIVE_STATES, TERMINAL_STATES, JobState, WorkerState
 from .workers.template import StartPath
 from .store import (KV, CompareFailed, KeyExists, Lease, LeaseNotFound, Store,

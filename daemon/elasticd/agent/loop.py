@@ -4,7 +4,7 @@ One ``Agent`` thread per active job on this node: rendezvous (join the
 job's next round, see rendezvous/round.py) -> start workers -> monitor ->
 on a fault stop the group and open a new round (counted against the job's
 cluster-wide budgets: max_restarts over its life, max_restarts_per_window
-over a window; see agent/restartpolicy.py) -> wait as ``plan_restart()`` decides
+over a window; see jobs/restartpolicy.py) -> wait as ``plan_restart()`` decides
 (at once after an attempt that made progress, a growing backoff after
 attempts that made none) -> re-rendezvous; when a peer opens
 a new round (its fault, a lost node, a node waiting to join) stop and
@@ -32,14 +32,14 @@ from ..workers import env as envnames, preload
 from ..config import Config
 from ..gpus.alloc import Binding
 from ..jobs.registry import JobRecord, JobRegistry
-from .ladder import Layer, round_layer
+from ..jobs.ladder import Layer
 from ..jobs.records import Failure, FailureKind, WorkerRow
 from ..logsetup import ctx
 from .newcomer import NewcomerWarmup, WarmVerdict
 from ..hangs.phase_board import JobPeers, PhasePublisher
 from ..hangs.detector import ProgressTracker
 from .recovery import Recovery
-from .restartpolicy import (  # noqa: F401 (re-exported)
+from ..jobs.restartpolicy import (  # noqa: F401 (re-exported)
     AttemptProgress, BackoffSettings, CrashLoop, made_progress, plan_restart, restart_delay,
     spares_due)
 from ..rendezvous.round import ClusterRendezvous, RendezvousStopped, RoundFinal
@@ -106,6 +106,13 @@ class Snapshot:
     inprocess_left: int = 0
     gave_up: bool = False
     remote_ranks: bool = False
+
+
+def round_layer(cause: RoundCause) -> Layer:
+    """The layer of a new round another node opened, from the round's cause:
+    a change of nodes (one lost, one waiting to join) is a new rendezvous; a
+    worker fault somewhere restarts every node's processes."""
+    return Layer.RENDEZVOUS if cause.membership else Layer.PROCESS
 
 
 def decide(look: Snapshot) -> Decision:

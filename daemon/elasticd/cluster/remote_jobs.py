@@ -19,7 +19,7 @@ from dataclasses import replace
 
 from ..jobs.registry import JobRecord
 from ..jobs.scheduler import record_from_spec
-from ..agent.ladder import Attempt
+from ..jobs.ladder import Attempt
 from ..jobs.records import Failure, WorkerRow, clamp_int
 from ..rendezvous.protocol import CLOSED, OPEN, final_job_state
 from ..rendezvous.view import JobKeys

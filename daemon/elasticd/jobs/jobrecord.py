@@ -13,7 +13,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 
-from ..agent.ladder import Attempt
+from .ladder import Attempt
 from .records import Failure, WorkerRow
 from .states import LIVE_STATES, JobState
 
@@ -59,7 +59,7 @@ class JobRecord:
     nodes: list = field(default_factory=list)   # the nodes it may run on (empty: any)
     state_since: float = 0.0
     seconds_in_state: dict = field(default_factory=dict)
-    # The restart ladder (agent/ladder.py): restarts used and allowed per layer, and
+    # The restart ladder (jobs/ladder.py): restarts used and allowed per layer, and
     # the latest recovery attempts (the cause chain), oldest first.
     restarts_by_layer: dict = field(default_factory=dict)
     restart_budget: dict = field(default_factory=dict)

@@ -35,7 +35,7 @@ from ..logsetup import ctx
 from .records import WorkerRow
 from ..rendezvous.round import ClusterRendezvous, create_job
 from ..rendezvous.protocol import CANCELLED, JobLimits, final_job_state
-from ..agent.restartpolicy import RestartWindow
+from .restartpolicy import RestartWindow
 from .states import LIVE_STATES, TERMINAL_STATES, JobState
 from ..store import StoreError
 from ..workers.signals import group_processes
