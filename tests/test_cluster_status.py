@@ -17,7 +17,7 @@ import sys
 import pytest
 
 from elasticd.cluster.remote_jobs import AmbiguousName, find, job_state, nodes_of, record_from_keys
-from elasticd.jobs.scheduler import job_spec
+from elasticd.coordinator.coordinator import job_spec
 from elasticd.jobs.registry import JobRecord
 from elasticd.rendezvous.protocol import Join, Member, RoundState
 from elasticd.rendezvous.view import JobKeys

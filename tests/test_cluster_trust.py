@@ -27,7 +27,7 @@ from daemons import DaemonProc, cluster_key_path, short_tmpdir
 from elasticd.trust import clusterkey
 from elasticd.trust.specs import SpecCodec
 from elasticd.config import ControlSettings
-from elasticd.jobs.scheduler import job_spec
+from elasticd.coordinator.coordinator import job_spec
 from elasticd.jobs.registry import JobRecord
 from elasticd.rendezvous.protocol import OPEN, RoundState
 from etcd_cluster import NO_SPARES_NOBODY_MAY_CALL as NO_SPARES, fresh_prefix, scrape, wait_for

@@ -15,7 +15,7 @@ from elasticd.trust import clusterkey
 from elasticd.trust.specs import ClusterPolicy, SpecCodec
 from elasticd.config import ControlSettings
 from elasticd.jobs.registry import JobRecord
-from elasticd.jobs.scheduler import job_spec
+from elasticd.coordinator.coordinator import job_spec
 from elasticd.trust.rejections import RejectReason, SpecRejected
 
 LIMITS = ControlSettings()

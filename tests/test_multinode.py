@@ -685,7 +685,7 @@ class InProcessNode:
         from elasticd.config import load
         from elasticd.cluster.dispatch import Dispatcher
         from elasticd.jobs.registry import JobRegistry
-        from elasticd.jobs.scheduler import JobManager
+        from elasticd.coordinator.coordinator import JobManager
         from elasticd.rendezvous.view import JobsView
         from elasticd.store import MemoryStore
         from elasticd.trust.clusterkey import ephemeral
@@ -720,7 +720,7 @@ class InProcessNode:
 
     def submit(self, *command: str, **kw):
         from elasticd.control.auth import Caller
-        from elasticd.jobs.scheduler import JobRequest
+        from elasticd.coordinator.coordinator import JobRequest
         return self.manager.submit(JobRequest(command=tuple(command), cwd=self.root,
                                               env=dict(os.environ), **kw),
                                    Caller(os.geteuid(), os.getegid(), os.getpid()))

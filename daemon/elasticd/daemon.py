@@ -40,7 +40,7 @@ from .gpus.alloc import GpuLedger
 from .gpus.health import HealthGate
 from .gpus.inventory import Inventory, InventoryError, discover, nvml_module
 from .cluster.suspicion import MAX_REMEMBERED as SUSPECT_REMEMBERED, SuspectTracker
-from .jobs.scheduler import JobManager
+from .coordinator.coordinator import JobManager
 from .metrics import Metrics
 from .rendezvous.protocol import job_prefix
 from .exposition.endpoint import MetricsEndpoint

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..jobs.registry import JobRecord
-from ..jobs.scheduler import record_from_spec
+from ..coordinator.coordinator import record_from_spec
 from ..jobs.ladder import Attempt
 from ..jobs.records import Failure, WorkerRow, clamp_int
 from ..rendezvous.protocol import CLOSED, OPEN, final_job_state

@@ -27,7 +27,7 @@ from ..jobs.names import AmbiguousName
 from ..jobs.registry import JobNotFound, JobRecord, JobRegistry
 from .logs import LogReader
 from ..jobs.retention import logs_retired_message
-from ..jobs.scheduler import JobManager, check_access
+from ..coordinator.coordinator import JobManager, check_access
 from .messages import (
     add_worker, event_to_proto, job_to_proto, node_to_proto, rejection_to_proto)
 from ..store import StoreError

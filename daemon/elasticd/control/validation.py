@@ -13,7 +13,7 @@ from ..config import ControlSettings
 from ..errors import InvalidArgument
 from ..gpus.alloc import CPU_BIND_MODES
 from ..gpus.inventory import MAX_GPUS
-from ..jobs.scheduler import JobRequest
+from ..coordinator.coordinator import JobRequest
 from ..workers.group import can_enter, cwd_unusable
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")

@@ -28,20 +28,20 @@ from ..control.auth import Caller
 from ..config import Config
 from ..gpus.alloc import GpuLedger, binding_for, needed
 from ..gpus.inventory import Inventory
-from .registry import (
+from ..jobs.registry import (
     JobExists, JobNotFound, JobRecord, JobRegistry, NameInUse, NotPersisted, new_job_id,
     spec_bytes)
 from ..logsetup import ctx
-from .records import WorkerRow
+from ..jobs.records import WorkerRow
 from ..rendezvous.round import ClusterRendezvous, create_job
 from ..rendezvous.protocol import CANCELLED, JobLimits, final_job_state
-from .restartpolicy import RestartWindow
-from .states import LIVE_STATES, TERMINAL_STATES, JobState
+from ..jobs.restartpolicy import RestartWindow
+from ..jobs.states import LIVE_STATES, TERMINAL_STATES, JobState
 from ..store import StoreError
 from ..workers.signals import group_processes
 from ..workers.template_pool import TemplatePool
 
-log = logging.getLogger("elasticd.jobs.scheduler")
+log = logging.getLogger("elasticd.coordinator")
 
 # Seconds a restarted daemon waits for what it SIGKILLed of its previous run's
 # workers to be gone before it serves (SIGKILL lands when the process next runs).
