@@ -720,7 +720,7 @@ class InProcessNode:
 
     def submit(self, *command: str, **kw):
         from elasticd.control.auth import Caller
-        from elasticd.coordinator.coordinator import JobRequest
+        from elasticd.control.validation import JobRequest
         return self.manager.submit(JobRequest(command=tuple(command), cwd=self.root,
                                               env=dict(os.environ), **kw),
                                    Caller(os.geteuid(), os.getegid(), os.getpid()))

@@ -436,10 +436,7 @@ class ControlServicer(pb_grpc.ControlServicer):
         except JobNotFound:
             pass
         keys = self._view.job(job_id) if self._view is not None else None
-        try:
-            return int(keys.spec["uid"])
-        except (AttributeError, KeyError, TypeError, ValueError):
-            return None
+        return keys.spec.uid if keys is not None and keys.spec is not None else None
 
     @_handle
     def ListNodes(self, request, context, caller):

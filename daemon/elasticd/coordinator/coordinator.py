@@ -16,7 +16,6 @@ import logging
 import signal
 import threading
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 import psutil
@@ -25,6 +24,7 @@ from .. import errors
 from ..jobstore import address as jobstore_env
 from ..agent.loop import Agent
 from ..control.auth import Caller
+from ..control.validation import JobRequest
 from ..config import Config
 from ..gpus.alloc import GpuLedger, binding_for, needed
 from ..gpus.inventory import Inventory
@@ -36,6 +36,7 @@ from ..jobs.records import WorkerRow
 from ..rendezvous.round import ClusterRendezvous, create_job
 from ..rendezvous.protocol import CANCELLED, JobLimits, final_job_state
 from ..jobs.restartpolicy import RestartWindow
+from ..jobs.spec import JobSpec
 from ..jobs.states import LIVE_STATES, TERMINAL_STATES, JobState
 from ..store import StoreError
 from ..workers.signals import group_processes
@@ -46,57 +47,6 @@ log = logging.getLogger("elasticd.coordinator")
 # Seconds a restarted daemon waits for what it SIGKILLed of its previous run's
 # workers to be gone before it serves (SIGKILL lands when the process next runs).
 LEFTOVER_GONE_WAIT = 5.0
-
-
-@dataclass(frozen=True)
-class JobRequest:
-    """A validated submission (see control/validation.py)."""
-    command: tuple
-    cwd: str
-    env: dict
-    name: str = ""
-    min_nodes: int = 1
-    max_nodes: int = 1
-    nproc_per_node: int = 1
-    max_restarts: int = -1
-    max_restarts_per_window: int | None = None   # None: the daemon's default; -1: none
-    nodes: tuple = ()
-    inprocess: bool = False
-    gpus_per_node: int = -1                      # -1: one per local rank on a GPU node
-    cpu_bind: str = "none"                       # none | numa
-
-
-def job_spec(rec: JobRecord, nodes: tuple = ()) -> dict:
-    """What other nodes need to run the job: the store's copy of the record."""
-    nodes = nodes or tuple(rec.nodes)
-    return {"id": rec.id, "name": rec.name, "command": rec.command, "cwd": rec.cwd,
-            "env": rec.env, "uid": rec.uid, "gid": rec.gid, "user": rec.user,
-            "min_nodes": rec.min_nodes, "max_nodes": rec.max_nodes,
-            "nproc_per_node": rec.nproc_per_node, "max_restarts": rec.max_restarts,
-            "max_restarts_per_window": rec.max_restarts_per_window,
-            "restart_window": rec.restart_window,
-            "nodes": list(nodes), "created_at": rec.created_at, "submitted_on": rec.node_id,
-            "inprocess": rec.inprocess,
-            "gpus_per_node": rec.gpus_per_node, "cpu_bind": rec.cpu_bind}
-
-
-def record_from_spec(spec: dict) -> JobRecord:
-    """A local record for a job adopted from the store (raises on a bad spec)."""
-    return JobRecord(
-        id=str(spec["id"]), name=str(spec.get("name", "")), command=[str(a) for a in
-                                                                     spec["command"]],
-        cwd=str(spec["cwd"]), env={str(k): str(v) for k, v in spec.get("env", {}).items()},
-        uid=int(spec["uid"]), gid=int(spec["gid"]), user=str(spec.get("user", "")),
-        min_nodes=int(spec["min_nodes"]), max_nodes=int(spec["max_nodes"]),
-        nproc_per_node=int(spec["nproc_per_node"]), max_restarts=int(spec["max_restarts"]),
-        max_restarts_per_window=int(spec.get("max_restarts_per_window", -1)),
-        restart_window=_window(spec.get("restart_window", 3600.0)),
-        created_at=float(spec.get("created_at", 0.0)), node_id=str(spec.get("submitted_on", "")),
-        inprocess=bool(spec.get("inprocess", False)),
-        nodes=[str(n) for n in spec.get("nodes") or []],
-        gpus_per_node=int(spec.get("gpus_per_node", -1)),
-        cpu_bind=str(spec.get("cpu_bind", "none")),
-        reason="adopted from the cluster")
 
 
 class JobManager:
@@ -205,7 +155,7 @@ class JobManager:
             max_restarts_per_window=per_window, restart_window=a.restart_window,
             reason="waiting for free slots", node_id=self._cfg.daemon.node_id,
             inprocess=req.inprocess, nodes=list(req.nodes),
-            gpus_per_node=req.gpus_per_node, cpu_bind=req.cpu_bind,
+            gpus_per_node=req.gpus_per_node, cpu_bind=req.cpu_bind.value,
             created_at=time.time())
         # The local record first: this node's own dispatcher, woken by the
         # store write, must find the job known here and not adopt it again.
@@ -224,8 +174,9 @@ class JobManager:
                         "submitted (nothing of it was kept); free some space there") from None
                 raise errors.Unavailable(f"{exc}; the job was not submitted") from None
         try:
-            create_job(self._cluster.store, rec.id, self._codec.seal(job_spec(rec, req.nodes)),
-                       time.time(), records=self._codec.records)
+            spec = JobSpec.of_record(rec, req.nodes)
+            create_job(self._cluster.store, rec.id, self._codec.seal(spec), time.time(),
+                       records=self._codec.records, expected=spec.nodes)
         except (StoreError, ValueError) as exc:
             self._registry.discard(rec.id)
             raise errors.Unavailable(f"etcd unavailable, the job was not submitted: {exc}") \
@@ -380,13 +331,10 @@ class JobManager:
                                  job.nproc_per_node, lambda: keeper.lease, limits,
                                  scale_up=r.scale_up, poll=r.poll)
 
-    def adopt(self, spec: dict) -> JobRecord | None:
-        """Take on a job submitted on another node; None if its spec is unusable."""
-        try:
-            rec = record_from_spec(spec)
-        except (KeyError, TypeError, ValueError) as exc:
-            log.warning("ignoring cluster job with a bad spec: %s", exc)
-            return None
+    def adopt(self, spec: JobSpec) -> JobRecord | None:
+        """Take on a job submitted on another node (its spec checked where it was read:
+        trust/specs.py); None if this node has it already or cannot keep it."""
+        rec = spec.record()
         try:
             try:
                 rec = self._registry.create(rec)
@@ -478,10 +426,11 @@ class JobManager:
                        f"the window ({window.describe(len(times) - 1)})", exit_code=1)
             return
         try:
-            create_job(self._cluster.store, job.id, self._codec.seal(job_spec(job)), now,
+            spec = JobSpec.of_record(job)
+            create_job(self._cluster.store, job.id, self._codec.seal(spec), now,
                        round=job.round + 1, restarts=restarts,
                        restart_times=times if counted else tuple(job.restart_times),
-                       records=self._codec.records)
+                       records=self._codec.records, expected=spec.nodes)
         except (StoreError, ValueError) as exc:
             log.error("%s: cannot resume: %s", ctx(job=job.id), exc)
             return
@@ -510,14 +459,6 @@ class JobManager:
             if not agent.join(timeout):
                 log.error("%s: agent did not stop within %.0fs", ctx(job=agent.job_id), timeout)
         self.templates.stop()
-
-
-def _window(value) -> float:
-    """A job spec's restart window: a positive, finite number of seconds."""
-    seconds = float(value)
-    if not 0 < seconds < float("inf"):
-        raise ValueError(f"restart_window must be a positive number of seconds, got {value!r}")
-    return seconds
 
 
 def check_access(job: JobRecord, caller: Caller) -> None:
