@@ -1,6 +1,6 @@
-"""Jobs on this node: accepting, scheduling onto slots, cancelling, resuming.
+"""The node's coordinator: its jobs accepted, scheduled onto slots, cancelled, resumed.
 
-The manager owns the agents (one thread per active job) and the slot count.
+The coordinator owns the agents (one thread per active job) and the slot count.
 A submitted job is written to the store (its spec and first round) and kept
 as a local record; daemons on other nodes adopt it through the dispatcher.
 A job whose workers do not fit in the free slots waits PENDING; each time an
@@ -23,7 +23,7 @@ import psutil
 from .. import errors
 from ..jobstore import address as jobstore_env
 from ..agent.loop import Agent
-from ..control.auth import Caller
+from ..control.auth import Caller, check_access
 from ..control.validation import JobRequest
 from ..config import Config
 from ..gpus.alloc import GpuLedger, binding_for, needed
@@ -39,6 +39,8 @@ from ..jobs.restartpolicy import RestartWindow
 from ..jobs.spec import JobSpec
 from ..jobs.states import LIVE_STATES, TERMINAL_STATES, JobState
 from ..store import StoreError
+from ..trust.clusterkey import ephemeral
+from ..trust.specs import SpecCodec
 from ..workers.signals import group_processes
 from ..workers.template_pool import TemplatePool
 
@@ -49,7 +51,9 @@ log = logging.getLogger("elasticd.coordinator")
 LEFTOVER_GONE_WAIT = 5.0
 
 
-class JobManager:
+class Coordinator:
+    """This node's jobs: admission, slots and GPUs, the agents, adoption, cancel, resume."""
+
     def __init__(self, cfg: Config, registry: JobRegistry, cluster, view, metrics=None,
                  codec=None, policy=None, gpus: GpuLedger | None = None, health=None,
                  suspicion=None):
@@ -62,8 +66,6 @@ class JobManager:
         # Seals every spec this node writes to the store (trust/specs.py); the
         # daemon passes the cluster key's, a test without one gets a throwaway key.
         if codec is None:
-            from ..trust.clusterkey import ephemeral
-            from ..trust.specs import SpecCodec
             codec = SpecCodec(ephemeral(), cfg.control)
         self._codec = codec
         self._policy = policy
@@ -459,14 +461,6 @@ class JobManager:
             if not agent.join(timeout):
                 log.error("%s: agent did not stop within %.0fs", ctx(job=agent.job_id), timeout)
         self.templates.stop()
-
-
-def check_access(job: JobRecord, caller: Caller) -> None:
-    """root may see and change every job; anyone else only their own."""
-    if not caller.may_act_on(job.uid):
-        raise errors.PermissionDenied(
-            f"job {job.id} belongs to {job.user or job.uid}; only that user or root may "
-            "see or change it")
 
 
 def kill_leftover_workers(rows: list[WorkerRow]) -> int:

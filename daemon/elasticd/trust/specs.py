@@ -42,6 +42,7 @@ from hashlib import sha256
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from . import clusterkey
 from .clusterkey import DerivedKeys
 from ..errors import InvalidArgument
 from .rejections import RejectReason, Rejection, SpecRejected
@@ -173,7 +174,6 @@ class ClusterPolicy:
 def codec_for(cfg) -> SpecCodec:
     """The daemon's codec: keys from the cluster key file, or (standalone) ephemeral
     ones. Raises clusterkey.ClusterKeyError when a daemon on etcd has no usable key."""
-    from . import clusterkey
     keys = clusterkey.ephemeral() if cfg.daemon.standalone else clusterkey.load(
         cfg.cluster.key_file)
     return SpecCodec(keys, cfg.control, domain=cfg.etcd.prefix)

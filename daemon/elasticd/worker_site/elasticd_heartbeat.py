@@ -324,7 +324,7 @@ def _report_imports():
         pass
 
 
-def _become_new_process():
+def become_new_process():
     """Called by elasticd's worker template in a child it forked to be a rank:
     this process speaks for the rank now, with nothing of the template's state."""
     global _last, _last_call, _written_phase, _written_ns, _owner_pid, _path, _steps

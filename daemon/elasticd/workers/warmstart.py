@@ -372,8 +372,8 @@ def _become_rank(request: dict, log_fd: int, template_pid: int, boot_args: list)
     os.dup2(log_fd, 2)
     os.close(log_fd)
     beats = sys.modules.get("elasticd_heartbeat")
-    if beats is not None and hasattr(beats, "_become_new_process"):
-        beats._become_new_process()  # the template imported it: this is a rank of its own
+    if beats is not None and hasattr(beats, "become_new_process"):
+        beats.become_new_process()  # the template imported it: this is a rank of its own
     _become(request, boot_args)
 
 
