@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from . import failures
-from ..jobstore import address as jobstore_env
-from ..workers import env as envnames, preload
+from ..jobstore import round_host
+from ..workers import env as envnames
 from ..config import Config
 from ..gpus.alloc import Binding
 from ..jobs.registry import JobRecord, JobRegistry
@@ -39,6 +39,8 @@ from .newcomer import NewcomerWarmup, WarmVerdict
 from ..hangs.phase_board import JobPeers, PhasePublisher
 from ..hangs.detector import ProgressTracker
 from .recovery import Recovery
+from .stores import LOOPBACK, JobStores
+from .template import JobTemplate
 from ..jobs.restartpolicy import (  # noqa: F401 (re-exported)
     AttemptProgress, BackoffSettings, CrashLoop, made_progress, plan_restart, restart_delay,
     spares_due)
@@ -48,16 +50,12 @@ from ..rendezvous.protocol import (
 from ..rendezvous.status import CURRENT, RoundStatus, StatusKind
 from ..jobs.states import TERMINAL_STATES, JobState
 from ..store import StoreError
-from ..jobstore.host import JobStoreHost
-from ..jobstore import round_host
-from ..workers.template import StartPath, TemplateState, WorkerTemplate
+from ..workers.template import StartPath, TemplateState
 from ..workers.template_pool import TemplatePool
 from ..workers.group import GroupSpec, SpawnError, WorkerGroup
 from ..workers.spares import SparePool
 
 log = logging.getLogger("elasticd.agent.loop")
-# Where a job on one node has its stores (its job store, rank 0's): no other host needs them.
-LOOPBACK = "127.0.0.1"
 
 
 class Action(enum.Enum):
@@ -185,19 +183,8 @@ class Agent:
         self._round_state: RoundState | None = None
         self._join_wait_since = 0.0        # when it began to wait for the template to join
         a = cfg.agent
-        # The node's templates kept between a user's jobs (workers/template_pool.py, owned
-        # by the job manager); this job's is taken from it or started at _start_template,
-        # handed back at the end.
-        self._templates = templates
-        self._template = WorkerTemplate(job_id, cfg.daemon.node_id, a.template_ready_timeout,
-                                        a.template_fork_timeout)
-        self._template_noted: tuple = ()  # (state, reason, rss) last written to the record
-        self._template_said = ""          # where it came from, when not started for this job
-        self._preload_read = False        # the learned preload was read (once per job)
-        self._store_host = JobStoreHost()
-        self._round_stores = round_host.RoundStoreHost(job_id, cfg.daemon.node_id,
-                                                       cfg.rendezvous.round_store_timeout)
-        self._store_secret = jobstore_env.new_secret()
+        self._tpl = JobTemplate(job_id, cfg, registry, templates)  # agent/template.py
+        self._stores = JobStores(job_id, cfg, registry, rendezvous)  # agent/stores.py
         self._group: WorkerGroup | None = None    # the running attempt's workers
         self._recovery = Recovery(job_id, cfg, registry, metrics)  # the ladder's record
         # What the running attempt did, for the wait before the next restart
@@ -240,8 +227,8 @@ class Agent:
     # -- the loop ------------------------------------------------------------
     def _run(self) -> None:
         try:
-            self._start_template()
-            self._start_round_stores()
+            self._tpl.start(self._node_spec)
+            self._stores.start_round_stores(self._node_spec, self.wake)
             self._loop()
         except Exception as exc:
             log.exception("%s: agent crashed", self._where())
@@ -261,12 +248,11 @@ class Agent:
             if self._phase_pub is not None:
                 self._phase_pub.stop()
             try:
-                self._release_template()
+                self._tpl.release(keep=not self.shutting_down)
             except Exception:
                 log.exception("%s: could not record the template's end", self._where())
             self._spares.clear()
-            self._store_host.stop()
-            self._round_stores.stop()
+            self._stores.stop()
             self._on_exit(self.job_id)
 
     def _loop(self) -> None:
@@ -284,7 +270,7 @@ class Agent:
                 self._registry.transition(self.job_id, JobState.RENDEZVOUS,
                                           f"joining round {self._next_round_number(job)}")
             self.wake.clear()
-            store_port = self._start_job_store(job) if job.inprocess else 0
+            store_port = self._stores.start_job_store(job, self._node_spec) if job.inprocess else 0
             try:
                 if not self._gpus_healthy(job):
                     continue
@@ -308,24 +294,24 @@ class Agent:
             if job.max_nodes <= 1:  # one node: its stores listen on loopback alone
                 result = dataclasses.replace(result, master_addr=LOOPBACK,
                                              store_addr=LOOPBACK if result.store_addr else "")
-            spec = self._with_job_store(job, self._group_spec(job, result), result)
+            spec = self._stores.with_job_store(job, self._group_spec(job, result), result)
             if result.master_hosted:  # a round store listens on MASTER_PORT already
                 spec = dataclasses.replace(spec, extra_env={
                     **spec.extra_env, **round_host.worker_env(True)})
-            # In-process restart is on where _with_job_store gave the ranks a store.
+            # In-process restart is on where with_job_store gave the ranks a store.
             self._recovery.start_attempt(job, job.inprocess and bool(result.store_port))
-            if self._template.revivable():  # it died with its ranks: a new one for them
+            if self._tpl.template.revivable():  # it died with its ranks: a new one for them
                 self._registry.event(self.job_id, "template", "starting a new worker "
-                                     f"template: {self._template.reason}")
-                self._start_template()
-            if self._template.state is TemplateState.STARTING:
+                                     f"template: {self._tpl.template.reason}")
+                self._tpl.start(self._node_spec)
+            if self._tpl.template.state is TemplateState.STARTING:
                 # A first start waits for its imports (bounded; a cancel or a shutdown
                 # ends the wait: the monitor then acts on it).
-                self._template.ready(stop=self.wake)
-                self._note_template()
+                self._tpl.template.ready(stop=self.wake)
+                self._tpl.note()
             group = self._group = WorkerGroup(
-                spec, self._template if self._cfg.agent.worker_template else None)
-            started_warm = self._spares.ready() > 0 or self._template.ready(0)
+                spec, self._tpl.template if self._cfg.agent.worker_template else None)
+            started_warm = self._spares.ready() > 0 or self._tpl.template.ready(0)
             self._beats, self._first_beat = 0, None
             self._attempt_started = time.monotonic()
             try:
@@ -395,13 +381,13 @@ class Agent:
         it waits to join ``state``'s running round or joins an open round that does not
         expect it: once its spares are warm (agent/newcomer.py), or its worker template is."""
         limit = self._cfg.rendezvous.newcomer_warm_timeout  # 0: ask at once
-        if self._cfg.agent.worker_template and self._template.state in (
+        if self._cfg.agent.worker_template and self._tpl.template.state in (
                 TemplateState.STARTING, TemplateState.READY):
             if limit <= 0:
                 return True
             now = time.monotonic()
             self._join_wait_since = self._join_wait_since or now
-            warm = self._template.ready(0)
+            warm = self._tpl.template.ready(0)
             ready = warm or now - self._join_wait_since >= limit
             said = "ready" if ready else "waiting"
             if said not in self._join_said:  # once each: waiting, then ready
@@ -484,13 +470,13 @@ class Agent:
                                      a.warm_spare_delay, a.warm_spare_restart_delay):
                 refill = False
                 if (max_restarts < 0 or restarts < max_restarts) \
-                        and not self._template.ready(0) \
+                        and not self._tpl.template.ready(0) \
                         and self._spares.fill(group.spec, a.warm_preload, a.warm_spare_nice):
                     log.info("%s: warm spares started for the next restart",
                              self._where(result.round))
-            self._note_template()
-            if self._first_beat is not None and not self._preload_read:
-                self._learn_preload(group.spec)
+            self._tpl.note()
+            if self._first_beat is not None and not self._tpl.preload_read:
+                self._tpl.learn_preload(group.spec)
             self.wake.wait(interval)
             self.wake.clear()
 
@@ -701,82 +687,6 @@ class Agent:
                                   workers=self._worker_rows(group), **self._recovery.fields())
             self._publish(group)
 
-    # -- the worker template (workers/template.py) ------------------------------
-    def _start_template(self) -> None:
-        """The job's template as soon as the job is here, ready for its first start: an
-        idle one of this user's with an equal key (workers/template_pool.py), or a new one."""
-        job = self._registry.get(self.job_id)
-        if not self._cfg.agent.worker_template or job.state in TERMINAL_STATES:
-            return
-        got = self._templates.acquire(self.job_id, self._node_spec(job),
-            learned=job.learned_preload[:self._cfg.agent.template_preload_max])
-        self._template = got.template
-        if got.reused:
-            t = got.template
-            rss = t.rss_bytes()
-            self._template_said = got.sentence()
-            self._template_noted = (t.state.value, "", rss)
-            self._registry.event(self.job_id, "template", got.sentence())
-            self._registry.update(self.job_id, template_state=t.state.value,
-                                  template_reason=got.sentence(), template_rss_bytes=rss)
-            return
-        self._note_template()
-
-    def _release_template(self) -> None:
-        """The job ended here (or the daemon stops): its template back to the pool, kept
-        idle for the user's next job or stopped (workers/template_pool.py)."""
-        said = self._templates.release(self._template, keep=not self.shutting_down)
-        if not self._cfg.agent.worker_template:
-            return
-        if said:
-            self._registry.event(self.job_id, "template", said)
-            kept = self._template.state is TemplateState.READY  # in the pool, idle
-            self._registry.update(self.job_id, template_state=(
-                TemplateState.POOLED if kept else TemplateState.STOPPED).value,
-                template_reason=said, template_rss_bytes=0)
-            return
-        self._note_template()  # it had failed (or was never made): as it is
-
-    def _note_template(self) -> None:
-        """The template's state, reason and RSS into the job's record (when they changed:
-        the RSS by a tenth or more); an event when it became unusable."""
-        t = self._template
-        if not self._cfg.agent.worker_template:
-            return
-        t.ready(0)
-        rss = t.rss_bytes()
-        state, reason, old_rss = self._template_noted or ("", "", 0)
-        if (t.state.value, t.reason) == (state, reason) and abs(rss - old_rss) * 10 <= old_rss:
-            return
-        self._template_noted = (t.state.value, t.reason, rss)
-        if t.state is TemplateState.FAILED and t.state.value != state:
-            self._registry.event(self.job_id, "template", f"worker template unusable: "
-                                 f"{t.reason}; ranks start cold")
-        elif t.state is TemplateState.READY and t.state.value != state:
-            self._registry.event(self.job_id, "template", f"worker template ready in "
-                                 f"{t.ready_seconds:.2f} s (pid {t.pid}, "
-                                 f"{rss / (1 << 20):.0f} MiB)", duration=t.ready_seconds)
-        self._registry.update(self.job_id, template_state=t.state.value,
-                              template_reason=t.reason or self._template_said,
-                              template_rss_bytes=rss)
-
-    def _learn_preload(self, spec: GroupSpec) -> None:
-        """After the first beat: what local rank 0 imported, for the job's next template."""
-        a = self._cfg.agent
-        if not a.worker_template or not a.template_preload_max:
-            self._preload_read = True
-            return
-        names = preload.read_report(spec.run_dir, spec.uid, a.template_preload_max,
-                                    already={n.split(".")[0] for n in a.warm_preload})
-        if names is None:
-            return  # not written yet (its first step is still to come)
-        self._preload_read = True
-        if names and names != self._registry.get(self.job_id).learned_preload:
-            self._registry.update(self.job_id, learned_preload=names)
-            self._registry.event(self.job_id, "template", "learned preload: "
-                                 f"{', '.join(names)} (the job's next worker template "
-                                 "imports them)")
-
     def _note_start(self, group: WorkerGroup, result: Result) -> None:
         """The event and record of how this round's ranks started, and how long it took."""
         order = [StartPath.COLD.value, StartPath.SPARE.value, StartPath.TEMPLATE.value]
@@ -784,8 +694,8 @@ class Agent:
         slowest = min(paths, key=order.index) if paths else StartPath.COLD.value
         counts = ", ".join(f"{paths.count(p)} {p}" for p in reversed(order) if p in paths)
         why = next((w.cold_reason for w in group.workers if w.cold_reason), "")
-        if not why and self._template.state is TemplateState.OFF and self._template.reason:
-            why = f"no worker template: {self._template.reason}"
+        if not why and self._tpl.template.state is TemplateState.OFF and self._tpl.template.reason:
+            why = f"no worker template: {self._tpl.template.reason}"
         self._registry.event(
             self.job_id, "start", f"round {result.round}: {len(paths)} rank(s) started in "
             f"{group.start_seconds:.3f} s ({counts})" + (f"; not from the template: {why}"
@@ -793,7 +703,7 @@ class Agent:
             duration=group.start_seconds, start_path=slowest)
         self._registry.update(self.job_id, start_path=slowest,
                               start_seconds=group.start_seconds)
-        self._note_template()
+        self._tpl.note()
 
     # -- helpers -------------------------------------------------------------
     def _group_spec(self, job: JobRecord, rdzv: Result) -> GroupSpec:
@@ -818,56 +728,6 @@ class Agent:
         return self._group_spec(job, Result(
             round=0, group_rank=0, group_world_size=1, world_size=job.nproc_per_node,
             rank_offset=0, master_addr=master_addr, master_port=0))
-
-    def _start_round_stores(self) -> None:
-        """A job across nodes: this node's round store server (jobstore/round_host.py),
-        asked for a new store at each join (not waiting for its imports)."""
-        job = self._registry.get(self.job_id)
-        if not self._cfg.rendezvous.round_stores or job.max_nodes <= 1 or job.inprocess \
-                or job.state in TERMINAL_STATES:
-            return
-        self._round_stores.start(self._node_spec(job), bind=self._rdzv.address)
-        if self._round_stores.reason:
-            self._registry.event(self.job_id, "info", f"no round stores on this node: "
-                                 f"{self._round_stores.reason}; rank 0 hosts its round's store")
-        self._rdzv.hosted_port = lambda: self._round_stores.new_port(stop=self.wake)
-
-    def _start_job_store(self, job: JobRecord) -> int:
-        """For --inprocess jobs: this node's job store, up before it joins a round; its port.
-
-        Every node hosts one; the ranks of a round share the first member's
-        (rendezvous Result.store_addr), which outlives any rank. 0 when it
-        cannot start: the job then restarts processes only.
-        """
-        address = LOOPBACK if job.max_nodes <= 1 else self._rdzv.address
-        local = address.startswith("127.") or address in ("localhost", "::1")
-        spec = self._node_spec(job, address)
-        try:
-            _, port = self._store_host.ensure(spec, bind=LOOPBACK if local else address,
-                                              advertise=address, timeout=120.0)
-            return port
-        except SpawnError as exc:
-            self._registry.event(job.id, "info", f"no in-process restart on this node: {exc}")
-            return 0
-
-    def _with_job_store(self, job: JobRecord, spec: GroupSpec, rdzv: Result) -> GroupSpec:
-        """For --inprocess jobs: the store the round's wrappers coordinate through."""
-        if not job.inprocess:
-            return spec
-        if not rdzv.store_port:
-            self._registry.event(job.id, "info", f"round {rdzv.round}: its first node hosts no "
-                                 "job store; this round restarts processes only")
-            return spec
-        settings = {envnames.INPROCESS_PREFIX + name.upper(): str(value)
-                    for name, value in dataclasses.asdict(self._cfg.inprocess).items()}
-        defaults = {k: v for k, v in settings.items() if k not in job.env}  # --env wins
-        # The secret came with the job (made at submit); a job from a daemon that did not
-        # make one gets this agent's own (every rank of a single-node round shares it).
-        secret = job.env.get(jobstore_env.SECRET) or self._store_secret
-        return dataclasses.replace(spec, extra_env={**spec.extra_env, **defaults,
-                                                    jobstore_env.ADDR: rdzv.store_addr,
-                                                    jobstore_env.PORT: str(rdzv.store_port),
-                                                    jobstore_env.SECRET: secret})
 
     def _first_failure(self, job: JobRecord, group: WorkerGroup) -> Failure:
         blamed = failures.most_to_blame(group.workers, job.uid,
