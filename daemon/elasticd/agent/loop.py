@@ -35,9 +35,10 @@ from ..jobs.registry import JobRecord, JobRegistry
 from ..jobs.ladder import Layer
 from ..jobs.records import Failure, FailureKind, WorkerRow
 from ..logsetup import ctx
-from .newcomer import NewcomerWarmup, WarmVerdict
 from ..hangs.phase_board import JobPeers, PhasePublisher
 from ..hangs.detector import ProgressTracker
+from .gpu_gate import GpuGate
+from .joining import JoinGate
 from .recovery import Recovery
 from .stores import LOOPBACK, JobStores
 from .template import JobTemplate
@@ -163,7 +164,7 @@ class Agent:
         # The job's GPUs and CPUs on this node (gpus/alloc.py), the same for every
         # attempt and replaced rank; the GPU health gate asked before each round.
         self._binding = binding or Binding()
-        self._health = health
+        self._gpu_gate = GpuGate(job_id, cfg, registry, rendezvous, self._binding, health)
         self._cfg = cfg
         self._registry = registry
         self._rdzv = rendezvous
@@ -172,19 +173,16 @@ class Agent:
         self.wake = threading.Event()
         self.shutting_down = False
         self._spares = SparePool()
-        # Before this node asks to join a running round: its spares first (agent/newcomer.py).
-        self._newcomer = NewcomerWarmup(
-            self._spares, cfg.rendezvous.newcomer_warm_timeout if cfg.agent.warm_spares else 0,
-            cfg.agent.warm_preload, cfg.agent.warm_spare_nice)
-        rendezvous.ready_to_join = self._ready_to_join
-        self._join_said: set[str] = set()  # what _ready_to_join said of the template
         # The job's round state as this agent last read it: from the round it joined
         # (next_round's result) and from each status look while it runs.
         self._round_state: RoundState | None = None
-        self._join_wait_since = 0.0        # when it began to wait for the template to join
         a = cfg.agent
         self._tpl = JobTemplate(job_id, cfg, registry, templates)  # agent/template.py
         self._stores = JobStores(job_id, cfg, registry, rendezvous)  # agent/stores.py
+        # Before this node asks to join a running round: warm first (agent/joining.py).
+        self._join_gate = JoinGate(job_id, cfg, registry, self._tpl, self._spares,
+                                   self._group_spec, self._where)
+        rendezvous.ready_to_join = self._join_gate.ready
         self._group: WorkerGroup | None = None    # the running attempt's workers
         self._recovery = Recovery(job_id, cfg, registry, metrics)  # the ladder's record
         # What the running attempt did, for the wait before the next restart
@@ -272,7 +270,7 @@ class Agent:
             self.wake.clear()
             store_port = self._stores.start_job_store(job, self._node_spec) if job.inprocess else 0
             try:
-                if not self._gpus_healthy(job):
+                if not self._gpu_gate.healthy(self.wake):
                     continue
                 result = self._rdzv.next_round(self.wake, store_port)
             except RoundFinal as final:
@@ -284,7 +282,7 @@ class Agent:
                 log.warning("%s: rendezvous interrupted: %s; trying again", self._where(), exc)
                 self.wake.wait(self._cfg.membership.watch_retry)
                 continue
-            self._newcomer.reset()
+            self._join_gate.joined()
             self._round_state = result.state or self._round_state
             state = self._round_state
             job = self._registry.update(
@@ -354,69 +352,6 @@ class Agent:
                                              self._rdzv.publish_phases, self._rdzv.delete_phases)
             self._phase_pub.start()
         self._phase_pub.offer(self._progress.snapshot(result.round))
-
-    def _gpus_healthy(self, job: JobRecord) -> bool:
-        """GPU health before joining a round (gpus/health.py): True to join. On a
-        failure the node stays out: the reason says why, and after
-        daemon.gpu_health_retry_interval the loop looks again (RoundFinal if the
-        job ended meanwhile without this node)."""
-        if self._health is None or not self._binding.gpus:
-            return True
-        result = self._health.before_round(self.job_id, self._binding.gpus)
-        if result.ok:
-            return True
-        retry = self._cfg.daemon.gpu_health_retry_interval
-        self._registry.update(self.job_id, reason=f"GPU health check failing on "
-                              f"{self._cfg.daemon.node_id}, not joining (again in {retry:g}s): "
-                              f"{result.reason}")
-        final = self._rdzv.final_state()
-        if final is not None:
-            raise RoundFinal(final)
-        self.wake.wait(retry)
-        self.wake.clear()
-        return False
-
-    def _ready_to_join(self, state: RoundState) -> bool:
-        """Asked by the rendezvous before this node, not in the job's last round, says
-        it waits to join ``state``'s running round or joins an open round that does not
-        expect it: once its spares are warm (agent/newcomer.py), or its worker template is."""
-        limit = self._cfg.rendezvous.newcomer_warm_timeout  # 0: ask at once
-        if self._cfg.agent.worker_template and self._tpl.template.state in (
-                TemplateState.STARTING, TemplateState.READY):
-            if limit <= 0:
-                return True
-            now = time.monotonic()
-            self._join_wait_since = self._join_wait_since or now
-            warm = self._tpl.template.ready(0)
-            ready = warm or now - self._join_wait_since >= limit
-            said = "ready" if ready else "waiting"
-            if said not in self._join_said:  # once each: waiting, then ready
-                self._join_said.add(said)
-                why = (("worker template ready; asking to join" if warm else
-                        f"worker template not ready after {limit:g}s; asking to join anyway")
-                       if ready else
-                       "waiting for the worker template's imports before asking to join")
-                log.info("%s: %s", self._where(state.round), why)
-                self._registry.event(self.job_id, "info", f"round {state.round}: {why}")
-            return ready
-        job = self._registry.get(self.job_id)
-        # The ranks it will most likely get: after the running round's members (an open
-        # round has none yet: after the nodes it expects, as many ranks each as ours).
-        n = len(state.members) or len(state.expected)
-        offset = sum(m.nproc for m in state.members) if state.members \
-            else n * job.nproc_per_node
-        check, first = self._newcomer.check(lambda: self._group_spec(job, Result(
-            round=state.round + 1, group_rank=n, group_world_size=n + 1,
-            world_size=offset + job.nproc_per_node, rank_offset=offset, master_addr="",
-            master_port=0)))
-        said = (first and check.verdict is not WarmVerdict.NOTHING) or (
-            check.verdict is WarmVerdict.WARMING and self._newcomer.just_began)
-        if said:
-            log.info("%s: %s", self._where(state.round), check.sentence())
-            self._registry.event(self.job_id, "info",
-                                 f"round {state.round}: {check.sentence()}",
-                                 duration=check.waited)
-        return check.ask
 
     def _next_round_number(self, job: JobRecord) -> int:
         state = self._round_state
