@@ -35,8 +35,7 @@ from ..jobs.registry import JobRecord, JobRegistry
 from ..jobs.ladder import Layer
 from ..jobs.records import Failure, FailureKind, WorkerRow
 from ..logsetup import ctx
-from ..hangs.phase_board import JobPeers, PhasePublisher
-from ..hangs.detector import ProgressTracker
+from .attempt import AttemptWatch
 from .gpu_gate import GpuGate
 from .joining import JoinGate
 from .recovery import Recovery
@@ -185,18 +184,12 @@ class Agent:
         rendezvous.ready_to_join = self._join_gate.ready
         self._group: WorkerGroup | None = None    # the running attempt's workers
         self._recovery = Recovery(job_id, cfg, registry, metrics)  # the ladder's record
-        # What the running attempt did, for the wait before the next restart
-        # (restartpolicy.plan_restart): beats seen, when its workers started;
-        # and how many attempts in a row before it made no progress.
-        self._beats = 0
-        self._attempt_started = time.monotonic()
-        self._first_beat: float | None = None
+        # What the running attempt did (beats, phases, hangs: agent/attempt.py), for the
+        # wait before the next restart (restartpolicy.plan_restart); and how many
+        # attempts in a row before it made no progress.
+        self._attempt = AttemptWatch(job_id, cfg, registry, rendezvous, metrics)
         self._no_progress_streak = 0
         self._crash_loop = CrashLoop(a.crash_loop_limit)  # the same failure, no progress
-        self._progress = ProgressTracker(
-            job_id, cfg.agent, registry, cfg.daemon.node_id, on_beat=self._on_beat,
-            seed=registry.get(job_id).hang_timeouts)  # the hang timeouts learned before
-        self._phase_pub: PhasePublisher | None = None  # this node's phases, jobs across nodes
         self._thread = threading.Thread(target=self._run, name=f"agent-{job_id}", daemon=True)
 
     def start(self) -> None:
@@ -208,16 +201,6 @@ class Agent:
 
     def poke(self) -> None:
         self.wake.set()
-
-    def _on_beat(self) -> None:
-        if not self._beats:
-            self._first_beat = time.monotonic()
-        self._beats += 1
-        if self._metrics:
-            self._metrics.progress_beat(self.job_id)
-
-    def _attempt_progress(self) -> AttemptProgress:
-        return AttemptProgress(self._beats, time.monotonic() - self._attempt_started)
 
     def _where(self, rnd: int | None = None) -> str:
         return ctx(job=self.job_id, node=self._cfg.daemon.node_id, round=rnd)
@@ -243,8 +226,7 @@ class Agent:
             except Exception:
                 log.exception("%s: could not record agent crash", self._where())
         finally:
-            if self._phase_pub is not None:
-                self._phase_pub.stop()
+            self._attempt.stop()
             try:
                 self._tpl.release(keep=not self.shutting_down)
             except Exception:
@@ -310,8 +292,7 @@ class Agent:
             group = self._group = WorkerGroup(
                 spec, self._tpl.template if self._cfg.agent.worker_template else None)
             started_warm = self._spares.ready() > 0 or self._tpl.template.ready(0)
-            self._beats, self._first_beat = 0, None
-            self._attempt_started = time.monotonic()
+            self._attempt.begin()
             try:
                 group.start(self._spares)
             except SpawnError as exc:
@@ -335,24 +316,6 @@ class Agent:
             if not self._apply(decision, group, result):
                 return
 
-    def _watch_hangs(self, group: WorkerGroup, result: Result) -> None:
-        """Hang detection, one look; a job across nodes shares its ranks' phases and
-        step times with its other nodes (hangs/phase_board.py) and decides on theirs."""
-        if result.group_world_size <= 1 or not self._cfg.agent.hang_detection:
-            self._progress.check(group)
-            return
-        a = self._cfg.agent
-        peers = JobPeers.of(self._rdzv.peer_phases(), list(result.members),
-                            self._cfg.daemon.node_id, result.round, a.phase_stale_after,
-                            time.monotonic())
-        self._progress.check(group, peers)
-        if self._phase_pub is None:
-            self._phase_pub = PhasePublisher(self.job_id, self._cfg.daemon.node_id,
-                                             a.phase_publish_interval,
-                                             self._rdzv.publish_phases, self._rdzv.delete_phases)
-            self._phase_pub.start()
-        self._phase_pub.offer(self._progress.snapshot(result.round))
-
     def _next_round_number(self, job: JobRecord) -> int:
         state = self._round_state
         return (state.round + 1) if state and state.status != "open" else job.round + 1
@@ -361,11 +324,11 @@ class Agent:
         a = self._cfg.agent
         interval = a.monitor_interval
         # Spares still to start for this attempt, from when, after a warm start or not.
-        refill, refill_from, warm = a.warm_spares, self._attempt_started, started_warm
+        refill, refill_from, warm = a.warm_spares, self._attempt.started, started_warm
         marked_done = scale_requested = False
         while True:
             workers = group.poll()
-            self._watch_hangs(group, result)  # dump stacks, kill hung ranks
+            self._attempt.check(group, result)  # dump stacks, kill hung ranks
             if self._recovery.inprocess_on:
                 self._recovery.read_reports(group)
             job_restarts, max_restarts, cancel = self._registry.control_flags(self.job_id)
@@ -401,7 +364,7 @@ class Agent:
                                                         RoundCause.NODE_WAITING))
             elif decision.action is not Action.CONTINUE:
                 return decision
-            if refill and spares_due(time.monotonic(), refill_from, self._first_beat, warm,
+            if refill and spares_due(time.monotonic(), refill_from, self._attempt.first_beat, warm,
                                      a.warm_spare_delay, a.warm_spare_restart_delay):
                 refill = False
                 if (max_restarts < 0 or restarts < max_restarts) \
@@ -410,7 +373,7 @@ class Agent:
                     log.info("%s: warm spares started for the next restart",
                              self._where(result.round))
             self._tpl.note()
-            if self._first_beat is not None and not self._tpl.preload_read:
+            if self._attempt.first_beat is not None and not self._tpl.preload_read:
                 self._tpl.learn_preload(group.spec)
             self.wake.wait(interval)
             self.wake.clear()
@@ -465,7 +428,7 @@ class Agent:
         """REJOIN (a peer opened a new round) or NODE_LOST (open one ourselves)."""
         act = decision.action
         job = self._registry.get(self.job_id)
-        if made_progress(self._attempt_progress(),
+        if made_progress(self._attempt.progress(),
                          BackoffSettings.from_settings(self._cfg.agent)):
             self._no_progress_streak = 0  # another node's fault ended a good attempt
         self._stop_group(group)
@@ -495,7 +458,7 @@ class Agent:
     def _restart_or_fail(self, decision: Decision, group: WorkerGroup, result: Result) -> bool:
         """RESTART or FAIL: a local worker failed, or in-process restart gave up."""
         job = self._registry.get(self.job_id)
-        plan = plan_restart(self._attempt_progress(), self._no_progress_streak,
+        plan = plan_restart(self._attempt.progress(), self._no_progress_streak,
                             BackoffSettings.from_settings(self._cfg.agent))
         # Stop the rest of the group before recording: they would hang in collectives.
         # Blame only after the stop: a rank SIGKILLed by someone else (the OOM
@@ -596,7 +559,7 @@ class Agent:
             report = failures.report_of(w, job.uid, self._cfg.agent.error_file_max_bytes,
                                         self._log_dir(job), self._cfg.agent.failure_tail_lines)
             failure = self._explain(self._worker_failure(job, w, report))
-            self._progress.forget(w.rank)
+            self._attempt.forget(w.rank)
             cause = failure.cause
             try:
                 new = group.replace(w, self._spares, {envnames.INPROCESS_REPLACES: cause},
@@ -675,7 +638,7 @@ class Agent:
     def _explain(self, failure: Failure) -> Failure:
         """The failure, its cause a hang if one ended the rank: killed by our hang
         detection (hangs/detector.py), or ended by its own wrapper as stuck (agent/recovery.py)."""
-        return self._recovery.explain(self._progress.explain(failure))
+        return self._recovery.explain(self._attempt.explain(failure))
 
     def _worker_failure(self, job: JobRecord, w, report: failures.ErrorReport) -> Failure:
         """The failure record of one failed worker, logged and recorded as an event."""
