@@ -10,7 +10,8 @@ import textwrap
 
 import pytest
 
-from elasticd.agent.loop import Action, Snapshot, decide, restart_delay
+from elasticd.agent.decide import Action, Snapshot, decide
+from elasticd.jobs.restartpolicy import restart_delay
 from elasticd.agent.failures import read_error_file
 from elasticd.jobs.ladder import Layer
 from elasticd.rendezvous.protocol import RoundCause

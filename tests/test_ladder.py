@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import os
 
-from elasticd.agent.loop import Action, Snapshot, round_layer
-from elasticd.agent.loop import decide as decide_on
+from elasticd.agent.decide import Action, Snapshot, round_layer
+from elasticd.agent.decide import decide as decide_on
 from elasticd.workers.inprocess_reports import ReportReader, parse_line
 from elasticd.jobs.ladder import Attempt, Ladder, Layer, chain_text
 from elasticd.rendezvous.protocol import RoundCause, RoundState
