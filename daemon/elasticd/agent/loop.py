@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import threading
 import time
 from typing import Callable
@@ -34,9 +33,11 @@ from ..jobs.ladder import Layer
 from ..jobs.records import Failure, FailureKind, WorkerRow
 from ..logsetup import ctx
 from .attempt import AttemptWatch
+from .blame import FailureNotes
 from .decide import Action, Decision, Snapshot, decide
 from .gpu_gate import GpuGate
 from .joining import JoinGate
+from .placement import Placement
 from .recovery import Recovery
 from .stores import LOOPBACK, JobStores
 from .template import JobTemplate
@@ -50,7 +51,7 @@ from ..jobs.states import TERMINAL_STATES, JobState
 from ..store import StoreError
 from ..workers.template import StartPath, TemplateState
 from ..workers.template_pool import TemplatePool
-from ..workers.group import GroupSpec, SpawnError, WorkerGroup
+from ..workers.group import SpawnError, WorkerGroup
 from ..workers.spares import SparePool
 
 log = logging.getLogger("elasticd.agent.loop")
@@ -62,9 +63,10 @@ class Agent:
                  binding: Binding | None = None, health=None, *, templates: TemplatePool):
         self.job_id = job_id
         # The job's GPUs and CPUs on this node (gpus/alloc.py), the same for every
-        # attempt and replaced rank; the GPU health gate asked before each round.
-        self._binding = binding or Binding()
-        self._gpu_gate = GpuGate(job_id, cfg, registry, rendezvous, self._binding, health)
+        # attempt and replaced rank (agent/placement.py); their health checked before
+        # each round (agent/gpu_gate.py).
+        self._place = Placement(cfg, binding or Binding())
+        self._gpu_gate = GpuGate(job_id, cfg, registry, rendezvous, self._place.binding, health)
         self._cfg = cfg
         self._registry = registry
         self._rdzv = rendezvous
@@ -81,7 +83,7 @@ class Agent:
         self._stores = JobStores(job_id, cfg, registry, rendezvous)  # agent/stores.py
         # Before this node asks to join a running round: warm first (agent/joining.py).
         self._join_gate = JoinGate(job_id, cfg, registry, self._tpl, self._spares,
-                                   self._group_spec, self._where)
+                                   self._place.group_spec, self._where)
         rendezvous.ready_to_join = self._join_gate.ready
         self._group: WorkerGroup | None = None    # the running attempt's workers
         self._recovery = Recovery(job_id, cfg, registry, metrics)  # the ladder's record
@@ -89,6 +91,7 @@ class Agent:
         # wait before the next restart (restartpolicy.plan_restart); and how many
         # attempts in a row before it made no progress.
         self._attempt = AttemptWatch(job_id, cfg, registry, rendezvous, metrics)
+        self._notes = FailureNotes(cfg, registry, self._place, self._recovery, self._attempt)
         self._no_progress_streak = 0
         self._crash_loop = CrashLoop(a.crash_loop_limit)  # the same failure, no progress
         self._thread = threading.Thread(target=self._run, name=f"agent-{job_id}", daemon=True)
@@ -109,8 +112,8 @@ class Agent:
     # -- the loop ------------------------------------------------------------
     def _run(self) -> None:
         try:
-            self._tpl.start(self._node_spec)
-            self._stores.start_round_stores(self._node_spec, self.wake)
+            self._tpl.start(self._place.node_spec)
+            self._stores.start_round_stores(self._place.node_spec, self.wake)
             self._loop()
         except Exception as exc:
             log.exception("%s: agent crashed", self._where())
@@ -151,7 +154,8 @@ class Agent:
                 self._registry.transition(self.job_id, JobState.RENDEZVOUS,
                                           f"joining round {self._next_round_number(job)}")
             self.wake.clear()
-            store_port = self._stores.start_job_store(job, self._node_spec) if job.inprocess else 0
+            store_port = self._stores.start_job_store(job, self._place.node_spec) \
+                if job.inprocess else 0
             try:
                 if not self._gpu_gate.healthy(self.wake):
                     continue
@@ -175,7 +179,7 @@ class Agent:
             if job.max_nodes <= 1:  # one node: its stores listen on loopback alone
                 result = dataclasses.replace(result, master_addr=LOOPBACK,
                                              store_addr=LOOPBACK if result.store_addr else "")
-            spec = self._stores.with_job_store(job, self._group_spec(job, result), result)
+            spec = self._stores.with_job_store(job, self._place.group_spec(job, result), result)
             if result.master_hosted:  # a round store listens on MASTER_PORT already
                 spec = dataclasses.replace(spec, extra_env={
                     **spec.extra_env, **round_host.worker_env(True)})
@@ -184,7 +188,7 @@ class Agent:
             if self._tpl.template.revivable():  # it died with its ranks: a new one for them
                 self._registry.event(self.job_id, "template", "starting a new worker "
                                      f"template: {self._tpl.template.reason}")
-                self._tpl.start(self._node_spec)
+                self._tpl.start(self._place.node_spec)
             if self._tpl.template.state is TemplateState.STARTING:
                 # A first start waits for its imports (bounded; a cancel or a shutdown
                 # ends the wait: the monitor then acts on it).
@@ -199,14 +203,15 @@ class Agent:
             except SpawnError as exc:
                 self._finish_cluster(FAILED, f"node {self._cfg.daemon.node_id}: {exc}")
                 self._registry.transition(self.job_id, JobState.FAILED, str(exc), exit_code=127,
-                                          last_failure=self._failure(job, -1, 127, 0, str(exc)))
+                                          last_failure=self._notes.record(job, -1, 127, 0,
+                                                                          str(exc)))
                 return
             last = result.rank_offset + len(group.workers) - 1
             self._registry.transition(
                 self.job_id, JobState.RUNNING,
                 f"round {result.round}: ranks {result.rank_offset}..{last} of "
                 f"{result.world_size} on {result.group_world_size} node(s)",
-                workers=self._worker_rows(group))
+                workers=self._place.worker_rows(group))
             self._recovery.recovered()
             self._note_start(group, result)
             self._publish(group)
@@ -296,14 +301,14 @@ class Agent:
         self._stop_group(group, grace=0)
         self._finish_cluster(SUCCEEDED, "every node's workers exited 0")
         self._registry.transition(self.job_id, JobState.SUCCEEDED, decision.reason,
-                                  exit_code=0, workers=self._worker_rows(group))
+                                  exit_code=0, workers=self._place.worker_rows(group))
         self._publish(group)
         return False
 
     def _stopped_rows(self, group: WorkerGroup) -> list[WorkerRow]:
         """Stop the group for good on this node; its rows, published."""
         self._stop_group(group)
-        rows = self._worker_rows(group)
+        rows = self._place.worker_rows(group)
         self._publish(group)
         return rows
 
@@ -347,13 +352,13 @@ class Agent:
             self._recovery.ladder.failed(layer, state.reason or decision.reason, time.time())
             self._registry.update(self.job_id, **self._recovery.fields())
             self._fault_handled(lost, Layer.RENDEZVOUS,
-                                self._end_as(state, self._worker_rows(group)))
+                                self._end_as(state, self._place.worker_rows(group)))
             return False
         self._fault_handled(lost, Layer.RENDEZVOUS, self._registry.transition(
             self.job_id, JobState.RESTARTING, decision.reason or "a new round opened",
             restarts=state.restarts if state else job.restarts,
             restart_times=list(state.restart_times) if state else job.restart_times,
-            workers=self._worker_rows(group), **self._recovery.fields()))
+            workers=self._place.worker_rows(group), **self._recovery.fields()))
         return True
 
     def _restart_or_fail(self, decision: Decision, group: WorkerGroup, result: Result) -> bool:
@@ -386,7 +391,8 @@ class Agent:
             self.job_id, JobState.RESTARTING,
             f"{climb.cause}; {decision.reason}; {plan.sentence()}",
             plan=plan, restarts=restart, restart_times=times, last_restart_plan=record,
-            last_failure=failure, workers=self._worker_rows(group), **self._recovery.fields()))
+            last_failure=failure, workers=self._place.worker_rows(group),
+            **self._recovery.fields()))
         if plan.delay:
             self.wake.wait(plan.delay)
             self.wake.clear()
@@ -396,9 +402,9 @@ class Agent:
         """The failure a stopped group's restart or end is recorded with."""
         ladder = self._recovery.ladder
         if self._recovery.gave_up():
-            return self._failure(job, ladder.abandoned_rank, 1, 0,
+            return self._notes.record(job, ladder.abandoned_rank, 1, 0,
                                  f"in-process restart gave up: {ladder.abandoned}")
-        return self._explain(self._first_failure(job, group))
+        return self._notes.explain(self._notes.first(job, group))
 
     def _fail(self, decision: Decision, group: WorkerGroup, failure: Failure,
               state: RoundState | None) -> None:
@@ -413,7 +419,7 @@ class Agent:
         self._finish_cluster(FAILED, why)
         self._fault_handled(failure, Layer.PROCESS, self._registry.transition(
             self.job_id, JobState.FAILED, why, exit_code=code, last_failure=failure,
-            workers=self._worker_rows(group), **self._recovery.fields()))
+            workers=self._place.worker_rows(group), **self._recovery.fields()))
 
     # -- the cluster's word ----------------------------------------------------
     def _end_as(self, state: RoundState | None, rows: list[WorkerRow] | None) -> JobRecord:
@@ -439,7 +445,7 @@ class Agent:
     def _publish(self, group: WorkerGroup) -> None:
         job = self._registry.get(self.job_id)
         summary = job.recovery_summary() if job is not None else None
-        self._try(lambda: self._rdzv.publish_workers(self._worker_rows(group), summary))
+        self._try(lambda: self._rdzv.publish_workers(self._place.worker_rows(group), summary))
 
     def _try(self, call):
         """A store call that must not stop the loop: etcd may be away for a while."""
@@ -458,8 +464,9 @@ class Agent:
             if w.outcome in (None, 0):
                 continue
             report = failures.report_of(w, job.uid, self._cfg.agent.error_file_max_bytes,
-                                        self._log_dir(job), self._cfg.agent.failure_tail_lines)
-            failure = self._explain(self._worker_failure(job, w, report))
+                                        self._place.log_dir(job),
+                                        self._cfg.agent.failure_tail_lines)
+            failure = self._notes.explain(self._notes.of_worker(job, w, report))
             self._attempt.forget(w.rank)
             cause = failure.cause
             try:
@@ -483,7 +490,7 @@ class Agent:
                                  rank=w.rank, layer=Layer.INPROCESS.value)
         if failure is not None:
             self._registry.update(self.job_id, last_failure=failure,
-                                  workers=self._worker_rows(group), **self._recovery.fields())
+                                  workers=self._place.worker_rows(group), **self._recovery.fields())
             self._publish(group)
 
     def _note_start(self, group: WorkerGroup, result: Result) -> None:
@@ -503,64 +510,3 @@ class Agent:
         self._registry.update(self.job_id, start_path=slowest,
                               start_seconds=group.start_seconds)
         self._tpl.note()
-
-    # -- helpers -------------------------------------------------------------
-    def _group_spec(self, job: JobRecord, rdzv: Result) -> GroupSpec:
-        d = self._cfg.daemon
-        return GroupSpec(
-            job_id=job.id, command=tuple(job.command), cwd=job.cwd, env=job.env,
-            uid=job.uid, gid=job.gid, nproc=job.nproc_per_node,
-            restart_count=job.restarts, max_restarts=job.max_restarts, round=rdzv.round,
-            group_rank=rdzv.group_rank, group_world_size=rdzv.group_world_size,
-            world_size=rdzv.world_size, rank_offset=rdzv.rank_offset,
-            master_addr=rdzv.master_addr, master_port=rdzv.master_port,
-            log_dir=self._log_dir(job),
-            run_dir=os.path.join(self._cfg.jobs_run_dir, job.id), node_id=d.node_id,
-            device_env=self._binding.env(), cpus=self._binding.cpus)
-
-    def _log_dir(self, job: JobRecord) -> str:
-        return os.path.join(self._cfg.logs_dir, job.id)
-
-    def _node_spec(self, job: JobRecord, master_addr: str = "") -> GroupSpec:
-        """The job's spawn spec before any round: for what this node starts for the job
-        as a whole (its template, round stores and job store), not for one round's ranks."""
-        return self._group_spec(job, Result(
-            round=0, group_rank=0, group_world_size=1, world_size=job.nproc_per_node,
-            rank_offset=0, master_addr=master_addr, master_port=0))
-
-    def _first_failure(self, job: JobRecord, group: WorkerGroup) -> Failure:
-        blamed = failures.most_to_blame(group.workers, job.uid,
-                                        self._cfg.agent.error_file_max_bytes,
-                                        self._log_dir(job), self._cfg.agent.failure_tail_lines)
-        if blamed is None:
-            return self._failure(job, -1, 1, 0, "worker failed")
-        return self._worker_failure(job, *blamed)
-
-    def _explain(self, failure: Failure) -> Failure:
-        """The failure, its cause a hang if one ended the rank: killed by our hang
-        detection (hangs/detector.py), or ended by its own wrapper as stuck (agent/recovery.py)."""
-        return self._recovery.explain(self._attempt.explain(failure))
-
-    def _worker_failure(self, job: JobRecord, w, report: failures.ErrorReport) -> Failure:
-        """The failure record of one failed worker, logged and recorded as an event."""
-        exit_code, sig, cause = failures.describe(w, report.message, report.problem)
-        tb = report.traceback
-        log.warning("%s: worker pid %d failed: %s",
-                    ctx(job=job.id, node=self._cfg.daemon.node_id, round=job.round, rank=w.rank),
-                    w.pid, cause)
-        self._registry.event(job.id, "worker_exit", cause, rank=w.rank)
-        # typed, for whoever decides on it (not the sentence)
-        kind = FailureKind.UNREADABLE_ERROR_FILE if report.problem is not None \
-            else FailureKind.WORKER
-        return self._failure(job, w.rank, exit_code, sig, cause, tb, kind)
-
-    def _failure(self, job: JobRecord, rank: int, exit_code: int, sig: int, cause: str,
-                 traceback: str = "", kind: FailureKind = FailureKind.WORKER) -> Failure:
-        return failures.record(rank, exit_code, sig, cause, traceback, job.restarts,
-                               self._cfg.daemon.node_id, kind)
-
-    def _worker_rows(self, group: WorkerGroup) -> list[WorkerRow]:
-        b = self._binding  # every worker of the job here: the whole set (LOCAL_RANK indexes)
-        return [dataclasses.replace(row, gpus=tuple(b.indices),
-                                    gpu_uuids=tuple(g.uuid for g in b.gpus), cpus=b.cpus_text)
-                for row in failures.worker_rows(group.workers, self._cfg.daemon.node_id)]
