@@ -25,7 +25,6 @@ from typing import Callable
 
 from . import failures
 from ..jobstore import round_host
-from ..workers import env as envnames
 from ..config import Config
 from ..gpus.alloc import Binding
 from ..jobs.registry import JobRecord, JobRegistry
@@ -39,6 +38,7 @@ from .gpu_gate import GpuGate
 from .joining import JoinGate
 from .placement import Placement
 from .recovery import Recovery
+from .replace import RankReplacer
 from .stores import LOOPBACK, JobStores
 from .template import JobTemplate
 from ..jobs.restartpolicy import (
@@ -49,7 +49,7 @@ from ..rendezvous.protocol import (
 from ..rendezvous.status import CURRENT
 from ..jobs.states import TERMINAL_STATES, JobState
 from ..store import StoreError
-from ..workers.template import StartPath, TemplateState
+from ..workers.template import TemplateState
 from ..workers.template_pool import TemplatePool
 from ..workers.group import SpawnError, WorkerGroup
 from ..workers.spares import SparePool
@@ -92,6 +92,9 @@ class Agent:
         # attempts in a row before it made no progress.
         self._attempt = AttemptWatch(job_id, cfg, registry, rendezvous, metrics)
         self._notes = FailureNotes(cfg, registry, self._place, self._recovery, self._attempt)
+        self._replacer = RankReplacer(job_id, cfg, registry, self._place, self._notes,
+                                      self._recovery, self._attempt, self._spares,
+                                      self._publish)
         self._no_progress_streak = 0
         self._crash_loop = CrashLoop(a.crash_loop_limit)  # the same failure, no progress
         self._thread = threading.Thread(target=self._run, name=f"agent-{job_id}", daemon=True)
@@ -213,7 +216,7 @@ class Agent:
                 f"{result.world_size} on {result.group_world_size} node(s)",
                 workers=self._place.worker_rows(group))
             self._recovery.recovered()
-            self._note_start(group, result)
+            self._tpl.note_start(group, result)
             self._publish(group)
             if self._metrics:
                 self._metrics.workers_started_n(len(group.workers))
@@ -261,7 +264,7 @@ class Agent:
                 inprocess_left=self._recovery.inprocess_left(),
                 gave_up=self._recovery.gave_up(), remote_ranks=result.group_world_size > 1))
             if decision.action is Action.REPLACE:
-                self._replace_dead(group)
+                self._replacer.replace_dead(group)
                 refill, refill_from, warm = a.warm_spares, time.monotonic(), False
             elif decision.action is Action.SCALE_UP:
                 if result.group_rank == 0 and not scale_requested:
@@ -454,59 +457,3 @@ class Agent:
         except StoreError as exc:
             log.warning("%s: etcd call failed: %s", self._where(), exc)
             return None
-
-    # -- the in-process layer -----------------------------------------------------
-    def _replace_dead(self, group: WorkerGroup) -> None:
-        """Start a new process for each dead rank; it joins the others' next iteration."""
-        job = self._registry.get(self.job_id)
-        failure = None
-        for w in list(group.workers):
-            if w.outcome in (None, 0):
-                continue
-            report = failures.report_of(w, job.uid, self._cfg.agent.error_file_max_bytes,
-                                        self._place.log_dir(job),
-                                        self._cfg.agent.failure_tail_lines)
-            failure = self._notes.explain(self._notes.of_worker(job, w, report))
-            self._attempt.forget(w.rank)
-            cause = failure.cause
-            try:
-                new = group.replace(w, self._spares, {envnames.INPROCESS_REPLACES: cause},
-                                    cause)
-            except SpawnError as exc:
-                # Nothing to join the others: they fall back at their barrier; restart now.
-                self._registry.event(self.job_id, "info", f"rank {w.rank} not replaced: {exc}",
-                                     rank=w.rank, layer=Layer.INPROCESS.value)
-                self._recovery.ladder.gave_up(f"rank {w.rank} could not be replaced: {exc}",
-                                              w.rank)
-                return
-            used = self._recovery.replaced(failure, w.rank)
-            log.warning("%s: %s; replaced in-process by pid %d",
-                        ctx(job=self.job_id, node=self._cfg.daemon.node_id, round=job.round,
-                            rank=w.rank), cause, new.pid)
-            self._registry.event(self.job_id, "replace",
-                                 f"{cause}; replaced in-process by pid {new.pid} "
-                                 f"({new.start_path}) "
-                                 f"({used} of {self._recovery.ladder.inprocess_budget})",
-                                 rank=w.rank, layer=Layer.INPROCESS.value)
-        if failure is not None:
-            self._registry.update(self.job_id, last_failure=failure,
-                                  workers=self._place.worker_rows(group), **self._recovery.fields())
-            self._publish(group)
-
-    def _note_start(self, group: WorkerGroup, result: Result) -> None:
-        """The event and record of how this round's ranks started, and how long it took."""
-        order = [StartPath.COLD.value, StartPath.SPARE.value, StartPath.TEMPLATE.value]
-        paths = [w.start_path for w in group.workers]
-        slowest = min(paths, key=order.index) if paths else StartPath.COLD.value
-        counts = ", ".join(f"{paths.count(p)} {p}" for p in reversed(order) if p in paths)
-        why = next((w.cold_reason for w in group.workers if w.cold_reason), "")
-        if not why and self._tpl.template.state is TemplateState.OFF and self._tpl.template.reason:
-            why = f"no worker template: {self._tpl.template.reason}"
-        self._registry.event(
-            self.job_id, "start", f"round {result.round}: {len(paths)} rank(s) started in "
-            f"{group.start_seconds:.3f} s ({counts})" + (f"; not from the template: {why}"
-                                                          if why else ""),
-            duration=group.start_seconds, start_path=slowest)
-        self._registry.update(self.job_id, start_path=slowest,
-                              start_seconds=group.start_seconds)
-        self._tpl.note()

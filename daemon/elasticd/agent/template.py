@@ -5,7 +5,9 @@ from the node's pool (an idle one of the user's with an equal key) or started
 as soon as the job is here, its state, reason and RSS written into the job's
 record as they change, handed back to the pool when the job ends here; and,
 after local rank 0's first beat, the modules it imported (the job's next
-template preloads them). The agent asks it whether the template is ready.
+template preloads them); and, each round, how its ranks started (template,
+spare or cold, and why not from the template). The agent asks it whether the
+template is ready.
 """
 from __future__ import annotations
 
@@ -15,8 +17,9 @@ from ..config import Config
 from ..jobs.registry import JobRecord, JobRegistry
 from ..jobs.states import TERMINAL_STATES
 from ..workers import preload
-from ..workers.group import GroupSpec
-from ..workers.template import TemplateState, WorkerTemplate
+from ..rendezvous.protocol import Result
+from ..workers.group import GroupSpec, WorkerGroup
+from ..workers.template import StartPath, TemplateState, WorkerTemplate
 from ..workers.template_pool import TemplatePool
 
 
@@ -113,3 +116,21 @@ class JobTemplate:
             self._registry.event(self.job_id, "template", "learned preload: "
                                  f"{', '.join(names)} (the job's next worker template "
                                  "imports them)")
+
+    def note_start(self, group: WorkerGroup, result: Result) -> None:
+        """The event and record of how this round's ranks started, and how long it took."""
+        order = [StartPath.COLD.value, StartPath.SPARE.value, StartPath.TEMPLATE.value]
+        paths = [w.start_path for w in group.workers]
+        slowest = min(paths, key=order.index) if paths else StartPath.COLD.value
+        counts = ", ".join(f"{paths.count(p)} {p}" for p in reversed(order) if p in paths)
+        why = next((w.cold_reason for w in group.workers if w.cold_reason), "")
+        if not why and self.template.state is TemplateState.OFF and self.template.reason:
+            why = f"no worker template: {self.template.reason}"
+        self._registry.event(
+            self.job_id, "start", f"round {result.round}: {len(paths)} rank(s) started in "
+            f"{group.start_seconds:.3f} s ({counts})" + (f"; not from the template: {why}"
+                                                          if why else ""),
+            duration=group.start_seconds, start_path=slowest)
+        self._registry.update(self.job_id, start_path=slowest,
+                              start_seconds=group.start_seconds)
+        self.note()

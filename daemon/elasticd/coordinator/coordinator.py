@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import signal
 import threading
 import time
 from typing import Callable
 
-import psutil
-
 from .. import errors
+from .leftovers import kill_leftover_workers
 from ..jobstore import address as jobstore_env
 from ..agent.loop import Agent
 from ..control.auth import Caller, check_access
@@ -32,7 +30,6 @@ from ..jobs.registry import (
     JobExists, JobNotFound, JobRecord, JobRegistry, NameInUse, NotPersisted, new_job_id,
     spec_bytes)
 from ..logsetup import ctx
-from ..jobs.records import WorkerRow
 from ..rendezvous.round import ClusterRendezvous, create_job
 from ..rendezvous.protocol import CANCELLED, JobLimits, final_job_state
 from ..jobs.restartpolicy import RestartWindow
@@ -41,14 +38,9 @@ from ..jobs.states import LIVE_STATES, TERMINAL_STATES, JobState
 from ..store import StoreError
 from ..trust.clusterkey import ephemeral
 from ..trust.specs import SpecCodec
-from ..workers.signals import group_processes
 from ..workers.template_pool import TemplatePool
 
 log = logging.getLogger("elasticd.coordinator")
-
-# Seconds a restarted daemon waits for what it SIGKILLed of its previous run's
-# workers to be gone before it serves (SIGKILL lands when the process next runs).
-LEFTOVER_GONE_WAIT = 5.0
 
 
 class Coordinator:
@@ -461,38 +453,3 @@ class Coordinator:
             if not agent.join(timeout):
                 log.error("%s: agent did not stop within %.0fs", ctx(job=agent.job_id), timeout)
         self.templates.stop()
-
-
-def kill_leftover_workers(rows: list[WorkerRow]) -> int:
-    """SIGKILL what is left of recorded workers' process groups.
-
-    Each worker led its own process group (pgid == its pid). The leader may
-    be gone while children it forked live on in the group, so every process
-    in that group started no earlier than the recorded worker is killed; a
-    recycled pid or pgid (an older start time can't be ours) is never hit.
-    """
-    wanted = {row.pid: row.create_time for row in rows if row.pid and row.create_time}
-    if not wanted:
-        return 0
-    killed: list[psutil.Process] = []
-    for proc, pgid in group_processes(wanted, ("pid", "create_time")):
-        if proc.info["create_time"] < wanted[pgid] - 0.01:
-            continue
-        try:
-            proc.send_signal(signal.SIGKILL)  # psutil checks it is still that process
-            killed.append(proc)
-        except psutil.Error:
-            pass
-    # SIGKILL takes effect when the process next runs: on a loaded node that can
-    # be a while, and the daemon must not say it is back while they still run.
-    deadline = time.monotonic() + LEFTOVER_GONE_WAIT
-    while time.monotonic() < deadline and any(_running(p) for p in killed):
-        time.sleep(0.02)
-    return len(killed)
-
-
-def _running(proc: psutil.Process) -> bool:
-    try:
-        return proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
