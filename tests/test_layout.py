@@ -161,6 +161,8 @@ LATE_IMPORTS = {
     "elasticd.cli": {"elasticd.trust", "elasticd.store", "elasticd.store.etcd3",
                      "elasticd.daemon"},
     "elasticd.config": {"elasticd.workers.template_key", "elasticd.gpus.inventory"},
+    # the same two, where config/ is a package (config/rules.py)
+    "elasticd.config.rules": {"elasticd.workers.template_key", "elasticd.gpus.inventory"},
     "elasticd.store": {"elasticd.store.etcd2", "elasticd.store.etcd3"},
     "elasticd.inprocess": {"elasticd.inprocess"},   # the wrapper imports torch
 }
