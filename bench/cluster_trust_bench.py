@@ -41,15 +41,15 @@ from elasticd.v1 import control_pb2 as pb  # noqa: E402
 HAS_KEYS = importlib.util.find_spec("elasticd.trust.clusterkey") is not None
 
 
-def _spec() -> dict:
+def _spec():
+    from elasticd.jobs.spec import JobSpec
     env = {f"VAR_{i:02d}": "x" * 60 for i in range(60)}
     env.update(PATH="/usr/local/bin:/usr/bin:/bin", HOME="/home/alice", HF_TOKEN="hf_" + "a" * 34)
-    return {"id": "abcd1234", "name": "bert-large", "command": [
-        "python", "train.py", "--lr", "3e-4", "--batch-size", "64", "--epochs", "10"],
-        "cwd": "/home/alice/project", "env": env, "uid": 1001, "gid": 1001, "user": "alice",
-        "min_nodes": 2, "max_nodes": 4, "nproc_per_node": 8, "max_restarts": 3,
-        "nodes": ["n1", "n2"], "created_at": time.time(), "submitted_on": "n1",
-        "inprocess": False}
+    return JobSpec(id="abcd1234", name="bert-large", command=(
+        "python", "train.py", "--lr", "3e-4", "--batch-size", "64", "--epochs", "10"),
+        cwd="/home/alice/project", env=env, uid=1001, gid=1001, user="alice",
+        min_nodes=2, max_nodes=4, nproc_per_node=8, max_restarts=3,
+        nodes=("n1", "n2"), created_at=time.time(), submitted_on="n1")
 
 
 def _time_us(fn, reps: int) -> float:
@@ -73,14 +73,15 @@ def codec_part(reps: int) -> None:
 
     spec = _spec()
     codec = SpecCodec(ephemeral(), ControlSettings())
-    plain = json.dumps(spec, sort_keys=True)
+    wire = spec.to_wire()
+    plain = json.dumps(wire, sort_keys=True)
     sealed = json.dumps(codec.seal(spec))
     assert codec.open("abcd1234", sealed) == spec
     key = os.urandom(32)
-    secret = _canonical({"command": spec["command"], "env": spec["env"]})
+    secret = _canonical({"command": wire["command"], "env": wire["env"]})
     aead, nonce = AESGCM(key), os.urandom(12)
     ct = aead.encrypt(nonce, secret, b"aad")
-    mac_input = _canonical(list(spec.values()))
+    mac_input = _canonical(list(wire.values()))
     tag = hmac.new(key, mac_input, sha256).hexdigest()
 
     rows = [

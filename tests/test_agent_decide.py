@@ -10,9 +10,10 @@ import textwrap
 
 import pytest
 
-from elasticd.agent.loop import Action, Snapshot, decide, restart_delay
+from elasticd.agent.decide import Action, Snapshot, decide
+from elasticd.jobs.restartpolicy import restart_delay
 from elasticd.agent.failures import read_error_file
-from elasticd.agent.ladder import Layer
+from elasticd.jobs.ladder import Layer
 from elasticd.rendezvous.protocol import RoundCause
 from elasticd.rendezvous.status import CURRENT, RoundStatus, StatusKind
 

@@ -17,7 +17,7 @@ import sys
 import pytest
 
 from elasticd.cluster.remote_jobs import AmbiguousName, find, job_state, nodes_of, record_from_keys
-from elasticd.jobs.scheduler import job_spec
+from elasticd.jobs.spec import JobSpec
 from elasticd.jobs.registry import JobRecord
 from elasticd.rendezvous.protocol import Join, Member, RoundState
 from elasticd.rendezvous.view import JobKeys
@@ -34,11 +34,11 @@ NOW = 1_700_000_100.0
 
 # ---------------------------------------------------------------- pure parts
 
-def spec(job_id: str = "j1", name: str = "bert", uid: int = 0) -> dict:
+def spec(job_id: str = "j1", name: str = "bert", uid: int = 0) -> JobSpec:
     rec = JobRecord(id=job_id, name=name, command=["python", "train.py"], cwd="/w", uid=uid,
                     gid=uid, user="root" if uid == 0 else "alice", min_nodes=2, max_nodes=2,
                     nproc_per_node=1, max_restarts=3, created_at=NOW - 100, node_id="n1")
-    return job_spec(rec, ("n1", "n2"))
+    return JobSpec.of_record(rec, ("n1", "n2"))
 
 
 def member(node: str) -> Member:
@@ -139,7 +139,7 @@ def test_an_open_round_names_the_nodes_joined_so_far_and_a_final_one_where_it_ra
     JobKeys(spec=None, state=RoundState()),
     JobKeys(spec=spec(), state=None),
     JobKeys(spec={"id": "j1", "name": "no command"}, state=RoundState()),
-    JobKeys(spec={**spec(), "uid": "root"}, state=RoundState()),
+    JobKeys(spec={**spec().to_wire(), "uid": "root"}, state=RoundState()),
 ])
 def test_keys_without_a_usable_spec_and_state_make_no_job(keys):
     assert record_from_keys(keys, NOW) is None

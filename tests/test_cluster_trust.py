@@ -27,7 +27,7 @@ from daemons import DaemonProc, cluster_key_path, short_tmpdir
 from elasticd.trust import clusterkey
 from elasticd.trust.specs import SpecCodec
 from elasticd.config import ControlSettings
-from elasticd.jobs.scheduler import job_spec
+from elasticd.jobs.spec import JobSpec
 from elasticd.jobs.registry import JobRecord
 from elasticd.rendezvous.protocol import OPEN, RoundState
 from etcd_cluster import NO_SPARES_NOBODY_MAY_CALL as NO_SPARES, fresh_prefix, scrape, wait_for
@@ -220,7 +220,7 @@ def test_a_path_like_job_id_touches_no_path(cluster, alice):
         rec = JobRecord(id="..", command=marker_cmd(work), cwd=work, uid=user.pw_uid,
                         gid=user.pw_gid, user=USER, inprocess=True, created_at=time.time(),
                         node_id="n1", max_nodes=2)
-        cluster.put("..", codec.seal(job_spec(rec)))
+        cluster.put("..", codec.seal(JobSpec.of_record(rec)))
         for d in cluster.nodes:
             assert "id: '..' is not a job id" in rejected_on(d, "..", "invalid",
                                                              by_status=False)["reason"]

@@ -4,6 +4,7 @@ the uid policy lets through. The daemons and etcd: test_cluster_trust.py."""
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import os
 import subprocess
@@ -15,18 +16,18 @@ from elasticd.trust import clusterkey
 from elasticd.trust.specs import ClusterPolicy, SpecCodec
 from elasticd.config import ControlSettings
 from elasticd.jobs.registry import JobRecord
-from elasticd.jobs.scheduler import job_spec
+from elasticd.jobs.spec import JobSpec
 from elasticd.trust.rejections import RejectReason, SpecRejected
 
 LIMITS = ControlSettings()
 
 
-def spec(job_id: str = "abcd1234", **over) -> dict:
+def spec(job_id: str = "abcd1234", **over) -> JobSpec:
     rec = JobRecord(id=job_id, command=["python", "train.py", "--token", "t0p"], cwd="/w",
                     uid=1001, gid=1001, user="alice", env={"HF_TOKEN": "hf_secret", "A": "1"},
                     min_nodes=1, max_nodes=2, nproc_per_node=2, max_restarts=3,
                     created_at=1_700_000_000.25, node_id="n1")
-    return dict(job_spec(rec, ("n1", "n2")), **over)
+    return dataclasses.replace(JobSpec.of_record(rec, ("n1", "n2")), **over)
 
 
 @pytest.fixture
@@ -83,7 +84,7 @@ def test_a_spec_of_another_cluster_key_is_refused(codec):
 
 @pytest.mark.parametrize("stored, why", [
     ("not json", RejectReason.MALFORMED), ("[1, 2]", RejectReason.MALFORMED),
-    (json.dumps(spec()), RejectReason.UNSIGNED),  # the old plain format
+    (json.dumps(spec().to_wire()), RejectReason.UNSIGNED),  # the old plain format
 ])
 def test_garbage_and_unsigned_specs(codec, stored, why):
     assert reason(codec, "abcd1234", stored) is why

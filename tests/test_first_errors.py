@@ -26,7 +26,7 @@ import time
 import pytest
 
 from elasticd.agent import failures
-from elasticd.agent.restartpolicy import CrashLoop
+from elasticd.jobs.restartpolicy import CrashLoop
 from elasticd.jobs.records import Failure
 from elasticd.v1 import control_pb2 as pb
 from elasticd.workers import env as envnames, hostname

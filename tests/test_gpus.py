@@ -25,6 +25,7 @@ from elasticd.config import ControlSettings
 from elasticd.cluster.dispatch import eligible
 from elasticd.errors import InvalidArgument
 from elasticd.gpus.alloc import Binding, GpuLedger, binding_for, needed, pick
+from elasticd.jobs.spec import JobSpec
 from elasticd.gpus.health import parse_smi_health, should_drain
 from elasticd.gpus.inventory import (
     Gpu, Inventory, InventoryError, cpu_list_text, numa_of, parse_nvidia_smi, parse_setting,
@@ -193,7 +194,8 @@ def test_binding_env_names_devices_by_uuid():
 
 def test_dispatcher_counts_gpus():
     state = RoundState(round=1, status=OPEN)
-    spec = {"nproc_per_node": 2, "max_nodes": 2, "uid": 0, "gpus_per_node": -1}
+    spec = JobSpec(id="j1", command=("true",), cwd="/", uid=0, gid=0, nproc_per_node=2,
+                   max_nodes=2, gpus_per_node=-1)
     assert eligible(spec, state, 0, "n1", 4, False, 0, 2, 4) == (True, "")
     ok, why = eligible(spec, state, 0, "n1", 4, False, 0, 1, 4)
     assert not ok and "needs 2 GPUs, 1 free of 4" in why
@@ -557,7 +559,8 @@ def test_a_restarted_daemon_still_remembers_why_its_node_is_suspect(tmp_path):
 
 def test_a_suspect_node_lets_others_take_a_round_first():
     state = RoundState(round=1, status=OPEN, opened_at=100.0)
-    spec = {"nproc_per_node": 1, "max_nodes": 2, "uid": 0}
+    spec = JobSpec(id="j1", command=("true",), cwd="/", uid=0, gid=0, nproc_per_node=1,
+                   max_nodes=2)
     ok, why = eligible(spec, state, 0, "n1", 4, False, 0, hold_back=10.0, now=105.0)
     assert not ok and "suspect" in why
     assert eligible(spec, state, 0, "n1", 4, False, 0, hold_back=10.0, now=111.0) == (True, "")

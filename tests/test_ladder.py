@@ -1,14 +1,14 @@
-"""The restart ladder's decisions and records, without I/O (agent/ladder.py, agent.decide,
+"""The restart ladder's decisions and records, without I/O (jobs/ladder.py, agent.decide,
 workers/inprocess_reports.py)."""
 from __future__ import annotations
 
 import json
 import os
 
-from elasticd.agent.loop import Action, Snapshot
-from elasticd.agent.loop import decide as decide_on
+from elasticd.agent.decide import Action, Snapshot, round_layer
+from elasticd.agent.decide import decide as decide_on
 from elasticd.workers.inprocess_reports import MAX_READ, ReportReader, parse_line
-from elasticd.agent.ladder import Attempt, Ladder, Layer, chain_text, round_layer
+from elasticd.jobs.ladder import Attempt, Ladder, Layer, chain_text
 from elasticd.rendezvous.protocol import RoundCause, RoundState
 from elasticd.rendezvous.status import RoundStatus, StatusKind
 

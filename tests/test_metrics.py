@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from daemons import free_port, scrape, start_with_metrics
 from elasticd import __version__
 from elasticd.jobs.registry import JobRecord, JobRegistry
-from elasticd.agent.ladder import Layer
+from elasticd.jobs.ladder import Layer
 from elasticd.exposition.endpoint import EndpointState, MetricsEndpoint
 from elasticd.metrics import CAUSES, LAYERS, Metrics
 from elasticd.jobs.records import Failure, FailureKind

@@ -681,14 +681,14 @@ def test_a_joining_node_asks_at_once_with_the_warm_up_off(make_cluster):
 # ---------------------------------------------------------------- submit vs. dispatch
 
 class InProcessNode:
-    """One node's JobManager, JobsView and Dispatcher in this process, on a MemoryStore
+    """One node's Coordinator, JobsView and Dispatcher in this process, on a MemoryStore
     (the dispatcher is not started: tests call tick() when they want it to run)."""
 
     def __init__(self, root: str, node_id: str = "n1"):
         from elasticd.config import load
         from elasticd.cluster.dispatch import Dispatcher
         from elasticd.jobs.registry import JobRegistry
-        from elasticd.jobs.scheduler import JobManager
+        from elasticd.coordinator.coordinator import Coordinator
         from elasticd.rendezvous.view import JobsView
         from elasticd.store import MemoryStore
         from elasticd.trust.clusterkey import ephemeral
@@ -716,14 +716,14 @@ class InProcessNode:
                 return {}
 
         self.cluster = FakeCluster()
-        self.manager = JobManager(self.cfg, self.registry, self.cluster, self.view,
+        self.manager = Coordinator(self.cfg, self.registry, self.cluster, self.view,
                                   codec=self.codec)
         self.dispatcher = Dispatcher(self.cfg, self.view, self.registry, self.manager,
                                      self.cluster)
 
     def submit(self, *command: str, **kw):
         from elasticd.control.auth import Caller
-        from elasticd.jobs.scheduler import JobRequest
+        from elasticd.control.validation import JobRequest
         return self.manager.submit(JobRequest(command=tuple(command), cwd=self.root,
                                               env=dict(os.environ), **kw),
                                    Caller(os.geteuid(), os.getegid(), os.getpid()))

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from elasticd.jobs.registry import JobRecord
-from elasticd.agent.ladder import Attempt, Layer, Outcome
+from elasticd.jobs.ladder import Attempt, Layer, Outcome
 from elasticd.jobs.records import CAUSE_LIMIT, TRACEBACK_LIMIT, Failure, FailureKind, WorkerRow
 from elasticd.jobs.states import WorkerState
 

@@ -1,10 +1,10 @@
 """The wait before a restart and the budget over a window, decided without I/O
-(agent/restartpolicy.py; the window as the round state counts it, protocol.reopen)."""
+(jobs/restartpolicy.py; the window as the round state counts it, protocol.reopen)."""
 import pytest
 
 from elasticd.config import AgentSettings
 from elasticd.rendezvous.protocol import FAILED, OPEN, JobLimits, RoundState, reopen
-from elasticd.agent.restartpolicy import (
+from elasticd.jobs.restartpolicy import (
     AttemptProgress, BackoffSettings, RestartPlan, RestartRule, RestartWindow, plan_restart,
     spares_due, window_text)
 

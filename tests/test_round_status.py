@@ -43,7 +43,7 @@ class Pair:
                                            lambda n=n: self.leases[n], LIMITS, poll=0.05)
                       for i, n in enumerate("abc", 1)}
         create_job(self.store, "j1", {"id": "j1", "nodes": ["a", "b"]}, time.time(),
-                   records=PLAIN)
+                   records=PLAIN, expected=("a", "b"))
         self.results = self.join("a", "b")
 
     def join(self, *names):

@@ -19,7 +19,7 @@ from typing import Any, Iterable, TextIO
 
 from google.protobuf.json_format import MessageToDict
 
-from elasticd.agent.restartpolicy import window_text
+from elasticd.jobs.restartpolicy import window_text
 from elasticd.v1 import control_pb2
 
 FORMATS = ("table", "json")

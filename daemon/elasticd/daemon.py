@@ -40,7 +40,7 @@ from .gpus.alloc import GpuLedger
 from .gpus.health import HealthGate
 from .gpus.inventory import Inventory, InventoryError, discover, nvml_module
 from .cluster.suspicion import MAX_REMEMBERED as SUSPECT_REMEMBERED, SuspectTracker
-from .jobs.scheduler import JobManager
+from .coordinator.coordinator import Coordinator
 from .metrics import Metrics
 from .rendezvous.protocol import job_prefix
 from .exposition.endpoint import MetricsEndpoint
@@ -135,7 +135,7 @@ class Daemon:
             cfg, inventory, registry,
             lambda why: cluster.set_drain(d.node_id, True, "elasticd: " + why[:200]),
             metrics, nvml=nvml_module() if inventory.source == "nvml" else None)
-        manager = JobManager(cfg, registry, cluster, view, metrics, codec=self.codec,
+        manager = Coordinator(cfg, registry, cluster, view, metrics, codec=self.codec,
                              policy=policy, gpus=GpuLedger(inventory), health=health,
                              suspicion=suspicion)
         cluster.capacity_from(manager.capacity, lambda: dict(

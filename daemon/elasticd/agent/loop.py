@@ -4,7 +4,7 @@ One ``Agent`` thread per active job on this node: rendezvous (join the
 job's next round, see rendezvous/round.py) -> start workers -> monitor ->
 on a fault stop the group and open a new round (counted against the job's
 cluster-wide budgets: max_restarts over its life, max_restarts_per_window
-over a window; see agent/restartpolicy.py) -> wait as ``plan_restart()`` decides
+over a window; see jobs/restartpolicy.py) -> wait as ``plan_restart()`` decides
 (at once after an attempt that made progress, a growing backoff after
 attempts that made none) -> re-rendezvous; when a peer opens
 a new round (its fault, a lost node, a node waiting to join) stop and
@@ -12,142 +12,49 @@ rejoin; when every node's workers succeeded, finish. A standalone daemon
 runs the same loop on the in-memory store, one node per round.
 
 What to do after each look at the workers and the round is decided by the
-pure function ``decide()``; ``Agent._apply`` carries it out, and every move
+pure function ``decide()`` (agent/decide.py); ``Agent._apply`` carries it out, and every move
 of the job goes through ``JobRegistry.transition``.
 """
 from __future__ import annotations
 
 import dataclasses
-import enum
 import logging
-import os
 import threading
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 from . import failures
-from ..jobstore import address as jobstore_env
-from ..workers import env as envnames, preload
+from ..jobstore import round_host
 from ..config import Config
 from ..gpus.alloc import Binding
 from ..jobs.registry import JobRecord, JobRegistry
-from .ladder import Layer, round_layer
+from ..jobs.ladder import Layer
 from ..jobs.records import Failure, FailureKind, WorkerRow
 from ..logsetup import ctx
-from .newcomer import NewcomerWarmup, WarmVerdict
-from ..hangs.phase_board import JobPeers, PhasePublisher
-from ..hangs.detector import ProgressTracker
+from .attempt import AttemptWatch
+from .blame import FailureNotes
+from .decide import Action, Decision, Snapshot, decide
+from .gpu_gate import GpuGate
+from .joining import JoinGate
+from .placement import Placement
 from .recovery import Recovery
-from .restartpolicy import (  # noqa: F401 (re-exported)
-    AttemptProgress, BackoffSettings, CrashLoop, made_progress, plan_restart, restart_delay,
-    spares_due)
+from .replace import RankReplacer
+from .stores import LOOPBACK, JobStores
+from .template import JobTemplate
+from ..jobs.restartpolicy import (
+    BackoffSettings, CrashLoop, made_progress, plan_restart, spares_due)
 from ..rendezvous.round import ClusterRendezvous, RendezvousStopped, RoundFinal
 from ..rendezvous.protocol import (
     CANCELLED, FAILED, SUCCEEDED, Result, RoundCause, RoundState, final_job_state)
-from ..rendezvous.status import CURRENT, RoundStatus, StatusKind
+from ..rendezvous.status import CURRENT
 from ..jobs.states import TERMINAL_STATES, JobState
 from ..store import StoreError
-from ..jobstore.host import JobStoreHost
-from ..jobstore import round_host
-from ..workers.template import StartPath, TemplateState, WorkerTemplate
+from ..workers.template import TemplateState
 from ..workers.template_pool import TemplatePool
-from ..workers.group import GroupSpec, SpawnError, WorkerGroup
+from ..workers.group import SpawnError, WorkerGroup
 from ..workers.spares import SparePool
 
 log = logging.getLogger("elasticd.agent.loop")
-# Where a job on one node has its stores (its job store, rank 0's): no other host needs them.
-LOOPBACK = "127.0.0.1"
-
-
-class Action(enum.Enum):
-    CONTINUE = "continue"    # workers running (or done, waiting for the other nodes)
-    SUCCEED = "succeed"      # every worker on every node exited 0
-    REPLACE = "replace"      # a rank died; the in-process layer starts a new one in its place
-    RESTART = "restart"      # a local worker failed and restarts are left
-    FAIL = "fail"            # a local worker failed and no restarts are left
-    CANCEL = "cancel"        # the user cancelled the job
-    SUSPEND = "suspend"      # the daemon is stopping; resume at next start
-    REJOIN = "rejoin"        # another node opened a new round: stop and rejoin
-    NODE_LOST = "node_lost"  # a member node's lease expired: stop and open a new round
-    SCALE_UP = "scale_up"    # nodes wait to join: the round leader opens a new round
-    FINAL = "final"          # the job ended cluster-wide (on another node's word)
-
-
-@dataclass(frozen=True)
-class Decision:
-    action: Action
-    reason: str
-    layer: Layer | None = None   # REJOIN, NODE_LOST: the restart layer that recovers it
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """One look at the job's workers and its round: all that ``decide()`` reads.
-
-    ``returncodes``: each local worker's exit code, None while it runs.
-    ``restarts``/``max_restarts``: restarts used (cluster-wide) and allowed
-    over the job's life (-1: no lifetime limit). ``round_status``:
-    ClusterRendezvous.status(), whether the round stands. ``peers_done``:
-    every member node has finished this round well (only asked once the
-    local workers all did). ``inprocess_left``: ranks the in-process layer may
-    still replace (0 for a job without in-process restart, or once it gave
-    up). ``gave_up``: a rank reported that in-process restart gave up; it is
-    about to exit non-zero. ``remote_ranks``: other nodes of the round run
-    ranks too, still training as far as this node knows.
-    """
-    returncodes: tuple[int | None, ...]
-    restarts: int = 0
-    max_restarts: int = 3
-    cancel_requested: bool = False
-    shutting_down: bool = False
-    round_status: RoundStatus = CURRENT
-    peers_done: bool = True
-    inprocess_left: int = 0
-    gave_up: bool = False
-    remote_ranks: bool = False
-
-
-def decide(look: Snapshot) -> Decision:
-    """What the agent does next, from one look at its workers and its round (no I/O).
-
-    Dead ranks are replaced in-process only while the others still run the
-    training function: once any rank finished, nobody is left to meet the
-    newcomer. After ``gave_up`` the group restarts without waiting for the
-    rank to exit.
-    """
-    returncodes, restarts, max_restarts = look.returncodes, look.restarts, look.max_restarts
-    gave_up = look.gave_up
-    if look.cancel_requested:
-        return Decision(Action.CANCEL, "cancelled by user")
-    if look.shutting_down:
-        return Decision(Action.SUSPEND, "daemon stopping; the job resumes when it starts again")
-    round_status = look.round_status
-    kind, round_reason = round_status.kind, round_status.why
-    if kind is StatusKind.FINAL:
-        return Decision(Action.FINAL, round_reason)
-    if kind is StatusKind.LOST:
-        return Decision(Action.NODE_LOST, round_reason, Layer.RENDEZVOUS)
-    if kind is StatusKind.SUPERSEDED:
-        return Decision(Action.REJOIN, round_reason, round_layer(round_status.cause))
-    failed = [rc for rc in returncodes if rc is not None and rc != 0]
-    if failed or gave_up:
-        running = look.remote_ranks or any(rc is None for rc in returncodes)
-        finished = any(rc == 0 for rc in returncodes)
-        if not gave_up and running and not finished and len(failed) <= look.inprocess_left:
-            return Decision(Action.REPLACE, f"{len(failed)} rank(s) replaced in-process")
-        if max_restarts < 0:  # no lifetime limit: the budget over a window decides (reopen)
-            return Decision(Action.RESTART, f"restart {restarts + 1} (no lifetime limit)")
-        if restarts < max_restarts:
-            return Decision(Action.RESTART, f"restart {restarts + 1} of {max_restarts}")
-        return Decision(Action.FAIL, f"no restarts left ({restarts} of {max_restarts} used)")
-    if returncodes and all(rc == 0 for rc in returncodes):
-        if look.peers_done:
-            return Decision(Action.SUCCEED, "every worker exited 0")
-        return Decision(Action.CONTINUE, "workers done; waiting for the other nodes")
-    if kind is StatusKind.WAITING:
-        return Decision(Action.SCALE_UP, round_reason)
-    return Decision(Action.CONTINUE, "workers running")
 
 
 class Agent:
@@ -156,9 +63,10 @@ class Agent:
                  binding: Binding | None = None, health=None, *, templates: TemplatePool):
         self.job_id = job_id
         # The job's GPUs and CPUs on this node (gpus/alloc.py), the same for every
-        # attempt and replaced rank; the GPU health gate asked before each round.
-        self._binding = binding or Binding()
-        self._health = health
+        # attempt and replaced rank (agent/placement.py); their health checked before
+        # each round (agent/gpu_gate.py).
+        self._place = Placement(cfg, binding or Binding())
+        self._gpu_gate = GpuGate(job_id, cfg, registry, rendezvous, self._place.binding, health)
         self._cfg = cfg
         self._registry = registry
         self._rdzv = rendezvous
@@ -167,44 +75,28 @@ class Agent:
         self.wake = threading.Event()
         self.shutting_down = False
         self._spares = SparePool()
-        # Before this node asks to join a running round: its spares first (agent/newcomer.py).
-        self._newcomer = NewcomerWarmup(
-            self._spares, cfg.rendezvous.newcomer_warm_timeout if cfg.agent.warm_spares else 0,
-            cfg.agent.warm_preload, cfg.agent.warm_spare_nice)
-        rendezvous.ready_to_join = self._ready_to_join
-        self._join_said: set[str] = set()  # what _ready_to_join said of the template
         # The job's round state as this agent last read it: from the round it joined
         # (next_round's result) and from each status look while it runs.
         self._round_state: RoundState | None = None
-        self._join_wait_since = 0.0        # when it began to wait for the template to join
         a = cfg.agent
-        # The node's templates kept between a user's jobs (workers/template_pool.py, owned
-        # by the job manager); this job's is taken from it or started at _start_template,
-        # handed back at the end.
-        self._templates = templates
-        self._template = WorkerTemplate(job_id, cfg.daemon.node_id, a.template_ready_timeout,
-                                        a.template_fork_timeout)
-        self._template_noted: tuple = ()  # (state, reason, rss) last written to the record
-        self._template_said = ""          # where it came from, when not started for this job
-        self._preload_read = False        # the learned preload was read (once per job)
-        self._store_host = JobStoreHost()
-        self._round_stores = round_host.RoundStoreHost(job_id, cfg.daemon.node_id,
-                                                       cfg.rendezvous.round_store_timeout)
-        self._store_secret = jobstore_env.new_secret()
+        self._tpl = JobTemplate(job_id, cfg, registry, templates)  # agent/template.py
+        self._stores = JobStores(job_id, cfg, registry, rendezvous)  # agent/stores.py
+        # Before this node asks to join a running round: warm first (agent/joining.py).
+        self._join_gate = JoinGate(job_id, cfg, registry, self._tpl, self._spares,
+                                   self._place.group_spec, self._where)
+        rendezvous.ready_to_join = self._join_gate.ready
         self._group: WorkerGroup | None = None    # the running attempt's workers
         self._recovery = Recovery(job_id, cfg, registry, metrics)  # the ladder's record
-        # What the running attempt did, for the wait before the next restart
-        # (restartpolicy.plan_restart): beats seen, when its workers started;
-        # and how many attempts in a row before it made no progress.
-        self._beats = 0
-        self._attempt_started = time.monotonic()
-        self._first_beat: float | None = None
+        # What the running attempt did (beats, phases, hangs: agent/attempt.py), for the
+        # wait before the next restart (restartpolicy.plan_restart); and how many
+        # attempts in a row before it made no progress.
+        self._attempt = AttemptWatch(job_id, cfg, registry, rendezvous, metrics)
+        self._notes = FailureNotes(cfg, registry, self._place, self._recovery, self._attempt)
+        self._replacer = RankReplacer(job_id, cfg, registry, self._place, self._notes,
+                                      self._recovery, self._attempt, self._spares,
+                                      self._publish)
         self._no_progress_streak = 0
         self._crash_loop = CrashLoop(a.crash_loop_limit)  # the same failure, no progress
-        self._progress = ProgressTracker(
-            job_id, cfg.agent, registry, cfg.daemon.node_id, on_beat=self._on_beat,
-            seed=registry.get(job_id).hang_timeouts)  # the hang timeouts learned before
-        self._phase_pub: PhasePublisher | None = None  # this node's phases, jobs across nodes
         self._thread = threading.Thread(target=self._run, name=f"agent-{job_id}", daemon=True)
 
     def start(self) -> None:
@@ -217,24 +109,14 @@ class Agent:
     def poke(self) -> None:
         self.wake.set()
 
-    def _on_beat(self) -> None:
-        if not self._beats:
-            self._first_beat = time.monotonic()
-        self._beats += 1
-        if self._metrics:
-            self._metrics.progress_beat(self.job_id)
-
-    def _attempt_progress(self) -> AttemptProgress:
-        return AttemptProgress(self._beats, time.monotonic() - self._attempt_started)
-
     def _where(self, rnd: int | None = None) -> str:
         return ctx(job=self.job_id, node=self._cfg.daemon.node_id, round=rnd)
 
     # -- the loop ------------------------------------------------------------
     def _run(self) -> None:
         try:
-            self._start_template()
-            self._start_round_stores()
+            self._tpl.start(self._place.node_spec)
+            self._stores.start_round_stores(self._place.node_spec, self.wake)
             self._loop()
         except Exception as exc:
             log.exception("%s: agent crashed", self._where())
@@ -251,15 +133,13 @@ class Agent:
             except Exception:
                 log.exception("%s: could not record agent crash", self._where())
         finally:
-            if self._phase_pub is not None:
-                self._phase_pub.stop()
+            self._attempt.stop()
             try:
-                self._release_template()
+                self._tpl.release(keep=not self.shutting_down)
             except Exception:
                 log.exception("%s: could not record the template's end", self._where())
             self._spares.clear()
-            self._store_host.stop()
-            self._round_stores.stop()
+            self._stores.stop()
             self._on_exit(self.job_id)
 
     def _loop(self) -> None:
@@ -277,9 +157,10 @@ class Agent:
                 self._registry.transition(self.job_id, JobState.RENDEZVOUS,
                                           f"joining round {self._next_round_number(job)}")
             self.wake.clear()
-            store_port = self._start_job_store(job) if job.inprocess else 0
+            store_port = self._stores.start_job_store(job, self._place.node_spec) \
+                if job.inprocess else 0
             try:
-                if not self._gpus_healthy(job):
+                if not self._gpu_gate.healthy(self.wake):
                     continue
                 result = self._rdzv.next_round(self.wake, store_port)
             except RoundFinal as final:
@@ -291,7 +172,7 @@ class Agent:
                 log.warning("%s: rendezvous interrupted: %s; trying again", self._where(), exc)
                 self.wake.wait(self._cfg.membership.watch_retry)
                 continue
-            self._newcomer.reset()
+            self._join_gate.joined()
             self._round_state = result.state or self._round_state
             state = self._round_state
             job = self._registry.update(
@@ -301,41 +182,41 @@ class Agent:
             if job.max_nodes <= 1:  # one node: its stores listen on loopback alone
                 result = dataclasses.replace(result, master_addr=LOOPBACK,
                                              store_addr=LOOPBACK if result.store_addr else "")
-            spec = self._with_job_store(job, self._group_spec(job, result), result)
+            spec = self._stores.with_job_store(job, self._place.group_spec(job, result), result)
             if result.master_hosted:  # a round store listens on MASTER_PORT already
                 spec = dataclasses.replace(spec, extra_env={
                     **spec.extra_env, **round_host.worker_env(True)})
-            # In-process restart is on where _with_job_store gave the ranks a store.
+            # In-process restart is on where with_job_store gave the ranks a store.
             self._recovery.start_attempt(job, job.inprocess and bool(result.store_port))
-            if self._template.revivable():  # it died with its ranks: a new one for them
+            if self._tpl.template.revivable():  # it died with its ranks: a new one for them
                 self._registry.event(self.job_id, "template", "starting a new worker "
-                                     f"template: {self._template.reason}")
-                self._start_template()
-            if self._template.state is TemplateState.STARTING:
+                                     f"template: {self._tpl.template.reason}")
+                self._tpl.start(self._place.node_spec)
+            if self._tpl.template.state is TemplateState.STARTING:
                 # A first start waits for its imports (bounded; a cancel or a shutdown
                 # ends the wait: the monitor then acts on it).
-                self._template.ready(stop=self.wake)
-                self._note_template()
+                self._tpl.template.ready(stop=self.wake)
+                self._tpl.note()
             group = self._group = WorkerGroup(
-                spec, self._template if self._cfg.agent.worker_template else None)
-            started_warm = self._spares.ready() > 0 or self._template.ready(0)
-            self._beats, self._first_beat = 0, None
-            self._attempt_started = time.monotonic()
+                spec, self._tpl.template if self._cfg.agent.worker_template else None)
+            started_warm = self._spares.ready() > 0 or self._tpl.template.ready(0)
+            self._attempt.begin()
             try:
                 group.start(self._spares)
             except SpawnError as exc:
                 self._finish_cluster(FAILED, f"node {self._cfg.daemon.node_id}: {exc}")
                 self._registry.transition(self.job_id, JobState.FAILED, str(exc), exit_code=127,
-                                          last_failure=self._failure(job, -1, 127, 0, str(exc)))
+                                          last_failure=self._notes.record(job, -1, 127, 0,
+                                                                          str(exc)))
                 return
             last = result.rank_offset + len(group.workers) - 1
             self._registry.transition(
                 self.job_id, JobState.RUNNING,
                 f"round {result.round}: ranks {result.rank_offset}..{last} of "
                 f"{result.world_size} on {result.group_world_size} node(s)",
-                workers=self._worker_rows(group))
+                workers=self._place.worker_rows(group))
             self._recovery.recovered()
-            self._note_start(group, result)
+            self._tpl.note_start(group, result)
             self._publish(group)
             if self._metrics:
                 self._metrics.workers_started_n(len(group.workers))
@@ -343,87 +224,6 @@ class Agent:
             decision = self._monitor(group, result, started_warm)
             if not self._apply(decision, group, result):
                 return
-
-    def _watch_hangs(self, group: WorkerGroup, result: Result) -> None:
-        """Hang detection, one look; a job across nodes shares its ranks' phases and
-        step times with its other nodes (hangs/phase_board.py) and decides on theirs."""
-        if result.group_world_size <= 1 or not self._cfg.agent.hang_detection:
-            self._progress.check(group)
-            return
-        a = self._cfg.agent
-        peers = JobPeers.of(self._rdzv.peer_phases(), list(result.members),
-                            self._cfg.daemon.node_id, result.round, a.phase_stale_after,
-                            time.monotonic())
-        self._progress.check(group, peers)
-        if self._phase_pub is None:
-            self._phase_pub = PhasePublisher(self.job_id, self._cfg.daemon.node_id,
-                                             a.phase_publish_interval,
-                                             self._rdzv.publish_phases, self._rdzv.delete_phases)
-            self._phase_pub.start()
-        self._phase_pub.offer(self._progress.snapshot(result.round))
-
-    def _gpus_healthy(self, job: JobRecord) -> bool:
-        """GPU health before joining a round (gpus/health.py): True to join. On a
-        failure the node stays out: the reason says why, and after
-        daemon.gpu_health_retry_interval the loop looks again (RoundFinal if the
-        job ended meanwhile without this node)."""
-        if self._health is None or not self._binding.gpus:
-            return True
-        result = self._health.before_round(self.job_id, self._binding.gpus)
-        if result.ok:
-            return True
-        retry = self._cfg.daemon.gpu_health_retry_interval
-        self._registry.update(self.job_id, reason=f"GPU health check failing on "
-                              f"{self._cfg.daemon.node_id}, not joining (again in {retry:g}s): "
-                              f"{result.reason}")
-        final = self._rdzv.final_state()
-        if final is not None:
-            raise RoundFinal(final)
-        self.wake.wait(retry)
-        self.wake.clear()
-        return False
-
-    def _ready_to_join(self, state: RoundState) -> bool:
-        """Asked by the rendezvous before this node, not in the job's last round, says
-        it waits to join ``state``'s running round or joins an open round that does not
-        expect it: once its spares are warm (agent/newcomer.py), or its worker template is."""
-        limit = self._cfg.rendezvous.newcomer_warm_timeout  # 0: ask at once
-        if self._cfg.agent.worker_template and self._template.state in (
-                TemplateState.STARTING, TemplateState.READY):
-            if limit <= 0:
-                return True
-            now = time.monotonic()
-            self._join_wait_since = self._join_wait_since or now
-            warm = self._template.ready(0)
-            ready = warm or now - self._join_wait_since >= limit
-            said = "ready" if ready else "waiting"
-            if said not in self._join_said:  # once each: waiting, then ready
-                self._join_said.add(said)
-                why = (("worker template ready; asking to join" if warm else
-                        f"worker template not ready after {limit:g}s; asking to join anyway")
-                       if ready else
-                       "waiting for the worker template's imports before asking to join")
-                log.info("%s: %s", self._where(state.round), why)
-                self._registry.event(self.job_id, "info", f"round {state.round}: {why}")
-            return ready
-        job = self._registry.get(self.job_id)
-        # The ranks it will most likely get: after the running round's members (an open
-        # round has none yet: after the nodes it expects, as many ranks each as ours).
-        n = len(state.members) or len(state.expected)
-        offset = sum(m.nproc for m in state.members) if state.members \
-            else n * job.nproc_per_node
-        check, first = self._newcomer.check(lambda: self._group_spec(job, Result(
-            round=state.round + 1, group_rank=n, group_world_size=n + 1,
-            world_size=offset + job.nproc_per_node, rank_offset=offset, master_addr="",
-            master_port=0)))
-        said = (first and check.verdict is not WarmVerdict.NOTHING) or (
-            check.verdict is WarmVerdict.WARMING and self._newcomer.just_began)
-        if said:
-            log.info("%s: %s", self._where(state.round), check.sentence())
-            self._registry.event(self.job_id, "info",
-                                 f"round {state.round}: {check.sentence()}",
-                                 duration=check.waited)
-        return check.ask
 
     def _next_round_number(self, job: JobRecord) -> int:
         state = self._round_state
@@ -433,11 +233,11 @@ class Agent:
         a = self._cfg.agent
         interval = a.monitor_interval
         # Spares still to start for this attempt, from when, after a warm start or not.
-        refill, refill_from, warm = a.warm_spares, self._attempt_started, started_warm
+        refill, refill_from, warm = a.warm_spares, self._attempt.started, started_warm
         marked_done = scale_requested = False
         while True:
             workers = group.poll()
-            self._watch_hangs(group, result)  # dump stacks, kill hung ranks
+            self._attempt.check(group, result)  # dump stacks, kill hung ranks
             if self._recovery.inprocess_on:
                 self._recovery.read_reports(group)
             job_restarts, max_restarts, cancel = self._registry.control_flags(self.job_id)
@@ -464,7 +264,7 @@ class Agent:
                 inprocess_left=self._recovery.inprocess_left(),
                 gave_up=self._recovery.gave_up(), remote_ranks=result.group_world_size > 1))
             if decision.action is Action.REPLACE:
-                self._replace_dead(group)
+                self._replacer.replace_dead(group)
                 refill, refill_from, warm = a.warm_spares, time.monotonic(), False
             elif decision.action is Action.SCALE_UP:
                 if result.group_rank == 0 and not scale_requested:
@@ -473,17 +273,17 @@ class Agent:
                                                         RoundCause.NODE_WAITING))
             elif decision.action is not Action.CONTINUE:
                 return decision
-            if refill and spares_due(time.monotonic(), refill_from, self._first_beat, warm,
+            if refill and spares_due(time.monotonic(), refill_from, self._attempt.first_beat, warm,
                                      a.warm_spare_delay, a.warm_spare_restart_delay):
                 refill = False
                 if (max_restarts < 0 or restarts < max_restarts) \
-                        and not self._template.ready(0) \
+                        and not self._tpl.template.ready(0) \
                         and self._spares.fill(group.spec, a.warm_preload, a.warm_spare_nice):
                     log.info("%s: warm spares started for the next restart",
                              self._where(result.round))
-            self._note_template()
-            if self._first_beat is not None and not self._preload_read:
-                self._learn_preload(group.spec)
+            self._tpl.note()
+            if self._attempt.first_beat is not None and not self._tpl.preload_read:
+                self._tpl.learn_preload(group.spec)
             self.wake.wait(interval)
             self.wake.clear()
 
@@ -504,14 +304,14 @@ class Agent:
         self._stop_group(group, grace=0)
         self._finish_cluster(SUCCEEDED, "every node's workers exited 0")
         self._registry.transition(self.job_id, JobState.SUCCEEDED, decision.reason,
-                                  exit_code=0, workers=self._worker_rows(group))
+                                  exit_code=0, workers=self._place.worker_rows(group))
         self._publish(group)
         return False
 
     def _stopped_rows(self, group: WorkerGroup) -> list[WorkerRow]:
         """Stop the group for good on this node; its rows, published."""
         self._stop_group(group)
-        rows = self._worker_rows(group)
+        rows = self._place.worker_rows(group)
         self._publish(group)
         return rows
 
@@ -537,7 +337,7 @@ class Agent:
         """REJOIN (a peer opened a new round) or NODE_LOST (open one ourselves)."""
         act = decision.action
         job = self._registry.get(self.job_id)
-        if made_progress(self._attempt_progress(),
+        if made_progress(self._attempt.progress(),
                          BackoffSettings.from_settings(self._cfg.agent)):
             self._no_progress_streak = 0  # another node's fault ended a good attempt
         self._stop_group(group)
@@ -555,19 +355,19 @@ class Agent:
             self._recovery.ladder.failed(layer, state.reason or decision.reason, time.time())
             self._registry.update(self.job_id, **self._recovery.fields())
             self._fault_handled(lost, Layer.RENDEZVOUS,
-                                self._end_as(state, self._worker_rows(group)))
+                                self._end_as(state, self._place.worker_rows(group)))
             return False
         self._fault_handled(lost, Layer.RENDEZVOUS, self._registry.transition(
             self.job_id, JobState.RESTARTING, decision.reason or "a new round opened",
             restarts=state.restarts if state else job.restarts,
             restart_times=list(state.restart_times) if state else job.restart_times,
-            workers=self._worker_rows(group), **self._recovery.fields()))
+            workers=self._place.worker_rows(group), **self._recovery.fields()))
         return True
 
     def _restart_or_fail(self, decision: Decision, group: WorkerGroup, result: Result) -> bool:
         """RESTART or FAIL: a local worker failed, or in-process restart gave up."""
         job = self._registry.get(self.job_id)
-        plan = plan_restart(self._attempt_progress(), self._no_progress_streak,
+        plan = plan_restart(self._attempt.progress(), self._no_progress_streak,
                             BackoffSettings.from_settings(self._cfg.agent))
         # Stop the rest of the group before recording: they would hang in collectives.
         # Blame only after the stop: a rank SIGKILLed by someone else (the OOM
@@ -594,7 +394,8 @@ class Agent:
             self.job_id, JobState.RESTARTING,
             f"{climb.cause}; {decision.reason}; {plan.sentence()}",
             plan=plan, restarts=restart, restart_times=times, last_restart_plan=record,
-            last_failure=failure, workers=self._worker_rows(group), **self._recovery.fields()))
+            last_failure=failure, workers=self._place.worker_rows(group),
+            **self._recovery.fields()))
         if plan.delay:
             self.wake.wait(plan.delay)
             self.wake.clear()
@@ -604,9 +405,9 @@ class Agent:
         """The failure a stopped group's restart or end is recorded with."""
         ladder = self._recovery.ladder
         if self._recovery.gave_up():
-            return self._failure(job, ladder.abandoned_rank, 1, 0,
+            return self._notes.record(job, ladder.abandoned_rank, 1, 0,
                                  f"in-process restart gave up: {ladder.abandoned}")
-        return self._explain(self._first_failure(job, group))
+        return self._notes.explain(self._notes.first(job, group))
 
     def _fail(self, decision: Decision, group: WorkerGroup, failure: Failure,
               state: RoundState | None) -> None:
@@ -621,7 +422,7 @@ class Agent:
         self._finish_cluster(FAILED, why)
         self._fault_handled(failure, Layer.PROCESS, self._registry.transition(
             self.job_id, JobState.FAILED, why, exit_code=code, last_failure=failure,
-            workers=self._worker_rows(group), **self._recovery.fields()))
+            workers=self._place.worker_rows(group), **self._recovery.fields()))
 
     # -- the cluster's word ----------------------------------------------------
     def _end_as(self, state: RoundState | None, rows: list[WorkerRow] | None) -> JobRecord:
@@ -647,7 +448,7 @@ class Agent:
     def _publish(self, group: WorkerGroup) -> None:
         job = self._registry.get(self.job_id)
         summary = job.recovery_summary() if job is not None else None
-        self._try(lambda: self._rdzv.publish_workers(self._worker_rows(group), summary))
+        self._try(lambda: self._rdzv.publish_workers(self._place.worker_rows(group), summary))
 
     def _try(self, call):
         """A store call that must not stop the loop: etcd may be away for a while."""
@@ -656,245 +457,3 @@ class Agent:
         except StoreError as exc:
             log.warning("%s: etcd call failed: %s", self._where(), exc)
             return None
-
-    # -- the in-process layer -----------------------------------------------------
-    def _replace_dead(self, group: WorkerGroup) -> None:
-        """Start a new process for each dead rank; it joins the others' next iteration."""
-        job = self._registry.get(self.job_id)
-        failure = None
-        for w in list(group.workers):
-            if w.outcome in (None, 0):
-                continue
-            report = failures.report_of(w, job.uid, self._cfg.agent.error_file_max_bytes,
-                                        self._log_dir(job), self._cfg.agent.failure_tail_lines)
-            failure = self._explain(self._worker_failure(job, w, report))
-            self._progress.forget(w.rank)
-            cause = failure.cause
-            try:
-                new = group.replace(w, self._spares, {envnames.INPROCESS_REPLACES: cause},
-                                    cause)
-            except SpawnError as exc:
-                # Nothing to join the others: they fall back at their barrier; restart now.
-                self._registry.event(self.job_id, "info", f"rank {w.rank} not replaced: {exc}",
-                                     rank=w.rank, layer=Layer.INPROCESS.value)
-                self._recovery.ladder.gave_up(f"rank {w.rank} could not be replaced: {exc}",
-                                              w.rank)
-                return
-            used = self._recovery.replaced(failure, w.rank)
-            log.warning("%s: %s; replaced in-process by pid %d",
-                        ctx(job=self.job_id, node=self._cfg.daemon.node_id, round=job.round,
-                            rank=w.rank), cause, new.pid)
-            self._registry.event(self.job_id, "replace",
-                                 f"{cause}; replaced in-process by pid {new.pid} "
-                                 f"({new.start_path}) "
-                                 f"({used} of {self._recovery.ladder.inprocess_budget})",
-                                 rank=w.rank, layer=Layer.INPROCESS.value)
-        if failure is not None:
-            self._registry.update(self.job_id, last_failure=failure,
-                                  workers=self._worker_rows(group), **self._recovery.fields())
-            self._publish(group)
-
-    # -- the worker template (workers/template.py) ------------------------------
-    def _start_template(self) -> None:
-        """The job's template as soon as the job is here, ready for its first start: an
-        idle one of this user's with an equal key (workers/template_pool.py), or a new one."""
-        job = self._registry.get(self.job_id)
-        if not self._cfg.agent.worker_template or job.state in TERMINAL_STATES:
-            return
-        got = self._templates.acquire(self.job_id, self._node_spec(job),
-            learned=job.learned_preload[:self._cfg.agent.template_preload_max])
-        self._template = got.template
-        if got.reused:
-            t = got.template
-            rss = t.rss_bytes()
-            self._template_said = got.sentence()
-            self._template_noted = (t.state.value, "", rss)
-            self._registry.event(self.job_id, "template", got.sentence())
-            self._registry.update(self.job_id, template_state=t.state.value,
-                                  template_reason=got.sentence(), template_rss_bytes=rss)
-            return
-        self._note_template()
-
-    def _release_template(self) -> None:
-        """The job ended here (or the daemon stops): its template back to the pool, kept
-        idle for the user's next job or stopped (workers/template_pool.py)."""
-        said = self._templates.release(self._template, keep=not self.shutting_down)
-        if not self._cfg.agent.worker_template:
-            return
-        if said:
-            self._registry.event(self.job_id, "template", said)
-            kept = self._template.state is TemplateState.READY  # in the pool, idle
-            self._registry.update(self.job_id, template_state=(
-                TemplateState.POOLED if kept else TemplateState.STOPPED).value,
-                template_reason=said, template_rss_bytes=0)
-            return
-        self._note_template()  # it had failed (or was never made): as it is
-
-    def _note_template(self) -> None:
-        """The template's state, reason and RSS into the job's record (when they changed:
-        the RSS by a tenth or more); an event when it became unusable."""
-        t = self._template
-        if not self._cfg.agent.worker_template:
-            return
-        t.ready(0)
-        rss = t.rss_bytes()
-        state, reason, old_rss = self._template_noted or ("", "", 0)
-        if (t.state.value, t.reason) == (state, reason) and abs(rss - old_rss) * 10 <= old_rss:
-            return
-        self._template_noted = (t.state.value, t.reason, rss)
-        if t.state is TemplateState.FAILED and t.state.value != state:
-            self._registry.event(self.job_id, "template", f"worker template unusable: "
-                                 f"{t.reason}; ranks start cold")
-        elif t.state is TemplateState.READY and t.state.value != state:
-            self._registry.event(self.job_id, "template", f"worker template ready in "
-                                 f"{t.ready_seconds:.2f} s (pid {t.pid}, "
-                                 f"{rss / (1 << 20):.0f} MiB)", duration=t.ready_seconds)
-        self._registry.update(self.job_id, template_state=t.state.value,
-                              template_reason=t.reason or self._template_said,
-                              template_rss_bytes=rss)
-
-    def _learn_preload(self, spec: GroupSpec) -> None:
-        """After the first beat: what local rank 0 imported, for the job's next template."""
-        a = self._cfg.agent
-        if not a.worker_template or not a.template_preload_max:
-            self._preload_read = True
-            return
-        names = preload.read_report(spec.run_dir, spec.uid, a.template_preload_max,
-                                    already={n.split(".")[0] for n in a.warm_preload})
-        if names is None:
-            return  # not written yet (its first step is still to come)
-        self._preload_read = True
-        if names and names != self._registry.get(self.job_id).learned_preload:
-            self._registry.update(self.job_id, learned_preload=names)
-            self._registry.event(self.job_id, "template", "learned preload: "
-                                 f"{', '.join(names)} (the job's next worker template "
-                                 "imports them)")
-
-    def _note_start(self, group: WorkerGroup, result: Result) -> None:
-        """The event and record of how this round's ranks started, and how long it took."""
-        order = [StartPath.COLD.value, StartPath.SPARE.value, StartPath.TEMPLATE.value]
-        paths = [w.start_path for w in group.workers]
-        slowest = min(paths, key=order.index) if paths else StartPath.COLD.value
-        counts = ", ".join(f"{paths.count(p)} {p}" for p in reversed(order) if p in paths)
-        why = next((w.cold_reason for w in group.workers if w.cold_reason), "")
-        if not why and self._template.state is TemplateState.OFF and self._template.reason:
-            why = f"no worker template: {self._template.reason}"
-        self._registry.event(
-            self.job_id, "start", f"round {result.round}: {len(paths)} rank(s) started in "
-            f"{group.start_seconds:.3f} s ({counts})" + (f"; not from the template: {why}"
-                                                          if why else ""),
-            duration=group.start_seconds, start_path=slowest)
-        self._registry.update(self.job_id, start_path=slowest,
-                              start_seconds=group.start_seconds)
-        self._note_template()
-
-    # -- helpers -------------------------------------------------------------
-    def _group_spec(self, job: JobRecord, rdzv: Result) -> GroupSpec:
-        d = self._cfg.daemon
-        return GroupSpec(
-            job_id=job.id, command=tuple(job.command), cwd=job.cwd, env=job.env,
-            uid=job.uid, gid=job.gid, nproc=job.nproc_per_node,
-            restart_count=job.restarts, max_restarts=job.max_restarts, round=rdzv.round,
-            group_rank=rdzv.group_rank, group_world_size=rdzv.group_world_size,
-            world_size=rdzv.world_size, rank_offset=rdzv.rank_offset,
-            master_addr=rdzv.master_addr, master_port=rdzv.master_port,
-            log_dir=self._log_dir(job),
-            run_dir=os.path.join(self._cfg.jobs_run_dir, job.id), node_id=d.node_id,
-            device_env=self._binding.env(), cpus=self._binding.cpus)
-
-    def _log_dir(self, job: JobRecord) -> str:
-        return os.path.join(self._cfg.logs_dir, job.id)
-
-    def _node_spec(self, job: JobRecord, master_addr: str = "") -> GroupSpec:
-        """The job's spawn spec before any round: for what this node starts for the job
-        as a whole (its template, round stores and job store), not for one round's ranks."""
-        return self._group_spec(job, Result(
-            round=0, group_rank=0, group_world_size=1, world_size=job.nproc_per_node,
-            rank_offset=0, master_addr=master_addr, master_port=0))
-
-    def _start_round_stores(self) -> None:
-        """A job across nodes: this node's round store server (jobstore/round_host.py),
-        asked for a new store at each join (not waiting for its imports)."""
-        job = self._registry.get(self.job_id)
-        if not self._cfg.rendezvous.round_stores or job.max_nodes <= 1 or job.inprocess \
-                or job.state in TERMINAL_STATES:
-            return
-        self._round_stores.start(self._node_spec(job), bind=self._rdzv.address)
-        if self._round_stores.reason:
-            self._registry.event(self.job_id, "info", f"no round stores on this node: "
-                                 f"{self._round_stores.reason}; rank 0 hosts its round's store")
-        self._rdzv.hosted_port = lambda: self._round_stores.new_port(stop=self.wake)
-
-    def _start_job_store(self, job: JobRecord) -> int:
-        """For --inprocess jobs: this node's job store, up before it joins a round; its port.
-
-        Every node hosts one; the ranks of a round share the first member's
-        (rendezvous Result.store_addr), which outlives any rank. 0 when it
-        cannot start: the job then restarts processes only.
-        """
-        address = LOOPBACK if job.max_nodes <= 1 else self._rdzv.address
-        local = address.startswith("127.") or address in ("localhost", "::1")
-        spec = self._node_spec(job, address)
-        try:
-            _, port = self._store_host.ensure(spec, bind=LOOPBACK if local else address,
-                                              advertise=address, timeout=120.0)
-            return port
-        except SpawnError as exc:
-            self._registry.event(job.id, "info", f"no in-process restart on this node: {exc}")
-            return 0
-
-    def _with_job_store(self, job: JobRecord, spec: GroupSpec, rdzv: Result) -> GroupSpec:
-        """For --inprocess jobs: the store the round's wrappers coordinate through."""
-        if not job.inprocess:
-            return spec
-        if not rdzv.store_port:
-            self._registry.event(job.id, "info", f"round {rdzv.round}: its first node hosts no "
-                                 "job store; this round restarts processes only")
-            return spec
-        settings = {envnames.INPROCESS_PREFIX + name.upper(): str(value)
-                    for name, value in dataclasses.asdict(self._cfg.inprocess).items()}
-        defaults = {k: v for k, v in settings.items() if k not in job.env}  # --env wins
-        # The secret came with the job (made at submit); a job from a daemon that did not
-        # make one gets this agent's own (every rank of a single-node round shares it).
-        secret = job.env.get(jobstore_env.SECRET) or self._store_secret
-        return dataclasses.replace(spec, extra_env={**spec.extra_env, **defaults,
-                                                    jobstore_env.ADDR: rdzv.store_addr,
-                                                    jobstore_env.PORT: str(rdzv.store_port),
-                                                    jobstore_env.SECRET: secret})
-
-    def _first_failure(self, job: JobRecord, group: WorkerGroup) -> Failure:
-        blamed = failures.most_to_blame(group.workers, job.uid,
-                                        self._cfg.agent.error_file_max_bytes,
-                                        self._log_dir(job), self._cfg.agent.failure_tail_lines)
-        if blamed is None:
-            return self._failure(job, -1, 1, 0, "worker failed")
-        return self._worker_failure(job, *blamed)
-
-    def _explain(self, failure: Failure) -> Failure:
-        """The failure, its cause a hang if one ended the rank: killed by our hang
-        detection (hangs/detector.py), or ended by its own wrapper as stuck (agent/recovery.py)."""
-        return self._recovery.explain(self._progress.explain(failure))
-
-    def _worker_failure(self, job: JobRecord, w, report: failures.ErrorReport) -> Failure:
-        """The failure record of one failed worker, logged and recorded as an event."""
-        exit_code, sig, cause = failures.describe(w, report.message, report.problem)
-        tb = report.traceback
-        log.warning("%s: worker pid %d failed: %s",
-                    ctx(job=job.id, node=self._cfg.daemon.node_id, round=job.round, rank=w.rank),
-                    w.pid, cause)
-        self._registry.event(job.id, "worker_exit", cause, rank=w.rank)
-        # typed, for whoever decides on it (not the sentence)
-        kind = FailureKind.UNREADABLE_ERROR_FILE if report.problem is not None \
-            else FailureKind.WORKER
-        return self._failure(job, w.rank, exit_code, sig, cause, tb, kind)
-
-    def _failure(self, job: JobRecord, rank: int, exit_code: int, sig: int, cause: str,
-                 traceback: str = "", kind: FailureKind = FailureKind.WORKER) -> Failure:
-        return failures.record(rank, exit_code, sig, cause, traceback, job.restarts,
-                               self._cfg.daemon.node_id, kind)
-
-    def _worker_rows(self, group: WorkerGroup) -> list[WorkerRow]:
-        b = self._binding  # every worker of the job here: the whole set (LOCAL_RANK indexes)
-        return [dataclasses.replace(row, gpus=tuple(b.indices),
-                                    gpu_uuids=tuple(g.uuid for g in b.gpus), cpus=b.cpus_text)
-                for row in failures.worker_rows(group.workers, self._cfg.daemon.node_id)]

@@ -1,7 +1,7 @@
 """The restart ladder's bookkeeping for one job on this node.
 
 The agent decides and acts (stop, restart, replace a rank); ``Recovery``
-keeps the record of it (agent/ladder.py): which layer climbed, why, how long
+keeps the record of it (jobs/ladder.py): which layer climbed, why, how long
 until the workers ran again. It reads what the in-process wrapper of each
 rank reported (workers/inprocess_reports.py), stores restarts per layer and the
 latest attempts on the job record, writes one event per climb, and counts
@@ -18,7 +18,7 @@ from ..config import Config
 from ..workers import env as envnames
 from ..workers.inprocess_reports import ReportReader, report_path
 from ..jobs.registry import JobRecord, JobRegistry
-from .ladder import Ladder, Layer
+from ..jobs.ladder import Ladder, Layer
 from ..metrics import failure_cause
 from ..jobs.records import Failure, FailureKind
 from ..workers.group import WorkerGroup

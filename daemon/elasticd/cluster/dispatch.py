@@ -22,6 +22,7 @@ import threading
 import time
 
 from ..gpus.alloc import needed
+from ..jobs.spec import JobSpec
 from ..logsetup import ctx
 from ..trust.rejections import RejectReason, Rejection
 from ..rendezvous.protocol import CLOSED, OPEN
@@ -30,7 +31,7 @@ from ..store import StoreError
 log = logging.getLogger("elasticd.cluster.dispatch")
 
 
-def eligible(spec: dict, state, joined: int, node_id: str, free_slots: int, draining: bool,
+def eligible(spec: JobSpec, state, joined: int, node_id: str, free_slots: int, draining: bool,
              daemon_uid: int, free_gpus: int = 0, node_gpus: int = 0,
              hold_back: float = 0.0, now: float = 0.0) -> tuple[bool, str]:
     """(whether this node should join the job, why not). ``free_gpus`` of the
@@ -39,20 +40,12 @@ def eligible(spec: dict, state, joined: int, node_id: str, free_slots: int, drai
     at least that many seconds at ``now``, so other nodes go first."""
     if draining:
         return False, "this node is draining"
-    nodes = spec.get("nodes") or []
-    if nodes and node_id not in nodes:
+    if spec.nodes and node_id not in spec.nodes:
         return False, "the job names other nodes"
-    try:
-        nproc, max_nodes, uid = int(spec["nproc_per_node"]), int(spec["max_nodes"]), \
-            int(spec["uid"])
-    except (KeyError, TypeError, ValueError):
-        return False, "unreadable spec"
+    nproc, max_nodes, uid = spec.nproc_per_node, spec.max_nodes, spec.uid
     if nproc > free_slots:
         return False, f"needs {nproc} slots, {free_slots} free"
-    try:
-        gpus = needed(int(spec.get("gpus_per_node", -1)), nproc, node_gpus)
-    except (TypeError, ValueError):
-        return False, "unreadable spec"
+    gpus = needed(spec.gpus_per_node, nproc, node_gpus)
     if gpus > free_gpus:
         return False, f"needs {gpus} GPUs, {free_gpus} free of {node_gpus}"
     if state.status == OPEN and joined >= max_nodes:
@@ -158,12 +151,12 @@ class Dispatcher:
                 done.append(f"adopted job {job_id}")
         return done
 
-    def _refusal(self, job_id: str, spec: dict) -> Rejection | None:
+    def _refusal(self, job_id: str, spec: JobSpec) -> Rejection | None:
         if self._policy is None:
             return None
-        why = self._policy.refusal(spec["uid"], spec["gid"])
+        why = self._policy.refusal(spec.uid, spec.gid)
         return Rejection(job_id, RejectReason.UID_NOT_ALLOWED, why, time.time(),
-                         spec["uid"]) if why else None
+                         spec.uid) if why else None
 
     def _report(self, rej: Rejection) -> None:
         """Log, count and record a refused spec, once per job id and reason (the

@@ -37,7 +37,7 @@ import threading
 
 from .. import statedir
 from ..logsetup import ctx
-from ..agent.restartpolicy import RestartRule
+from ..jobs.restartpolicy import RestartRule
 from ..jobs.states import JobState
 from ..store import EVENT_PUT, Store, StoreError
 from ..store.follow import Follower

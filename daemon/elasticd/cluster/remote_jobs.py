@@ -18,9 +18,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..jobs.registry import JobRecord
-from ..jobs.scheduler import record_from_spec
-from ..agent.ladder import Attempt
+from ..jobs.ladder import Attempt
 from ..jobs.records import Failure, WorkerRow, clamp_int
+from ..jobs.spec import JobSpec
 from ..rendezvous.protocol import CLOSED, OPEN, final_job_state
 from ..rendezvous.view import JobKeys
 from ..jobs.states import TERMINAL_STATES, JobState
@@ -115,12 +115,9 @@ def job_state(keys: JobKeys) -> JobState:
 def record_from_keys(keys: JobKeys, now: float) -> JobRecord | None:
     """The job as the cluster knows it; None without a usable spec and state."""
     state = keys.state
-    if keys.spec is None or state is None:
-        return None
-    try:
-        rec = record_from_spec(keys.spec)
-    except (KeyError, TypeError, ValueError, AttributeError):
-        return None
+    if not isinstance(keys.spec, JobSpec) or state is None:
+        return None   # no spec yet, or a refused one (or the torchrun adapter's plain one)
+    rec = keys.spec.record()
     rec.state = job_state(keys)
     nodes = ", ".join(nodes_of(keys))
     if rec.state in TERMINAL_STATES:
@@ -149,25 +146,20 @@ def find(view, key: str, may_see) -> tuple[str, JobKeys] | None:
     (id, keys), or None. Among several live ones of that name, those
     ``may_see(uid)`` allows count first; AmbiguousName if still several."""
     keys = view.job(key)
-    if keys is not None and keys.spec is not None and keys.state is not None:
+    if keys is not None and isinstance(keys.spec, JobSpec) and keys.state is not None:
         return key, keys
     named = []
     for job_id in view.job_ids():
         keys = view.job(job_id)
-        if keys is None or keys.spec is None or keys.state is None or keys.state.final:
+        if keys is None or not isinstance(keys.spec, JobSpec) or keys.state is None \
+                or keys.state.final:
             continue
-        if keys.spec.get("name") == key:
+        if keys.spec.name == key:
             named.append((job_id, keys))
     if len(named) > 1:
-        mine = [(j, k) for j, k in named if _uid(k) is not None and may_see(_uid(k))]
+        mine = [(j, k) for j, k in named if may_see(k.spec.uid)]
         named = mine or named
     if len(named) > 1:
         raise AmbiguousName(key, sorted(j for j, _ in named))
     return named[0] if named else None
 
-
-def _uid(keys: JobKeys) -> int | None:
-    try:
-        return int(keys.spec["uid"])
-    except (KeyError, TypeError, ValueError):
-        return None

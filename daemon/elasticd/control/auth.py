@@ -23,6 +23,9 @@ import threading
 import time
 from dataclasses import dataclass
 
+from ..errors import PermissionDenied
+from ..jobs.jobrecord import JobRecord
+
 log = logging.getLogger("elasticd.control.auth")
 
 TOKEN_METADATA_KEY = "elasticd-token"
@@ -180,3 +183,11 @@ def set_socket_access(path: str, gid: int | None) -> None:
     if gid is not None and os.geteuid() == 0:
         os.chown(path, 0, gid)
     os.chmod(path, 0o660)
+
+
+def check_access(job: JobRecord, caller: Caller) -> None:
+    """root may see and change every job; anyone else only their own."""
+    if not caller.may_act_on(job.uid):
+        raise PermissionDenied(
+            f"job {job.id} belongs to {job.user or job.uid}; only that user or root may "
+            "see or change it")

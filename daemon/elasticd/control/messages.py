@@ -10,7 +10,7 @@ import time
 from ..gpus.inventory import cpu_list_text
 from ..jobs.registry import JobRecord
 from ..jobs.records import WorkerRow
-from ..agent.restartpolicy import RestartPlan, RestartWindow
+from ..jobs.restartpolicy import RestartPlan, RestartWindow
 from ..jobs.states import TERMINAL_STATES
 from ..v1 import control_pb2 as pb
 

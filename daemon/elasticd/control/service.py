@@ -21,13 +21,12 @@ import grpc
 from ..cluster import remote_jobs as clusterjobs
 from .. import errors
 from . import nodes, validation
-from .auth import TOKEN_METADATA_KEY, AuthError, Caller, TokenIssuer
+from .auth import TOKEN_METADATA_KEY, AuthError, Caller, TokenIssuer, check_access
 from ..config import Config
 from ..jobs.names import AmbiguousName
 from ..jobs.registry import JobNotFound, JobRecord, JobRegistry
 from .logs import LogReader
 from ..jobs.retention import logs_retired_message
-from ..jobs.scheduler import JobManager, check_access
 from .messages import (
     add_worker, event_to_proto, job_to_proto, node_to_proto, rejection_to_proto)
 from ..store import StoreError
@@ -126,7 +125,7 @@ def _settled(job: JobRecord) -> bool:
 
 
 class ControlServicer(pb_grpc.ControlServicer):
-    def __init__(self, cfg: Config, manager: JobManager, registry: JobRegistry,
+    def __init__(self, cfg: Config, manager, registry: JobRegistry,
                  issuer: TokenIssuer, metrics=None, cluster=None, view=None, endpoint=None):
         self._cfg = cfg
         self._manager = manager
@@ -436,10 +435,7 @@ class ControlServicer(pb_grpc.ControlServicer):
         except JobNotFound:
             pass
         keys = self._view.job(job_id) if self._view is not None else None
-        try:
-            return int(keys.spec["uid"])
-        except (AttributeError, KeyError, TypeError, ValueError):
-            return None
+        return keys.spec.uid if keys is not None and keys.spec is not None else None
 
     @_handle
     def ListNodes(self, request, context, caller):

@@ -1,6 +1,6 @@
 """A job's record as this node keeps it: the fields, its JSON form, what its spec weighs.
 
-Built by the job manager (jobs/scheduler.py) at a submit or an adoption, changed
+Built by the job manager (coordinator/coordinator.py) at a submit or an adoption, changed
 only through the registry (jobs/registry.py), which persists it as ``to_json``
 and reads it back with ``from_json`` (fields an older release did not write take
 their defaults; a saved sub-record that no longer parses is dropped, never the
@@ -13,7 +13,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 
-from ..agent.ladder import Attempt
+from .ladder import Attempt
 from .records import Failure, WorkerRow
 from .states import LIVE_STATES, JobState
 
@@ -59,7 +59,7 @@ class JobRecord:
     nodes: list = field(default_factory=list)   # the nodes it may run on (empty: any)
     state_since: float = 0.0
     seconds_in_state: dict = field(default_factory=dict)
-    # The restart ladder (agent/ladder.py): restarts used and allowed per layer, and
+    # The restart ladder (jobs/ladder.py): restarts used and allowed per layer, and
     # the latest recovery attempts (the cause chain), oldest first.
     restarts_by_layer: dict = field(default_factory=dict)
     restart_budget: dict = field(default_factory=dict)

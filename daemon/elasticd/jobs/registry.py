@@ -20,7 +20,7 @@ from typing import Any
 
 from . import jobdb, names
 from ..logsetup import ctx
-from ..agent.restartpolicy import RestartPlan
+from .restartpolicy import RestartPlan
 from .jobrecord import JobRecord, spec_bytes
 from .retention import Finished
 from .states import TERMINAL_STATES, JobState, check_transition

@@ -9,7 +9,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from .. import statedir
 from ..jobs.registry import JobNotFound
-from ..agent.restartpolicy import RestartWindow
+from ..jobs.restartpolicy import RestartWindow
 from ..jobs.states import LIVE_STATES, JobState, WorkerState
 
 

@@ -15,7 +15,7 @@ from prometheus_client import (CollectorRegistry, Counter, Histogram, Info, Proc
 
 from .. import __version__
 from ..jobs.registry import JobRecord
-from ..agent.ladder import Layer
+from ..jobs.ladder import Layer
 from ..jobs.records import Failure
 from ..trust.rejections import RejectReason
 from ..trust.sealed import Kind, Reason

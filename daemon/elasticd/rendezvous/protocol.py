@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from ..agent.restartpolicy import RestartWindow
+from ..jobs.restartpolicy import RestartWindow
 from ..jobs.states import JobState
 from .records import (CANCELLED, CLOSED, FAILED, FINAL, OPEN, SUCCEEDED, Join, Member,
                       RoundCause, RoundState)

@@ -339,9 +339,11 @@ class ClusterRendezvous:
 
 
 def create_job(store: Store, job_id: str, spec: dict, now: float, round: int = 1,
-               restarts: int = 0, restart_times: tuple = (), *, records) -> None:
+               restarts: int = 0, restart_times: tuple = (), *, records,
+               expected: tuple = ()) -> None:
     """Write a new job's spec (sealed already, or plain for the torchrun adapter) and
-    its first, open round, sealed with ``records`` (trust/sealed.py)."""
+    its first, open round, sealed with ``records`` (trust/sealed.py); ``expected``:
+    the nodes the job names (the round closes once all of them joined)."""
     prefix = job_prefix(job_id)
     try:
         store.create(f"{prefix}/spec", json.dumps(spec, sort_keys=True))
@@ -349,7 +351,7 @@ def create_job(store: Store, job_id: str, spec: dict, now: float, round: int = 1
         raise ValueError(f"job id {job_id} already exists in the cluster") from None
     first = RoundState(round=round, status=OPEN, opened_at=now, restarts=restarts,
                        restart_times=tuple(restart_times),
-                       expected=tuple(sorted(spec.get("nodes") or ())),
+                       expected=tuple(sorted(expected)),
                        reason="submitted")
     key = f"{prefix}/state"
     store.create(key, records.seal(Kind.STATE, key, first.to_json()))

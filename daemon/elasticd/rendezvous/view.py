@@ -52,7 +52,7 @@ _KINDS = {("spec", 2): Kind.SPEC, ("state", 2): Kind.STATE, ("join", 4): Kind.JO
 
 @dataclass
 class JobKeys:
-    spec: dict | None = None
+    spec: object = None   # a JobSpec (SpecCodec.open); the torchrun adapter's: a dict
     state: RoundState | None = None
     state_revision: int = 0
     joins: dict = field(default_factory=dict)     # round -> {node: Join}

@@ -163,6 +163,10 @@ class Etcd3Store(Store):
             raise self._error(url, path, resp.status, err)
         raise AssertionError("unreachable")
 
+    def call(self, path: str, body: dict) -> dict:
+        """One call of etcd's v3 JSON API by path (trust/etcdroles.py: roles, grants)."""
+        return self._call(path, body)
+
     def _call(self, path: str, body: dict) -> dict:
         url, resp = self._request(path, body)
         text = resp.data.decode("utf-8", "replace")

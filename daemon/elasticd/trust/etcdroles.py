@@ -19,6 +19,8 @@ import base64
 import shlex
 from dataclasses import dataclass
 
+from ..store import StoreError
+
 DAEMON_ROLE = "elasticd-daemon"
 TORCHRUN_ROLE = "elasticd-torchrun"
 TORCHRUN_PREFIX = "/elasticd-torchrun"
@@ -73,20 +75,19 @@ def _range_end(prefix: str) -> str:
 def apply(store, steps: list) -> list[str]:
     """Make ``steps`` on the etcd behind ``store`` (an Etcd3Store logged in as a user
     allowed to change RBAC); what it did, a line each. Existing roles are kept."""
-    from ..store import StoreError
     done = []
     for s in steps:
         if isinstance(s, Grant):
             try:
-                store._call("/auth/role/add", {"name": s.role})
+                store.call("/auth/role/add", {"name": s.role})
                 done.append(f"added role {s.role}")
             except StoreError as exc:
                 if "already exists" not in str(exc):
                     raise
-            store._call("/auth/role/grant", {"name": s.role, "perm": {
+            store.call("/auth/role/grant", {"name": s.role, "perm": {
                 "permType": "READWRITE", "key": _b64(s.prefix), "range_end": _range_end(s.prefix)}})
             done.append(f"role {s.role}: readwrite on {s.prefix}*")
         else:
-            store._call("/auth/user/grant", {"user": s.user, "role": s.role})
+            store.call("/auth/user/grant", {"user": s.user, "role": s.role})
             done.append(f"user {s.user}: role {s.role}")
     return done

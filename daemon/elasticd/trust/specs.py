@@ -6,8 +6,8 @@ as Slurm does with MUNGE credentials, the daemon that accepted a submission
 (and learned the user from the kernel) vouches for the spec with the
 cluster key (trust/clusterkey.py):
 
-* ``seal``: the job's command and environment (where tokens and passwords
-  live) are encrypted with AES-256-GCM, the job id bound in as associated
+* ``seal``: of the job's ``JobSpec`` (its wire form, ``JobSpec.to_wire``),
+  the command and environment (where tokens and passwords live) are encrypted with AES-256-GCM, the job id bound in as associated
   data; then an HMAC-SHA256 is taken over a canonical encoding of every
   field (a fixed tuple, versioned and labelled: ``FORMAT`` and
   ``_MAC_LABEL``), the ciphertext included. What is stored::
@@ -21,7 +21,8 @@ cluster key (trust/clusterkey.py):
   bounded ``RejectReason``) anything that is not exactly that: unknown or
   missing fields, a MAC that does not match (any field changed), a spec
   stored under another job's key (replay), a ciphertext that does not open,
-  then the same checks as a local submission (validation.cluster_spec).
+  then the same checks as a local submission (``JobSpec.from_wire``,
+  jobs/spec.py), which makes the typed ``JobSpec`` every other module reads.
 
 ``ClusterPolicy.refusal`` decides, without I/O, whether this node runs a
 verified job's uid (no root jobs from the cluster by default). Nothing here
@@ -41,12 +42,13 @@ from hashlib import sha256
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from . import clusterkey
 from .clusterkey import DerivedKeys
 from ..errors import InvalidArgument
 from .rejections import RejectReason, Rejection, SpecRejected
 from .sealed import SealedRecords
 from .values import BadValue, decode
-from ..control.validation import cluster_spec
+from ..jobs.spec import JobSpec
 
 FORMAT = "elasticd-spec/1"
 _MAC_LABEL = b"elasticd/v1 job-spec mac\x00"
@@ -81,8 +83,9 @@ class SpecCodec:
         self.records = SealedRecords(keys.records, domain)
 
     # -- writing -------------------------------------------------------------
-    def seal(self, spec: dict) -> dict:
-        """The record to store for ``spec`` (manager.job_spec's shape)."""
+    def seal(self, job: JobSpec) -> dict:
+        """The record to store for the job's spec."""
+        spec = job.to_wire()
         job_id = spec["id"]
         nonce = os.urandom(_NONCE)
         secret = _canonical({f: spec[f] for f in SECRET_FIELDS})
@@ -98,9 +101,9 @@ class SpecCodec:
                         sha256).hexdigest()
 
     # -- reading -------------------------------------------------------------
-    def open(self, job_id: str, text: str) -> dict:
-        """The verified, decrypted and checked spec stored under ``job_id``, in
-        manager.job_spec's shape; SpecRejected otherwise."""
+    def open(self, job_id: str, text: str) -> JobSpec:
+        """The verified, decrypted and checked spec stored under ``job_id``;
+        SpecRejected otherwise."""
         def reject(reason: RejectReason, detail: str, uid: int | None = None):
             return SpecRejected(Rejection(job_id[:200], reason, detail[:500], self._clock(),
                                           uid))
@@ -139,7 +142,7 @@ class SpecCodec:
             raise reject(RejectReason.UNDECRYPTABLE, "its secret fields do not decrypt",
                          uid) from None
         try:
-            return cluster_spec(spec, self._limits)
+            return JobSpec.from_wire(spec, self._limits)
         except InvalidArgument as exc:
             raise reject(RejectReason.INVALID, str(exc), uid) from None
 
@@ -171,7 +174,6 @@ class ClusterPolicy:
 def codec_for(cfg) -> SpecCodec:
     """The daemon's codec: keys from the cluster key file, or (standalone) ephemeral
     ones. Raises clusterkey.ClusterKeyError when a daemon on etcd has no usable key."""
-    from . import clusterkey
     keys = clusterkey.ephemeral() if cfg.daemon.standalone else clusterkey.load(
         cfg.cluster.key_file)
     return SpecCodec(keys, cfg.control, domain=cfg.etcd.prefix)

@@ -1,6 +1,6 @@
-"""Jobs on this node: accepting, scheduling onto slots, cancelling, resuming.
+"""The node's coordinator: its jobs accepted, scheduled onto slots, cancelled, resumed.
 
-The manager owns the agents (one thread per active job) and the slot count.
+The coordinator owns the agents (one thread per active job) and the slot count.
 A submitted job is written to the store (its spec and first round) and kept
 as a local record; daemons on other nodes adopt it through the dispatcher.
 A job whose workers do not fit in the free slots waits PENDING; each time an
@@ -13,93 +13,39 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import signal
 import threading
 import time
-from dataclasses import dataclass
 from typing import Callable
 
-import psutil
-
 from .. import errors
+from .leftovers import kill_leftover_workers
 from ..jobstore import address as jobstore_env
 from ..agent.loop import Agent
-from ..control.auth import Caller
+from ..control.auth import Caller, check_access
+from ..control.validation import JobRequest
 from ..config import Config
 from ..gpus.alloc import GpuLedger, binding_for, needed
 from ..gpus.inventory import Inventory
-from .registry import (
+from ..jobs.registry import (
     JobExists, JobNotFound, JobRecord, JobRegistry, NameInUse, NotPersisted, new_job_id,
     spec_bytes)
 from ..logsetup import ctx
-from .records import WorkerRow
 from ..rendezvous.round import ClusterRendezvous, create_job
 from ..rendezvous.protocol import CANCELLED, JobLimits, final_job_state
-from ..agent.restartpolicy import RestartWindow
-from .states import LIVE_STATES, TERMINAL_STATES, JobState
+from ..jobs.restartpolicy import RestartWindow
+from ..jobs.spec import JobSpec
+from ..jobs.states import LIVE_STATES, TERMINAL_STATES, JobState
 from ..store import StoreError
-from ..workers.signals import group_processes
+from ..trust.clusterkey import ephemeral
+from ..trust.specs import SpecCodec
 from ..workers.template_pool import TemplatePool
 
-log = logging.getLogger("elasticd.jobs.scheduler")
-
-# Seconds a restarted daemon waits for what it SIGKILLed of its previous run's
-# workers to be gone before it serves (SIGKILL lands when the process next runs).
-LEFTOVER_GONE_WAIT = 5.0
+log = logging.getLogger("elasticd.coordinator")
 
 
-@dataclass(frozen=True)
-class JobRequest:
-    """A validated submission (see control/validation.py)."""
-    command: tuple
-    cwd: str
-    env: dict
-    name: str = ""
-    min_nodes: int = 1
-    max_nodes: int = 1
-    nproc_per_node: int = 1
-    max_restarts: int = -1
-    max_restarts_per_window: int | None = None   # None: the daemon's default; -1: none
-    nodes: tuple = ()
-    inprocess: bool = False
-    gpus_per_node: int = -1                      # -1: one per local rank on a GPU node
-    cpu_bind: str = "none"                       # none | numa
+class Coordinator:
+    """This node's jobs: admission, slots and GPUs, the agents, adoption, cancel, resume."""
 
-
-def job_spec(rec: JobRecord, nodes: tuple = ()) -> dict:
-    """What other nodes need to run the job: the store's copy of the record."""
-    nodes = nodes or tuple(rec.nodes)
-    return {"id": rec.id, "name": rec.name, "command": rec.command, "cwd": rec.cwd,
-            "env": rec.env, "uid": rec.uid, "gid": rec.gid, "user": rec.user,
-            "min_nodes": rec.min_nodes, "max_nodes": rec.max_nodes,
-            "nproc_per_node": rec.nproc_per_node, "max_restarts": rec.max_restarts,
-            "max_restarts_per_window": rec.max_restarts_per_window,
-            "restart_window": rec.restart_window,
-            "nodes": list(nodes), "created_at": rec.created_at, "submitted_on": rec.node_id,
-            "inprocess": rec.inprocess,
-            "gpus_per_node": rec.gpus_per_node, "cpu_bind": rec.cpu_bind}
-
-
-def record_from_spec(spec: dict) -> JobRecord:
-    """A local record for a job adopted from the store (raises on a bad spec)."""
-    return JobRecord(
-        id=str(spec["id"]), name=str(spec.get("name", "")), command=[str(a) for a in
-                                                                     spec["command"]],
-        cwd=str(spec["cwd"]), env={str(k): str(v) for k, v in spec.get("env", {}).items()},
-        uid=int(spec["uid"]), gid=int(spec["gid"]), user=str(spec.get("user", "")),
-        min_nodes=int(spec["min_nodes"]), max_nodes=int(spec["max_nodes"]),
-        nproc_per_node=int(spec["nproc_per_node"]), max_restarts=int(spec["max_restarts"]),
-        max_restarts_per_window=int(spec.get("max_restarts_per_window", -1)),
-        restart_window=_window(spec.get("restart_window", 3600.0)),
-        created_at=float(spec.get("created_at", 0.0)), node_id=str(spec.get("submitted_on", "")),
-        inprocess=bool(spec.get("inprocess", False)),
-        nodes=[str(n) for n in spec.get("nodes") or []],
-        gpus_per_node=int(spec.get("gpus_per_node", -1)),
-        cpu_bind=str(spec.get("cpu_bind", "none")),
-        reason="adopted from the cluster")
-
-
-class JobManager:
     def __init__(self, cfg: Config, registry: JobRegistry, cluster, view, metrics=None,
                  codec=None, policy=None, gpus: GpuLedger | None = None, health=None,
                  suspicion=None):
@@ -112,8 +58,6 @@ class JobManager:
         # Seals every spec this node writes to the store (trust/specs.py); the
         # daemon passes the cluster key's, a test without one gets a throwaway key.
         if codec is None:
-            from ..trust.clusterkey import ephemeral
-            from ..trust.specs import SpecCodec
             codec = SpecCodec(ephemeral(), cfg.control)
         self._codec = codec
         self._policy = policy
@@ -205,7 +149,7 @@ class JobManager:
             max_restarts_per_window=per_window, restart_window=a.restart_window,
             reason="waiting for free slots", node_id=self._cfg.daemon.node_id,
             inprocess=req.inprocess, nodes=list(req.nodes),
-            gpus_per_node=req.gpus_per_node, cpu_bind=req.cpu_bind,
+            gpus_per_node=req.gpus_per_node, cpu_bind=req.cpu_bind.value,
             created_at=time.time())
         # The local record first: this node's own dispatcher, woken by the
         # store write, must find the job known here and not adopt it again.
@@ -224,8 +168,9 @@ class JobManager:
                         "submitted (nothing of it was kept); free some space there") from None
                 raise errors.Unavailable(f"{exc}; the job was not submitted") from None
         try:
-            create_job(self._cluster.store, rec.id, self._codec.seal(job_spec(rec, req.nodes)),
-                       time.time(), records=self._codec.records)
+            spec = JobSpec.of_record(rec, req.nodes)
+            create_job(self._cluster.store, rec.id, self._codec.seal(spec), time.time(),
+                       records=self._codec.records, expected=spec.nodes)
         except (StoreError, ValueError) as exc:
             self._registry.discard(rec.id)
             raise errors.Unavailable(f"etcd unavailable, the job was not submitted: {exc}") \
@@ -380,13 +325,10 @@ class JobManager:
                                  job.nproc_per_node, lambda: keeper.lease, limits,
                                  scale_up=r.scale_up, poll=r.poll)
 
-    def adopt(self, spec: dict) -> JobRecord | None:
-        """Take on a job submitted on another node; None if its spec is unusable."""
-        try:
-            rec = record_from_spec(spec)
-        except (KeyError, TypeError, ValueError) as exc:
-            log.warning("ignoring cluster job with a bad spec: %s", exc)
-            return None
+    def adopt(self, spec: JobSpec) -> JobRecord | None:
+        """Take on a job submitted on another node (its spec checked where it was read:
+        trust/specs.py); None if this node has it already or cannot keep it."""
+        rec = spec.record()
         try:
             try:
                 rec = self._registry.create(rec)
@@ -478,10 +420,11 @@ class JobManager:
                        f"the window ({window.describe(len(times) - 1)})", exit_code=1)
             return
         try:
-            create_job(self._cluster.store, job.id, self._codec.seal(job_spec(job)), now,
+            spec = JobSpec.of_record(job)
+            create_job(self._cluster.store, job.id, self._codec.seal(spec), now,
                        round=job.round + 1, restarts=restarts,
                        restart_times=times if counted else tuple(job.restart_times),
-                       records=self._codec.records)
+                       records=self._codec.records, expected=spec.nodes)
         except (StoreError, ValueError) as exc:
             log.error("%s: cannot resume: %s", ctx(job=job.id), exc)
             return
@@ -510,54 +453,3 @@ class JobManager:
             if not agent.join(timeout):
                 log.error("%s: agent did not stop within %.0fs", ctx(job=agent.job_id), timeout)
         self.templates.stop()
-
-
-def _window(value) -> float:
-    """A job spec's restart window: a positive, finite number of seconds."""
-    seconds = float(value)
-    if not 0 < seconds < float("inf"):
-        raise ValueError(f"restart_window must be a positive number of seconds, got {value!r}")
-    return seconds
-
-
-def check_access(job: JobRecord, caller: Caller) -> None:
-    """root may see and change every job; anyone else only their own."""
-    if not caller.may_act_on(job.uid):
-        raise errors.PermissionDenied(
-            f"job {job.id} belongs to {job.user or job.uid}; only that user or root may "
-            "see or change it")
-
-
-def kill_leftover_workers(rows: list[WorkerRow]) -> int:
-    """SIGKILL what is left of recorded workers' process groups.
-
-    Each worker led its own process group (pgid == its pid). The leader may
-    be gone while children it forked live on in the group, so every process
-    in that group started no earlier than the recorded worker is killed; a
-    recycled pid or pgid (an older start time can't be ours) is never hit.
-    """
-    wanted = {row.pid: row.create_time for row in rows if row.pid and row.create_time}
-    if not wanted:
-        return 0
-    killed: list[psutil.Process] = []
-    for proc, pgid in group_processes(wanted, ("pid", "create_time")):
-        if proc.info["create_time"] < wanted[pgid] - 0.01:
-            continue
-        try:
-            proc.send_signal(signal.SIGKILL)  # psutil checks it is still that process
-            killed.append(proc)
-        except psutil.Error:
-            pass
-    # SIGKILL takes effect when the process next runs: on a loaded node that can
-    # be a while, and the daemon must not say it is back while they still run.
-    deadline = time.monotonic() + LEFTOVER_GONE_WAIT
-    while time.monotonic() < deadline and any(_running(p) for p in killed):
-        time.sleep(0.02)
-    return len(killed)
-
-
-def _running(proc: psutil.Process) -> bool:
-    try:
-        return proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False

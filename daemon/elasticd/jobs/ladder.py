@@ -30,8 +30,7 @@ import re
 import time
 from dataclasses import dataclass, field, replace
 
-from ..jobs.records import clamp_int
-from ..rendezvous.protocol import RoundCause
+from .records import clamp_int
 
 MAX_ATTEMPTS_KEPT = 50
 CHAIN_TEXT_LIMIT = 1000
@@ -81,13 +80,6 @@ class Attempt:
                    node_id=str(d.get("node_id") or node_id),
                    duration=float(d.get("duration", 0)),
                    outcome=Outcome(str(d.get("outcome", ""))))
-
-
-def round_layer(cause: RoundCause) -> Layer:
-    """The layer of a new round another node opened, from the round's cause:
-    a change of nodes (one lost, one waiting to join) is a new rendezvous; a
-    worker fault somewhere restarts every node's processes."""
-    return Layer.RENDEZVOUS if cause.membership else Layer.PROCESS
 
 
 def chain_text(attempts: list[Attempt], limit: int = CHAIN_TEXT_LIMIT) -> str:
