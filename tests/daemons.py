@@ -49,7 +49,10 @@ class DaemonProc:
         self.wrap: list[str] = []
 
     # -- life cycle ----------------------------------------------------------
-    def start(self, timeout: float = 15.0) -> "DaemonProc":
+    def start(self, timeout: float = 60.0) -> "DaemonProc":
+        # How long the harness waits to be served, not a bound on the daemon (a daemon
+        # that cannot start exits, which ends the wait at once): on a loaded machine
+        # its imports alone have taken over 15 s.
         logf = open(self.log_path, "ab")
         self.proc = subprocess.Popen([*self.wrap, sys.executable, "-m", "elasticd", *self.args],
                                      stdout=logf, stderr=subprocess.STDOUT, env=self.env,
