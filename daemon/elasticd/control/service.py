@@ -9,8 +9,6 @@ exception becomes INTERNAL and is logged, and the daemon carries on.
 """
 from __future__ import annotations
 
-import functools
-import inspect
 import logging
 import os
 import threading
@@ -21,6 +19,7 @@ import grpc
 from ..cluster import remote_jobs as clusterjobs
 from .. import errors
 from . import nodes, validation
+from .handling import handled
 from .auth import TOKEN_METADATA_KEY, AuthError, Caller, TokenIssuer, check_access
 from ..config import Config
 from ..jobs.names import AmbiguousName
@@ -41,71 +40,6 @@ log = logging.getLogger("elasticd.control.service")
 
 SERVICE_NAME = "elasticd.v1.Control"
 SETTLE_SECONDS = 2.0  # how long WaitJob waits for the rows of a job other nodes ended
-# Unary calls that may last as long as a stream: they take a stream's slot, not a short
-# call's (their threads are the pool's share for long-lived calls).
-LONG_LIVED_UNARY = frozenset({"WaitJob"})
-
-
-def _status(exc: errors.ElasticdError) -> grpc.StatusCode:
-    return getattr(grpc.StatusCode, exc.code, grpc.StatusCode.INTERNAL)
-
-
-def _handle(method):
-    """Map our errors to status codes; never let an exception kill a call badly. Every
-    call holds a slot of its caller's while it runs (control/streamgate.py): a
-    stream's or a long-lived unary call's (LONG_LIVED_UNARY) in the stream gate,
-    any other's in the call gate."""
-    name = method.__name__
-
-    def fail(self, context, exc: BaseException) -> None:
-        if isinstance(exc, errors.ElasticdError):
-            code, msg = _status(exc), str(exc)
-        else:
-            log.exception("control %s failed", name)
-            code, msg = grpc.StatusCode.INTERNAL, f"internal error in elasticd: {exc!r} " \
-                                                  "(see the daemon's log)"
-        self._observe(name, code, context)
-        context.abort(code, msg)
-
-    if inspect.isgeneratorfunction(method):
-        @functools.wraps(method)
-        def stream(self, request, context):
-            context.started = time.perf_counter()
-            try:
-                caller = self._caller(context)
-                self._not_over_queue(caller, name)
-                with self._streams.slot(caller.uid, name):
-                    yield from method(self, request, context, caller)
-                self._observe(name, grpc.StatusCode.OK, context)
-            except Exception as exc:  # noqa: BLE001 - mapped to a status code
-                if _is_abort(exc):
-                    raise
-                fail(self, context, exc)
-        return stream
-
-    @functools.wraps(method)
-    def unary(self, request, context):
-        context.started = time.perf_counter()
-        try:
-            caller = self._caller(context)
-            self._not_over_queue(caller, name)
-            gate = self._streams if name in LONG_LIVED_UNARY else self._calls
-            with gate.slot(caller.uid, name):
-                result = method(self, request, context, caller)
-            self._observe(name, grpc.StatusCode.OK, context)
-            return result
-        except Exception as exc:  # noqa: BLE001 - mapped to a status code
-            if _is_abort(exc):
-                raise
-            fail(self, context, exc)
-    return unary
-
-
-def _is_abort(exc: BaseException) -> bool:
-    # grpc raises a bare Exception from context.abort(); it carries no type of its own.
-    return type(exc) is Exception and not exc.args
-
-
 def _page_key(token: str) -> tuple[float, str] | None:
     """The (created_at, id) a ListJobs page token stands for; None: from the start."""
     if not token:
@@ -184,14 +118,14 @@ class ControlServicer(pb_grpc.ControlServicer):
         msg.command.extend(kept)
         return msg
 
-    @_handle
+    @handled
     def Submit(self, request, context, caller):
         req = validation.submit_request(request, self._cfg.control)
         validation.caller_can_enter(req.cwd, caller.uid, caller.gid,
                                     self._cfg.control.cwd_check_timeout)
         return pb.SubmitResponse(job=self._fit(job_to_proto(self._manager.submit(req, caller))))
 
-    @_handle
+    @handled
     def ListJobs(self, request, context, caller):
         # root sees every job; anyone else only their own. This node's records
         # only: a cluster job other nodes run is found by GetJob (see _find).
@@ -304,14 +238,14 @@ class ControlServicer(pb_grpc.ControlServicer):
                     job = self._refresh(job, here)
         return job
 
-    @_handle
+    @handled
     def GetJob(self, request, context, caller):
         job, here, rejected = self._find_or_rejected(request.id, caller)
         if rejected is not None:
             return rejection_to_proto(rejected, self._cfg.daemon.node_id)
         return self._fit(self._with_cluster(job) if here else job_to_proto(job))
 
-    @_handle
+    @handled
     def CancelJob(self, request, context, caller):
         job, here = self._find(request.id, caller)
         if not here:
@@ -328,7 +262,7 @@ class ControlServicer(pb_grpc.ControlServicer):
         self._manager.cancel_elsewhere(job, caller)
         return self._refresh(job, False)
 
-    @_handle
+    @handled
     def WaitJob(self, request, context, caller):
         job, here, rejected = self._find_or_rejected(request.id, caller)
         timeout = request.timeout_seconds
@@ -344,7 +278,7 @@ class ControlServicer(pb_grpc.ControlServicer):
             job = self._wait_until(job, here, _settled, SETTLE_SECONDS, gone)
         return self._fit(job_to_proto(job))
 
-    @_handle
+    @handled
     def Logs(self, request, context, caller):
         job, here = self._find(request.id, caller)
         if not here:
@@ -393,7 +327,7 @@ class ControlServicer(pb_grpc.ControlServicer):
                 return f"{node} ({address})" if address else node
         return ""
 
-    @_handle
+    @handled
     def Events(self, request, context, caller):
         job_id = ""
         if request.id:
@@ -437,11 +371,11 @@ class ControlServicer(pb_grpc.ControlServicer):
         keys = self._view.job(job_id) if self._view is not None else None
         return keys.spec.uid if keys is not None and keys.spec is not None else None
 
-    @_handle
+    @handled
     def ListNodes(self, request, context, caller):
         return nodes.answer(self._cfg, self._cluster, self._manager, caller, self._endpoint)
 
-    @_handle
+    @handled
     def SetNodeState(self, request, context, caller):
         if not caller.is_root:
             raise errors.PermissionDenied("only root may drain or uncordon a node")
@@ -460,7 +394,7 @@ class ControlServicer(pb_grpc.ControlServicer):
         rec = view.live.get(node_id) or self._cluster.record()
         return node_to_proto(rec, request.state, 0.0)
 
-    @_handle
+    @handled
     def WarmTemplate(self, request, context, caller):
         req = validation.submit_request(pb.SubmitRequest(  # checked as the job it is for
             command=request.command, cwd=request.cwd, env=request.env,
