@@ -113,12 +113,16 @@ def test_cancel_stops_a_running_job_and_its_workers(shared):
         time.sleep(0.1)
     assert len(alive(pids)) == 2
 
-    t0 = time.monotonic()
     res = ctl_ok(shared, "cancel", job_id)
     assert job_id in res.stdout
     shared.wait_state(job_id, "CANCELLED", timeout=10)
-    took = time.monotonic() - t0
-    assert took < 5.0, f"cancel took {took:.1f}s"
+    # Workers that honour SIGTERM end within the stop grace period (5 s), with no
+    # SIGKILL: timed by the daemon, from the cancel it took to the job's end (the
+    # client's own start-up is not the daemon's stopping).
+    events = shared.events(job_id)
+    asked = next(e.time for e in events if e.reason.startswith("cancel requested by"))
+    ended = next(e.time for e in events if e.to_state == pb.CANCELLED)
+    assert 0 <= ended - asked < 5.0, f"cancel took {ended - asked:.1f}s"
     assert alive(pids) == []
     assert job_id not in {_job_of(pid) for pid in worker_pids_under(shared.state_dir)}
 
