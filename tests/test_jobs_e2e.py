@@ -100,6 +100,28 @@ def test_logs_follow_returns_when_the_job_ends_with_its_last_line(shared):
     assert "[rank" not in out  # one rank asked for: no prefixes
 
 
+def _nice(pid: int, tid: int | None = None) -> int:
+    path = f"/proc/{pid}/task/{tid}/stat" if tid else f"/proc/{pid}/stat"
+    with open(path) as fh:
+        return int(fh.read().rsplit(")", 1)[1].split()[16])  # field 19: nice
+
+
+def test_the_daemon_runs_above_its_jobs_and_their_processes_start_at_nice_0(shared):
+    """daemon.nice (-5): every thread of the daemon; the job's ranks are back at 0."""
+    job_id = submit(shared, "--nproc-per-node", "2", "--", *TRAIN, "--steps", "100000",
+                    "--step-time", "0.05")
+    try:
+        job = shared.wait_state(job_id, "RUNNING", timeout=60,
+                                pred=lambda j: len(j.workers) == 2)
+        daemon = shared.proc.pid
+        threads = {int(t): _nice(daemon, int(t)) for t in os.listdir(f"/proc/{daemon}/task")}
+        assert set(threads.values()) == {-5}, threads
+        assert [_nice(w.pid) for w in job.workers] == [0, 0]
+    finally:
+        ctl_ok(shared, "cancel", job_id)
+        shared.wait_state(job_id, "CANCELLED", timeout=30)
+
+
 def test_cancel_stops_a_running_job_and_its_workers(shared):
     job_id = submit(shared, "--nproc-per-node", "2", "--", *TRAIN, "--steps", "100000",
                     "--step-time", "0.05")

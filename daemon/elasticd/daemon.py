@@ -53,6 +53,21 @@ log = logging.getLogger("elasticd")
 OWN_FILES = 1024  # fds kept for the daemon's own use beside control connections
 
 
+def _take_priority(cfg: Config) -> None:
+    """Run this thread, and so every thread it starts, at ``daemon.nice``: a node's
+    training must not starve the lease, the beats and the control socket. A job's
+    processes go back to WORKER_NICE as they start (workers/launch.py)."""
+    want = cfg.daemon.nice
+    try:
+        if os.getpriority(os.PRIO_PROCESS, 0) != want:
+            os.setpriority(os.PRIO_PROCESS, 0, want)
+    except OSError as exc:  # expected of a user's own daemon: said, not warned
+        say = log.warning if os.geteuid() == 0 else log.info
+        say("%s: cannot run at nice %d (daemon.nice): %s; running at nice %d (as root, "
+            "or with Nice= in the unit, it can)", ctx(node=cfg.daemon.node_id), want,
+            exc.strerror, os.getpriority(os.PRIO_PROCESS, 0))
+
+
 class Daemon:
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -65,6 +80,7 @@ class Daemon:
     def run(self) -> int:
         cfg, d = self.cfg, self.cfg.daemon
         t0 = time.monotonic()
+        _take_priority(cfg)   # first: every thread started from here on inherits it
         _fit_open_files(cfg)
         # Root's socket dir must let group elasticd through; a user's is theirs alone.
         os.makedirs(os.path.dirname(d.socket), mode=0o755 if os.geteuid() == 0 else 0o700,

@@ -30,6 +30,11 @@ class DaemonSettings:
     log_level: str = _setting("info", "log level", choices=("debug", "info", "warning", "error"))
     shutdown_timeout: float = _setting(30.0, "seconds a clean stop waits for workers to exit",
                                        min=0, exclusive_min=True)
+    nice: int = _setting(-5, "scheduling priority (nice) of the daemon's own threads, so a "
+                             "node whose CPUs training saturates still keeps its lease, "
+                             "beats and control calls on time; jobs' processes start at 0. "
+                             "Lowering it needs root or the unit's Nice=; otherwise the "
+                             "daemon says so and runs as it was started", min=-20, max=19)
     main_loop_interval: float = _setting(0.5, "seconds between main-loop ticks (watchdog pings)",
                                          min=0.01, max=60)
     # GPUs (gpus/inventory.py, gpus/alloc.py, gpus/health.py)

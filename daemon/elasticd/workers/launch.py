@@ -20,6 +20,9 @@ _PR_SET_PDEATHSIG = 1
 # 0077, so its records and logs are private): a login's default, so a job's
 # checkpoints and outputs get the modes its user expects.
 WORKER_UMASK = 0o022
+# The priority a job's processes start at, whatever the daemon's own (daemon.nice):
+# a login's default. Raising a nice value needs no privilege, so the job's user sets it.
+WORKER_NICE = 0
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _prctl = _libc.prctl
 
@@ -27,7 +30,8 @@ _prctl = _libc.prctl
 def _child_setup(cwd: bytes, cpus: tuple = ()):
     """What the child runs between fork and exec, after subprocess switched it to
     the job's uid/gid/groups (it does so before calling this): die with the
-    thread that started it, then enter the job's directory as the job's user.
+    thread that started it, back to WORKER_NICE from the daemon's priority, then
+    enter the job's directory as the job's user.
 
     Popen's own ``cwd=`` would chdir while still root, before the switch, so
     a user could run in (and learn about) directories she cannot enter.
@@ -38,6 +42,10 @@ def _child_setup(cwd: bytes, cpus: tuple = ()):
     """
     def setup() -> None:
         _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, WORKER_NICE)
+        except OSError:  # a daemon started above it (nice 5, not root): stays there
+            pass
         if cpus:
             os.sched_setaffinity(0, cpus)
         os.chdir(cwd)
