@@ -220,7 +220,7 @@ def test_inprocess_reports_become_events_a_ladder_record_and_metrics(tmp_path):
     assert job.restarts_by_layer == {"inprocess": 1}
     assert job.restart_budget == {"inprocess": 8, "process": 3, "rendezvous": -1}
     assert job.attempts[0].cause == "rank 1: RuntimeError: boom"
-    ev = [e for e in registry.events(job_id="j1") if e["kind"] == "restart"]
+    ev = [e.to_dict() for e in registry.events(job_id="j1") if e.kind == "restart"]
     assert len(ev) == 1 and ev[0]["layer"] == "inprocess" and ev[0]["duration_seconds"] == 0.25
     value = metrics.registry.get_sample_value
     assert value("elasticd_restarts_total", {"layer": "inprocess", "cause": "exit"}) == 1
