@@ -322,7 +322,7 @@ class ControlServicer(pb_grpc.ControlServicer):
             return ""
         me = self._cfg.daemon.node_id
         for node, rows in keys.workers.items():
-            if node != me and any(isinstance(w, dict) and w.get("rank") == rank for w in rows):
+            if node != me and any(w.rank == rank for w in rows):
                 address = next((m.address for m in (keys.state.members if keys.state else ())
                                 if m.node_id == node), "")
                 return f"{node} ({address})" if address else node
