@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .jobrecord import JobRecord
+from .restartpolicy import RestartPlan
 from .states import JobState
 
 
@@ -80,12 +82,12 @@ class JobEvent:
                    origin_seq=d.get("origin_seq"))
 
 
-def local_event(rec, kind: str, reason: str, node_id: str, now: float, *,
+def local_event(rec: JobRecord, kind: str, reason: str, node_id: str, now: float, *,
                 from_state: JobState | None = None, to_state: JobState | None = None,
-                rank: int = -1, layer: str = "", duration: float = 0.0, plan=None,
-                start_path: str = "") -> JobEvent:
-    """An event of job ``rec`` (jobrecord.JobRecord) on this node; ``plan``: the
-    restart plan (restartpolicy.RestartPlan) a process restart's RESTARTING carries."""
+                rank: int = -1, layer: str = "", duration: float = 0.0,
+                plan: RestartPlan | None = None, start_path: str = "") -> JobEvent:
+    """An event of job ``rec`` on this node; ``plan``: the restart plan a process
+    restart's RESTARTING carries."""
     return JobEvent(
         job_id=rec.id, time=now, kind=kind,
         from_state=from_state.value if from_state else "",
