@@ -11,6 +11,7 @@ and who may see the events of a job their node never ran.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -23,6 +24,7 @@ import pytest
 
 from elasticd import config
 from elasticd.cluster.eventlog import EVENTS, EventLog, event_key, parse_event, parse_key, shared
+from elasticd.jobs.jobevent import JobEvent
 from elasticd.jobs.registry import JobRecord, JobRegistry
 from elasticd.jobs.states import JobState
 from elasticd.store import MemoryStore, StoreUnavailable, open_store
@@ -74,9 +76,11 @@ def test_keys_that_are_not_event_keys_are_refused(key):
 def test_an_event_read_back_carries_its_origin_seq():
     ev = parse_event(event_key("j1", "n2", 7), json.dumps(good_event(
         layer="process", duration_seconds=1.5)), PLAIN)
-    assert ev == {**good_event(layer="process", duration_seconds=1.5), "origin_seq": 7}
+    assert ev.to_dict() == {**good_event(layer="process", duration_seconds=1.5),
+                            "origin_seq": 7}
     assert not shared(ev, "n2"), "an imported event is never published again"
-    assert shared(good_event(seq=3), "n2") and not shared(good_event(seq=3), "n1")
+    local = JobEvent.from_dict(good_event(seq=3))
+    assert shared(local, "n2") and not shared(local, "n1")
 
 
 @pytest.mark.parametrize("value", [
@@ -116,16 +120,15 @@ def test_importing_the_same_events_again_adds_nothing_even_after_a_restart(regis
     assert woke.is_set(), "an import must wake Events -f"
     assert registry.import_events(evs) == 0
     # the same seq from another node is another event
-    assert registry.import_events([{**evs[0], "node_id": "n3"}]) == 1
+    assert registry.import_events([dataclasses.replace(evs[0], node_id="n3")]) == 1
     assert heard == [], "listeners (metrics) count this node's own events only"
     registry.close()
     again = JobRegistry(str(tmp_path / "state"), "n1")
     try:
         assert again.import_events(evs) == 0
         got = again.events(job_id="j1")
-        assert [(e["node_id"], e["origin_seq"]) for e in got] == [("n2", 3), ("n2", 4),
-                                                                   ("n3", 3)]
-        assert [e["seq"] for e in got] == sorted(e["seq"] for e in got)
+        assert [(e.node_id, e.origin_seq) for e in got] == [("n2", 3), ("n2", 4), ("n3", 3)]
+        assert [e.seq for e in got] == sorted(e.seq for e in got)
     finally:
         again.close()
 
@@ -167,8 +170,8 @@ def job(reg: JobRegistry, job_id: str = "j1") -> None:
 
 
 def moves(reg: JobRegistry, node_id: str) -> list[tuple]:
-    return [(e["node_id"], e["to_state"]) for e in reg.events(job_id="j1")
-            if e["node_id"] == node_id]
+    return [(e.node_id, e.to_state) for e in reg.events(job_id="j1")
+            if e.node_id == node_id]
 
 
 def test_events_of_one_node_reach_the_other_and_a_restart_repeats_none(tmp_path):
@@ -194,7 +197,7 @@ def test_events_of_one_node_reach_the_other_and_a_restart_repeats_none(tmp_path)
         # A sentinel after it (another job's events): once b has it, a published and b
         # imported everything they were going to, repeats included.
         job(ra, "j2")
-        wait_for(lambda: [e["to_state"] for e in rb.events(job_id="j2")][-1:] == ["RUNNING"],
+        wait_for(lambda: [e.to_state for e in rb.events(job_id="j2")][-1:] == ["RUNNING"],
                  5, what="the sentinel")
         assert moves(rb, "a") == want + [("a", "SUCCEEDED")]
         assert [kv.key for kv in store.list(EVENTS)[0] if parse_key(kv.key)[0] == "j1"] == \

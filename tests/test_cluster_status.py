@@ -60,7 +60,10 @@ def running_keys(**state) -> JobKeys:
                     opened_at=NOW - 10, closed_at=NOW - 5)
     if state:
         rs = RoundState(**{**rs.__dict__, **state})
-    return JobKeys(spec=spec(), state=rs, workers={"n2": [row(1, "n2")], "n1": [row(0, "n1")]})
+    keys = JobKeys(spec=spec(), state=rs)
+    keys.put_workers("n2", [row(1, "n2")], {})
+    keys.put_workers("n1", [row(0, "n1")], {})
+    return keys
 
 
 def test_a_running_job_shows_round_restarts_every_nodes_ranks_and_where_it_runs():
@@ -83,7 +86,7 @@ def test_every_nodes_recovery_summary_makes_the_layers_last_failure_and_history(
               traceback="x" * 10_000, node_id="n2")
     step = {"layer": "inprocess", "cause": "c", "time": NOW - 8, "duration": 0.05,
             "outcome": "recovered", "rank": 1, "node_id": "n2"}
-    keys.summaries = {
+    published = {
         "n1": {"restarts_by_layer": {"inprocess": 2, "process": 1}, "last_failure": f1,
                "restart_budget": {"inprocess": 8, "process": 3, "rendezvous": -1},
                "attempts": [dict(step, layer="process", time=NOW - 50, node_id="n1")]},
@@ -93,6 +96,9 @@ def test_every_nodes_recovery_summary_makes_the_layers_last_failure_and_history(
         "n9": {"restarts_by_layer": {"process": "many"}, "last_failure": "garbage"},
         "n8": {"attempts": "not a list of dicts", "last_failure": {"time": "soon"}},
     }
+    for node, summary in published.items():
+        keys.put_workers(node, [row(0, "n1")] if node == "n1" else
+                         [row(1, "n2")] if node == "n2" else [], summary)
     rec = record_from_keys(keys, NOW)
     assert rec.restarts_by_layer == {"inprocess": 3, "process": 1}   # the most any node saw
     assert rec.restart_budget == {"inprocess": 8, "process": 3, "rendezvous": -1}
@@ -147,7 +153,7 @@ def test_keys_without_a_usable_spec_and_state_make_no_job(keys):
 
 def test_worker_rows_that_do_not_parse_are_left_out():
     keys = running_keys()
-    keys.workers["n3"] = [{"rank": "x"}, "garbage", row(2, "n3")]
+    keys.put_workers("n3", [{"rank": "x"}, "garbage", row(2, "n3")], {})
     assert [w.node_id for w in record_from_keys(keys, NOW).workers] == ["n1", "n2", "n3"]
 
 

@@ -517,6 +517,7 @@ def test_gate_runs_the_health_command_with_a_timeout(tmp_path):
 
 def test_judge_counts_different_jobs_within_the_window():
     from elasticd.cluster.suspicion import SuspectTracker, judge
+    from elasticd.jobs.jobevent import JobEvent
     fails = [(100.0, "a"), (101.0, "a"), (102.0, "a")]
     assert not judge(fails, 110.0, 60.0, 2).suspect                 # one job, many times
     fails.append((105.0, "b"))
@@ -526,11 +527,11 @@ def test_judge_counts_different_jobs_within_the_window():
     assert not judge(fails, 110.0, 60.0, 0).suspect                 # turned off
     now = [1000.0]
     t = SuspectTracker("n1", 60.0, 2, clock=lambda: now[0])
-    t.on_event({"kind": "worker_exit", "node_id": "n1", "job_id": "a", "time": 999.0})
-    t.on_event({"kind": "worker_exit", "node_id": "n2", "job_id": "b", "time": 999.0})  # a peer's
-    t.on_event({"kind": "state", "node_id": "n1", "job_id": "c", "time": 999.0})
+    t.on_event(JobEvent(kind="worker_exit", node_id="n1", job_id="a", time=999.0))
+    t.on_event(JobEvent(kind="worker_exit", node_id="n2", job_id="b", time=999.0))  # a peer's
+    t.on_event(JobEvent(kind="state", node_id="n1", job_id="c", time=999.0))
     assert not t.verdict().suspect
-    t.on_event({"kind": "worker_exit", "node_id": "n1", "job_id": "d", "time": 999.5})
+    t.on_event(JobEvent(kind="worker_exit", node_id="n1", job_id="d", time=999.5))
     assert t.verdict().suspect
 
 
@@ -552,7 +553,7 @@ def test_a_restarted_daemon_still_remembers_why_its_node_is_suspect(tmp_path):
     t = SuspectTracker("n1", 60.0, 2, clock=lambda: now[0])
     t.remember(again.recent_events("worker_exit", "n1", now[0] - 60.0))
     assert t.verdict().suspect and t.verdict().jobs == ("a", "b")
-    assert [e["job_id"] for e in again.recent_events("worker_exit", "n1", 1030.0)] == ["b"]
+    assert [e.job_id for e in again.recent_events("worker_exit", "n1", 1030.0)] == ["b"]
     assert again.recent_events("worker_exit", "n2", 0.0) == []
     again.close()
 

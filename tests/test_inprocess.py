@@ -134,8 +134,8 @@ def test_the_first_rejection_of_each_kind_is_told_once():
     assert told == ["fault", "start marker"]
     assert seal.rejected == {"fault": 6, "start marker": 3}
     from elasticd.workers.inprocess_reports import parse_line
-    assert parse_line(json.dumps({"kind": "forged", "record": "x" * 500}).encode()) == \
-        {"kind": "forged", "record": "x" * 40}
+    assert parse_line(json.dumps({"kind": "forged", "record": "x" * 500}).encode()).to_dict() \
+        == {"kind": "forged", "record": "x" * 40}
 
 
 @pytest.mark.parametrize("line", [

@@ -148,17 +148,17 @@ def test_a_round_state_keeps_its_cause_and_reads_an_older_releases_by_its_reason
 def test_reports_are_parsed_and_anything_else_is_skipped():
     ok = parse_line(b'{"kind": "restart", "iteration": 2, "fault": "f", "fault_time": 1, '
                     b'"ready_time": 2}')
-    assert ok == {"kind": "restart", "iteration": 2, "fault": "f", "fault_time": 1.0,
-                  "ready_time": 2.0}
+    assert ok.to_dict() == {"kind": "restart", "iteration": 2, "fault": "f",
+                            "fault_time": 1.0, "ready_time": 2.0}
     for junk in (b"not json", b"[1, 2]", b'{"kind": "restart"}', b'{"kind": "rm -rf"}',
                  b'{"kind": "restart", "iteration": "many"}', b"[" * 100000):
         assert parse_line(junk) is None
     long = parse_line(json.dumps({"kind": "abandoned", "reason": "r" * 50000}).encode())
-    assert len(long["reason"]) == 2000
+    assert len(long.to_dict()["reason"]) == 2000
     # a line longer than one read (MAX_READ) is skipped whole, as the reader skips it
     assert parse_line(json.dumps({"kind": "abandoned", "reason": "r" * MAX_READ}).encode()) \
         is None
-    assert parse_line(b'{"kind": "stuck", "reason": "hang", "pid": 7}') == \
+    assert parse_line(b'{"kind": "stuck", "reason": "hang", "pid": 7}').to_dict() == \
         {"kind": "stuck", "reason": "hang"}
 
 
@@ -167,10 +167,12 @@ def test_the_reader_follows_appends_and_holds_back_a_partial_line(tmp_path):
     reader = ReportReader()
     assert reader.poll({0: str(path)}) == []               # not there yet
     path.write_text('{"kind": "abandoned", "reason": "a"}\n{"kind": "aband')
-    assert reader.poll({0: str(path)}) == [(0, {"kind": "abandoned", "reason": "a"})]
+    assert [(r, rep.to_dict()) for r, rep in reader.poll({0: str(path)})] == \
+        [(0, {"kind": "abandoned", "reason": "a"})]
     with open(path, "a") as fh:
         fh.write('oned", "reason": "b"}\n')
-    assert reader.poll({0: str(path)}) == [(0, {"kind": "abandoned", "reason": "b"})]
+    assert [(r, rep.to_dict()) for r, rep in reader.poll({0: str(path)})] == \
+        [(0, {"kind": "abandoned", "reason": "b"})]
     assert reader.poll({0: str(path)}) == []
 
 
@@ -220,7 +222,7 @@ def test_inprocess_reports_become_events_a_ladder_record_and_metrics(tmp_path):
     assert job.restarts_by_layer == {"inprocess": 1}
     assert job.restart_budget == {"inprocess": 8, "process": 3, "rendezvous": -1}
     assert job.attempts[0].cause == "rank 1: RuntimeError: boom"
-    ev = [e for e in registry.events(job_id="j1") if e["kind"] == "restart"]
+    ev = [e.to_dict() for e in registry.events(job_id="j1") if e.kind == "restart"]
     assert len(ev) == 1 and ev[0]["layer"] == "inprocess" and ev[0]["duration_seconds"] == 0.25
     value = metrics.registry.get_sample_value
     assert value("elasticd_restarts_total", {"layer": "inprocess", "cause": "exit"}) == 1

@@ -767,7 +767,7 @@ def test_submit_is_not_adopted_a_second_time_by_its_own_dispatcher(tmp_short):
         rec = node.submit(PY, "-c", "pass")
         final = node.wait_end(rec.id)
         submitted = [e for e in node.registry.events(0, rec.id)
-                     if e["reason"].startswith("submitted")]
+                     if e.reason.startswith("submitted")]
         assert final.state.value == "SUCCEEDED", final.reason
         assert len(submitted) == 1, submitted
         assert adopted == [], f"the submitting node adopted its own job: {adopted}"

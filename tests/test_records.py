@@ -98,7 +98,7 @@ def test_a_recovery_attempt_round_trips_and_a_job_record_keeps_it_typed():
     data = json.loads(rec.to_json())
     data["attempts"].append({"layer": "teleport", "cause": "a newer layer"})
     assert JobRecord.from_json(json.dumps(data)).attempts == [a]
-    assert rec.recovery_summary()["attempts"] == [a.to_dict()]
+    assert rec.recovery_summary().to_dict()["attempts"] == [a.to_dict()]
 
 
 @pytest.mark.parametrize("bad", [{"layer": "process", "time": "soon", "outcome": "failed"},

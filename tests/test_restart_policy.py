@@ -5,8 +5,8 @@ import pytest
 from elasticd.config import AgentSettings
 from elasticd.rendezvous.protocol import FAILED, OPEN, JobLimits, RoundState, reopen
 from elasticd.jobs.restartpolicy import (
-    AttemptProgress, BackoffSettings, RestartPlan, RestartRule, RestartWindow, plan_restart,
-    spares_due, window_text)
+    AttemptProgress, BackoffSettings, RestartPlan, RestartRule, RestartWindow, plan_forgotten,
+    plan_restart, spares_due, window_text)
 
 S = BackoffSettings(initial=0.0, step=0.5, maximum=30.0, min_beats=2, min_runtime=600.0)
 
@@ -204,3 +204,18 @@ def test_the_window_is_counted_cluster_wide_whichever_node_restarts(tmp_path):
                                      "(2 in the last hour of 2 allowed)")
     finally:
         view.stop()
+
+
+def test_a_forgotten_job_starts_again_as_a_counted_restart_while_its_budgets_allow():
+    hour = RestartWindow(2, 3600.0)
+    never_started = plan_forgotten(False, 3, 3, hour, [900.0, 950.0], 1000.0)
+    assert (never_started.fits, never_started.counted, never_started.restarts,
+            never_started.times) == (True, False, 3, (900.0, 950.0))
+    again = plan_forgotten(True, 1, 3, hour, [900.0], 1000.0)
+    assert (again.fits, again.restarts, again.times) == (True, 2, (900.0, 1000.0))
+    spent = plan_forgotten(True, 3, 3, hour, [], 1000.0)
+    assert not spent.fits and spent.reason == \
+        "daemon restarted and no restarts are left (3 of 3 used)"
+    full = plan_forgotten(True, 2, -1, hour, [900.0, 950.0], 1000.0)
+    assert not full.fits and full.reason == ("daemon restarted and no restarts are left in "
+                                             "the window (2 in the last hour of 2 allowed)")

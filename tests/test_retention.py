@@ -13,6 +13,7 @@ import pytest
 from elasticd import config, statedir
 from elasticd.cluster.eventlog import EVENTS, EventLog
 from elasticd.trust.sealed import SealedRecords
+from elasticd.jobs.jobevent import JobEvent
 from elasticd.jobs.registry import JobRecord, JobRegistry
 from elasticd.jobs.retention import Budget, Finished, Plan, Scope, Why, decide
 from elasticd.jobs.retirer import Retirer
@@ -202,7 +203,7 @@ def test_a_pass_retires_by_count_and_bytes_and_never_a_live_job(node):
     assert registry.events(job_id="old0") == []
     kept = registry.get("old2")
     assert kept.state is JobState.SUCCEEDED and kept.logs_retired_at > 0
-    assert "logs retired" in registry.events(job_id="old2")[-1]["reason"]
+    assert "logs retired" in registry.events(job_id="old2")[-1].reason
     assert registry.get("old3").logs_retired_at == 0
     assert sorted(os.listdir(cfg.logs_dir)) == ["ending", "old3", "old4", "running"]
     # The running job's logs stay, however big: agent.log_max_bytes bounds them.
@@ -231,10 +232,10 @@ def test_events_of_jobs_known_here_only_by_them_are_retired_by_age(node):
     cfg, registry = node
     now = time.time()
     registry.import_events([
-        {"job_id": "theirs", "node_id": "node-b", "origin_seq": 1, "time": now - 20 * DAY,
-         "kind": "state", "reason": "x"},
-        {"job_id": "fresh", "node_id": "node-b", "origin_seq": 2, "time": now,
-         "kind": "state", "reason": "y"}])
+        JobEvent(job_id="theirs", node_id="node-b", origin_seq=1, time=now - 20 * DAY,
+                 kind="state", reason="x"),
+        JobEvent(job_id="fresh", node_id="node-b", origin_seq=2, time=now,
+                 kind="state", reason="y")])
     retirer(cfg, registry).run_once()
     assert registry.events(job_id="theirs") == []
     assert len(registry.events(job_id="fresh")) == 1

@@ -23,7 +23,6 @@ import threading
 import time
 from typing import Callable
 
-from . import failures
 from ..jobstore import round_host
 from ..config import Config
 from ..gpus.alloc import Binding
@@ -36,13 +35,13 @@ from .blame import FailureNotes
 from .decide import Action, Decision, Snapshot, decide
 from .gpu_gate import GpuGate
 from .joining import JoinGate
+from .pacing import RestartPacer
 from .placement import Placement
 from .recovery import Recovery
+from .refill import SpareRefill
 from .replace import RankReplacer
 from .stores import LOOPBACK, JobStores
 from .template import JobTemplate
-from ..jobs.restartpolicy import (
-    BackoffSettings, CrashLoop, made_progress, plan_restart, spares_due)
 from ..rendezvous.round import ClusterRendezvous, RendezvousStopped, RoundFinal
 from ..rendezvous.protocol import (
     CANCELLED, FAILED, SUCCEEDED, Result, RoundCause, RoundState, final_job_state)
@@ -78,7 +77,6 @@ class Agent:
         # The job's round state as this agent last read it: from the round it joined
         # (next_round's result) and from each status look while it runs.
         self._round_state: RoundState | None = None
-        a = cfg.agent
         self._tpl = JobTemplate(job_id, cfg, registry, templates)  # agent/template.py
         self._stores = JobStores(job_id, cfg, registry, rendezvous)  # agent/stores.py
         # Before this node asks to join a running round: warm first (agent/joining.py).
@@ -88,15 +86,15 @@ class Agent:
         self._group: WorkerGroup | None = None    # the running attempt's workers
         self._recovery = Recovery(job_id, cfg, registry, metrics)  # the ladder's record
         # What the running attempt did (beats, phases, hangs: agent/attempt.py), for the
-        # wait before the next restart (restartpolicy.plan_restart); and how many
-        # attempts in a row before it made no progress.
+        # wait before the next restart and the crash-loop count (agent/pacing.py).
         self._attempt = AttemptWatch(job_id, cfg, registry, rendezvous, metrics)
+        self._pacer = RestartPacer(cfg)
+        # The spares the next restart takes, started while this attempt runs.
+        self._refill = SpareRefill(cfg, self._spares, self._tpl, self._where)
         self._notes = FailureNotes(cfg, registry, self._place, self._recovery, self._attempt)
         self._replacer = RankReplacer(job_id, cfg, registry, self._place, self._notes,
                                       self._recovery, self._attempt, self._spares,
                                       self._publish)
-        self._no_progress_streak = 0
-        self._crash_loop = CrashLoop(a.crash_loop_limit)  # the same failure, no progress
         self._thread = threading.Thread(target=self._run, name=f"agent-{job_id}", daemon=True)
 
     def start(self) -> None:
@@ -230,10 +228,8 @@ class Agent:
         return (state.round + 1) if state and state.status != "open" else job.round + 1
 
     def _monitor(self, group: WorkerGroup, result: Result, started_warm: bool) -> Decision:
-        a = self._cfg.agent
-        interval = a.monitor_interval
-        # Spares still to start for this attempt, from when, after a warm start or not.
-        refill, refill_from, warm = a.warm_spares, self._attempt.started, started_warm
+        interval = self._cfg.agent.monitor_interval
+        self._refill.arm(self._attempt.started, started_warm)  # spares for the next restart
         marked_done = scale_requested = False
         while True:
             workers = group.poll()
@@ -265,7 +261,7 @@ class Agent:
                 gave_up=self._recovery.gave_up(), remote_ranks=result.group_world_size > 1))
             if decision.action is Action.REPLACE:
                 self._replacer.replace_dead(group)
-                refill, refill_from, warm = a.warm_spares, time.monotonic(), False
+                self._refill.arm(time.monotonic(), False)  # the replacement took a spare
             elif decision.action is Action.SCALE_UP:
                 if result.group_rank == 0 and not scale_requested:
                     scale_requested = True
@@ -273,14 +269,8 @@ class Agent:
                                                         RoundCause.NODE_WAITING))
             elif decision.action is not Action.CONTINUE:
                 return decision
-            if refill and spares_due(time.monotonic(), refill_from, self._attempt.first_beat, warm,
-                                     a.warm_spare_delay, a.warm_spare_restart_delay):
-                refill = False
-                if (max_restarts < 0 or restarts < max_restarts) \
-                        and not self._tpl.template.ready(0) \
-                        and self._spares.fill(group.spec, a.warm_preload, a.warm_spare_nice):
-                    log.info("%s: warm spares started for the next restart",
-                             self._where(result.round))
+            self._refill.tick(group.spec, self._attempt.first_beat,
+                              max_restarts < 0 or restarts < max_restarts, result.round)
             self._tpl.note()
             if self._attempt.first_beat is not None and not self._tpl.preload_read:
                 self._tpl.learn_preload(group.spec)
@@ -337,9 +327,7 @@ class Agent:
         """REJOIN (a peer opened a new round) or NODE_LOST (open one ourselves)."""
         act = decision.action
         job = self._registry.get(self.job_id)
-        if made_progress(self._attempt.progress(),
-                         BackoffSettings.from_settings(self._cfg.agent)):
-            self._no_progress_streak = 0  # another node's fault ended a good attempt
+        self._pacer.peer_fault(self._attempt.progress())
         self._stop_group(group)
         self._publish(group)
         state = self._round_state
@@ -367,8 +355,7 @@ class Agent:
     def _restart_or_fail(self, decision: Decision, group: WorkerGroup, result: Result) -> bool:
         """RESTART or FAIL: a local worker failed, or in-process restart gave up."""
         job = self._registry.get(self.job_id)
-        plan = plan_restart(self._attempt.progress(), self._no_progress_streak,
-                            BackoffSettings.from_settings(self._cfg.agent))
+        plan = self._pacer.plan(self._attempt.progress())
         # Stop the rest of the group before recording: they would hang in collectives.
         # Blame only after the stop: a rank SIGKILLed by someone else (the OOM
         # killer) may not be reaped yet when its peer's error file is seen, on a
@@ -376,16 +363,16 @@ class Agent:
         self._stop_group(group)
         failure = self._blame(job, group)
         self._publish(group)
-        if self._crash_loop.note(failures.signature(failure), plan.streak == 0) and \
-                decision.action is Action.RESTART:
-            decision = Decision(Action.FAIL, self._crash_loop.sentence())
+        crash_loop = self._pacer.crash_loop(failure, plan)
+        if crash_loop and decision.action is Action.RESTART:
+            decision = Decision(Action.FAIL, crash_loop)
         state = self._try(lambda: self._rdzv.reopen(result, failure.cause, True))
         if decision.action is Action.FAIL or (state is not None and state.final):
             self._fail(decision, group, failure, state)
             return False
         restart = state.restarts if state is not None else job.restarts + 1
         times = list(state.restart_times) if state is not None else job.restart_times
-        self._no_progress_streak = plan.streak
+        self._pacer.restarting(plan)
         record = dict(plan.to_dict(), node_id=self._cfg.daemon.node_id, time=time.time())
         climb = self._recovery.ladder.begin(Layer.PROCESS, failure.cause, failure.time,
                                             failure.rank)

@@ -16,7 +16,7 @@ import logging
 
 from ..config import Config
 from ..workers import env as envnames
-from ..workers.inprocess_reports import ReportReader, report_path
+from ..workers.inprocess_reports import ReportKind, ReportReader, report_path
 from ..jobs.registry import JobRecord, JobRegistry
 from ..jobs.ladder import Ladder, Layer
 from ..metrics import failure_cause
@@ -106,32 +106,32 @@ class Recovery:
         paths = {w.rank: report_path(spec.run_dir, w.rank, spec.restart_count)
                  for w in group.workers}
         for rank, rep in self._reports.poll(paths, spec.uid):
-            if rep["kind"] == "stuck":
-                self._stuck[rank] = rep["reason"]
-                self._registry.event(self.job_id, "hang", rep["reason"], rank=rank,
+            if rep.kind is ReportKind.STUCK:
+                self._stuck[rank] = rep.reason
+                self._registry.event(self.job_id, "hang", rep.reason, rank=rank,
                                      layer=Layer.INPROCESS.value)
                 continue
-            if rep["kind"] == "forged":
+            if rep.kind is ReportKind.FORGED:
                 self._registry.event(self.job_id, "info", f"rank {rank}: ignored a "
-                                     f"{rep['record']} record in the job store that failed "
+                                     f"{rep.record} record in the job store that failed "
                                      "authentication: someone other than the job's ranks "
                                      "writes to its store", rank=rank,
                                      layer=Layer.INPROCESS.value)
                 continue
-            if rep["kind"] == "abandoned":
+            if rep.kind is ReportKind.ABANDONED:
                 if not self.ladder.abandoned:
                     self._registry.event(self.job_id, "info", f"rank {rank}: in-process restart "
-                                         f"gave up: {rep['reason']}", rank=rank,
+                                         f"gave up: {rep.reason}", rank=rank,
                                          layer=Layer.INPROCESS.value)
-                self.ladder.gave_up(rep["reason"], rank)
+                self.ladder.gave_up(rep.reason, rank)
                 continue
-            climb = self.ladder.iteration_started(rep["iteration"], rep["fault"],
-                                                  rep["fault_time"], rep["ready_time"], rank)
+            climb = self.ladder.iteration_started(rep.iteration, rep.fault,
+                                                  rep.fault_time, rep.ready_time, rank)
             if climb is None:
                 continue
             self._registry.update(self.job_id, **self.fields())
             self._registry.event(self.job_id, "restart",
-                                 f"in-process restart {rep['iteration']} of "
+                                 f"in-process restart {rep.iteration} of "
                                  f"{self.ladder.inprocess_budget}: running again "
                                  f"{climb.duration:.2f}s after the fault ({climb.cause})",
                                  rank=rank, layer=climb.layer.value, duration=climb.duration)

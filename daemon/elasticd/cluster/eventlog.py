@@ -37,6 +37,7 @@ import threading
 
 from .. import statedir
 from ..logsetup import ctx
+from ..jobs.jobevent import JobEvent
 from ..jobs.restartpolicy import RestartRule
 from ..jobs.states import JobState
 from ..store import EVENT_PUT, Store, StoreError
@@ -70,7 +71,7 @@ def parse_key(key: str) -> tuple[str, str, int]:
     return parts[0], parts[1], int(parts[2])
 
 
-def parse_event(key: str, value: str | None, records) -> dict:
+def parse_event(key: str, value: str | None, records) -> JobEvent:
     """The event stored at ``key``, verified (``records``: trust/sealed.py) and
     checked, as the registry stores it (with ``origin_seq``); Refused for anything
     that is not a genuine, well-formed event whose job and node are the key's."""
@@ -85,7 +86,7 @@ def parse_event(key: str, value: str | None, records) -> dict:
         raise Refused(Reason.INVALID, str(exc)) from None
 
 
-def _event_fields(key: str, data: dict) -> dict:
+def _event_fields(key: str, data: dict) -> JobEvent:
     job_id, node_id, seq = parse_key(key)
     try:
         ev = {name: data[name] for name in _TEXT}
@@ -113,14 +114,13 @@ def _event_fields(key: str, data: dict) -> dict:
         ev["restart_rule"] = data["restart_rule"]
         ev["restart_delay_seconds"] = data.get("restart_delay_seconds", 0.0)
     ev["origin_seq"] = seq
-    return ev
+    return JobEvent.from_dict(ev)
 
 
-def shared(ev: dict, node_id: str) -> bool:
+def shared(ev: JobEvent, node_id: str) -> bool:
     """Whether the writer publishes this registry event: this node's own, not imported,
     and about a job (a refused spec's id is not one: each node keeps its own refusal)."""
-    return ev.get("node_id") == node_id and "origin_seq" not in ev \
-        and ev.get("kind") != "rejected"
+    return ev.node_id == node_id and ev.origin_seq is None and ev.kind != "rejected"
 
 
 class EventLog:
@@ -165,7 +165,7 @@ class EventLog:
         if self._thread is not None:
             self._thread.join(timeout=self._retry + 2 * self._store.timeout + 2)
 
-    def _on_local_event(self, ev: dict) -> None:
+    def _on_local_event(self, ev: JobEvent) -> None:
         # Called under the registry's lock: only wake the writer.
         self._wake.set()
 
@@ -199,7 +199,7 @@ class EventLog:
             for ev in evs:
                 if shared(ev, self._node_id):
                     self._put(ev)
-                self.published = ev["seq"]
+                self.published = ev.seq
         finally:
             if evs:
                 self._write_mark()
@@ -208,18 +208,18 @@ class EventLog:
             self._down = ""
         return len(evs) == limit
 
-    def _put(self, ev: dict) -> None:
-        body = {k: v for k, v in ev.items() if k != "seq"}
+    def _put(self, ev: JobEvent) -> None:
+        body = {k: v for k, v in ev.to_dict().items() if k != "seq"}
         for name in _TEXT:
             if isinstance(body.get(name), str):
                 body[name] = body[name][:_MAX_TEXT]
         try:
-            key = event_key(ev["job_id"], self._node_id, ev["seq"])
+            key = event_key(ev.job_id, self._node_id, ev.seq)
             self._store.put(key, self._records.seal(Kind.EVENT, key, json.dumps(body)))
         except ValueError as exc:  # a job or node id that is no key segment
-            log.warning("%s: event %d not shared: %s", ctx(job=ev["job_id"]), ev["seq"], exc)
+            log.warning("%s: event %d not shared: %s", ctx(job=ev.job_id), ev.seq, exc)
             return
-        self._trim(ev["job_id"])
+        self._trim(ev.job_id)
 
     def _trim(self, job_id: str) -> None:
         """Keep our newest keep_per_job keys of the job; delete older ones in
@@ -286,7 +286,7 @@ class EventLog:
             except Exception as exc:  # a bug: this key only, never the watch
                 self._refusals.refused(Kind.EVENT, key, Reason.ERROR, repr(exc), trace=True)
                 continue
-            if ev["node_id"] != self._node_id:
+            if ev.node_id != self._node_id:
                 evs.append(ev)
         if evs:
             self._registry.import_events(evs)

@@ -10,16 +10,14 @@ layer, the budgets, its last failure with a traceback excerpt, its latest
 ladder attempts: ``JobRecord.recovery_summary``), which ``recovery_of``
 merges. ``record_from_keys`` builds that record and ``find`` resolves an id
 or a live name; neither does I/O beyond reading the view. What other nodes
-published is checked field by field: a bad summary is skipped, never an
-error for the caller.
+published was checked field by field where it entered (the view: typed rows,
+jobs/summary.py ``RecoverySummary``): a bad row or summary is skipped, never
+an error for the caller.
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
 from ..jobs.registry import JobRecord
-from ..jobs.ladder import Attempt
-from ..jobs.records import Failure, WorkerRow, clamp_int
+from ..jobs.records import WorkerRow
 from ..jobs.spec import JobSpec
 from ..rendezvous.protocol import CLOSED, OPEN, final_job_state
 from ..rendezvous.view import JobKeys
@@ -37,17 +35,9 @@ class AmbiguousName(ValueError):
 
 def worker_rows(keys: JobKeys, skip: str = "") -> list[WorkerRow]:
     """Every node's published worker rows (but ``skip``'s), as the record keeps
-    them; rows that do not parse are left out."""
-    rows = []
-    for node, published in sorted(keys.workers.items()):
-        if node == skip:
-            continue
-        for w in published:
-            try:
-                row = WorkerRow.from_dict(w, node)  # bounds the GPU binding too
-            except (KeyError, TypeError, ValueError, OverflowError):
-                continue
-            rows.append(replace(row, create_time=0.0))  # a peer's clock: not ours to use
+    them (the view left out rows that do not parse: WorkerRow.published)."""
+    rows = [w for node, published in sorted(keys.workers.items()) if node != skip
+            for w in published]
     return sorted(rows, key=lambda w: (w.rank, w.node_id))
 
 
@@ -59,32 +49,18 @@ def recovery_of(keys: JobKeys) -> dict:
     by_layer: dict[str, int] = {}
     budget: dict[str, int] = {}
     failure, attempts = None, []
-    for node, summary in sorted(keys.summaries.items()):
-        try:
-            layers = {str(k): clamp_int(v)
-                      for k, v in (summary.get("restarts_by_layer") or {}).items()}
-            limits = {str(k): clamp_int(v)
-                      for k, v in (summary.get("restart_budget") or {}).items()}
-            f = summary.get("last_failure")
-            f = Failure.from_dict(f, node).bounded() if isinstance(f, dict) else None
-            tried = [_attempt(a, node) for a in (summary.get("attempts") or [])[-20:]
-                     if isinstance(a, dict)]
-        except (AttributeError, TypeError, ValueError, OverflowError):
-            continue  # what one node wrote does not parse: the others still count
-        for table, new in ((by_layer, layers), (budget, limits)):
+    for _, summary in sorted(keys.summaries.items()):   # those that parsed (the view)
+        for table, new in ((by_layer, summary.restarts_by_layer),
+                           (budget, summary.restart_budget)):
             for k, v in new.items():
                 table[k] = max(table.get(k, v), v)
+        f = summary.last_failure
         if f is not None and (failure is None or f.time > failure.time):
             failure = f
-        attempts.extend(tried)
+        attempts.extend(summary.attempts)
     attempts.sort(key=lambda a: a.time)
     return {"restarts_by_layer": by_layer, "restart_budget": budget, "last_failure": failure,
             "attempts": attempts[-20:]}
-
-
-def _attempt(a: dict, node: str) -> Attempt:
-    got = Attempt.from_dict(a, node)
-    return replace(got, cause=got.cause[:500])
 
 
 def nodes_of(keys: JobKeys) -> list[str]:

@@ -22,6 +22,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from ..jobs.jobevent import JobEvent
+
 MAX_REMEMBERED = 1000   # failures kept; older ones fall out first
 
 
@@ -54,12 +56,12 @@ class SuspectTracker:
         self._lock = threading.Lock()
         self._failures: deque = deque(maxlen=MAX_REMEMBERED)
 
-    def on_event(self, ev: dict) -> None:
+    def on_event(self, ev: JobEvent) -> None:
         """A registry listener (called under the registry's lock: no I/O here)."""
-        if ev.get("kind") != "worker_exit" or ev.get("node_id") != self._node_id:
+        if ev.kind != "worker_exit" or ev.node_id != self._node_id:
             return
         with self._lock:
-            self._failures.append((float(ev.get("time", 0.0)), str(ev.get("job_id", ""))))
+            self._failures.append((float(ev.time), ev.job_id))
 
     def remember(self, events) -> None:
         """Failures from before this daemon started: the registry's stored

@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 
 from ..gpus.inventory import cpu_list_text
+from ..jobs.jobevent import JobEvent
 from ..jobs.registry import JobRecord
 from ..jobs.records import WorkerRow
 from ..jobs.restartpolicy import RestartPlan, RestartWindow
@@ -82,18 +83,17 @@ def add_worker(msg: pb.Job, w: WorkerRow) -> None:
                     gpu_uuids=w.gpu_uuids, cpus=w.cpus, start_path=w.start_path)
 
 
-def event_to_proto(ev: dict) -> pb.Event:
+def event_to_proto(ev: JobEvent) -> pb.Event:
     def state(value: str) -> int:
         return pb.JobState.Value(value) if value else pb.JOB_STATE_UNSPECIFIED
-    return pb.Event(seq=ev["seq"], job_id=ev["job_id"], time=ev["time"], kind=ev["kind"],
-                    from_state=state(ev["from_state"]), to_state=state(ev["to_state"]),
-                    reason=ev["reason"], node_id=ev["node_id"], round=ev["round"],
-                    rank=ev["rank"], restart=ev["restart"], layer=ev.get("layer", ""),
-                    duration_seconds=ev.get("duration_seconds", 0.0),
-                    rejected_reason=ev.get("rejected_reason", ""),
-                    restart_rule=ev.get("restart_rule", ""),
-                    restart_delay_seconds=ev.get("restart_delay_seconds", 0.0),
-                    start_path=ev.get("start_path", ""))
+    return pb.Event(seq=ev.seq, job_id=ev.job_id, time=ev.time, kind=ev.kind,
+                    from_state=state(ev.from_state), to_state=state(ev.to_state),
+                    reason=ev.reason, node_id=ev.node_id, round=ev.round,
+                    rank=ev.rank, restart=ev.restart, layer=ev.layer,
+                    duration_seconds=ev.duration_seconds,
+                    rejected_reason=ev.rejected_reason, restart_rule=ev.restart_rule,
+                    restart_delay_seconds=ev.restart_delay_seconds,
+                    start_path=ev.start_path)
 
 
 def rejection_to_proto(rej, node_id: str) -> pb.Job:

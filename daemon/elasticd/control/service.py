@@ -22,6 +22,7 @@ from . import nodes, validation
 from .handling import handled
 from .auth import TOKEN_METADATA_KEY, AuthError, Caller, TokenIssuer, check_access
 from ..config import Config
+from ..jobs.jobevent import JobEvent
 from ..jobs.names import AmbiguousName
 from ..jobs.registry import JobNotFound, JobRecord, JobRegistry
 from .logs import LogReader
@@ -321,7 +322,7 @@ class ControlServicer(pb_grpc.ControlServicer):
             return ""
         me = self._cfg.daemon.node_id
         for node, rows in keys.workers.items():
-            if node != me and any(isinstance(w, dict) and w.get("rank") == rank for w in rows):
+            if node != me and any(w.rank == rank for w in rows):
                 address = next((m.address for m in (keys.state.members if keys.state else ())
                                 if m.node_id == node), "")
                 return f"{node} ({address})" if address else node
@@ -335,24 +336,24 @@ class ControlServicer(pb_grpc.ControlServicer):
             job_id = job.id if job is not None else rejected.job_id
         owners: dict[str, int] = {}
 
-        def visible(ev: dict) -> bool:
+        def visible(ev: JobEvent) -> bool:
             if caller.is_root:
                 return True
-            if ev["kind"] == "rejected":  # its uid only if the signature vouched for it
-                return ev.get("uid") == caller.uid
-            if ev["job_id"] not in owners:
-                uid = self._owner(ev["job_id"])
+            if ev.kind == "rejected":  # its uid only if the signature vouched for it
+                return ev.uid == caller.uid
+            if ev.job_id not in owners:
+                uid = self._owner(ev.job_id)
                 if uid is None:
                     return False  # not known yet: ask again at its next event
-                owners[ev["job_id"]] = uid
-            return owners[ev["job_id"]] == caller.uid
+                owners[ev.job_id] = uid
+            return owners[ev.job_id] == caller.uid
 
         last = max(0, request.after_seq)
         gone = self._gone(context)
         while not gone.is_set():
             batch = self._registry.events(last, job_id or None)
             for ev in batch:
-                last = ev["seq"]
+                last = ev.seq
                 if visible(ev):
                     yield event_to_proto(ev)
             if len(batch) == 1000:

@@ -7,7 +7,7 @@ A job whose workers do not fit in the free slots waits PENDING; each time an
 agent exits, pending jobs are looked at again in submission order. At start,
 jobs left unfinished by a previous daemon are resumed: rejoined where the
 cluster still runs them, or started again as a counted restart where the
-store forgot them (the in-memory store of a standalone daemon).
+store forgot them (the in-memory store of a standalone daemon): coordinator/resume.py.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import time
 from typing import Callable
 
 from .. import errors
-from .leftovers import kill_leftover_workers
+from .resume import Resumer
 from ..jobstore import address as jobstore_env
 from ..agent.loop import Agent
 from ..control.auth import Caller, check_access
@@ -32,9 +32,8 @@ from ..jobs.registry import (
 from ..logsetup import ctx
 from ..rendezvous.round import ClusterRendezvous, create_job
 from ..rendezvous.protocol import CANCELLED, JobLimits, final_job_state
-from ..jobs.restartpolicy import RestartWindow
 from ..jobs.spec import JobSpec
-from ..jobs.states import LIVE_STATES, TERMINAL_STATES, JobState
+from ..jobs.states import TERMINAL_STATES, JobState
 from ..store import StoreError
 from ..trust.clusterkey import ephemeral
 from ..trust.specs import SpecCodec
@@ -378,68 +377,15 @@ class Coordinator:
 
     # -- life cycle ----------------------------------------------------------
     def resume(self) -> None:
-        """Pick up jobs a previous daemon left unfinished."""
-        self._view.synced.wait(self._cfg.membership.startup_timeout)
-        for job in self._registry.list():
-            if job.state not in LIVE_STATES:
-                continue
-            killed = kill_leftover_workers(job.workers)
-            where = ctx(job=job.id, node=self._cfg.daemon.node_id, round=job.round)
-            if killed:
-                log.warning("%s: killed %d worker(s) left by the previous daemon", where, killed)
-            keys = self._view.job(job.id)
-            state = keys.state if keys else None
-            if state is not None and state.final:
-                self.end_from_cluster(job.id, state)
-            elif job.cancel_requested:
-                self._move(job, JobState.CANCELLED, "cancelled by user (daemon restarted)")
-            elif state is None:
-                self._restart_forgotten(job)
-            elif job.state != JobState.PENDING:
-                self._move(job, JobState.RESTARTING, "daemon restarted; rejoining the job")
+        """Pick up jobs a previous daemon left unfinished (coordinator/resume.py)."""
+        Resumer(self._cfg, self._registry, self._view, self._cluster.store,
+                self._codec).resume(self.end_from_cluster)
         try:  # the templates idle at the last stop: users' next jobs warm from the first
             self.templates.restore()
         except Exception:
             log.exception("%s: could not restore the idle worker templates",
                           ctx(node=self._cfg.daemon.node_id))
         self.schedule()
-
-    def _restart_forgotten(self, job: JobRecord) -> None:
-        """The store lost the job (standalone daemon restarted): start it again."""
-        counted = job.state != JobState.PENDING
-        restarts = job.restarts + (1 if counted else 0)
-        now = time.time()
-        window = RestartWindow(job.max_restarts_per_window, job.restart_window)
-        fits, times = window.admit(job.restart_times, now) if counted else (True, ())
-        if counted and 0 <= job.max_restarts < restarts:
-            self._move(job, JobState.FAILED, f"daemon restarted and no restarts are left "
-                       f"({job.restarts} of {job.max_restarts} used)", exit_code=1)
-            return
-        if not fits:
-            self._move(job, JobState.FAILED, "daemon restarted and no restarts are left in "
-                       f"the window ({window.describe(len(times) - 1)})", exit_code=1)
-            return
-        try:
-            spec = JobSpec.of_record(job)
-            create_job(self._cluster.store, job.id, self._codec.seal(spec), now,
-                       round=job.round + 1, restarts=restarts,
-                       restart_times=times if counted else tuple(job.restart_times),
-                       records=self._codec.records, expected=spec.nodes)
-        except (StoreError, ValueError) as exc:
-            log.error("%s: cannot resume: %s", ctx(job=job.id), exc)
-            return
-        if counted:
-            allowed = "unlimited" if job.max_restarts < 0 else str(job.max_restarts)
-            self._move(job, JobState.RESTARTING, f"daemon restarted; resuming as restart "
-                       f"{restarts} of {allowed}", restarts=restarts,
-                       restart_times=list(times))
-
-    def _move(self, job: JobRecord, state: JobState, reason: str, **changes) -> None:
-        if job.state == state:
-            self._registry.update(job.id, reason=reason, **changes)
-            self._registry.event(job.id, "info", reason)
-        else:
-            self._registry.transition(job.id, state, reason, **changes)
 
     def shutdown(self, timeout: float) -> None:
         """Stop every job's workers; their records stay live for the next start."""

@@ -1,6 +1,6 @@
 """The job database (SQLite under the state dir): opened private, its schema, and the
-event rows built, stored, read back and mirrored from other nodes (the registry,
-jobs/registry.py, holds the lock and calls these)."""
+event rows (jobs/jobevent.py) stored, read back and mirrored from other nodes (the
+registry, jobs/registry.py, holds the lock and calls these)."""
 from __future__ import annotations
 
 import contextlib
@@ -9,6 +9,7 @@ import os
 import sqlite3
 
 from .. import statedir
+from .jobevent import JobEvent
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (id TEXT PRIMARY KEY, data TEXT NOT NULL);
@@ -54,7 +55,7 @@ def transaction(db: sqlite3.Connection):
 
 
 def read_events(db: sqlite3.Connection, after_seq: int, job_id: str | None,
-                limit: int) -> list[dict]:
+                limit: int) -> list[JobEvent]:
     """Events after ``after_seq`` (of one job, with ``job_id``), oldest first."""
     if job_id:
         rows = db.execute(
@@ -68,7 +69,7 @@ def read_events(db: sqlite3.Connection, after_seq: int, job_id: str | None,
 
 
 def recent_events(db: sqlite3.Connection, kind: str, node_id: str, since: float,
-                  limit: int) -> list[dict]:
+                  limit: int) -> list[JobEvent]:
     """One node's events of one kind since ``since`` (newest ``limit``, oldest first)."""
     rows = db.execute(
         "SELECT seq, data FROM events WHERE json_extract(data, '$.kind')=? "
@@ -77,27 +78,15 @@ def recent_events(db: sqlite3.Connection, kind: str, node_id: str, since: float,
     return [_event(seq, data) for seq, data in reversed(rows)]
 
 
-def _event(seq: int, data: str) -> dict:
-    ev = json.loads(data)
-    ev["seq"] = seq
-    return ev
+def _event(seq: int, data: str) -> JobEvent:
+    return JobEvent.from_dict({**json.loads(data), "seq": seq})
 
 
-def insert_event(db: sqlite3.Connection, job_id: str, ev: dict) -> int:
-    """Store one event; its seq."""
+def insert_event(db: sqlite3.Connection, ev: JobEvent) -> int:
+    """Store one event (not stored yet: no seq); its seq."""
     cur = db.execute("INSERT INTO events (job_id, data) VALUES (?, ?)",
-                     (job_id, json.dumps(ev)))
+                     (ev.job_id, json.dumps(ev.to_dict())))
     return cur.lastrowid
-
-
-def rejection_event(rej, node_id: str) -> dict:
-    """The event for a job spec from etcd this node refused (rejections.Rejection)."""
-    ev = {"job_id": rej.job_id, "time": rej.time, "kind": "rejected", "from_state": "",
-          "to_state": "", "reason": rej.message, "node_id": node_id, "round": 0,
-          "rank": -1, "restart": 0, "rejected_reason": rej.reason.value}
-    if rej.uid is not None:
-        ev["uid"] = rej.uid  # vouched for by the signature: its user may see the event
-    return ev
 
 
 def has_rejection(db: sqlite3.Connection, job_id: str, reason: str) -> bool:
@@ -107,7 +96,7 @@ def has_rejection(db: sqlite3.Connection, job_id: str, reason: str) -> bool:
         (job_id, reason)).fetchone() is not None
 
 
-def import_events(db: sqlite3.Connection, events: list[dict]) -> tuple[int, int]:
+def import_events(db: sqlite3.Connection, events: list[JobEvent]) -> tuple[int, int]:
     """Add other nodes' events under new local seqs: (how many were new, the last new
     seq, 0 when none). A unique index on (node_id, origin_seq) makes importing again
     a no-op."""
@@ -116,7 +105,7 @@ def import_events(db: sqlite3.Connection, events: list[dict]) -> tuple[int, int]
     try:
         for ev in events:
             cur = db.execute("INSERT OR IGNORE INTO events (job_id, data) "
-                             "VALUES (?, ?)", (ev["job_id"], json.dumps(ev)))
+                             "VALUES (?, ?)", (ev.job_id, json.dumps(ev.to_dict())))
             if cur.rowcount == 1:
                 added, last = added + 1, cur.lastrowid
         db.execute("COMMIT")

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from .ladder import Attempt
 from .records import Failure, WorkerRow
 from .states import LIVE_STATES, JobState
+from .summary import RecoverySummary
 
 log = logging.getLogger("elasticd.jobs.registry")
 
@@ -95,14 +96,11 @@ class JobRecord:
     def live(self) -> bool:
         return self.state in LIVE_STATES
 
-    def recovery_summary(self) -> dict:
+    def recovery_summary(self) -> RecoverySummary:
         """What this node shares of the job's recovery with the other nodes
         (published with its worker rows; see cluster/remote_jobs.py), size-bounded."""
-        failure = self.last_failure.bounded().to_dict() if self.last_failure else None
-        return {"restarts_by_layer": dict(self.restarts_by_layer),
-                "restart_budget": dict(self.restart_budget), "last_failure": failure,
-                "attempts": [dataclasses.replace(a, cause=a.cause[:500]).to_dict()
-                             for a in self.attempts[-10:]]}
+        return RecoverySummary.of_record(self.restarts_by_layer, self.restart_budget,
+                                         self.last_failure, self.attempts)
 
     def to_json(self) -> str:
         data = dataclasses.asdict(self)

@@ -3,8 +3,8 @@
 A failure is built by the agent (agent/loop.py) from what a worker's end said
 (agent/failures.py), rewritten as a hang by hang detection (hangs/detector.py) or by
 the in-process layer (agent/recovery.py), kept on the job record (jobs/registry.py),
-published to the other nodes (``JobRecord.recovery_summary``, read back by
-cluster/remote_jobs.py), counted in the metrics and sent to ``elasticctl``
+published to the other nodes (in a jobs/summary.py ``RecoverySummary``, read back
+where it enters, rendezvous/view.py), counted in the metrics and sent to ``elasticctl``
 (control/messages.py). It is serialised in one place: ``to_dict`` / ``from_dict``
 here, the JSON kept in the state dir and in etcd. ``from_dict`` reads what
 an older release wrote (any key missing takes its default) and what another
@@ -13,9 +13,9 @@ for the caller to skip that record; ``bounded()`` cuts what a peer sent).
 
 A worker row is one worker as ``elasticctl status`` shows it: built by
 failures.worker_rows on the node that runs it, kept on the job record,
-published to the other nodes (clusterjobs.worker_rows reads them back) and
-sent as the proto's ``Worker`` (control/messages.py). Same rules: ``to_dict`` /
-``from_dict``, the JSON form of before.
+published to the other nodes (``published`` reads a peer's back, in the jobs
+view) and sent as the proto's ``Worker`` (control/messages.py). Same rules:
+``to_dict`` / ``from_dict``, the JSON form of before.
 
 No I/O; of the daemon only jobs/states.py.
 """
@@ -113,6 +113,19 @@ class WorkerRow:
                 "node_id": self.node_id, "create_time": self.create_time,
                 "gpus": list(self.gpus), "gpu_uuids": list(self.gpu_uuids), "cpus": self.cpus,
                 "start_path": self.start_path}
+
+    @classmethod
+    def published(cls, rows: list, node_id: str) -> tuple["WorkerRow", ...]:
+        """A peer's published rows (node ``node_id``'s), those that parse; its
+        clock's create_time is not ours to use."""
+        out = []
+        for d in rows:
+            try:
+                row = cls.from_dict(d, node_id)  # bounds the GPU binding too
+            except (KeyError, TypeError, ValueError, OverflowError):
+                continue
+            out.append(replace(row, create_time=0.0))
+        return tuple(out)
 
     @classmethod
     def from_dict(cls, d: dict, node_id: str | None = None) -> "WorkerRow":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import dataclasses
 import logging
 import secrets
 import sqlite3
@@ -21,6 +22,7 @@ from typing import Any
 from . import jobdb, names
 from ..logsetup import ctx
 from .restartpolicy import RestartPlan
+from .jobevent import JobEvent, local_event, rejection_event
 from .jobrecord import JobRecord, spec_bytes
 from .retention import Finished
 from .states import TERMINAL_STATES, JobState, check_transition
@@ -67,7 +69,7 @@ class JobRegistry:
         self._jobs: dict[str, JobRecord] = {}
         self._spec_sizes: dict[str, int] = {}  # job id -> spec_bytes(record)
         self.last_seq = 0
-        self.listeners: list = []  # callables(event dict), e.g. metrics
+        self.listeners: list = []  # callables(JobEvent), e.g. metrics
         for (data,) in self._db.execute("SELECT data FROM jobs"):
             try:
                 rec = JobRecord.from_json(data)
@@ -132,12 +134,12 @@ class JobRegistry:
             return sum(1 for j in self._jobs.values() if j.live)
 
     def events(self, after_seq: int = 0, job_id: str | None = None,
-               limit: int = 1000) -> list[dict]:
+               limit: int = 1000) -> list[JobEvent]:
         with self._lock:
             return jobdb.read_events(self._db, after_seq, job_id, limit)
 
     def recent_events(self, kind: str, node_id: str, since: float,
-                      limit: int = 1000) -> list[dict]:
+                      limit: int = 1000) -> list[JobEvent]:
         """This node's events of one kind since ``since`` (newest ``limit``, oldest
         first): what a listener that outlives the daemon's restarts reads back."""
         with self._lock:
@@ -236,9 +238,9 @@ class JobRegistry:
     def record_rejection(self, rej) -> None:
         """An event for a job spec from etcd this node refused (rejections.Rejection):
         there is no record of that job here, only this event, kind ``rejected``."""
-        ev = jobdb.rejection_event(rej, self._node_id)
+        ev = rejection_event(rej, self._node_id)
         with self._lock:
-            self.last_seq = jobdb.insert_event(self._db, rej.job_id, ev)
+            self.last_seq = jobdb.insert_event(self._db, ev)
             self.changed.notify_all()
 
     def has_rejection(self, job_id: str, reason: str) -> bool:
@@ -330,24 +332,15 @@ class JobRegistry:
     def _insert_event(self, rec: JobRecord, kind: str, reason: str, *,
                       from_state: JobState | None = None, to_state: JobState | None = None,
                       rank: int = -1, layer: str = "", duration: float = 0.0,
-                      plan: RestartPlan | None = None, start_path: str = "") -> dict:
-        ev = {"job_id": rec.id, "time": self._clock(), "kind": kind,
-              "from_state": from_state.value if from_state else "",
-              "to_state": to_state.value if to_state else "",
-              "reason": reason, "node_id": self._node_id, "round": rec.round,
-              "rank": rank, "restart": rec.restarts}
-        if layer:
-            ev["layer"], ev["duration_seconds"] = layer, duration
-        if start_path:  # a start of ranks: the path they took and how long it took
-            ev["start_path"], ev["duration_seconds"] = start_path, duration
-        if plan is not None:
-            ev["restart_rule"], ev["restart_delay_seconds"] = plan.rule.value, plan.delay
-        ev["seq"] = jobdb.insert_event(self._db, rec.id, ev)
-        return ev
+                      plan: RestartPlan | None = None, start_path: str = "") -> JobEvent:
+        ev = local_event(rec, kind, reason, self._node_id, self._clock(),
+                         from_state=from_state, to_state=to_state, rank=rank, layer=layer,
+                         duration=duration, plan=plan, start_path=start_path)
+        return dataclasses.replace(ev, seq=jobdb.insert_event(self._db, ev))
 
-    def _announce(self, ev: dict) -> None:
+    def _announce(self, ev: JobEvent) -> None:
         """A stored event: to the listeners, and wake the watchers."""
-        self.last_seq = ev["seq"]
+        self.last_seq = ev.seq
         for listener in self.listeners:
             try:
                 listener(ev)
@@ -360,7 +353,7 @@ class JobRegistry:
         with self._lock:
             return self.changed.wait_for(predicate, timeout=timeout)
 
-    def import_events(self, events: list[dict]) -> int:
+    def import_events(self, events: list[JobEvent]) -> int:
         """Add other nodes' events (cluster/eventlog.py) under new local seqs; how many
         were new.
 

@@ -21,6 +21,8 @@ serialised into the job record.
 The budget over a window (``RestartWindow``) is counted cluster-wide in the
 round state (rendezvous/protocol.py ``reopen``): the times of the restarts
 within ``agent.restart_window`` seconds ride along with the restart count.
+``plan_forgotten`` decides, with the same budgets, whether a job the store
+forgot (a standalone daemon restarted) starts again (coordinator/resume.py).
 """
 from __future__ import annotations
 
@@ -193,3 +195,33 @@ def window_text(seconds: float) -> str:
             n = int(seconds // unit)
             return name if n == 1 and name != "min" else f"{n} {plural}"
     return f"{seconds:g} s"
+
+
+# ---------------------------------------------------------------- a forgotten job
+
+@dataclass(frozen=True)
+class ForgottenPlan:
+    """Whether a job the store forgot starts again, and as which restart."""
+    fits: bool                  # False: no restarts left; ``reason`` says which budget
+    counted: bool               # it had started: starting again is a restart
+    restarts: int               # the job's restart count once started again
+    times: tuple[float, ...]    # the window's restart times once started again
+    reason: str = ""
+
+
+def plan_forgotten(started: bool, restarts: int, max_restarts: int, window: RestartWindow,
+                   restart_times, now: float) -> ForgottenPlan:
+    """The plan for a job that had ``started`` (it left PENDING) or not, with
+    ``restarts`` used of ``max_restarts`` (-1: no limit) and ``restart_times``
+    inside ``window`` so far (no I/O)."""
+    if not started:
+        return ForgottenPlan(True, False, restarts, tuple(restart_times))
+    after = restarts + 1
+    fits, times = window.admit(restart_times, now)
+    if 0 <= max_restarts < after:
+        return ForgottenPlan(False, True, after, times, "daemon restarted and no restarts "
+                             f"are left ({restarts} of {max_restarts} used)")
+    if not fits:
+        return ForgottenPlan(False, True, after, times, "daemon restarted and no restarts "
+                             f"are left in the window ({window.describe(len(times) - 1)})")
+    return ForgottenPlan(True, True, after, times)

@@ -35,6 +35,7 @@ from typing import Callable
 from .. import statedir
 from ..logsetup import ctx
 from ..store import StoreError
+from .jobevent import JobEvent
 from .retention import Budget, Finished, Plan, Retire, Scope, decide
 from .states import TERMINAL_STATES
 
@@ -92,9 +93,9 @@ class Retirer:
         """A pass soon (a job ended here)."""
         self._wake.set()
 
-    def on_event(self, ev: dict) -> None:
+    def on_event(self, ev: JobEvent) -> None:
         # A registry listener, under the registry's lock: only wake the loop.
-        if ev.get("to_state") in _TERMINAL:
+        if ev.to_state in _TERMINAL:
             self._wake.set()
 
     def _run(self) -> None:

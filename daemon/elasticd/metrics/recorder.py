@@ -14,6 +14,7 @@ from prometheus_client import (CollectorRegistry, Counter, Histogram, Info, Proc
                                disable_created_metrics)
 
 from .. import __version__
+from ..jobs.jobevent import JobEvent
 from ..jobs.registry import JobRecord
 from ..jobs.ladder import Layer
 from ..jobs.records import Failure
@@ -180,15 +181,14 @@ class Metrics:
         if kind == Kind.PHASES.value:
             self.phase_records_rejected.inc()
 
-    def _on_event(self, ev: dict) -> None:
-        if ev["kind"] == "start" and ev.get("start_path") in _START_PATHS:
-            self.rank_starts.labels(ev["start_path"]).inc()
-            self.rank_start_seconds.labels(ev["start_path"]).observe(
-                ev.get("duration_seconds", 0.0))
+    def _on_event(self, ev: JobEvent) -> None:
+        if ev.kind == "start" and ev.start_path in _START_PATHS:
+            self.rank_starts.labels(ev.start_path).inc()
+            self.rank_start_seconds.labels(ev.start_path).observe(ev.duration_seconds)
             return
-        if ev["kind"] != "state" or not ev["to_state"]:
+        if ev.kind != "state" or not ev.to_state:
             return
-        job, to, at = ev["job_id"], ev["to_state"], ev["time"]
+        job, to, at = ev.job_id, ev.to_state, ev.time
         self.transitions.labels(to).inc()
         with self._lock:
             if to in _TERMINAL:

@@ -22,6 +22,7 @@ from typing import Callable
 
 from ..logsetup import ctx
 from ..jobs.records import WorkerRow
+from ..jobs.summary import RecoverySummary
 from ..store import CompareFailed, KeyExists, Lease, Store
 from ..trust.sealed import Kind
 from .ports import free_port
@@ -313,10 +314,12 @@ class ClusterRendezvous:
         done = keys.done.get(result.round, set()) if keys else set()
         return set(result.members) <= done
 
-    def publish_workers(self, rows: list[WorkerRow], summary: dict | None = None) -> None:
+    def publish_workers(self, rows: list[WorkerRow],
+                        summary: RecoverySummary | None = None) -> None:
         """This node's worker rows and its recovery summary, for status on any node."""
         rows_only = {"rows": [r.to_dict() for r in rows], "summary": {}}
-        for value in ({**rows_only, "summary": summary or {}}, rows_only):
+        full = {**rows_only, "summary": summary.to_dict() if summary else {}}
+        for value in (full, rows_only):
             try:
                 self._put(Kind.WORKERS, self._key("workers", self.node_id), json.dumps(value),
                           self._lease())

@@ -32,6 +32,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from ..hangs.phase_board import NodePhases
+from ..jobs.records import WorkerRow
+from ..jobs.summary import RecoverySummary
 from ..trust.fields import is_ident
 from ..trust.refusals import Refusals
 from ..trust.rejections import Rejection, SpecRejected
@@ -57,10 +59,20 @@ class JobKeys:
     state_revision: int = 0
     joins: dict = field(default_factory=dict)     # round -> {node: Join}
     done: dict = field(default_factory=dict)      # round -> set(node)
-    workers: dict = field(default_factory=dict)   # node -> list of worker rows
-    summaries: dict = field(default_factory=dict)  # node -> its recovery summary (a dict)
+    workers: dict = field(default_factory=dict)   # node -> its WorkerRows (those that parse)
+    summaries: dict = field(default_factory=dict)  # node -> its RecoverySummary, if it parsed
     rejection: Rejection | None = None             # the spec was refused (spec is None)
     phases: dict = field(default_factory=dict)    # node -> (NodePhases, monotonic time got)
+
+    def put_workers(self, node: str, rows: list, summary: dict) -> None:
+        """What ``node`` published of its workers, typed where it enters: the rows
+        that parse, its recovery summary if it parses (a bad one is skipped,
+        never the rows with it)."""
+        self.workers[node] = WorkerRow.published(rows, node)
+        try:
+            self.summaries[node] = RecoverySummary.from_dict(summary, node)
+        except (AttributeError, TypeError, ValueError, OverflowError):
+            self.summaries.pop(node, None)
 
     def empty(self) -> bool:
         return self.spec is None and self.state is None and self.rejection is None \
@@ -259,7 +271,7 @@ class JobsView:
             rows, summary = opened.doc.get("rows"), opened.doc.get("summary", {})
             if not isinstance(rows, list) or not isinstance(summary, dict):
                 raise Refused(Reason.INVALID, "worker rows are not a list with a summary")
-            keys.workers[node], keys.summaries[node] = rows, summary
+            keys.put_workers(node, rows, summary)
         else:
             record = self._typed(lambda doc: NodePhases.from_doc(doc, node), opened.doc)
             keys.phases[node] = (record, time.monotonic())

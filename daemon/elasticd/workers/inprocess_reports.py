@@ -19,12 +19,16 @@ The agent reads new lines once per monitor tick (a stat per rank when nothing
 changed). The files are written by the job's user, so they are untrusted:
 read with ``workerfiles.read`` (no links, no FIFOs, owned by the job's
 user), at most ``MAX_READ`` bytes per tick, and any line that is not such an
-object is skipped.
+object is skipped. A line that is one becomes a frozen ``Report`` (``parse_line``,
+the one place it is built; ``to_dict`` its one form back), which the agent's
+recovery reads (agent/recovery.py).
 """
 from __future__ import annotations
 
+import enum
 import logging
 import os
+from dataclasses import dataclass
 
 from . import env as envnames
 from . import files as workerfiles
@@ -44,7 +48,35 @@ def report_path(run_dir: str, rank: int, restart_count: int) -> str:
         rank=rank, restart=restart_count))
 
 
-def parse_line(line: bytes) -> dict | None:
+class ReportKind(enum.Enum):
+    RESTART = "restart"        # an in-process iteration runs again on the rank
+    ABANDONED = "abandoned"    # in-process restart gave up on the rank
+    STUCK = "stuck"            # the rank's function could not be stopped (a hang)
+    FORGED = "forged"          # the rank ignored a job-store record that failed authentication
+
+
+@dataclass(frozen=True)
+class Report:
+    """One rank's report, checked and trimmed; the fields its kind has."""
+    kind: ReportKind
+    iteration: int = 0          # RESTART: the iteration now running
+    fault: str = ""             # RESTART: the fault it recovered from
+    fault_time: float = 0.0     # RESTART: when the fault was seen, and when it ran again
+    ready_time: float = 0.0
+    reason: str = ""            # ABANDONED, STUCK: why
+    record: str = ""            # FORGED: the kind of record ignored
+
+    def to_dict(self) -> dict:
+        if self.kind is ReportKind.RESTART:
+            return {"kind": self.kind.value, "iteration": self.iteration,
+                    "fault": self.fault, "fault_time": self.fault_time,
+                    "ready_time": self.ready_time}
+        if self.kind is ReportKind.FORGED:
+            return {"kind": self.kind.value, "record": self.record}
+        return {"kind": self.kind.value, "reason": self.reason}
+
+
+def parse_line(line: bytes) -> Report | None:
     """One report, checked and trimmed; None for anything else."""
     try:
         data = decode(line, max_bytes=MAX_READ)
@@ -53,14 +85,15 @@ def parse_line(line: bytes) -> dict | None:
     kind = data.get("kind")
     try:
         if kind == "restart":
-            return {"kind": kind, "iteration": fields.whole(data, "iteration", 0, 1 << 62),
-                    "fault": _text(data, "fault", _TEXT_LIMIT),
-                    "fault_time": fields.real(data, "fault_time", 0.0, 1e11, 0.0),
-                    "ready_time": fields.real(data, "ready_time", 0.0, 1e11, 0.0)}
+            return Report(ReportKind.RESTART,
+                          iteration=fields.whole(data, "iteration", 0, 1 << 62),
+                          fault=_text(data, "fault", _TEXT_LIMIT),
+                          fault_time=fields.real(data, "fault_time", 0.0, 1e11, 0.0),
+                          ready_time=fields.real(data, "ready_time", 0.0, 1e11, 0.0))
         if kind in ("abandoned", "stuck"):
-            return {"kind": kind, "reason": _text(data, "reason", _TEXT_LIMIT)}
+            return Report(ReportKind(kind), reason=_text(data, "reason", _TEXT_LIMIT))
         if kind == "forged":
-            return {"kind": kind, "record": _text(data, "record", _RECORD_LIMIT)}
+            return Report(ReportKind.FORGED, record=_text(data, "record", _RECORD_LIMIT))
     except ValueError:
         return None
     return None
@@ -82,7 +115,8 @@ class ReportReader:
         self._offsets.clear()
         self._partial.clear()
 
-    def poll(self, paths: dict[int, str], uid: int | None = None) -> list[tuple[int, dict]]:
+    def poll(self, paths: dict[int, str],
+             uid: int | None = None) -> list[tuple[int, Report]]:
         """New reports as (rank, report), from ``{rank: path}``; the files must be
         regular files owned by ``uid`` (the job's user; default: ours)."""
         owner = os.geteuid() if uid is None else uid
