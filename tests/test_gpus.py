@@ -599,6 +599,7 @@ def test_metrics_export_gpus_free_and_total():
     assert 'elasticd_gpu_health_checks_total{result="failed"} 1.0' in text
 
 
+@pytest.mark.slow  # a daemon stopped and started again under a running job: most of a minute
 def test_a_restarted_daemon_gives_a_job_back_its_devices(tmp_path):
     root = short_tmpdir("gpu-")
     fake = os.path.join(root, "gpus.json")

@@ -53,7 +53,9 @@ with open(os.path.join(out, "." + name), "w") as fh:
     json.dump(env, fh)
 os.replace(os.path.join(out, "." + name), os.path.join(out, name))
 print("probe", env["ELASTICD_NODE_ID"], "rank", env["RANK"], flush=True)
-if mode == "train":
+if mode == "train-grow" and env["ELASTICD_ROUND"] == "1":
+    args = [*args, "--steps", "1000000"]   # round 1 trains until the job grows
+if mode in ("train", "train-grow"):
     sys.argv = ["train", *args]
     runpy.run_module("elasticd.examples.train", run_name="__main__")
 elif mode == "sleep":          # seconds for rank 0, seconds for the other ranks
@@ -124,9 +126,9 @@ class Cluster:
     def probe_cmd(self, mode: str, *args: str) -> list[str]:
         return [PY, self.probe, self.out, mode, *args]
 
-    def train_cmd(self, name: str, *args: str) -> list[str]:
+    def train_cmd(self, name: str, *args: str, mode: str = "train") -> list[str]:
         ckpt = os.path.join(self.shared, f"ckpt-{name}")
-        return self.probe_cmd("train", "--checkpoint-dir", ckpt, *args)
+        return self.probe_cmd(mode, "--checkpoint-dir", ckpt, *args)
 
     def envs(self, job_id: str, rnd: int | None = None) -> list[dict]:
         """What each rank of the job saw (latest round if ``rnd`` is None)."""
@@ -512,6 +514,7 @@ def _train_on_three(c: Cluster, steps: int) -> str:
     return job
 
 
+@pytest.mark.slow  # a node killed mid-training, its lease left to expire: most of a minute
 def test_node_killed_mid_training_job_restarts_on_survivors_and_succeeds(make_cluster):
     c = make_cluster(3)
     job = _train_on_three(c, steps=100)
@@ -571,12 +574,14 @@ def test_fourth_node_started_later_joins_a_running_job(make_cluster):
     c = make_cluster(3, NO_SPARES)
     job = submit(c["n1"], "--nnodes", "2:4", "--max-restarts", "1",
                  cmd=c.train_cmd("grow", "--steps", "100", "--step-time", "0.05",
-                                 "--checkpoint-every", "20", "--log-every", "1000"))
+                                 "--checkpoint-every", "20", "--log-every", "1000",
+                                 mode="train-grow"))
     running_on(c["n1"], job, 3)
     wait_for(lambda: "FIRST_STEP" in rank_log(c["n1"], job, 0), 90, "the first step",
              interval=0.3)
-    # The job trains for 5 s: n4 asks at once rather than after its template's imports
-    # (the newcomer warm-up has its own cases below).
+    # Round 1 trains until the job grows, however long n4 takes to start; the round
+    # with n4 finishes the 100 steps. n4 asks at once rather than after its template's
+    # imports (the newcomer warm-up has its own cases below).
     c.add("n4", ("--set", "rendezvous.newcomer_warm_timeout=0"))
     final = wait_done(c["n1"], job, 150)
     assert final["state"] == "SUCCEEDED", final
