@@ -58,3 +58,11 @@ HEARTBEAT_FILE_NAME = "heartbeat-rank{rank}"
 LIMITS_FILE_NAME = "hang-limits.json"
 PRELOAD_REPORT_NAME = "preload-report.txt"
 INPROCESS_REPORT_NAME = "inprocess-rank{rank}-restart{restart}.jsonl"
+
+# ---------------------------------------------------------------- snapshots (elasticd.snapshot)
+# The job's snapshot dir on this node: tmpfs, the job user's, 0700; created by the daemon
+# before a group starts, removed when the job ends (workers/snapshot_format.py: its files).
+SNAPSHOT_DIR = "ELASTICD_SNAPSHOT_DIR"
+# Bytes this node's ranks of the job may hold in it, every slot together (a save that would
+# pass it fails in the worker, naming the setting).
+SNAPSHOT_BUDGET = "ELASTICD_SNAPSHOT_BUDGET_BYTES"

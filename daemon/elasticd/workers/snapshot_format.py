@@ -1,0 +1,114 @@
+"""The snapshot slot file's header: the one layout the worker library and the daemon share.
+
+A rank's snapshots live in two slot files in the job's snapshot dir
+(``env.SNAPSHOT_DIR``), ``rank{rank}.a`` and ``rank{rank}.b``: a save
+overwrites the slot that does not hold the newest complete snapshot, so the
+newest stays whole until the new one is complete. A slot file is
+
+    [header: HEADER_BYTES][meta: meta_len bytes of JSON][pad to DATA_ALIGN][tensor data]
+
+The header is written twice per save: first with ``state=WRITING`` (the slot
+is no longer a snapshot from then on), last with ``state=COMPLETE`` and the
+step. Its CRC covers every field before it, so a header torn by a crash reads
+as no snapshot at all. The meta JSON (structure, dtypes, shapes, offsets) is
+the worker library's (elasticd.snapshot); the daemon reads only headers, to
+show the newest step, its age and size.
+
+Stdlib only, imports nothing of the daemon's: elasticd.snapshot (worker side)
+and the daemon both import it.
+"""
+from __future__ import annotations
+
+import enum
+import struct
+import zlib
+from dataclasses import dataclass
+
+MAGIC = b"ELSNAP01"
+VERSION = 1
+HEADER_BYTES = 4096          # the header's room; data after it stays page aligned
+DATA_ALIGN = 4096            # tensor data starts at a multiple of this
+SLOTS = ("a", "b")
+SLOT_NAME = "rank{rank}.{slot}"
+
+# magic, version, state, rank, world_size, step, saved_at_ns, meta_len, data_len, crc32
+_LAYOUT = struct.Struct("<8sIIiiqqQQ")
+_CRC = struct.Struct("<I")
+HEADER_USED = _LAYOUT.size + _CRC.size
+
+MAX_META_BYTES = 64 << 20    # a structure description larger than this is refused
+
+
+class SlotState(enum.IntEnum):
+    WRITING = 1
+    COMPLETE = 2
+
+
+class BadHeader(ValueError):
+    """A slot file whose header is not a complete, intact snapshot header."""
+
+
+@dataclass(frozen=True)
+class Header:
+    state: SlotState
+    rank: int
+    world_size: int
+    step: int
+    saved_at_ns: int
+    meta_len: int
+    data_len: int
+
+    @property
+    def data_offset(self) -> int:
+        return data_offset(self.meta_len)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.data_offset + self.data_len
+
+
+def data_offset(meta_len: int) -> int:
+    """Where tensor data starts for a meta of ``meta_len`` bytes."""
+    end = HEADER_BYTES + meta_len
+    return (end + DATA_ALIGN - 1) // DATA_ALIGN * DATA_ALIGN
+
+
+def slot_name(rank: int, slot: str) -> str:
+    if slot not in SLOTS:
+        raise ValueError(f"slot must be one of {SLOTS}, not {slot!r}")
+    return SLOT_NAME.format(rank=rank, slot=slot)
+
+
+def pack(h: Header) -> bytes:
+    """The header's bytes (HEADER_USED of them; the rest of HEADER_BYTES stays zero)."""
+    body = _LAYOUT.pack(MAGIC, VERSION, int(h.state), h.rank, h.world_size, h.step,
+                        h.saved_at_ns, h.meta_len, h.data_len)
+    return body + _CRC.pack(zlib.crc32(body))
+
+
+def parse(raw: bytes) -> Header:
+    """The header at the start of ``raw``; BadHeader when it is short, foreign
+    or torn. Field ranges are checked, so a parsed header never points outside
+    what its numbers promise."""
+    if len(raw) < HEADER_USED:
+        raise BadHeader("shorter than a header")
+    body = raw[:_LAYOUT.size]
+    (crc,) = _CRC.unpack_from(raw, _LAYOUT.size)
+    if zlib.crc32(body) != crc:
+        raise BadHeader("checksum does not match (torn or foreign)")
+    magic, version, state, rank, world, step, saved, meta_len, data_len = _LAYOUT.unpack(body)
+    if magic != MAGIC:
+        raise BadHeader("not a snapshot slot")
+    if version != VERSION:
+        raise BadHeader(f"format version {version}, this build reads {VERSION}")
+    try:
+        st = SlotState(state)
+    except ValueError:
+        raise BadHeader(f"unknown state {state}") from None
+    if rank < 0 or world < 1 or rank >= world:
+        raise BadHeader(f"rank {rank} of world {world}")
+    if step < 0 or saved < 0:
+        raise BadHeader("negative step or time")
+    if meta_len > MAX_META_BYTES:
+        raise BadHeader(f"meta of {meta_len} bytes")
+    return Header(st, rank, world, step, saved, meta_len, data_len)
