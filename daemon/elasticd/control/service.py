@@ -14,13 +14,11 @@ import os
 import threading
 import time
 
-import grpc
-
 from ..cluster import remote_jobs as clusterjobs
 from .. import errors
 from . import nodes, validation
-from .handling import handled
-from .auth import TOKEN_METADATA_KEY, AuthError, Caller, TokenIssuer, check_access
+from .handling import CallDoor, handled
+from .auth import Caller, TokenIssuer, check_access
 from ..config import Config
 from ..jobs.jobevent import JobEvent
 from ..jobs.names import AmbiguousName
@@ -30,8 +28,6 @@ from ..jobs.retention import logs_retired_message
 from .messages import (
     add_worker, event_to_proto, job_to_proto, node_to_proto, rejection_to_proto)
 from ..store import StoreError
-from .fairpool import over_queue
-from .streamgate import CallGate, StreamGate
 from ..jobs.states import TERMINAL_STATES, WorkerState
 from ..workers import template_ahead
 from ..v1 import control_pb2 as pb
@@ -65,34 +61,10 @@ class ControlServicer(pb_grpc.ControlServicer):
         self._cfg = cfg
         self._manager = manager
         self._registry = registry
-        self._issuer = issuer
-        self._metrics = metrics
         self._cluster = cluster
         self._view = view
         self._endpoint = endpoint  # exposition.endpoint.MetricsEndpoint: its problem, if any
-        self._streams = StreamGate(cfg.limits.streams_total, cfg.limits.streams_per_user)
-        self._calls = CallGate(cfg.limits.calls_per_user)
-
-    def _caller(self, context) -> Caller:
-        token = dict(context.invocation_metadata()).get(TOKEN_METADATA_KEY)
-        try:
-            return self._issuer.verify(token)
-        except AuthError as exc:
-            raise errors.Unauthenticated(str(exc)) from None
-
-    def _not_over_queue(self, caller: Caller, what: str) -> None:
-        """Refuse a call that came while its caller had a full queue (control/fairpool.py)."""
-        waiting = over_queue()
-        if waiting:
-            raise errors.ResourceExhausted(
-                f"uid {caller.uid} has {waiting} calls waiting for their turn "
-                f"(limits.calls_queued_per_user {self._cfg.limits.calls_queued_per_user}); "
-                f"try this {what} again once they are answered")
-
-    def _observe(self, method: str, code: grpc.StatusCode, context) -> None:
-        if self._metrics is not None:
-            self._metrics.observe_rpc(method, code.name,
-                                      time.perf_counter() - getattr(context, "started", 0))
+        self.door = CallDoor(cfg, issuer, metrics)  # control/handling.py: every call passes it
 
     @staticmethod
     def _gone(context) -> threading.Event:
