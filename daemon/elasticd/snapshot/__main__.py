@@ -54,6 +54,7 @@ def _remove_run(base_fd: int, name: str, base: str) -> int:
 
 def clean(run: str | None, every: bool) -> int:
     base = base_dir()
+    names = None if every else [run_id(run)]
     try:
         base_fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -61,7 +62,7 @@ def clean(run: str | None, every: bool) -> int:
         return 0
     try:
         check_own(os.fstat(base_fd), f"snapshot folder {base}", stat.S_IFDIR)
-        names = sorted(os.listdir(base_fd)) if every else [run_id(run)]
+        names = sorted(os.listdir(base_fd)) if names is None else names
         total = 0
         for name in names:
             try:

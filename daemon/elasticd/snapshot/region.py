@@ -86,6 +86,9 @@ def check_own(st: os.stat_result, what: str, kind: int) -> None:
 def _open_dir(path: str, what: str) -> int:
     try:
         fd = os.open(path, DIR_FLAGS)
+    except PermissionError:
+        raise NotOwned(f"{what} {path} is not uid {os.geteuid()}'s (it may not even open "
+                       f"it): another user's, refused") from None
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.ENOTDIR):
             raise NotOwned(f"{what} {path} is a symbolic link or not a directory: refused") \
@@ -193,6 +196,10 @@ class Region:
             yield
         finally:
             fcntl.flock(self.fd, fcntl.LOCK_UN)
+
+    @staticmethod
+    def budget() -> int | None:
+        return budget()
 
     def check_room(self, name: str, want: int) -> None:
         """OverBudget / NoSpace unless slot ``name`` may grow to ``want`` bytes: the dir's

@@ -100,7 +100,7 @@ class Writer:
 _writer = Writer()
 _lock = threading.RLock()
 _pending: SaveHandle | None = None
-_structures: dict[int, tuple] = {}      # rank -> the signature of its previous save
+_structures: dict[tuple, tuple] = {}    # (dir, rank) -> the signature of its last save
 _staging: dict[bool, torch.Tensor] = {}  # pinned? -> the staging buffer
 
 
@@ -145,22 +145,23 @@ def save(step: int, state, *, wait: bool = True) -> SaveHandle:
         settle()
         flat = flatten(state)
         rank, world = identity()
-        if rank in _structures:
-            check_same(_structures[rank], flat.signature, rank)
-        try:
-            plan = metas.plan(flat)
-            raw = metas.encode(plan)
-        except ValueError as exc:
-            raise BadState(str(exc)) from None
-        size = fmt.data_offset(len(raw)) + plan.data_len
         region = Region.open(create=True)
         assert region is not None
         with region:
+            mine = (region.key, rank)
+            if mine in _structures:
+                check_same(_structures[mine], flat.signature, rank)
+            try:
+                plan = metas.plan(flat)
+                raw = metas.encode(plan)
+            except ValueError as exc:
+                raise BadState(str(exc)) from None
+            size = fmt.data_offset(len(raw)) + plan.data_len
             names = slot_names(rank)
             held = [c for c in (slots.probe(region, n, rank, world) for n in names) if c]
             name = slots.pick(held, step, names)
             m = slots.prepare(region, name, size)
-        _structures[rank] = flat.signature
+        _structures[mine] = flat.signature
         slots.write_header(m, slots.complete_header(rank, world, step, len(raw), plan.data_len,
                                                     fmt.SlotState.WRITING))
         handle = SaveHandle(step)

@@ -5,7 +5,7 @@ complete one back, where anything that does not match its header counts as absen
 A save writes the header WRITING first (the slot stops being a snapshot), then the
 meta and data, and COMPLETE with the step last, so the other slot (the newest
 complete snapshot) stays whole until the new one is. Tensors a restore returns
-are a private copy-on-write mapping of their slot: changing them never changes the
+are a private copy-on-write mapping of their slot (the map lives as long as they do): changing them never changes the
 slot, and a later save into that slot while they are alive writes a fresh file
 (the old one goes when they do) instead of changing them underneath.
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 import mmap
 import os
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -85,18 +86,13 @@ class Mapped:
 
 
 _mapped: dict = {}     # (region key, name) -> Mapped
-_restored: dict = {}   # (region key, name) -> [private maps restored tensors may hold]
+_restored: dict = {}   # (region key, name) -> [weak refs to the private maps of restores]
 
 
 def _in_use(key) -> bool:
-    """Whether tensors from a restore still hold a mapping of this slot (the maps no
-    longer held are closed here)."""
-    alive = []
-    for mm in _restored.pop(key, []):
-        try:
-            mm.close()
-        except BufferError:
-            alive.append(mm)
+    """Whether tensors from a restore still hold a mapping of this slot. The tensors
+    hold their map; a map nobody holds is gone (unmapped) with its last tensor."""
+    alive = [r for r in _restored.pop(key, []) if r() is not None]
     if alive:
         _restored[key] = alive
     return bool(alive)
@@ -106,6 +102,7 @@ def prepare(region: Region, name: str, size: int) -> Mapped:
     """Slot ``name`` of at least ``size`` bytes, allocated and mapped for writing.
     OverBudget / NoSpace before anything is changed when it would not fit."""
     key = (region.key, name)
+    region.budget()    # a bad $ELASTICD_SNAPSHOT_BUDGET_BYTES fails every save, not only a growth
     with region.locked():
         st = region.stat_slot(name)
         held = _mapped.get(key)
@@ -224,7 +221,7 @@ def load(region: Region, c: Complete):
                        prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
-    _restored.setdefault((region.key, c.name), []).append(mm)
+    _restored.setdefault((region.key, c.name), []).append(weakref.ref(mm))
     at = c.header.data_offset
     tensors = []
     for spec in c.meta.tensors:
