@@ -133,6 +133,14 @@ def test_restored_tensors_are_private_to_the_caller(snapdir):
     assert torch.equal(held, w)            # the tensors a restore gave stay as they were
     assert snapshot.restore()[0] == 4
     assert sorted(os.listdir(snapdir)) == ["rank0.a", "rank0.b"]
+    # Once the restored tensors are dropped (no GC needed), saves reuse the slot files.
+    del got, held
+    inodes = {n: os.stat(os.path.join(snapdir, n)).st_ino for n in os.listdir(snapdir)}
+    got = snapshot.restore()
+    del got
+    for step in (5, 6):
+        snapshot.save(step, {"w": w + step})
+    assert {n: os.stat(os.path.join(snapdir, n)).st_ino for n in os.listdir(snapdir)} == inodes
 
 
 def _hold_in_the_middle(pipe, size: int) -> None:

@@ -54,59 +54,59 @@ def _check_tensor(t: torch.Tensor, path: tuple) -> None:
                        f"plain tensor(s) instead (e.g. a DTensor's to_local())")
 
 
+def _walk(value, path: tuple, depth: int, tensors: list, sig: list):
+    if depth > MAX_DEPTH:
+        raise BadState(f"{path_text(path)}: nested deeper than {MAX_DEPTH} (a cycle?)")
+    if isinstance(value, torch.Tensor):
+        _check_tensor(value, path)
+        sig.append((path, f"tensor {str(value.dtype)[6:]} {list(value.shape)}"))
+        tensors.append(value)
+        return ["T", len(tensors) - 1]
+    kind = type(value)
+    if value is None:
+        sig.append((path, "None"))
+        return ["N"]
+    if kind is bool:
+        sig.append((path, "bool"))
+        return ["B", value]
+    if kind is int:
+        text = str(value)
+        if len(text) > MAX_INT_DIGITS:
+            raise BadState(f"{path_text(path)}: an int of {len(text)} digits")
+        sig.append((path, "int"))
+        return ["I", text]
+    if kind is float:
+        sig.append((path, "float"))
+        return ["F", value.hex()]
+    if kind is str:
+        sig.append((path, "str"))
+        return ["S", value]
+    if kind is bytes:
+        sig.append((path, "bytes"))
+        return ["Y", base64.b64encode(value).decode("ascii")]
+    if isinstance(value, dict):
+        sig.append((path, "dict"))
+        items = []
+        for k, v in value.items():
+            if type(k) not in (str, int):
+                raise BadState(f"{path_text(path)}: a key {k!r} that is {_kind(k)}; keys "
+                               f"must be str or int")
+            items.append([k, _walk(v, path + (k,), depth + 1, tensors, sig)])
+        return ["d", items]
+    if kind is list or kind is tuple:
+        sig.append((path, kind.__name__))
+        return ["l" if kind is list else "t",
+                [_walk(v, path + (i,), depth + 1, tensors, sig) for i, v in enumerate(value)]]
+    raise BadState(f"{path_text(path)}: {_kind(value)}; a snapshot holds tensors, None, "
+                   f"bool, int, float, str, bytes and dicts/lists/tuples of them")
+
+
 def flatten(state) -> Flat:
     """``state`` as a Flat; BadState naming the first path that is not a tensor, a plain
     value (None, bool, int, float, str, bytes) or a dict/list/tuple of them."""
     tensors: list = []
     sig: list = []
-
-    def walk(value, path: tuple, depth: int):
-        if depth > MAX_DEPTH:
-            raise BadState(f"{path_text(path)}: nested deeper than {MAX_DEPTH} (a cycle?)")
-        if isinstance(value, torch.Tensor):
-            _check_tensor(value, path)
-            sig.append((path, f"tensor {str(value.dtype)[6:]} {list(value.shape)}"))
-            tensors.append(value)
-            return ["T", len(tensors) - 1]
-        kind = type(value)
-        if value is None:
-            sig.append((path, "None"))
-            return ["N"]
-        if kind is bool:
-            sig.append((path, "bool"))
-            return ["B", value]
-        if kind is int:
-            text = str(value)
-            if len(text) > MAX_INT_DIGITS:
-                raise BadState(f"{path_text(path)}: an int of {len(text)} digits")
-            sig.append((path, "int"))
-            return ["I", text]
-        if kind is float:
-            sig.append((path, "float"))
-            return ["F", value.hex()]
-        if kind is str:
-            sig.append((path, "str"))
-            return ["S", value]
-        if kind is bytes:
-            sig.append((path, "bytes"))
-            return ["Y", base64.b64encode(value).decode("ascii")]
-        if isinstance(value, dict):
-            sig.append((path, "dict"))
-            items = []
-            for k, v in value.items():
-                if type(k) not in (str, int):
-                    raise BadState(f"{path_text(path)}: a key {k!r} that is {_kind(k)}; keys "
-                                   f"must be str or int")
-                items.append([k, walk(v, path + (k,), depth + 1)])
-            return ["d", items]
-        if kind is list or kind is tuple:
-            sig.append((path, kind.__name__))
-            return ["l" if kind is list else "t",
-                    [walk(v, path + (i,), depth + 1) for i, v in enumerate(value)]]
-        raise BadState(f"{path_text(path)}: {_kind(value)}; a snapshot holds tensors, None, "
-                       f"bool, int, float, str, bytes and dicts/lists/tuples of them")
-
-    tree = walk(state, (), 0)
+    tree = _walk(state, (), 0, tensors, sig)
     return Flat(tree, tuple(tensors), tuple(sig))
 
 
@@ -136,44 +136,47 @@ class BadTree(ValueError):
     """A stored tree that is not one this module writes."""
 
 
+def _node(n, tensors: list, depth: int):
+    if depth > MAX_DEPTH or type(n) is not list or not n or type(n[0]) is not str:
+        raise BadTree("not a node")
+    tag, args = n[0], n[1:]
+    if tag == "N" and not args:
+        return None
+    if len(args) != 1:
+        raise BadTree(f"node {tag!r} with {len(args)} values")
+    (a,) = args
+    if tag == "T" and type(a) is int and 0 <= a < len(tensors):
+        return tensors[a]
+    if tag == "B" and type(a) is bool:
+        return a
+    if tag == "I" and type(a) is str and len(a) <= MAX_INT_DIGITS + 1:
+        return int(a)
+    if tag == "F" and type(a) is str:
+        return float.fromhex(a)
+    if tag == "S" and type(a) is str:
+        return a
+    if tag == "Y" and type(a) is str:
+        return base64.b64decode(a, validate=True)
+    if tag in ("l", "t") and type(a) is list:
+        items = [_node(x, tensors, depth + 1) for x in a]
+        return items if tag == "l" else tuple(items)
+    if tag == "d" and type(a) is list:
+        out = {}
+        for kv in a:
+            if type(kv) is not list or len(kv) != 2 or type(kv[0]) not in (str, int):
+                raise BadTree("a dict item")
+            out[kv[0]] = _node(kv[1], tensors, depth + 1)
+        return out
+    raise BadTree(f"node {tag!r}")
+
+
 def build(tree, tensors: list):
     """The state ``tree`` describes, its ``["T", i]`` nodes taken from ``tensors``;
-    BadTree for anything this module would not have written."""
-    def node(n, depth: int):
-        if depth > MAX_DEPTH or type(n) is not list or not n or type(n[0]) is not str:
-            raise BadTree("not a node")
-        tag, args = n[0], n[1:]
-        if tag == "N" and not args:
-            return None
-        if len(args) != 1:
-            raise BadTree(f"node {tag!r} with {len(args)} values")
-        (a,) = args
-        if tag == "T" and type(a) is int and 0 <= a < len(tensors):
-            return tensors[a]
-        if tag == "B" and type(a) is bool:
-            return a
-        if tag == "I" and type(a) is str and len(a) <= MAX_INT_DIGITS + 1:
-            return int(a)
-        if tag == "F" and type(a) is str:
-            return float.fromhex(a)
-        if tag == "S" and type(a) is str:
-            return a
-        if tag == "Y" and type(a) is str:
-            return base64.b64decode(a, validate=True)
-        if tag in ("l", "t") and type(a) is list:
-            items = [node(x, depth + 1) for x in a]
-            return items if tag == "l" else tuple(items)
-        if tag == "d" and type(a) is list:
-            out = {}
-            for kv in a:
-                if type(kv) is not list or len(kv) != 2 or type(kv[0]) not in (str, int):
-                    raise BadTree("a dict item")
-                out[kv[0]] = node(kv[1], depth + 1)
-            return out
-        raise BadTree(f"node {tag!r}")
-
+    BadTree for anything this module would not have written. (Plain recursive
+    functions, no closures: a closure that calls itself is a reference cycle, and
+    it would keep the restored tensors, and their mapping, alive until a GC.)"""
     try:
-        return node(tree, 0)
+        return _node(tree, tensors, 0)
     except (ValueError, TypeError) as exc:
         if isinstance(exc, BadTree):
             raise
