@@ -372,14 +372,19 @@ def test_a_region_of_another_user_is_refused(snapdir):
             shutil.rmtree(planted, ignore_errors=True)
 
 
-def _rank(pipe, rank: int, init: str, steps: tuple) -> None:
-    """Child: rank ``rank`` of 2 (gloo): save ``steps``, restore, say what it got."""
+def _rank(pipe, rank: int, init: str, steps: tuple, plant: str) -> None:
+    """Child: rank ``rank`` of 2 (gloo): save ``steps``, restore, say what it got. With
+    ``plant``, its slot of that name is first replaced by a symbolic link."""
     torch.set_num_threads(1)
     import torch.distributed as dist
     try:
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
         for s in steps:
             snapshot.save(s, {"w": torch.full((4,), float(10 * rank + s)), "rank": rank})
+        if plant:
+            path = os.path.join(os.environ[wenv.SNAPSHOT_DIR], plant)
+            os.unlink(path)
+            os.symlink("/dev/null", path)
         got = snapshot.restore()
         pipe.send(json.dumps(None if got is None else
                              [got[0], got[1]["rank"], got[1]["w"].tolist()]))
@@ -388,12 +393,13 @@ def _rank(pipe, rank: int, init: str, steps: tuple) -> None:
         pipe.send(json.dumps(f"{type(exc).__name__}: {exc}"))
 
 
-def _two_ranks(snapdir: str, steps0: tuple, steps1: tuple) -> list:
+def _two_ranks(snapdir: str, steps0: tuple, steps1: tuple, plant: str = "") -> list:
     init = f"file://{snapdir}-store-{uuid.uuid4().hex}"
     pipes, procs = [], []
     for rank, steps in ((0, steps0), (1, steps1)):
         here, there = FORK.Pipe()
-        p = FORK.Process(target=_rank, args=(there, rank, init, steps))
+        p = FORK.Process(target=_rank, args=(there, rank, init, steps,
+                                             plant if rank == 1 else ""))
         p.start()
         pipes.append(here)
         procs.append(p)
@@ -415,6 +421,11 @@ def test_two_ranks_agree_on_the_newest_step_both_hold(snapdir):
     # No step in common (rank 1's slots hold 3; rank 0 goes on to 5 and 6): both None.
     got = _two_ranks(snapdir, (5, 6), ())
     assert got == [None, None], got
+    # A rank that finds a planted link raises NotOwned after the exchange; the other,
+    # not left waiting, gets None.
+    got = _two_ranks(snapdir, (7,), (7,), plant="rank1.a")
+    assert got[0] is None and got[1].startswith("NotOwned: slot file") \
+        and "symbolic link" in got[1], got
 
 
 def test_an_asynchronous_save_equals_a_synchronous_one(snapdir):

@@ -4,25 +4,26 @@ Each rank looks at its two slots (a slot whose header, meta or size do not agree
 counts as absent); with torch.distributed initialized and more than one rank,
 the ranks agree on the newest step all of them hold (ranks.agree) and all
 return it, or all return None. A slot file that is not the caller's own
-(NotOwned) is raised on that rank after the agreement, so the others are never
-left waiting; they return None.
+(NotOwned), or any other error while looking, is raised on that rank after the
+agreement, so the others are never left waiting; they return None.
 """
 from __future__ import annotations
 
 import time
 
 from . import costs, slots
-from .errors import NotOwned, SnapshotError
+from .errors import SnapshotError
 from .ranks import agree, all_ok, distributed, identity
 from .region import Region, slot_names
 from .saving import settle
 
 
-def _local(rank: int, world: int) -> tuple[list, NotOwned | None]:
-    """This rank's complete slots, and the refusal that stopped the look, if any."""
+def _local(rank: int, world: int) -> tuple[list, Exception | None]:
+    """This rank's complete slots, and the refusal or error that stopped the look, if any
+    (raised after the agreement, so the other ranks are not left waiting)."""
     try:
         region = Region.open(create=False)
-    except NotOwned as exc:
+    except (SnapshotError, OSError) as exc:
         return [], exc
     if region is None:
         return [], None
@@ -31,7 +32,7 @@ def _local(rank: int, world: int) -> tuple[list, NotOwned | None]:
         for name in slot_names(rank):
             try:
                 c = slots.probe(region, name, rank, world)
-            except NotOwned as exc:
+            except (SnapshotError, OSError) as exc:
                 return [], exc
             if c is not None:
                 found.append(c)
