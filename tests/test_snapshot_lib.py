@@ -487,3 +487,16 @@ def test_clean_removes_a_runs_default_dir(monkeypatch):
     assert not os.listdir(regions.base_dir()) if os.path.exists(regions.base_dir()) else True
     bad = subprocess.run([*cmd, "clean", "../etc"], capture_output=True, text=True)
     assert bad.returncode == 2 and "not a plain name" in bad.stderr
+
+
+@pytest.mark.slow
+def test_an_asynchronous_save_in_flight_at_exit_completes(snapdir):
+    """A script whose last act is ``save(wait=False)``: the interpreter's exit waits for
+    the background copy, so the snapshot is complete (a fresh interpreter: ~3 s)."""
+    code = ("import sys, torch\nfrom elasticd import snapshot\n"
+            "snapshot.save(9, {'w': torch.full((32 << 20,), 2.0)}, wait=False)\nsys.exit(0)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    step, got = snapshot.restore()
+    assert step == 9 and torch.equal(got["w"], torch.full((32 << 20,), 2.0))

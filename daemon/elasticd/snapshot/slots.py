@@ -178,15 +178,16 @@ def fill_from(m: Mapped, meta_len: int, staging: torch.Tensor) -> None:
 def stage(meta: metas.Meta, tensors, staging: torch.Tensor) -> None:
     """Copy the state's tensors into ``staging`` (the slot's data layout); CUDA copies
     are waited for before this returns, so the caller may change its tensors."""
-    cuda = False
+    devices = set()
     with torch.no_grad():
         for spec, t in zip(meta.tensors, tensors):
             if spec.nbytes:
                 dst = staging[spec.offset:spec.offset + spec.nbytes].view(spec.dtype)
-                cuda |= t.device.type == "cuda"
+                if t.device.type == "cuda":
+                    devices.add(t.device)
                 dst.view(spec.shape).copy_(t, non_blocking=t.device.type == "cuda")
-    if cuda:
-        torch.cuda.synchronize()
+    for dev in devices:
+        torch.cuda.synchronize(dev)
 
 
 def complete_header(rank: int, world: int, step: int, meta_len: int, data_len: int,
