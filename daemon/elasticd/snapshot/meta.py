@@ -89,14 +89,16 @@ def decode(raw: bytes, data_len: int) -> Meta:
         raise BadMeta("too short")
     body = raw[_CRC_LEN:]
     try:
-        if int(raw[:8], 16) != zlib.crc32(body):
-            raise BadMeta("CRC does not match")
+        crc = int(raw[:8], 16)
+    except ValueError:
+        raise BadMeta("CRC is not hex") from None
+    if crc != zlib.crc32(body):
+        raise BadMeta("CRC does not match")
+    try:
         doc = values.decode(body, max_bytes=fmt.MAX_META_BYTES, want=dict,
                             max_depth=3 * MAX_DEPTH + 8)
     except values.BadValue as exc:
         raise BadMeta(str(exc)) from None
-    except ValueError:
-        raise BadMeta("CRC is not hex") from None
     if doc.get("v") != META_VERSION or doc.get("data_len") != data_len \
             or type(doc.get("tensors")) is not list:
         raise BadMeta("version, data length or tensor list does not match")

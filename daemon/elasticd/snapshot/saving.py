@@ -172,7 +172,7 @@ def save(step: int, state, *, wait: bool = True) -> SaveHandle:
             slots.write_header(m, slots.complete_header(rank, world, step, len(raw),
                                                         plan.data_len, fmt.SlotState.COMPLETE))
             costs.record(save_step=step, save_total_s=time.perf_counter() - t0,
-                           save_bytes=plan.data_len)
+                         save_bytes=plan.data_len)
 
         if wait:
             finish(lambda: slots.fill(m, plan, len(raw), flat.tensors))
