@@ -484,7 +484,6 @@ def test_clean_removes_a_runs_default_dir(monkeypatch):
     done = subprocess.run([*cmd, "clean", run], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "removed 1 slot file(s)" in done.stdout and not os.path.exists(where)
-    assert not os.listdir(regions.base_dir()) if os.path.exists(regions.base_dir()) else True
     bad = subprocess.run([*cmd, "clean", "../etc"], capture_output=True, text=True)
     assert bad.returncode == 2 and "not a plain name" in bad.stderr
 
