@@ -82,6 +82,11 @@ BENCHES = (
         Row("rendezvous", "rendezvous of N participants on one etcd"),)),
     Bench("membership", "membership_bench.py", (), ("--trials", "3", "--seconds", "5"), (
         Row("node-loss-noticed", "node loss noticed after kill -9, default settings"),)),
+    Bench("snapshot", "snapshot_bench.py", (), ("--reps", "2"), (
+        Row("snapshot-save", "snapshot save stall, 1 GiB of state per rank: sync and async "
+                             "(`wait=False`), vs `torch.save` to local disk + fsync"),
+        Row("snapshot-restore", "snapshot restore of that state (tensors mapped), vs "
+                                "`torch.load` of the checkpoint"))),
     Bench("daemon_overhead", "daemon_overhead.py", (),
           ("--starts", "2", "--idle-seconds", "5", "--spawns", "5", "--rpc-calls", "200"), (
         Row("idle-daemon", "idle daemon"),)),

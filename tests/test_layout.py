@@ -165,6 +165,7 @@ LATE_IMPORTS = {
     "elasticd.config.rules": {"elasticd.workers.template_key", "elasticd.gpus.inventory"},
     "elasticd.store": {"elasticd.store.etcd2", "elasticd.store.etcd3"},
     "elasticd.inprocess": {"elasticd.inprocess"},   # the wrapper imports torch
+    "elasticd.snapshot": {"elasticd.snapshot"},     # save/restore import torch
 }
 
 

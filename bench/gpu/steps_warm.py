@@ -12,9 +12,10 @@
    processes; and the forked ranks must run CUDA steps (a driver started
    before fork fails them). Numbers: crash -> first CUDA step after the
    restart for each path, and the CUDA context cost (CUDA_INIT).
-6. ``snapshot``: SKIP while ``elasticd.snapshot`` (issue 32) does not exist;
-   once it does, 1 GiB of CUDA tensors saved (sync, and async stall),
-   the rank crashes, the restarted rank restores them: time and equality.
+6. ``snapshot``: 1 GiB of CUDA tensors saved through ``elasticd.snapshot``
+   (sync, and async stall), the rank crashes, the restarted rank restores
+   them: time and equality (SKIP where the package is missing, e.g. an
+   older tree's wheels).
 """
 from __future__ import annotations
 

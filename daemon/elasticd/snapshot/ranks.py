@@ -1,0 +1,74 @@
+"""Which rank of which world this process saves and restores as, and the ranks'
+agreement on the newest step every one of them holds.
+
+With torch.distributed initialized, the default group's rank and size; without,
+$RANK and $WORLD_SIZE as torchrun sets them (0 and 1 when unset). The agreement
+is an all_gather of each rank's complete steps (tensors, no pickling): the
+newest step in all of them, the same answer on every rank, or none.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from ..workers import env as wenv
+from .errors import SnapshotError
+
+NONE = -1   # a slot without a complete step, in the exchange
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    if not raw.isascii() or not raw.isdigit() or len(raw) > 9:
+        raise SnapshotError(f"${name} must be a small whole number, not {raw[:20]!r}")
+    return int(raw)
+
+
+def identity() -> tuple[int, int]:
+    """(rank, world size)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    rank, world = _env_int(wenv.TORCHRUN_RANK, 0), _env_int(wenv.TORCHRUN_WORLD_SIZE, 1)
+    if rank >= world:
+        raise SnapshotError(f"${wenv.TORCHRUN_RANK}={rank} is not below "
+                            f"${wenv.TORCHRUN_WORLD_SIZE}={world}")
+    return rank, world
+
+
+def distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _device() -> torch.device:
+    """Where the exchange's tensors live: the CPU when the default group's backend
+    takes CPU tensors (gloo), else this rank's CUDA device (nccl)."""
+    backend = str(dist.get_backend()).lower()
+    if "gloo" in backend or "mpi" in backend or "cpu:" in backend:
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def agree(steps: list[int]) -> int | None:
+    """The newest step every rank holds, given this rank's complete steps (at most two);
+    None when they hold none in common. Every rank must call it."""
+    dev = _device()
+    mine = (sorted(steps, reverse=True) + [NONE, NONE])[:2]
+    local = torch.tensor(mine, dtype=torch.int64, device=dev)
+    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, local)
+    common = None
+    for t in gathered:
+        held = {s for s in t.tolist() if s != NONE}
+        common = held if common is None else common & held
+    return max(common) if common else None
+
+
+def all_ok(ok: bool) -> bool:
+    """Whether every rank says ok (every rank must call it)."""
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int64, device=_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
