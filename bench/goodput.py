@@ -98,7 +98,7 @@ LASTCALL_POLICY = {"ELASTICD_RENDEZVOUS_ROUND_STORES": "false",
 OLD_POLICY = {"ELASTICD_AGENT_PROGRESS_MIN_BEATS": "1000000",
               "ELASTICD_AGENT_PROGRESS_MIN_RUNTIME": str(30 * 86400),
               "ELASTICD_AGENT_WARM_SPARE_RESTART_DELAY": "3600"}
-ATTEMPT_RE = re.compile(r"^attempt (\d+): world size \d+, starting at step (\d+)$")
+ATTEMPT_RE = re.compile(r"^attempt (\d+): world size \d+, starting at step (\d+)(?: \(from [^)]*\))?$")
 FIRST_RE = re.compile(r"^FIRST_STEP (\d+\.\d+) attempt=(\d+) step=(\d+)")
 STEP_RE = re.compile(r"^step (\d+)/\d+ loss")
 

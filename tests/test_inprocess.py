@@ -176,6 +176,9 @@ def job_store():
 
 def run_ranks(store, world, args, tmp_path, **extra_env):
     procs = []
+    snaps = tmp_path / "snapshots"  # the ranks' elasticd.snapshot dir, as a daemon makes it
+    snaps.mkdir(mode=0o700)
+    extra_env.setdefault("ELASTICD_SNAPSHOT_DIR", str(snaps))
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                    ELASTICD_STORE_ADDR=store[0], ELASTICD_STORE_PORT=store[1],

@@ -7,12 +7,19 @@ with gloo (CPU) for ``--steps`` steps, checkpoints every
 restart, and checks at the end that every rank holds the same weights and
 that an all_reduce of the ranks sums right.
 
+``--snapshot-every N`` also keeps the state (model, optimizer, each rank's
+data generator) in memory with ``elasticd.snapshot`` every N steps: a restart
+goes on from the newest snapshot every rank holds, bit for bit as if nothing
+had happened, and from the disk checkpoint only when that is newer.
+
 ``--crash-at-step K`` makes ``--crash-rank`` fail once, on the first attempt
-only (TORCHELASTIC_RESTART_COUNT == 0), to show recovery.
+only (TORCHELASTIC_RESTART_COUNT == 0), to show recovery. Rank 0 ends with a
+``WEIGHTS sha256=...`` line: runs that trained the same steps print the same.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import sys
 import time
@@ -28,6 +35,8 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint-every", type=int, default=50)
     p.add_argument("--checkpoint-dir", default="",
                    help="default: ./checkpoints/<TORCHELASTIC_RUN_ID>")
+    p.add_argument("--snapshot-every", type=int, default=0,
+                   help="keep the state in memory (elasticd.snapshot) every N steps; 0: off")
     p.add_argument("--crash-at-step", type=int, default=-1)
     p.add_argument("--crash-rank", type=int, default=1)
     p.add_argument("--crash-mode", choices=("raise", "exit", "kill"), default="raise")
@@ -61,6 +70,43 @@ def crash(mode: str, rank: int, step: int) -> None:
     raise RuntimeError(f"injected failure on rank {rank} at step {step}")
 
 
+def resume(args, model, opt, gen) -> tuple[int, str]:
+    """The step to go on from and where it came from: the newest of the ranks'
+    common snapshot (collective: every rank calls it) and the disk checkpoint."""
+    start, source = 0, "the beginning"
+    if args.snapshot_every:
+        from elasticd import snapshot
+        got = snapshot.restore()
+        if got is not None:
+            start, state = got
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["opt"])
+            gen.set_state(state["gen"])
+            source = "a snapshot in memory"
+    path = checkpoint_path(args)
+    if os.path.exists(path):
+        state = torch.load(path)
+        if state["step"] > start:
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["opt"])
+            start, source = state["step"], "the disk checkpoint"
+    return start, source
+
+
+def take_snapshot(model, opt, gen, done: int) -> None:
+    """``done`` steps trained: the state to go on from, copied now, kept in the background."""
+    from elasticd import snapshot
+    snapshot.save(done, {"model": model.state_dict(), "opt": opt.state_dict(),
+                         "gen": gen.get_state()}, wait=False)
+
+
+def digest(model) -> str:
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
 @record
 def main(argv=None) -> int:
     args = parse_args(argv)
@@ -71,15 +117,11 @@ def main(argv=None) -> int:
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     path = checkpoint_path(args)
-    start = 0
-    if os.path.exists(path):
-        state = torch.load(path)
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["opt"])
-        start = state["step"]
-    if rank == 0:
-        print(f"attempt {attempt}: world size {world}, starting at step {start}", flush=True)
     gen = torch.Generator().manual_seed(1000 + rank)
+    start, source = resume(args, model, opt, gen)
+    if rank == 0:
+        print(f"attempt {attempt}: world size {world}, starting at step {start} (from "
+              f"{source})", flush=True)
     first = True
     for step in range(start, args.steps):
         x = torch.randn(32, 16, generator=gen)
@@ -91,6 +133,8 @@ def main(argv=None) -> int:
             dist.all_reduce(p.grad)
             p.grad /= world
         opt.step()
+        if args.snapshot_every and (step + 1) % args.snapshot_every == 0:
+            take_snapshot(model, opt, gen, step + 1)
         if first and rank == 0:
             print(f"FIRST_STEP {time.time():.6f} attempt={attempt} step={step}", flush=True)
         first = False
@@ -121,6 +165,7 @@ def main(argv=None) -> int:
               flush=True)
         return 1
     if rank == 0:
+        print(f"WEIGHTS sha256={digest(model)}", flush=True)
         print(f"done: {args.steps} steps, world size {world}, all_reduce check ok", flush=True)
     return 0
 

@@ -6,9 +6,10 @@
 Same model, data and checks as ``elasticd.examples.train``, but the training
 function is wrapped in ``elasticd.inprocess.Wrapper``: when a rank fails,
 every rank re-enters ``train`` in the same process with the next
-``iteration``, and resumes from an in-memory snapshot taken every
-``--checkpoint-every`` steps (the ranks agree on the newest snapshot they
-all hold). ``--crash-at-step K`` makes ``--crash-rank`` raise once, in
+``iteration``, and resumes from the snapshot ``elasticd.snapshot`` keeps in
+shared memory every ``--checkpoint-every`` steps (the ranks agree on the
+newest one they all hold); a rank replaced by a new process, and every rank
+of a new process attempt, resumes from it too. ``--crash-at-step K`` makes ``--crash-rank`` raise once, in
 iteration 0 of the first process attempt (``--crash-always``: every time it
 gets there), by raising or, with ``--crash-mode exit``, by ``os._exit(3)``
 (the daemon then replaces the dead rank with a new process); ``--crash-mode
@@ -20,7 +21,6 @@ the first step of each iteration, for bench/inprocess_vs_process.py.
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import sys
 import time
@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from elasticd import snapshot as snapshots
 from elasticd.inprocess import Wrapper
 
 
@@ -46,24 +47,22 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-SNAPSHOTS: dict[int, dict] = {}  # step -> state; survives in-process restarts
 REPLACED = bool(os.environ.get("ELASTICD_INPROCESS_REPLACES"))  # a new process for a dead rank
 
 
 def snapshot(model, opt, step: int) -> None:
-    SNAPSHOTS[step] = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
-    for old in sorted(SNAPSHOTS)[:-2]:  # the last two: ranks may be one snapshot apart
-        del SNAPSHOTS[old]
+    """``step`` steps trained: copied now, kept in shared memory in the background."""
+    snapshots.save(step, {"model": model.state_dict(), "opt": opt.state_dict()}, wait=False)
 
 
 def agreed_start(model, opt) -> int:
-    """The newest snapshot every rank holds; load it (0: start afresh)."""
-    mine = torch.tensor([max(SNAPSHOTS, default=0)])
-    dist.all_reduce(mine, op=dist.ReduceOp.MIN)
-    step = int(mine.item())
-    if step:
-        model.load_state_dict(SNAPSHOTS[step]["model"])
-        opt.load_state_dict(SNAPSHOTS[step]["opt"])
+    """The newest snapshot every rank holds (collective); load it (0: start afresh)."""
+    got = snapshots.restore()
+    if got is None:
+        return 0
+    step, state = got
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["opt"])
     return step
 
 
