@@ -37,11 +37,14 @@ class DaemonProc:
         self.node_id = node_id
         self.socket = os.path.join(root, "run", "control.sock")
         self.state_dir = os.path.join(root, "state")
+        # Its own snapshot root: daemons side by side never remove each other's jobs' dirs.
+        self.snapshot_dir = os.path.join(root, "shm")
         self.log_path = os.path.join(root, f"daemon-{node_id}.log")
         where = ["--etcd", etcd, *cluster_key_args()] if etcd else ["--standalone"]
         self.args = [*where, "--node-id", node_id, "--socket", self.socket,
                      "--state-dir", self.state_dir, "--metrics-port", "0",
-                     "--slots", str(slots), *extra_args]
+                     "--slots", str(slots), "--set", f"snapshot.dir={self.snapshot_dir}",
+                     *extra_args]
         self.env = dict(os.environ, **(env or {}))
         self.proc: subprocess.Popen | None = None
         # Argv put before the daemon's own (e.g. ``ip netns exec NS``, which

@@ -145,7 +145,8 @@ def node(tmp_path):
     state = tmp_path / "state"
     overrides = {"daemon.socket": str(sock), "daemon.state_dir": str(state),
                  "daemon.standalone": True, "daemon.node_id": "node-a", "retention.max_jobs": 3,
-                 "retention.log_bytes": MiB, "agent.log_max_bytes": MiB}
+                 "retention.log_bytes": MiB, "agent.log_max_bytes": MiB,
+                 "snapshot.dir": str(tmp_path / "shm")}
     cfg = config.load(path="/dev/null", env={}, overrides=overrides)
     os.makedirs(cfg.logs_dir)
     os.makedirs(cfg.jobs_run_dir)
