@@ -245,13 +245,13 @@ def scrape(port: int) -> str:
         return resp.read().decode()
 
 
-def start_with_metrics(tries: int = 3) -> tuple[DaemonProc, int]:
+def start_with_metrics(tries: int = 3, extra_args: tuple = ()) -> tuple[DaemonProc, int]:
     """A started daemon serving metrics on a free port, and the port; a port taken
     between finding and binding it (the daemon then says so in `nodes` and goes on
     without metrics) is tried again with another."""
     for attempt in range(tries):
         port = free_port()
-        d = DaemonProc(short_tmpdir(), extra_args=("--metrics-port", str(port)))
+        d = DaemonProc(short_tmpdir(), extra_args=(*extra_args, "--metrics-port", str(port)))
         d.start()
         with d.client() as c:
             me = [n for n in c.call("ListNodes", pb.ListNodesRequest()).nodes

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from daemons import DaemonProc, real_users, short_tmpdir
+from daemons import DaemonProc, real_users, scrape, start_with_metrics
 from elasticd.v1 import control_pb2 as pb
 from elasticd.workers import snapshot_format as fmt
 
@@ -61,12 +61,12 @@ def users():
 
 @pytest.fixture(scope="module")
 def node(users):
-    d = DaemonProc(short_tmpdir(), slots=4, extra_args=(
+    d, port = start_with_metrics(extra_args=(
         "--set", f"daemon.socket_group={GROUP}",
         "--set", f"snapshot.node_budget={NODE_BUDGET}",
         "--set", f"snapshot.job_budget={JOB_BUDGET}", "--set", "agent.warm_spares=false"))
+    d.metrics_port = port
     try:
-        d.start()
         with open(os.path.join(d.root, "job.py"), "w") as fh:
             fh.write(JOB)
         for who in users:
@@ -131,6 +131,14 @@ def snapshots(d: DaemonProc, job_id: str) -> list:
     return list(d.job(job_id).snapshots)
 
 
+def sample(page: str, name: str) -> float:
+    """The value of the sample ``name`` (with its labels) on a /metrics page."""
+    for line in page.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"no {name} in the scrape")
+
+
 def stop(d: DaemonProc, job_id: str) -> None:
     with d.client() as c:
         c.call("CancelJob", pb.CancelJobRequest(id=job_id))
@@ -161,6 +169,13 @@ def test_each_job_gets_its_users_dir_and_budget_and_status_shows_its_snapshot(no
         d.node_id, STEP, slot.total_bytes, 1), s
     assert 0 <= s["age_seconds"] < 120 and s["held_bytes"] >= slot.total_bytes, s
     assert s["budget_bytes"] == JOB_BUDGET and s["replicas"] == [], s
+    page = scrape(d.metrics_port)
+    held = sample(page, f'elasticd_job_snapshot_bytes{{job_id="{first}"}}')
+    assert held >= slot.total_bytes, page
+    assert 0 <= sample(page, f'elasticd_job_snapshot_age_seconds{{job_id="{first}"}}') < 120
+    assert f'elasticd_job_snapshot_age_seconds{{job_id="{second}"}}' not in page  # none yet
+    assert sample(page, "elasticd_snapshot_budget_bytes") == NODE_BUDGET
+    assert sample(page, "elasticd_snapshot_granted_bytes") == NODE_BUDGET  # 6 + 4 MiB
     table = d.ctl("status", first).stdout
     assert "snapshots:" in table and "REPLICAS" in table, table
     row = next(line for line in table.splitlines() if line.strip().startswith(d.node_id))
