@@ -120,6 +120,16 @@ def ready(d: DaemonProc, job_id: str, count: int = 1) -> str:
                     and rank_log(d, job_id), 60, f"job {job_id} ready", d)
 
 
+def started(d: DaemonProc, who: tuple, slot: fmt.Header | None) -> str:
+    job_id = submit(d, who, slot)
+    ready(d, job_id)
+    return job_id
+
+
+def gone(d: DaemonProc, job_id: str, what: str) -> None:
+    wait_for(lambda: not os.path.lexists(os.path.join(d.snapshot_dir, job_id)), 15, what, d)
+
+
 def status(d: DaemonProc, job_id: str) -> dict:
     r = d.ctl("-o", "json", "status", job_id)
     assert r.returncode == 0, r.stderr
@@ -183,17 +193,13 @@ def test_each_job_gets_its_users_dir_and_budget_and_status_shows_its_snapshot(no
 
     for job_id in (first, second):
         stop(d, job_id)
-        wait_for(lambda: not os.path.lexists(os.path.join(d.snapshot_dir, job_id)), 15,
-                 f"{job_id}'s snapshot dir removed after its end", d)
+        gone(d, job_id, f"{job_id}'s snapshot dir removed after its end")
     assert os.listdir(d.snapshot_dir) == []
 
 
 def test_a_planted_link_another_users_file_a_fifo_or_a_torn_header_is_no_snapshot(node, users):
     d, (alice, bob) = node, users
-    theirs = submit(d, alice, header())
-    ready(d, theirs)
-    mine = submit(d, bob, None)
-    ready(d, mine)
+    theirs, mine = started(d, alice, header()), started(d, bob, None)
     dir_a, dir_b = (os.path.join(d.snapshot_dir, j) for j in (theirs, mine))
     # What bob's own job could do: link to alice's intact slot, make a FIFO.
     os.symlink(os.path.join(dir_a, "rank0.a"), os.path.join(dir_b, "rank0.a"))
@@ -224,13 +230,9 @@ def test_a_planted_link_another_users_file_a_fifo_or_a_torn_header_is_no_snapsho
 
 def test_the_dir_outlives_a_daemon_kill_and_what_a_killed_daemon_left_goes(node, users):
     d, (alice, _) = node, users
-    live = submit(d, alice, header())
-    ready(d, live)
-    ended = submit(d, alice, None)
-    ready(d, ended)
+    live, ended = started(d, alice, header()), started(d, alice, None)
     stop(d, ended)
-    wait_for(lambda: not os.path.lexists(os.path.join(d.snapshot_dir, ended)), 15,
-             "the ended job's dir removed", d)
+    gone(d, ended, "the ended job's dir removed")
     # As if the daemon had been killed before it freed an ended job's dir: it is back.
     left = os.path.join(d.snapshot_dir, ended)
     os.mkdir(left, 0o700)
@@ -242,7 +244,7 @@ def test_the_dir_outlives_a_daemon_kill_and_what_a_killed_daemon_left_goes(node,
     # The live job resumes with its dir as it was; the ended one's goes in the first pass.
     log = ready(d, live, count=2)
     assert f"HAD {header().total_bytes}" in log, log
-    wait_for(lambda: not os.path.lexists(left), 15, "the dir a killed daemon left removed", d)
+    gone(d, ended, "the dir a killed daemon left removed")
     assert snapshots(d, live)[0].step == STEP
     stop(d, live)
     wait_for(lambda: os.listdir(d.snapshot_dir) == [], 15, "every snapshot dir removed", d)

@@ -31,5 +31,5 @@ __all__ = ["AgentSettings", "ClusterSettings", "Config", "ConfigError", "Control
            "DaemonSettings", "DEFAULT_CONFIG_PATH", "ENV_PREFIX", "EtcdSettings",
            "EventsSettings", "InprocessSettings", "LimitsSettings", "MembershipSettings",
            "MetricsSettings", "RendezvousSettings", "RetentionSettings", "SECTIONS",
-           "SnapshotSettings", "default_paths", "default_socket_path", "describe", "load", "sample_toml",
-           "socket_gid"]
+           "SnapshotSettings", "default_paths", "default_socket_path", "describe", "load",
+           "sample_toml", "socket_gid"]
