@@ -65,8 +65,7 @@ class Agent:
         self.job_id = job_id
         # The job's GPUs and CPUs on this node (gpus/alloc.py), the same for every
         # attempt and replaced rank (agent/placement.py); their health checked before
-        # each round (agent/gpu_gate.py); its snapshot budget granted as each group
-        # starts (workers/snapshot_dirs.py).
+        # each round (agent/gpu_gate.py); its snapshot budget (agent/placement.py).
         self._place = Placement(cfg, binding or Binding(), snapshots)
         self._gpu_gate = GpuGate(job_id, cfg, registry, rendezvous, self._place.binding, health)
         self._cfg = cfg

@@ -2,9 +2,9 @@
 
 ``Placement`` holds the job's GPUs and CPUs here (gpus/alloc.py ``Binding``,
 the same for every attempt and replaced rank), asks the node's snapshot ledger
-for the job's snapshot budget each time a spec is made (workers/snapshot_dirs.py),
-and makes from the job's
-record and a round the ``GroupSpec`` its workers are spawned from
+for the job's snapshot dir and budget each time it makes a spec
+(workers/snapshot_dirs.py: computed where a group starts), and makes from the
+job's record and a round the ``GroupSpec`` its workers are spawned from
 (``group_spec``), the one for what the node starts for the job as a whole
 (``node_spec``: its template, round stores and job store), and the worker
 rows the job's record and the cluster get (``worker_rows``).
