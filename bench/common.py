@@ -130,9 +130,12 @@ class BenchDaemon:
         self.socket = os.path.join(self.root, "run", "control.sock")
         self.state_dir = os.path.join(self.root, "state")
         self.log_path = os.path.join(self.root, "daemon.log")
+        # Its own snapshot root (a later --set in extra_args wins: /dev/shm/... for tmpfs):
+        # daemons side by side never remove each other's jobs' snapshot dirs.
         self.args = ["--standalone", "--node-id", node_id, "--socket", self.socket,
                      "--state-dir", self.state_dir, "--metrics-port", "0",
-                     "--slots", str(slots), *extra_args]
+                     "--slots", str(slots),
+                     "--set", f"snapshot.dir={os.path.join(self.root, 'shm')}", *extra_args]
         self.proc: subprocess.Popen | None = None
         self._client: Client | None = None
 

@@ -36,6 +36,7 @@ EXPLAINED_IN = {
     "metrics": "[metrics and alerts](metrics.md)",
     "events": "[operating a cluster](operating.md)",
     "retention": "[retention](retention.md)",
+    "snapshot": "[operating a cluster](operating.md)",
 }
 
 

@@ -37,11 +37,14 @@ class DaemonProc:
         self.node_id = node_id
         self.socket = os.path.join(root, "run", "control.sock")
         self.state_dir = os.path.join(root, "state")
+        # Its own snapshot root: daemons side by side never remove each other's jobs' dirs.
+        self.snapshot_dir = os.path.join(root, "shm")
         self.log_path = os.path.join(root, f"daemon-{node_id}.log")
         where = ["--etcd", etcd, *cluster_key_args()] if etcd else ["--standalone"]
         self.args = [*where, "--node-id", node_id, "--socket", self.socket,
                      "--state-dir", self.state_dir, "--metrics-port", "0",
-                     "--slots", str(slots), *extra_args]
+                     "--slots", str(slots), "--set", f"snapshot.dir={self.snapshot_dir}",
+                     *extra_args]
         self.env = dict(os.environ, **(env or {}))
         self.proc: subprocess.Popen | None = None
         # Argv put before the daemon's own (e.g. ``ip netns exec NS``, which
@@ -242,13 +245,13 @@ def scrape(port: int) -> str:
         return resp.read().decode()
 
 
-def start_with_metrics(tries: int = 3) -> tuple[DaemonProc, int]:
+def start_with_metrics(tries: int = 3, extra_args: tuple = ()) -> tuple[DaemonProc, int]:
     """A started daemon serving metrics on a free port, and the port; a port taken
     between finding and binding it (the daemon then says so in `nodes` and goes on
     without metrics) is tried again with another."""
     for attempt in range(tries):
         port = free_port()
-        d = DaemonProc(short_tmpdir(), extra_args=("--metrics-port", str(port)))
+        d = DaemonProc(short_tmpdir(), extra_args=(*extra_args, "--metrics-port", str(port)))
         d.start()
         with d.client() as c:
             me = [n for n in c.call("ListNodes", pb.ListNodesRequest()).nodes

@@ -155,7 +155,8 @@ def test_installed_deb_runs_a_job(deb):
         with open(os.path.join(tmp, "daemon.log"), "wb") as log:
             daemon = subprocess.Popen(
                 ["/usr/bin/elasticd", "--standalone", "--node-id", "pkg-test", "--socket", sock,
-                 "--state-dir", os.path.join(tmp, "state"), "--metrics-port", "0"],
+                 "--state-dir", os.path.join(tmp, "state"), "--metrics-port", "0",
+                 "--set", f"snapshot.dir={os.path.join(tmp, 'shm')}"],
                 stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp)
         ctl = ["/usr/bin/elasticctl", "--socket", sock]
         deadline = time.monotonic() + 20

@@ -145,7 +145,8 @@ def node(tmp_path):
     state = tmp_path / "state"
     overrides = {"daemon.socket": str(sock), "daemon.state_dir": str(state),
                  "daemon.standalone": True, "daemon.node_id": "node-a", "retention.max_jobs": 3,
-                 "retention.log_bytes": MiB, "agent.log_max_bytes": MiB}
+                 "retention.log_bytes": MiB, "agent.log_max_bytes": MiB,
+                 "snapshot.dir": str(tmp_path / "shm")}
     cfg = config.load(path="/dev/null", env={}, overrides=overrides)
     os.makedirs(cfg.logs_dir)
     os.makedirs(cfg.jobs_run_dir)
@@ -226,6 +227,27 @@ def test_a_run_dir_with_a_planted_link_goes_and_its_target_stays(node, tmp_path)
     assert not os.path.lexists(os.path.join(cfg.jobs_run_dir, "j1"))
     assert os.path.islink(os.path.join(cfg.jobs_run_dir, "stranger")) and r.errors == 1
     assert (precious / "shadow").read_text() == "root's"
+
+
+def test_snapshot_dirs_of_jobs_not_live_go_and_nothing_else_there_is_touched(node, tmp_path):
+    cfg, registry = node
+    root = cfg.snapshot.dir
+    os.makedirs(root)
+    ended(registry, cfg, "done", 1000)
+    ended(registry, cfg, "running", 1000, state=None)
+    for job_id in ("done", "running", "unknown1"):   # unknown1: left by a killed daemon
+        os.makedirs(os.path.join(root, job_id))
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "shadow").write_text("root's")
+    os.symlink(precious, os.path.join(root, "linked"))        # named like a job, a link
+    os.makedirs(os.path.join(root, ".not-a-job"))
+    os.symlink(precious, os.path.join(root, "done", "rank0.a"))
+    r = retirer(cfg, registry, active=("running",))
+    r.run_once()
+    assert sorted(os.listdir(root)) == [".not-a-job", "linked", "running"]
+    assert r.removed_snapshot_dirs == 2 and r.errors == 0
+    assert os.listdir(precious) == ["shadow"] and (precious / "shadow").read_text() == "root's"
 
 
 def test_events_of_jobs_known_here_only_by_them_are_retired_by_age(node):

@@ -189,8 +189,10 @@ def state(job: pb.Job) -> str:
 
 
 def _neutral(env: dict, job_id: str) -> dict:
-    """A rank's environment with what differs between two jobs taken out."""
-    return {k: v.replace(job_id, "<job>") for k, v in env.items() if k != "MASTER_PORT"}
+    """A rank's environment with what differs between two jobs taken out (the snapshot
+    budget: what the node's budget leaves after the other job's)."""
+    return {k: v.replace(job_id, "<job>") for k, v in env.items()
+            if k not in ("MASTER_PORT", "ELASTICD_SNAPSHOT_BUDGET_BYTES")}
 
 
 # ---------------------------------------------------------------- the contract

@@ -80,6 +80,27 @@ def fmt_age(seconds: float) -> str:
     return f"{s // 86400}d{s % 86400 // 3600:02d}h"
 
 
+def fmt_bytes(n: int) -> str:
+    """``512 B``, ``3.0 KiB``, ``1.5 GiB``."""
+    size, unit = float(n), "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            break
+        size /= 1024
+    return f"{n} B" if unit == "B" else f"{size:.1f} {unit}"
+
+
+def snapshot_lines(job: control_pb2.Job) -> list[str]:
+    """The job's in-memory snapshots, one row per node that reported them."""
+    rows = [[s.node_id or "-"] + ([s.step, fmt_age(s.age_seconds), fmt_bytes(s.bytes)]
+                                  if s.step >= 0 else ["none", "-", "-"])
+            + [fmt_bytes(s.held_bytes),
+               fmt_bytes(s.budget_bytes) if s.budget_bytes >= 0 else "-",
+               ", ".join(s.replicas) or "none"] for s in job.snapshots]
+    return ["snapshots:"] + ["  " + r for r in table(
+        rows, ["NODE", "STEP", "AGE", "SIZE", "HELD", "BUDGET", "REPLICAS"]).splitlines()]
+
+
 def signal_name(sig: int) -> str:
     try:
         return signal.Signals(sig).name
@@ -238,6 +259,8 @@ def job_detail(job: control_pb2.Job, now: float | None = None) -> str:
     if job.start_path:
         lines.append(f"last start:   {job.start_path}, {job.start_seconds:.3f}s to start "
                      "this node's ranks")
+    if job.snapshots:
+        lines += snapshot_lines(job)
     if job.workers:
         bound = any(w.gpus or w.cpus for w in job.workers)
         rows = [[w.rank, w.local_rank, w.node_id or "-", w.pid or "-", w.state,

@@ -48,6 +48,7 @@ from .rendezvous.view import JobsView
 from .sdnotify import Notifier
 from .store import StoreError
 from .workers import hostname
+from .workers.snapshot_dirs import SnapshotBudgets, prepare_root
 
 log = logging.getLogger("elasticd")
 OWN_FILES = 1024  # fds kept for the daemon's own use beside control connections
@@ -73,6 +74,7 @@ class Daemon:
         self.cfg = cfg
         self.stop_event = threading.Event()
         self._notifier = Notifier()
+        self._snapshots: SnapshotBudgets | None = None
 
     def request_stop(self, signum=None, frame=None) -> None:
         self.stop_event.set()
@@ -94,6 +96,12 @@ class Daemon:
         if lock is None:
             log.error("another elasticd already uses the state dir %s; give this one its own "
                       "(--state-dir)", d.state_dir)
+            return 1
+        try:  # jobs' snapshot dirs: the root ours alone (workers/snapshot_dirs.py)
+            prepare_root(cfg.snapshot.dir)
+            self._snapshots = SnapshotBudgets.for_node(cfg.snapshot, d.node_id)
+        except OSError as exc:
+            log.error("%s: %s", ctx(node=d.node_id), exc)
             return 1
         try:
             self.codec = codec_for(cfg)
@@ -153,13 +161,14 @@ class Daemon:
             metrics, nvml=nvml_module() if inventory.source == "nvml" else None)
         manager = Coordinator(cfg, registry, cluster, view, metrics, codec=self.codec,
                              policy=policy, gpus=GpuLedger(inventory), health=health,
-                             suspicion=suspicion)
+                             suspicion=suspicion, snapshots=self._snapshots)
         cluster.capacity_from(manager.capacity, lambda: dict(
             manager.gpu_record(), suspect=suspicion.verdict().reason))
         self.cluster = cluster
         metrics.attach(registry, manager)
         metrics.attach_cluster(cluster)  # metrics: the node lease
         metrics.attach_gpus(manager)  # metrics: GPUs free/total, health
+        metrics.attach_snapshots(registry, manager)  # metrics: jobs' snapshots, the budget
         issuer = TokenIssuer(cfg.control.token_ttl)
         gid = socket_gid(cfg)
         if gid is None and os.geteuid() == 0:

@@ -51,6 +51,7 @@ from ..store import StoreError
 from ..workers.template import TemplateState
 from ..workers.template_pool import TemplatePool
 from ..workers.group import SpawnError, WorkerGroup
+from ..workers.snapshot_dirs import SnapshotBudgets
 from ..workers.spares import SparePool
 
 log = logging.getLogger("elasticd.agent.loop")
@@ -59,12 +60,13 @@ log = logging.getLogger("elasticd.agent.loop")
 class Agent:
     def __init__(self, job_id: str, cfg: Config, registry: JobRegistry,
                  rendezvous: ClusterRendezvous, on_exit: Callable[[str], None], metrics=None,
-                 binding: Binding | None = None, health=None, *, templates: TemplatePool):
+                 binding: Binding | None = None, health=None, *, templates: TemplatePool,
+                 snapshots: SnapshotBudgets | None = None):
         self.job_id = job_id
         # The job's GPUs and CPUs on this node (gpus/alloc.py), the same for every
         # attempt and replaced rank (agent/placement.py); their health checked before
-        # each round (agent/gpu_gate.py).
-        self._place = Placement(cfg, binding or Binding())
+        # each round (agent/gpu_gate.py); its snapshot budget (agent/placement.py).
+        self._place = Placement(cfg, binding or Binding(), snapshots)
         self._gpu_gate = GpuGate(job_id, cfg, registry, rendezvous, self._place.binding, health)
         self._cfg = cfg
         self._registry = registry

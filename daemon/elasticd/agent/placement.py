@@ -1,8 +1,10 @@
 """Where and how a job's workers run on this node: their spawn spec and their rows.
 
 ``Placement`` holds the job's GPUs and CPUs here (gpus/alloc.py ``Binding``,
-the same for every attempt and replaced rank) and makes from the job's
-record and a round the ``GroupSpec`` its workers are spawned from
+the same for every attempt and replaced rank), asks the node's snapshot ledger
+for the job's snapshot dir and budget each time it makes a spec
+(workers/snapshot_dirs.py: computed where a group starts), and makes from the
+job's record and a round the ``GroupSpec`` its workers are spawned from
 (``group_spec``), the one for what the node starts for the job as a whole
 (``node_spec``: its template, round stores and job store), and the worker
 rows the job's record and the cluster get (``worker_rows``).
@@ -18,13 +20,15 @@ from ..jobs.records import WorkerRow
 from ..jobs.registry import JobRecord
 from ..rendezvous.protocol import Result
 from ..workers.group import GroupSpec, WorkerGroup
+from ..workers.snapshot_dirs import SnapshotBudgets
 from . import failures
 
 
 class Placement:
-    def __init__(self, cfg: Config, binding: Binding):
+    def __init__(self, cfg: Config, binding: Binding, snapshots: SnapshotBudgets | None = None):
         self._cfg = cfg
         self.binding = binding
+        self._snapshots = snapshots
 
     def group_spec(self, job: JobRecord, rdzv: Result) -> GroupSpec:
         d = self._cfg.daemon
@@ -37,7 +41,8 @@ class Placement:
             master_addr=rdzv.master_addr, master_port=rdzv.master_port,
             log_dir=self.log_dir(job),
             run_dir=os.path.join(self._cfg.jobs_run_dir, job.id), node_id=d.node_id,
-            device_env=self.binding.env(), cpus=self.binding.cpus)
+            device_env=self.binding.env(), cpus=self.binding.cpus,
+            snapshot=self._snapshots.grant(job.id) if self._snapshots is not None else None)
 
     def log_dir(self, job: JobRecord) -> str:
         return os.path.join(self._cfg.logs_dir, job.id)

@@ -8,8 +8,8 @@ and raises :class:`ConfigError` naming every bad field at once.
 
 Where each part lives: the sections' fields in node.py ([daemon], [etcd],
 [cluster], [membership], [rendezvous]), agent.py ([agent]), service.py
-([control], [limits], [metrics], [events], [retention]) and
-inprocess/settings.py ([inprocess]); ``Config`` and ``SECTIONS`` in model.py;
+([control], [limits], [metrics], [events], [retention], [snapshot])
+and inprocess/settings.py ([inprocess]); ``Config`` and ``SECTIONS`` in model.py;
 loading and checking each field in loading.py; the rules between fields in
 rules.py; the sample file, ``--help-config`` and ``documented()`` in sample.py.
 A setting's documentation is its field's ``setting(...)`` call (settingfield.py):
@@ -25,11 +25,11 @@ from .node import (ClusterSettings, DaemonSettings, EtcdSettings, MembershipSett
                    RendezvousSettings)
 from .sample import describe, sample_toml
 from .service import (ControlSettings, EventsSettings, LimitsSettings, MetricsSettings,
-                      RetentionSettings)
+                      RetentionSettings, SnapshotSettings)
 
 __all__ = ["AgentSettings", "ClusterSettings", "Config", "ConfigError", "ControlSettings",
            "DaemonSettings", "DEFAULT_CONFIG_PATH", "ENV_PREFIX", "EtcdSettings",
            "EventsSettings", "InprocessSettings", "LimitsSettings", "MembershipSettings",
            "MetricsSettings", "RendezvousSettings", "RetentionSettings", "SECTIONS",
-           "default_paths", "default_socket_path", "describe", "load", "sample_toml",
-           "socket_gid"]
+           "SnapshotSettings", "default_paths", "default_socket_path", "describe", "load",
+           "sample_toml", "socket_gid"]

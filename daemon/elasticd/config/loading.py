@@ -179,7 +179,16 @@ def _resolve_defaults(cfg: Config) -> Config:
         state_dir=d.state_dir or state,
         slots=d.slots or (os.cpu_count() or 1),
     )
-    return dataclasses.replace(cfg, daemon=d)
+    snap = cfg.snapshot
+    if not snap.dir:
+        snap = dataclasses.replace(snap, dir=default_snapshot_dir(os.geteuid()))
+    return dataclasses.replace(cfg, daemon=d, snapshot=snap)
+
+
+def default_snapshot_dir(uid: int) -> str:
+    """Where jobs' snapshot dirs live by default: tmpfs, one root per daemon user (a
+    user's own daemon never meets root's dir)."""
+    return "/dev/shm/elasticd" if uid == 0 else f"/dev/shm/elasticd-{uid}"
 
 
 def socket_gid(cfg: Config) -> int | None:

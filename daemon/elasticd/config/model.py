@@ -14,7 +14,7 @@ from .agent import AgentSettings
 from .node import (ClusterSettings, DaemonSettings, EtcdSettings, MembershipSettings,
                    RendezvousSettings)
 from .service import (ControlSettings, EventsSettings, LimitsSettings, MetricsSettings,
-                      RetentionSettings)
+                      RetentionSettings, SnapshotSettings)
 
 
 SECTIONS: dict[str, type] = {
@@ -30,6 +30,7 @@ SECTIONS: dict[str, type] = {
     "metrics": MetricsSettings,
     "events": EventsSettings,
     "retention": RetentionSettings,
+    "snapshot": SnapshotSettings,
 }
 
 
@@ -47,6 +48,7 @@ class Config:
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
     events: EventsSettings = field(default_factory=EventsSettings)
     retention: RetentionSettings = field(default_factory=RetentionSettings)
+    snapshot: SnapshotSettings = field(default_factory=SnapshotSettings)
     source: str = ""  # which file, if any, was read
 
     @property

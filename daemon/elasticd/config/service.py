@@ -1,5 +1,5 @@
-"""Settings of what the daemon serves and keeps: [control], [limits], [metrics], [events]
-and [retention].
+"""Settings of what the daemon serves and keeps: [control], [limits], [metrics], [events],
+[retention] and [snapshot].
 
 Each field is one setting, declared with ``setting(...)`` (settingfield.py): its
 default, help text and bounds, as config/sample.py documents them.
@@ -152,3 +152,32 @@ class RetentionSettings:
     interval: float = _setting(60.0, "seconds between retirement passes (one also runs at "
                                      "start and whenever a job ends here)",
                                min=0.05, max=86400)
+
+
+@dataclass(frozen=True)
+class SnapshotSettings:
+    """Jobs' in-memory snapshots on this node (workers/snapshot_dirs.py): each job whose
+    workers start here gets ``<dir>/<job id>``, its user's, 0700, and a budget of bytes
+    its ranks' slot files may hold there (``ELASTICD_SNAPSHOT_DIR`` and
+    ``ELASTICD_SNAPSHOT_BUDGET_BYTES`` in every worker's environment); the dir outlives
+    worker crashes, restarts and a daemon restart, and goes once the job ended here."""
+    dir: str = _setting("", "where jobs' snapshot dirs live, one per job (<dir>/<job id>, "
+                            "the job's user's, 0700) in this dir (the daemon's, 0711); "
+                            "default: /dev/shm/elasticd as root, /dev/shm/elasticd-<uid> "
+                            "otherwise. Keep it on tmpfs (memory): a snapshot restores at "
+                            "memory speed and a reboot leaves nothing. One daemon per dir: "
+                            "it removes the dirs of jobs it does not run")
+    node_budget: int = _setting(0, "bytes every job's snapshots on this node may hold "
+                                   "together (both slots of every rank); 0: half the size "
+                                   "of the filesystem holding snapshot.dir, read at start "
+                                   "and logged (tmpfs is half of RAM by default, so a "
+                                   "quarter of RAM): snapshots never take the memory "
+                                   "training needs, on any node size. Set bytes for the "
+                                   "same figure on every node", min=0, max=1 << 60)
+    job_budget: int = _setting(0, "bytes one job's ranks on this node may hold (both slots "
+                                  "of every rank); 0: snapshot.node_budget, since a "
+                                  "training node usually runs one job. A job gets the least "
+                                  "of this and what snapshot.node_budget leaves after the "
+                                  "other live jobs here (their budgets, not what they use); "
+                                  "where several jobs share a node, give each a share",
+                               min=0, max=1 << 60)

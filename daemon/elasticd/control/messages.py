@@ -14,6 +14,7 @@ from ..jobs.records import WorkerRow
 from ..jobs.restartpolicy import RestartPlan, RestartWindow
 from ..jobs.states import TERMINAL_STATES
 from ..v1 import control_pb2 as pb
+from ..workers.snapshot_status import DirSnapshots
 
 
 def job_to_proto(job: JobRecord) -> pb.Job:
@@ -81,6 +82,14 @@ def add_worker(msg: pb.Job, w: WorkerRow) -> None:
     msg.workers.add(rank=w.rank, local_rank=w.local_rank, pid=w.pid, state=w.state.value,
                     exit_code=w.exit_code, node_id=w.node_id, gpus=w.gpus,
                     gpu_uuids=w.gpu_uuids, cpus=w.cpus, start_path=w.start_path)
+
+
+def add_snapshot(msg: pb.Job, node_id: str, snap: DirSnapshots, budget: int | None,
+                 now: float) -> None:
+    """One node's snapshots of the job (workers/snapshot_status.py) into ``snapshots``."""
+    msg.snapshots.add(node_id=node_id, step=snap.step, saved_at=snap.saved_at,
+                      age_seconds=snap.age(now), bytes=snap.bytes, ranks=snap.ranks,
+                      held_bytes=snap.held_bytes, budget_bytes=-1 if budget is None else budget)
 
 
 def event_to_proto(ev: JobEvent) -> pb.Event:

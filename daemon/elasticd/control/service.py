@@ -26,10 +26,10 @@ from ..jobs.registry import JobNotFound, JobRecord, JobRegistry
 from .logs import LogReader
 from ..jobs.retention import logs_retired_message
 from .messages import (
-    add_worker, event_to_proto, job_to_proto, node_to_proto, rejection_to_proto)
+    add_snapshot, add_worker, event_to_proto, job_to_proto, node_to_proto, rejection_to_proto)
 from ..store import StoreError
 from ..jobs.states import TERMINAL_STATES, WorkerState
-from ..workers import template_ahead
+from ..workers import snapshot_status, template_ahead
 from ..v1 import control_pb2 as pb
 from ..v1 import control_pb2_grpc as pb_grpc
 
@@ -118,8 +118,16 @@ class ControlServicer(pb_grpc.ControlServicer):
         return resp
 
     def _with_cluster(self, job: JobRecord) -> pb.Job:
-        """The job as this node knows it, with the other nodes' workers added."""
+        """The job as this node knows it, with the other nodes' workers added, and its
+        snapshots here (read from the slot headers: workers/snapshot_status.py)."""
         msg = job_to_proto(job)
+        ledger = getattr(self._manager, "snapshots", None)  # workers/snapshot_dirs.py
+        if ledger is not None:
+            found = snapshot_status.read_dir(ledger.path(job.id), job.uid,
+                                             snapshot_status.scan_limit(job.nproc_per_node))
+            if found is not None:
+                add_snapshot(msg, self._cfg.daemon.node_id, found, ledger.granted(job.id),
+                             time.time())
         keys = self._view.job(job.id) if self._view is not None else None
         if keys is not None:
             for row in clusterjobs.worker_rows(keys, skip=self._cfg.daemon.node_id):

@@ -37,6 +37,7 @@ from ..jobs.states import TERMINAL_STATES, JobState
 from ..store import StoreError
 from ..trust.clusterkey import ephemeral
 from ..trust.specs import SpecCodec
+from ..workers.snapshot_dirs import SnapshotBudgets
 from ..workers.template_pool import TemplatePool
 
 log = logging.getLogger("elasticd.coordinator")
@@ -47,8 +48,11 @@ class Coordinator:
 
     def __init__(self, cfg: Config, registry: JobRegistry, cluster, view, metrics=None,
                  codec=None, policy=None, gpus: GpuLedger | None = None, health=None,
-                 suspicion=None):
+                 suspicion=None, snapshots: SnapshotBudgets | None = None):
         self._cfg = cfg
+        # The snapshot budgets granted to this node's jobs (workers/snapshot_dirs.py),
+        # one each while its agent runs here; None: no snapshot dirs.
+        self.snapshots = snapshots
         # This node's GPUs and who holds them (gpus/alloc.py), changed under self._lock;
         # the health gate agents ask before joining a round (gpus/health.py).
         self.gpus = gpus if gpus is not None else GpuLedger(Inventory((), "off"))
@@ -284,7 +288,7 @@ class Coordinator:
                 agent = Agent(job.id, self._cfg, self._registry, self._rendezvous_for(job),
                               on_exit=self._agent_exited, metrics=self._metrics,
                               binding=binding, health=self._health,
-                              templates=self.templates)
+                              templates=self.templates, snapshots=self.snapshots)
                 self._agents[job.id] = agent
                 agent.start()
 
@@ -363,6 +367,8 @@ class Coordinator:
         with self._lock:
             self._agents.pop(job_id, None)
             self.gpus.release(job_id)
+            if self.snapshots is not None:
+                self.snapshots.release(job_id)
         for listener in self.agent_exit_listeners:
             listener(job_id)
         self.schedule()

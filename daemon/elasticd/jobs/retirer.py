@@ -5,7 +5,10 @@ every ``retention.interval`` seconds, and whenever a job ends here (a terminal
 event in the registry, or an agent exiting). A pass:
 
 1. removes the run dirs (``<socket dir>/jobs/<job>``, written by the job's user)
-   of every job that is not live here, and the log dirs of jobs with no record;
+   and the snapshot dirs (``<snapshot.dir>/<job>``, the job's in-memory snapshots:
+   workers/snapshot_dirs.py; also those a daemon killed before it could left) of
+   every job that is not live here, and the log dirs of jobs with no record. In the
+   snapshot dir only real dirs named like a job id are looked at;
 2. gives every job that ended since the last pass its last log cap
    (``LogKeeper.cap_finished``: what a rank wrote between two size checks is cut
    to ``agent.log_max_bytes`` too), then measures its logs once (they no longer
@@ -36,6 +39,7 @@ from .. import statedir
 from ..logsetup import ctx
 from ..store import StoreError
 from .jobevent import JobEvent
+from .spec import JOB_KEY
 from .retention import Budget, Finished, Plan, Retire, Scope, decide
 from .states import TERMINAL_STATES
 
@@ -56,6 +60,7 @@ class Retirer:
         self._state_dir = cfg.daemon.state_dir
         self._logs = cfg.logs_dir
         self._runs = cfg.jobs_run_dir
+        self._snapshots = cfg.snapshot.dir  # "": none (settings not resolved by load)
         self._min_free = cfg.limits.state_min_free_bytes
         self._budget = Budget.from_settings(cfg.retention)
         self._interval = cfg.retention.interval
@@ -74,6 +79,7 @@ class Retirer:
         self.retired_logs = 0
         self.retired_log_bytes = 0
         self.removed_run_dirs = 0
+        self.removed_snapshot_dirs = 0
         self.errors = 0
         self.last_pass_seconds = 0.0
 
@@ -118,6 +124,7 @@ class Retirer:
         # What is on disk first: a dir listed before the registry is read belongs
         # to a job the registry then knows, if to any.
         log_dirs, run_dirs = _names(self._logs), _names(self._runs)
+        snapshot_dirs = _job_dirs(self._snapshots) if self._snapshots else set()
         active = set(self._active())
         live = self._registry.live_ids() | active
         finished = [f for f in self._registry.finished() if f.job_id not in active]
@@ -125,6 +132,11 @@ class Retirer:
         for name in sorted(run_dirs - live):
             if self._remove(self._runs, name, "run dir"):
                 self.removed_run_dirs += 1
+        for name in sorted(snapshot_dirs - live):
+            if self._remove(self._snapshots, name, "snapshot dir"):
+                self.removed_snapshot_dirs += 1
+                log.info("%s: its snapshots here are freed (%s)", ctx(job=name, node=self._node),
+                         os.path.join(self._snapshots, name))
         for name in sorted(log_dirs - known):
             self._remove(self._logs, name, "log dir of a job unknown here")
         for f in finished:
@@ -233,6 +245,16 @@ class Retirer:
             log.warning("%s: cannot remove the %s %s: %s", ctx(job=name, node=self._node),
                         what, os.path.join(parent, name), exc)
             return False
+
+
+def _job_dirs(path: str) -> set[str]:
+    """The real dirs (never a link) directly in ``path`` whose names are job ids."""
+    try:
+        with os.scandir(path) as entries:
+            return {e.name for e in entries
+                    if JOB_KEY.match(e.name) and e.is_dir(follow_symlinks=False)}
+    except (FileNotFoundError, NotADirectoryError):
+        return set()
 
 
 def _names(path: str) -> set[str]:

@@ -1,5 +1,5 @@
 """The gauges read from the live objects at scrape time, so they are never stale: jobs,
-workers and slots; the node lease; the state dir and rank logs; the GPUs.
+workers and slots; the node lease; the state dir and rank logs; the GPUs; jobs' snapshots.
 """
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from .. import statedir
 from ..jobs.registry import JobNotFound
 from ..jobs.restartpolicy import RestartWindow
 from ..jobs.states import LIVE_STATES, JobState, WorkerState
+from ..workers.snapshot_status import read_dir, scan_limit
 
 
 class JobCollector:
@@ -193,3 +194,46 @@ class GpuCollector:
         yield GaugeMetricFamily("elasticd_gpus_free", "GPUs of this node no job holds",
                                 value=self._manager.gpus_free())
 
+
+
+# -- jobs' snapshots (workers/snapshot_dirs.py, workers/snapshot_status.py) ------------
+class SnapshotCollector:
+    """The snapshots of the jobs whose agents run here, read from their slot headers at
+    scrape time: one series per such job (bounded by the node's slots, like the
+    straggler gauges), and the node's budget."""
+
+    def __init__(self, registry, manager):
+        self._jobs = registry
+        self._manager = manager
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        now = time.time()
+        ledger = self._manager.snapshots
+        held = GaugeMetricFamily(
+            "elasticd_job_snapshot_bytes", "Memory the job's snapshot files take on this "
+            "node, every slot of every rank (jobs whose agent runs here)", labels=["job_id"])
+        age = GaugeMetricFamily(
+            "elasticd_job_snapshot_age_seconds", "Age of the newest snapshot every rank of "
+            "the job on this node holds complete (jobs with one)", labels=["job_id"])
+        for job_id in self._manager.active_jobs():
+            try:
+                job = self._jobs.get(job_id)
+            except JobNotFound:
+                continue
+            found = read_dir(ledger.path(job_id), job.uid, scan_limit(job.nproc_per_node))
+            if found is None:
+                continue
+            held.add_metric([job_id], found.held_bytes)
+            if found.present:
+                age.add_metric([job_id], found.age(now))
+        yield held
+        yield age
+        yield GaugeMetricFamily("elasticd_snapshot_budget_bytes", "Bytes every job's "
+                                "snapshots on this node may hold together "
+                                "(snapshot.node_budget)", value=ledger.node_budget)
+        yield GaugeMetricFamily("elasticd_snapshot_granted_bytes", "Snapshot budgets of the "
+                                "jobs whose agents run on this node, summed",
+                                value=ledger.given_bytes())

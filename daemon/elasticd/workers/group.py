@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 
 from . import inprocess_reports, preload, env as envnames, files as workerfiles
+from .snapshot_dirs import ensure_job_dir
 from .launch import (  # noqa: F401 (the worker group's public names, from here as before)
     WORKER_UMASK, SpawnError, as_user_kwargs, can_enter, cwd_unusable, end_helper,
     log_file_path, not_found, open_log, start_job_process, start_process)
@@ -77,6 +78,9 @@ def worker_env(spec: GroupSpec, local_rank: int) -> dict[str, str]:
         envnames.ROUND: str(spec.round),
         envnames.NODE_ID: spec.node_id,
     })
+    if spec.snapshot is not None:  # its snapshots: over whatever the submitter's env said
+        env[envnames.SNAPSHOT_DIR] = spec.snapshot.dir
+        env[envnames.SNAPSHOT_BUDGET] = str(spec.snapshot.budget_bytes)
     if _loopback(spec.master_addr):  # one node: rank 0's store listens there alone
         env[envnames.MASTER_BIND] = spec.master_addr
     env.update(progress.rank_env(spec.run_dir, rank))  # hang detection: where it beats
@@ -272,9 +276,15 @@ def warm_args(command) -> list | None:
 
 
 def prepare_dirs(spec: GroupSpec) -> None:
-    """The job's log dir, and a run dir its user can write error files into."""
+    """The job's log dir, a run dir its user can write error files into, and its
+    snapshot dir (kept as it is when there: it outlives every restart)."""
     statedir.private_dir(spec.log_dir)
     _ensure_run_dir(spec.run_dir, spec.uid, spec.gid)
+    if spec.snapshot is not None:
+        try:
+            ensure_job_dir(os.path.dirname(spec.snapshot.dir), spec.job_id, spec.uid, spec.gid)
+        except OSError as exc:
+            raise SpawnError(f"cannot prepare the job's snapshot dir: {exc}") from None
 
 
 def _ensure_run_dir(path: str, uid: int, gid: int) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .snapshot_dirs import SnapshotGrant
+
 
 @dataclass(frozen=True)
 class GroupSpec:
@@ -32,3 +34,6 @@ class GroupSpec:
     # workers are bound to (() : not bound).
     device_env: dict = field(default_factory=dict)
     cpus: tuple = ()
+    # The job's snapshot dir here and its ranks' budget (workers/snapshot_dirs.py);
+    # None: no snapshots (what the node starts ahead of any job: template_ahead.py).
+    snapshot: SnapshotGrant | None = None
