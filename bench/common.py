@@ -135,7 +135,7 @@ class BenchDaemon:
         self.args = ["--standalone", "--node-id", node_id, "--socket", self.socket,
                      "--state-dir", self.state_dir, "--metrics-port", "0",
                      "--slots", str(slots),
-                     "--set", f"snapshot.dir={os.path.join(self.root, 'shm')}", *extra_args]
+                     "--set", f"snapshot.root={os.path.join(self.root, 'shm')}", *extra_args]
         self.proc: subprocess.Popen | None = None
         self._client: Client | None = None
 

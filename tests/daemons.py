@@ -43,7 +43,7 @@ class DaemonProc:
         where = ["--etcd", etcd, *cluster_key_args()] if etcd else ["--standalone"]
         self.args = [*where, "--node-id", node_id, "--socket", self.socket,
                      "--state-dir", self.state_dir, "--metrics-port", "0",
-                     "--slots", str(slots), "--set", f"snapshot.dir={self.snapshot_dir}",
+                     "--slots", str(slots), "--set", f"snapshot.root={self.snapshot_dir}",
                      *extra_args]
         self.env = dict(os.environ, **(env or {}))
         self.proc: subprocess.Popen | None = None

@@ -94,7 +94,7 @@ def test_second_daemon_on_the_same_socket_refuses_to_start(daemon_factory):
     d = daemon_factory().start()
     twin = subprocess.run([sys.executable, "-m", "elasticd", "--standalone", "--socket", d.socket,
                            "--state-dir", d.state_dir + "-twin", "--metrics-port", "0",
-                           "--set", f"snapshot.dir={d.snapshot_dir}-twin"],
+                           "--set", f"snapshot.root={d.snapshot_dir}-twin"],
                           capture_output=True, text=True, timeout=30)
     assert twin.returncode == 1
     assert "another elasticd is already serving" in twin.stderr

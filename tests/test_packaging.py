@@ -156,7 +156,7 @@ def test_installed_deb_runs_a_job(deb):
             daemon = subprocess.Popen(
                 ["/usr/bin/elasticd", "--standalone", "--node-id", "pkg-test", "--socket", sock,
                  "--state-dir", os.path.join(tmp, "state"), "--metrics-port", "0",
-                 "--set", f"snapshot.dir={os.path.join(tmp, 'shm')}"],
+                 "--set", f"snapshot.root={os.path.join(tmp, 'shm')}"],
                 stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp)
         ctl = ["/usr/bin/elasticctl", "--socket", sock]
         deadline = time.monotonic() + 20

@@ -146,7 +146,7 @@ def node(tmp_path):
     overrides = {"daemon.socket": str(sock), "daemon.state_dir": str(state),
                  "daemon.standalone": True, "daemon.node_id": "node-a", "retention.max_jobs": 3,
                  "retention.log_bytes": MiB, "agent.log_max_bytes": MiB,
-                 "snapshot.dir": str(tmp_path / "shm")}
+                 "snapshot.root": str(tmp_path / "shm")}
     cfg = config.load(path="/dev/null", env={}, overrides=overrides)
     os.makedirs(cfg.logs_dir)
     os.makedirs(cfg.jobs_run_dir)
@@ -231,7 +231,7 @@ def test_a_run_dir_with_a_planted_link_goes_and_its_target_stays(node, tmp_path)
 
 def test_snapshot_dirs_of_jobs_not_live_go_and_nothing_else_there_is_touched(node, tmp_path):
     cfg, registry = node
-    root = cfg.snapshot.dir
+    root = cfg.snapshot.root
     os.makedirs(root)
     ended(registry, cfg, "done", 1000)
     ended(registry, cfg, "running", 1000, state=None)

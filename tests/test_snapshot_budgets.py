@@ -37,18 +37,18 @@ def test_a_job_gets_the_least_of_its_cap_and_what_the_others_left():
 
 
 def test_settings_default_to_half_the_filesystem_and_name_bad_values(tmp_path):
-    cfg = config.load(path="/dev/null", env={}, overrides={"snapshot.dir": str(tmp_path)})
+    cfg = config.load(path="/dev/null", env={}, overrides={"snapshot.root": str(tmp_path)})
     assert (cfg.snapshot.node_budget, cfg.snapshot.job_budget) == (0, 0)
     prepare_root(str(tmp_path / "shm"))
     st = os.statvfs(tmp_path)
-    b = SnapshotBudgets.for_node(config.SnapshotSettings(dir=str(tmp_path / "shm")))
+    b = SnapshotBudgets.for_node(config.SnapshotSettings(root=str(tmp_path / "shm")))
     assert b.node_budget == b.job_budget == st.f_blocks * st.f_frsize // 2
-    assert config.load(path="/dev/null", env={}).snapshot.dir == (
+    assert config.load(path="/dev/null", env={}).snapshot.root == (
         "/dev/shm/elasticd" if os.geteuid() == 0 else f"/dev/shm/elasticd-{os.geteuid()}")
     with pytest.raises(config.ConfigError) as err:
         config.load(path="/dev/null", env={}, overrides={
-            "snapshot.dir": "shm", "snapshot.node_budget": 5, "snapshot.job_budget": 6})
-    assert "snapshot.dir: must be an absolute path" in str(err.value)
+            "snapshot.root": "shm", "snapshot.node_budget": 5, "snapshot.job_budget": 6})
+    assert "snapshot.root: must be an absolute path" in str(err.value)
     assert "snapshot.job_budget: must not exceed snapshot.node_budget" in str(err.value)
 
 

@@ -98,7 +98,7 @@ class Daemon:
                       "(--state-dir)", d.state_dir)
             return 1
         try:  # jobs' snapshot dirs: the root ours alone (workers/snapshot_dirs.py)
-            prepare_root(cfg.snapshot.dir)
+            prepare_root(cfg.snapshot.root)
             self._snapshots = SnapshotBudgets.for_node(cfg.snapshot, d.node_id)
         except OSError as exc:
             log.error("%s: %s", ctx(node=d.node_id), exc)

@@ -180,8 +180,8 @@ def _resolve_defaults(cfg: Config) -> Config:
         slots=d.slots or (os.cpu_count() or 1),
     )
     snap = cfg.snapshot
-    if not snap.dir:
-        snap = dataclasses.replace(snap, dir=default_snapshot_dir(os.geteuid()))
+    if not snap.root:
+        snap = dataclasses.replace(snap, root=default_snapshot_dir(os.geteuid()))
     return dataclasses.replace(cfg, daemon=d, snapshot=snap)
 
 

@@ -109,8 +109,8 @@ def check_relations(cfg: Config, errors: list[str]) -> None:
     if not os.path.isabs(cfg.cluster.key_file):
         errors.append(f"cluster.key_file: must be an absolute path, got {cfg.cluster.key_file!r}")
     snap = cfg.snapshot
-    if not os.path.isabs(snap.dir) or os.path.normpath(snap.dir) in ("/", "//"):
-        errors.append(f"snapshot.dir: must be an absolute path below /, got {snap.dir!r}")
+    if not os.path.isabs(snap.root) or os.path.normpath(snap.root) in ("/", "//"):
+        errors.append(f"snapshot.root: must be an absolute path below /, got {snap.root!r}")
     if snap.job_budget and snap.node_budget and snap.job_budget > snap.node_budget:
         errors.append(f"snapshot.job_budget: must not exceed snapshot.node_budget "
                       f"({snap.job_budget} > {snap.node_budget})")

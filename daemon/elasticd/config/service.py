@@ -157,11 +157,11 @@ class RetentionSettings:
 @dataclass(frozen=True)
 class SnapshotSettings:
     """Jobs' in-memory snapshots on this node (workers/snapshot_dirs.py): each job whose
-    workers start here gets ``<dir>/<job id>``, its user's, 0700, and a budget of bytes
+    workers start here gets ``<root>/<job id>``, its user's, 0700, and a budget of bytes
     its ranks' slot files may hold there (``ELASTICD_SNAPSHOT_DIR`` and
     ``ELASTICD_SNAPSHOT_BUDGET_BYTES`` in every worker's environment); the dir outlives
     worker crashes, restarts and a daemon restart, and goes once the job ended here."""
-    dir: str = _setting("", "where jobs' snapshot dirs live, one per job (<dir>/<job id>, "
+    root: str = _setting("", "where jobs' snapshot dirs live, one per job (<root>/<job id>, "
                             "the job's user's, 0700) in this dir (the daemon's, 0711); "
                             "default: /dev/shm/elasticd as root, /dev/shm/elasticd-<uid> "
                             "otherwise. Keep it on tmpfs (memory): a snapshot restores at "
@@ -169,7 +169,7 @@ class SnapshotSettings:
                             "it removes the dirs of jobs it does not run")
     node_budget: int = _setting(0, "bytes every job's snapshots on this node may hold "
                                    "together (both slots of every rank); 0: half the size "
-                                   "of the filesystem holding snapshot.dir, read at start "
+                                   "of the filesystem holding snapshot.root, read at start "
                                    "and logged (tmpfs is half of RAM by default, so a "
                                    "quarter of RAM): snapshots never take the memory "
                                    "training needs, on any node size. Set bytes for the "

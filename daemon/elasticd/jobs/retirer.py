@@ -5,7 +5,7 @@ every ``retention.interval`` seconds, and whenever a job ends here (a terminal
 event in the registry, or an agent exiting). A pass:
 
 1. removes the run dirs (``<socket dir>/jobs/<job>``, written by the job's user)
-   and the snapshot dirs (``<snapshot.dir>/<job>``, the job's in-memory snapshots:
+   and the snapshot dirs (``<snapshot.root>/<job>``, the job's in-memory snapshots:
    workers/snapshot_dirs.py; also those a daemon killed before it could left) of
    every job that is not live here, and the log dirs of jobs with no record. In the
    snapshot dir only real dirs named like a job id are looked at;
@@ -60,7 +60,7 @@ class Retirer:
         self._state_dir = cfg.daemon.state_dir
         self._logs = cfg.logs_dir
         self._runs = cfg.jobs_run_dir
-        self._snapshots = cfg.snapshot.dir  # "": none (settings not resolved by load)
+        self._snapshots = cfg.snapshot.root  # "": none (settings not resolved by load)
         self._min_free = cfg.limits.state_min_free_bytes
         self._budget = Budget.from_settings(cfg.retention)
         self._interval = cfg.retention.interval

@@ -1,7 +1,7 @@
 """Jobs' snapshot dirs on this node: the root made safe, one dir per job for its user, and
 the bytes each job's ranks here may hold in it.
 
-The root (``snapshot.dir``, ``/dev/shm/elasticd`` by default) is the daemon's, 0711:
+The root (``snapshot.root``, ``/dev/shm/elasticd`` by default) is the daemon's, 0711:
 anyone may pass, nobody but the daemon may create, rename or remove what is in
 it. It sits in a directory every user may write (``/dev/shm``, sticky), so at
 start the daemon refuses a root that is a link or another user's (someone
@@ -52,12 +52,12 @@ def prepare_root(path: str) -> None:
         pass
     st = os.lstat(path)
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-        raise OSError(f"snapshot.dir {path} is not a directory (a link?): remove it, or "
-                      "set snapshot.dir to a path only root can create")
+        raise OSError(f"snapshot.root {path} is not a directory (a link?): remove it, or "
+                      "set snapshot.root to a path only root can create")
     if st.st_uid != os.geteuid():
-        raise OSError(f"snapshot.dir {path} belongs to uid {st.st_uid}, not to elasticd's "
+        raise OSError(f"snapshot.root {path} belongs to uid {st.st_uid}, not to elasticd's "
                       f"user (uid {os.geteuid()}): someone made it first; remove it, or set "
-                      "snapshot.dir elsewhere")
+                      "snapshot.root elsewhere")
     if stat.S_IMODE(st.st_mode) != ROOT_MODE:  # the entry is ours: nobody can swap it
         os.chmod(path, ROOT_MODE)
 
@@ -115,10 +115,10 @@ class SnapshotBudgets:
         root must exist: ``prepare_root``), logged."""
         node = settings.node_budget
         if not node:
-            node = filesystem_half(settings.dir)
+            node = filesystem_half(settings.root)
             log.info("%s: snapshot.node_budget is half of %s's filesystem: %d bytes "
-                     "(%.1f GiB)", ctx(node=node_id), settings.dir, node, node / 2**30)
-        return cls(settings.dir, node, min(settings.job_budget or node, node))
+                     "(%.1f GiB)", ctx(node=node_id), settings.root, node, node / 2**30)
+        return cls(settings.root, node, min(settings.job_budget or node, node))
 
     def path(self, job_id: str) -> str:
         return os.path.join(self.root, job_id)
