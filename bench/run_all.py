@@ -58,7 +58,9 @@ class Bench:
 
 BENCHES = (
     Bench("goodput", "goodput.py", (), ("--duration", "40"), (
-        Row("goodput", "**goodput**, a worker SIGKILLed every 10 s, 2 ranks"),)),
+        Row("goodput", "**goodput**, a worker SIGKILLed at random times (mean 10 s), 2 ranks, "
+                       "a snapshot in memory every step (`-snap`)"),
+        Row("goodput-disk", "the same, a disk checkpoint every 20 steps only"),)),
     Bench("goodput_3nodes", "goodput.py", ("--nodes", "3"), ("--nodes", "3", "--duration", "40"), (
         Row("goodput-3nodes", "goodput on 3 nodes (one etcd), a node killed every 4th fault"),)),
     Bench("template_start", "template_start.py", (), ("--reps", "1"), (
