@@ -82,6 +82,9 @@ BENCHES = (
         Row("rendezvous", "rendezvous of N participants on one etcd"),)),
     Bench("membership", "membership_bench.py", (), ("--trials", "3", "--seconds", "5"), (
         Row("node-loss-noticed", "node loss noticed after kill -9, default settings"),)),
+    Bench("scale_sim", "scale_sim.py", (), ("--quick",), (
+        Row("scale-sim", "N simulated nodes (membership, watches, rendezvous, phase records) "
+                         "on one etcd"),)),
     Bench("daemon_overhead", "daemon_overhead.py", (),
           ("--starts", "2", "--idle-seconds", "5", "--spawns", "5", "--rpc-calls", "200"), (
         Row("idle-daemon", "idle daemon"),)),

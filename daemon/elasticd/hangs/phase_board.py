@@ -186,6 +186,12 @@ class PhasePublisher:
         self._thread = threading.Thread(target=self._run, name=f"phases-{job_id}", daemon=True)
         self.writes = 0
 
+    @classmethod
+    def for_agent(cls, job_id: str, node_id: str, settings, put: Callable[[str], None],
+                  delete: Callable[[], None]) -> "PhasePublisher":
+        """The publisher of one job's record on this node, at the agent's settings."""
+        return cls(job_id, node_id, settings.phase_publish_interval, put, delete)
+
     def start(self) -> None:
         self._thread.start()
 
