@@ -84,6 +84,7 @@ class CountingStore:
         self.inner, self.name, self.timeout = inner, inner.name, inner.timeout
         self.ops: Counter = Counter()
         self.delivered: Counter = Counter()
+        self.errors = 0          # requests that failed (etcd slow to answer: overload)
         self._lock = threading.Lock()
 
     def _op(self, name: str) -> None:
@@ -97,7 +98,11 @@ class CountingStore:
 
         def counted(*args, **kwargs):
             self._op(name)
-            return attr(*args, **kwargs)
+            try:
+                return attr(*args, **kwargs)
+            except Exception:
+                self.errors += 1
+                raise
         return counted
 
     def watch(self, prefix, start_revision, stop_event=None, timeout=None):
@@ -150,13 +155,20 @@ class SimNode:
     def join(self, job_id: str, n: int, release: float, stop: threading.Event) -> None:
         from elasticd.rendezvous.protocol import JobLimits
         from elasticd.rendezvous.round import ClusterRendezvous
+        from elasticd.store import StoreError
         r = self.cfg.rendezvous
         limits = JobLimits(min_nodes=n, max_nodes=n, max_restarts=0, last_call=0.0,
                            join_timeout=r.join_timeout)
         self.rdzv = ClusterRendezvous(self.store, self.view, job_id, self.node_id, "127.0.0.1",
                                       RANKS, lambda: self.keeper.lease, limits, poll=r.poll)
         time.sleep(max(0.0, release - time.time()))
-        self.result = self.rdzv.next_round(stop)
+        while True:
+            try:
+                self.result = self.rdzv.next_round(stop)
+                break
+            except StoreError:   # as the agent does (agent/loop.py): wait, join again
+                self.store.errors += 1
+                stop.wait(self.cfg.membership.watch_retry)
         self.done_at = time.time()
 
     def publish(self) -> None:
@@ -185,7 +197,7 @@ class SimNode:
     def counters(self) -> dict:
         with self.store._lock:
             return {"ops": dict(self.store.ops), "delivered": dict(self.store.delivered),
-                    "revision": self.view.revision}
+                    "errors": self.store.errors, "revision": self.view.revision}
 
 
 # ---------------------------------------------------------------- a worker process
@@ -216,38 +228,38 @@ def worker(conn, node_ids: list, url: str, prefix: str, key: bytes, overrides: d
             if peers:
                 last_peers = t
     threading.Thread(target=feeder, daemon=True).start()
-    while True:
-        cmd, arg = conn.recv()
+
+    def handle(cmd: str, arg):
         if cmd == "start":
             for node in nodes:
                 node.start()
             for node in nodes:
                 node.view.synced.wait(60)
                 node.watcher.synced.wait(60)
-            conn.send(True)
-        elif cmd == "seen":          # how many live nodes each node sees
-            conn.send([len(node.watcher.snapshot().live) for node in nodes])
-        elif cmd == "join":           # (job id, n, release wall time)
+            return True
+        if cmd == "seen":          # how many live nodes each node sees
+            return [len(node.watcher.snapshot().live) for node in nodes]
+        if cmd == "join":           # (job id, n, release wall time)
             threads = [threading.Thread(target=node.join, args=(*arg, stop), daemon=True)
                        for node in nodes]
             for t in threads:
                 t.start()
             for t in threads:
                 t.join()
-            conn.send([(node.done_at, node.result.group_rank, node.result.group_world_size)
-                       for node in nodes])
-        elif cmd == "holds":          # whether every node's view holds job ``arg``
-            conn.send(all(node.view.job(arg) is not None for node in nodes))
-        elif cmd == "publish":
+            return [(node.done_at, node.result.group_rank, node.result.group_world_size)
+                    for node in nodes]
+        if cmd == "holds":          # whether every node's view holds job ``arg``
+            return all(node.view.job(arg) is not None for node in nodes)
+        if cmd == "publish":
             for node in nodes:
                 node.publish()
             feeding.set()
-            conn.send(True)
-        elif cmd == "counters":
-            conn.send({"nodes": [node.counters() for node in nodes], "pid": os.getpid()})
-        elif cmd == "lost":           # when each node saw each of ``arg`` lost (None: not yet)
-            conn.send([[node.lost_at.get(v) for v in arg] for node in nodes])
-        elif cmd == "stop":
+            return True
+        if cmd == "counters":
+            return {"nodes": [node.counters() for node in nodes], "pid": os.getpid()}
+        if cmd == "lost":           # when each node saw each of ``arg`` lost (None: not yet)
+            return [[node.lost_at.get(v) for v in arg] for node in nodes]
+        if cmd == "stop":
             stop.set()
             for node in nodes:
                 if node.publisher is not None:
@@ -256,7 +268,17 @@ def worker(conn, node_ids: list, url: str, prefix: str, key: bytes, overrides: d
                 node.watcher.request_stop()
             for node in nodes:
                 node.keeper.stop()
-            conn.send(True)
+            return True
+        raise ValueError(f"unknown command {cmd!r}")
+
+    while True:
+        cmd, arg = conn.recv()
+        try:
+            conn.send(("ok", handle(cmd, arg)))
+        except Exception:   # the parent says what went wrong, then stops
+            import traceback
+            conn.send(("error", traceback.format_exc()))
+        if cmd == "stop":
             return
 
 
@@ -315,15 +337,20 @@ class Sim:
         conns = self.conns if which is None else [self.conns[i] for i in which]
         for c in conns:
             c.send((cmd, arg))
-        return [c.recv() for c in conns]
+        replies = [c.recv() for c in conns]
+        for status, value in replies:
+            if status != "ok":
+                raise RuntimeError(f"a simulator process failed at {cmd!r}:\n{value}")
+        return [value for _, value in replies]
 
     def counters(self, which=None) -> dict:
-        total = {"ops": Counter(), "delivered": Counter(), "revisions": []}
+        total = {"ops": Counter(), "delivered": Counter(), "revisions": [], "errors": 0}
         for got in self.ask("counters", which=which):
             for node in got["nodes"]:
                 total["ops"].update(node["ops"])
                 total["delivered"].update(node["delivered"])
                 total["revisions"].append(node["revision"])
+                total["errors"] += node["errors"]
         return total
 
     def cpu(self) -> tuple[float, list]:
@@ -358,7 +385,8 @@ class Sim:
                 "delivered": delivered, "per_node": delivered / nodes, "by_kind": got,
                 "kept_up": delivered / expected * 100 if expected else 100.0,
                 "etcd_cpu": (ecpu1 - ecpu0) / span * 100, "sim_cpu": sum(sim),
-                "sim_max": max(sim), "load": os.getloadavg()[0]}
+                "sim_max": max(sim), "load": os.getloadavg()[0],
+                "errors": c1["errors"] - c0["errors"]}
 
     def stop(self) -> None:
         for c, p in zip(self.conns, self.procs):
@@ -366,7 +394,7 @@ class Sim:
                 try:
                     c.send(("stop", None))
                     if c.poll(10):
-                        c.recv()
+                        c.recv()   # ("ok", True) or what failed: stopping either way
                 except (OSError, EOFError):
                     pass
             p.join(5)
@@ -403,6 +431,7 @@ def run_n(etcd: EtcdServer, n: int, procs: int, seconds: float, overrides: dict)
             time.sleep(0.1)
         out["start"] = time.monotonic() - t0
         out["idle"] = sim.window("idle", seconds)
+        out["idle_errors"] = sim.counters()["errors"]
 
         job = "j" + uuid.uuid4().hex[:7]
         store = open_store("etcd3", [etcd.url], prefix=sim.prefix, timeout=10.0)
@@ -415,6 +444,7 @@ def run_n(etcd: EtcdServer, n: int, procs: int, seconds: float, overrides: dict)
         release = time.time() + 0.5
         results = [r for got in sim.ask("join", (job, n, release)) for r in got]
         out["rdzv"] = max(r[0] for r in results) - release
+        out["rdzv_errors"] = sim.counters()["errors"] - out["idle_errors"]
         out["rdzv_ok"] = sorted(r[1] for r in results) == list(range(n)) and \
             {r[2] for r in results} == {n}
         sim.ask("publish")
@@ -477,7 +507,8 @@ def main(argv=None) -> int:
             r = run_n(etcd, n, args.procs, args.seconds, overrides)
             runs.append(r)
             print(f"   all {n} nodes up and seeing each other in {r['start']:.1f} s; "
-                  f"rendezvous {r['rdzv']:.3f} s ({'ok' if r['rdzv_ok'] else 'WRONG RANKS'}); "
+                  f"rendezvous {r['rdzv']:.3f} s ({'ok' if r['rdzv_ok'] else 'WRONG RANKS'}, "
+                  f"{r['rdzv_errors']} failed calls retried); "
                   f"loss of {max(1, n // 10)} seen: median {fmt(r['loss_median'])}, "
                   f"last {fmt(r['loss_last'])}", flush=True)
     rows = []
@@ -488,11 +519,11 @@ def main(argv=None) -> int:
                          f"{w['by_kind'].get('phases', 0) / max(1, r['n']):.1f}",
                          f"{w['kept_up']:.0f} %", f"{w['etcd_cpu']:.0f} %",
                          f"{w['sim_cpu']:.0f} % (max {w['sim_max']:.0f})",
-                         f"{w['load']:.1f}", verdict(w)])
+                         f"{w['load']:.1f}", w["errors"], verdict(w)])
     print()
     print(table(rows, ["N", "window", "etcd writes/s", "etcd req/node/s", "store calls/node/s",
                        "deliveries/s", "deliveries/node/s", "of them phases/node/s", "kept up",
-                       "etcd CPU", "simulator CPU", "load", "limit"]))
+                       "etcd CPU", "simulator CPU", "load", "failed calls", "limit"]))
     print()
     print(table([[r["n"], f"{r['rdzv']:.3f} s", fmt(r["loss_median"]), fmt(r["loss_last"])]
                  for r in runs], ["N", "rendezvous (all N)", "loss seen, median",

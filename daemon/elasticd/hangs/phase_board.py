@@ -21,7 +21,7 @@ anything malformed, naming another node or out of range is refused there
 writes what the peers decide on when it changes: at once when a rank's phase
 or the round changes (a peer sees a checkpoint begin within a tick), within
 ``agent.phase_publish_interval`` when a rank's time per step moved by a fifth
-or more, or what was learned grew (``NodePhases.gist``); otherwise only every
+or more, or what was learned grew (``NodePhases.moved_from``); otherwise only every
 ``agent.phase_refresh_interval``, which keeps the record fresh for
 ``agent.phase_stale_after`` (a write that fails is tried again each publish
 interval). Every node of a job watches every other's record, so a steady
@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import threading
 import time
 from dataclasses import dataclass
@@ -89,16 +88,25 @@ class NodePhases:
             else:
                 ranks.pop()
 
-    def gist(self) -> tuple:
-        """What the other nodes decide on, coarsely: a record whose gist is unchanged
-        need not be written before the refresh is due. The round and each rank's phase
-        exactly; each rank's time per step in steps of a fifth (stragglers); each
-        learned phase's longest gap in steps of a tenth and its count of gaps in powers
-        of two (the learned limits). Not the step counts nor how long a phase lasts."""
-        return (self.round,
-                tuple((r.rank, r.phase, _bucket(r.step_seconds, 1.2)) for r in self.ranks),
-                tuple((p.phase, _bucket(p.longest, 1.1), p.gaps.bit_length())
-                      for p in self.learned))
+    def moved_from(self, before: "NodePhases | None") -> bool:
+        """Whether this record says something the other nodes decide on that ``before``
+        (the record last written) does not: the round or a rank's phase; a rank's time
+        per step by a fifth (stragglers); a learned phase, its longest gap by a tenth or
+        its count of gaps past a power of two (the learned limits). Not the step counts
+        nor how long a phase has lasted. Measured from what was written, so a value
+        that wavers about one point is not written again and again."""
+        if before is None or self.round != before.round or len(self.ranks) != len(before.ranks) \
+                or len(self.learned) != len(before.learned):
+            return True
+        for now, then in zip(self.ranks, before.ranks):
+            if (now.rank, now.phase) != (then.rank, then.phase) \
+                    or _apart(now.step_seconds, then.step_seconds, 1.2):
+                return True
+        for now, then in zip(self.learned, before.learned):
+            if now.phase != then.phase or _apart(now.longest, then.longest, 1.1) \
+                    or now.gaps.bit_length() != then.gaps.bit_length():
+                return True
+        return False
 
     @classmethod
     def from_doc(cls, doc: dict, node_id: str) -> "NodePhases":
@@ -122,11 +130,11 @@ class NodePhases:
         return cls.from_doc(decode(text, max_bytes=RECORD_MAX), node_id)
 
 
-def _bucket(value: float | None, ratio: float) -> int | None:
-    """``value`` on a log scale of base ``ratio`` (None and 0 kept apart)."""
-    if value is None:
-        return None
-    return round(math.log(value) / math.log(ratio)) if value > 0 else -(1 << 30)
+def _apart(a: float | None, b: float | None, ratio: float) -> bool:
+    """Whether ``a`` and ``b`` differ by ``ratio`` or more (or one of them is None or 0)."""
+    if a is None or b is None or a <= 0 or b <= 0:
+        return (a is None) != (b is None) or (a is not None and b is not None and a != b)
+    return max(a, b) >= ratio * min(a, b)
 
 
 def _rank(item) -> RankPhase:
@@ -247,7 +255,7 @@ class PhasePublisher:
             log.debug("%s: phase record not deleted: %s", ctx(job=self.job_id), exc)
 
     def _run(self) -> None:
-        written, due = None, 0.0    # the gist last written, and when a refresh is due
+        written, due = None, 0.0    # the record last written, and when a refresh is due
         while not self._stop.is_set():
             self._wake.wait(self.interval if written is None
                             else min(self.interval, max(0.0, due - self._clock())))
@@ -258,13 +266,12 @@ class PhasePublisher:
                 record = self._latest
             if record is None:
                 continue
-            gist = record.gist()
-            if gist == written and self._clock() < due:
+            if not record.moved_from(written) and self._clock() < due:
                 continue
             try:
                 self._put(record.to_json())
                 self.writes += 1
-                written, due = gist, self._clock() + self.refresh
+                written, due = record, self._clock() + self.refresh
             except Exception as exc:  # etcd away: try again next interval
                 written, due = None, self._clock() + self.interval
                 log.debug("%s: phase record not written: %s",
