@@ -51,6 +51,7 @@ import json
 import math
 import multiprocessing
 import os
+import random
 import signal
 import sys
 import threading
@@ -172,11 +173,13 @@ class SimNode:
         self.done_at = time.time()
 
     def publish(self) -> None:
+        """Start publishing at a random point of one refresh interval: real nodes' jobs
+        do not all start on the same tick, and bursts would fool a short window."""
         from elasticd.hangs.phase_board import PhasePublisher
         self.publisher = PhasePublisher.for_agent(self.rdzv.job_id, self.node_id,
                                                   self.cfg.agent, self.rdzv.publish_phases,
                                                   self.rdzv.delete_phases)
-        self.publisher.start()
+        threading.Timer(random.uniform(0, self.publisher.refresh), self.publisher.start).start()
 
     def offer(self, t: float) -> None:
         """What the agent's tracker would offer now: RANKS ranks training at ~10 steps/s."""
@@ -239,17 +242,19 @@ def worker(conn, node_ids: list, url: str, prefix: str, key: bytes, overrides: d
             return True
         if cmd == "seen":          # how many live nodes each node sees
             return [len(node.watcher.snapshot().live) for node in nodes]
-        if cmd == "join":           # (job id, n, release wall time)
-            threads = [threading.Thread(target=node.join, args=(*arg, stop), daemon=True)
+        if cmd == "join":   # ({node: (job id, its nodes)}, release wall time)
+            jobs, release = arg
+            threads = [threading.Thread(target=node.join,
+                                        args=(*jobs[node.node_id], release, stop), daemon=True)
                        for node in nodes]
             for t in threads:
                 t.start()
             for t in threads:
                 t.join()
-            return [(node.done_at, node.result.group_rank, node.result.group_world_size)
-                    for node in nodes]
-        if cmd == "holds":          # whether every node's view holds job ``arg``
-            return all(node.view.job(arg) is not None for node in nodes)
+            return [(node.rdzv.job_id, node.done_at, node.result.group_rank,
+                     node.result.group_world_size) for node in nodes]
+        if cmd == "holds":          # whether every node's view holds the jobs ``arg``
+            return all(node.view.job(j) is not None for node in nodes for j in arg)
         if cmd == "publish":
             for node in nodes:
                 node.publish()
@@ -266,8 +271,11 @@ def worker(conn, node_ids: list, url: str, prefix: str, key: bytes, overrides: d
                     node.publisher.stop(1.0)
                 node.view.request_stop()
                 node.watcher.request_stop()
-            for node in nodes:
-                node.keeper.stop()
+            stops = [threading.Thread(target=node.keeper.stop) for node in nodes]
+            for t in stops:       # each revokes its lease: at once, not one after another
+                t.start()
+            for t in stops:
+                t.join()
             return True
         raise ValueError(f"unknown command {cmd!r}")
 
@@ -283,17 +291,12 @@ def worker(conn, node_ids: list, url: str, prefix: str, key: bytes, overrides: d
 
 
 def sim_config(overrides: dict):
-    """This tree's default settings, with --set overrides (section.field=value)."""
-    import dataclasses
-    from elasticd.config import Config
-    cfg = Config()
-    for name, value in overrides.items():
-        section, field = name.split(".", 1)
-        part = getattr(cfg, section)
-        kind = type(getattr(part, field))
-        cfg = dataclasses.replace(cfg, **{section: dataclasses.replace(
-            part, **{field: kind(value)})})
-    return cfg
+    """This tree's default settings with the --set overrides (section.field=value),
+    checked as the daemon checks its own (no config file, no environment)."""
+    import tempfile
+    from elasticd.config import load
+    with tempfile.NamedTemporaryFile("w", suffix=".toml") as empty:
+        return load(path=empty.name, env={}, overrides=overrides)
 
 
 # ---------------------------------------------------------------- the parent
@@ -415,10 +418,35 @@ def verdict(w: dict) -> str:
     return "ok"
 
 
-def run_n(etcd: EtcdServer, n: int, procs: int, seconds: float, overrides: dict) -> dict:
+def form(sim: Sim, jobs: dict) -> dict:
+    """Create the jobs (``{node: (job, its nodes)}``; node None: every node) and
+    release every node's next_round at once: seconds until the last has its result."""
     from elasticd.rendezvous.round import create_job
     from elasticd.store import open_store
     from elasticd.trust.sealed import SealedRecords
+    if None in jobs:
+        jobs = {node: jobs[None] for node in sim.ids}
+    store = open_store("etcd3", [sim.etcd.url], prefix=sim.prefix, timeout=10.0)
+    records = SealedRecords(sim.key, sim.prefix)
+    for job in sorted({j for j, _ in jobs.values()}):
+        create_job(store, job, {"id": job}, time.time(), records=records)
+    store.close()
+    names = sorted({j for j, _ in jobs.values()})
+    deadline = time.monotonic() + 30
+    while not all(sim.ask("holds", names)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    release = time.time() + 0.5
+    results = [r for got in sim.ask("join", (jobs, release)) for r in got]
+    ranks: dict = {}
+    for job, _, rank, world in results:
+        ranks.setdefault(job, []).append((rank, world))
+    ok = all(sorted(r for r, _ in got) == list(range(len(got)))
+             and {w for _, w in got} == {len(got)} for got in ranks.values())
+    return {"took": max(r[1] for r in results) - release, "ok": ok}
+
+
+def run_n(etcd: EtcdServer, n: int, procs: int, seconds: float, overrides: dict,
+          job_nodes: int = 0) -> dict:
     sim = Sim(etcd, n, procs, overrides)
     out = {"n": n}
     try:
@@ -433,22 +461,19 @@ def run_n(etcd: EtcdServer, n: int, procs: int, seconds: float, overrides: dict)
         out["idle"] = sim.window("idle", seconds)
         out["idle_errors"] = sim.counters()["errors"]
 
-        job = "j" + uuid.uuid4().hex[:7]
-        store = open_store("etcd3", [etcd.url], prefix=sim.prefix, timeout=10.0)
-        create_job(store, job, {"id": job}, time.time(), records=SealedRecords(sim.key,
-                                                                               sim.prefix))
-        store.close()
-        deadline = time.monotonic() + 30
-        while not all(sim.ask("holds", job)) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        release = time.time() + 0.5
-        results = [r for got in sim.ask("join", (job, n, release)) for r in got]
-        out["rdzv"] = max(r[0] for r in results) - release
+        rdzv = form(sim, {None: ("j" + uuid.uuid4().hex[:7], n)})
+        out["rdzv"], out["rdzv_ok"] = rdzv["took"], rdzv["ok"]
         out["rdzv_errors"] = sim.counters()["errors"] - out["idle_errors"]
-        out["rdzv_ok"] = sorted(r[1] for r in results) == list(range(n)) and \
-            {r[2] for r in results} == {n}
+        if job_nodes and job_nodes < n:   # the running window: jobs of job_nodes nodes
+            jobs = {}
+            for k in range(0, n, job_nodes):
+                job, size = "j" + uuid.uuid4().hex[:7], len(sim.ids[k:k + job_nodes])
+                jobs.update({node: (job, size) for node in sim.ids[k:k + job_nodes]})
+            many = form(sim, jobs)
+            out["jobs_rdzv"], out["jobs_ok"] = many["took"], many["ok"]
         sim.ask("publish")
-        time.sleep(min(3.0, seconds))   # records of every node out, watchers settled
+        a = sim_config(overrides).agent
+        time.sleep(a.phase_refresh_interval + 1.0)   # every publisher started, settled
         out["running"] = sim.window("running", seconds)
 
         survivors = list(range(1, len(sim.conns)))
@@ -481,6 +506,9 @@ def main(argv=None) -> int:
                     help="worker processes for the surviving 90 %% of the nodes (default 2)")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                     help="a setting for every simulated node (repeatable)")
+    ap.add_argument("--job-nodes", type=int, default=0, metavar="S",
+                    help="the running window with jobs of S nodes each (N / S jobs, formed "
+                         "at once after the N-node rendezvous) instead of the N-node job")
     ap.add_argument("--quick", action="store_true", help="N = 10, 2 s windows: well under a "
                                                          "minute")
     ap.add_argument("--json", help="write the measurements here too")
@@ -498,18 +526,23 @@ def main(argv=None) -> int:
           f"every {a.phase_publish_interval:g} s"
           + (f", refreshed every {a.phase_refresh_interval:g} s"
              if hasattr(a, "phase_refresh_interval") else "")
-          + f"; {args.procs}+1 worker processes, {args.seconds:g} s windows")
+          + f"; {args.procs}+1 worker processes, {args.seconds:g} s windows"
+          + (f"; running: jobs of {args.job_nodes} nodes" if args.job_nodes else
+             "; running: the N-node job"))
     ns = [int(x) for x in args.nodes.split(",") if x.strip()]
     runs = []
     with EtcdServer() as etcd:
         for n in ns:
             print(f"\n-- N = {n}", flush=True)
-            r = run_n(etcd, n, args.procs, args.seconds, overrides)
+            r = run_n(etcd, n, args.procs, args.seconds, overrides, args.job_nodes)
             runs.append(r)
             print(f"   all {n} nodes up and seeing each other in {r['start']:.1f} s; "
                   f"rendezvous {r['rdzv']:.3f} s ({'ok' if r['rdzv_ok'] else 'WRONG RANKS'}, "
                   f"{r['rdzv_errors']} failed calls retried); "
-                  f"loss of {max(1, n // 10)} seen: median {fmt(r['loss_median'])}, "
+                  + (f"{-(-n // args.job_nodes)} jobs of {args.job_nodes} formed at once in "
+                     f"{r['jobs_rdzv']:.3f} s ({'ok' if r['jobs_ok'] else 'WRONG RANKS'}); "
+                     if 'jobs_rdzv' in r else "")
+                  + f"loss of {max(1, n // 10)} seen: median {fmt(r['loss_median'])}, "
                   f"last {fmt(r['loss_last'])}", flush=True)
     rows = []
     for r in runs:

@@ -16,12 +16,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.skipif(etcd_binary() is None, reason="needs an etcd binary")
 
 SHORT = ("--set", "membership.lease_ttl=1", "--set", "membership.refresh_interval=0.25",
-         "--set", "etcd.request_timeout=0.5")
+         "--set", "etcd.request_timeout=0.5", "--set", "agent.phase_publish_interval=0.25",
+         "--set", "agent.phase_refresh_interval=0.5", "--set", "agent.phase_stale_after=1.5")
 
 
 def test_the_simulator_runs_its_nodes_and_prints_every_column():
     out = subprocess.run([sys.executable, os.path.join(REPO, "bench", "scale_sim.py"),
-                          "--quick", "--nodes", "5", "--seconds", "1", "--procs", "1", *SHORT],
+                          "--quick", "--nodes", "5", "--seconds", "0.5", "--procs", "1", *SHORT],
                          capture_output=True, text=True, timeout=120, cwd=REPO)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     text = out.stdout
