@@ -53,6 +53,7 @@ import multiprocessing
 import os
 import random
 import signal
+import socket
 import sys
 import threading
 import time
@@ -139,7 +140,10 @@ class SimNode:
         self.rdzv = self.result = self.publisher = None
 
     def info(self) -> dict:
-        return {"node_id": self.node_id, "host": "sim", "address": "127.0.0.1", "slots": 8,
+        # This host and this process, as a daemon's record says (cluster/node.py): after a
+        # lapsed lease, LeaseKeeper.register takes back a key that is its own.
+        return {"node_id": self.node_id, "host": socket.gethostname(), "address": "127.0.0.1",
+                "slots": 8,
                 "slots_free": 8, "version": "sim", "started_at": self.started_at,
                 "pid": os.getpid(), "lease_ttl": self.cfg.membership.lease_ttl, "jobs": []}
 
@@ -163,6 +167,7 @@ class SimNode:
         self.rdzv = ClusterRendezvous(self.store, self.view, job_id, self.node_id, "127.0.0.1",
                                       RANKS, lambda: self.keeper.lease, limits, poll=r.poll)
         time.sleep(max(0.0, release - time.time()))
+        self.failed = None
         while True:
             try:
                 self.result = self.rdzv.next_round(stop)
@@ -170,6 +175,9 @@ class SimNode:
             except StoreError:   # as the agent does (agent/loop.py): wait, join again
                 self.store.errors += 1
                 stop.wait(self.cfg.membership.watch_retry)
+            except Exception as exc:   # the round ended (RoundFinal): the parent says so
+                self.failed = f"{type(exc).__name__}: {str(exc)[:300]}"
+                return
         self.done_at = time.time()
 
     def publish(self) -> None:
@@ -251,6 +259,9 @@ def worker(conn, node_ids: list, url: str, prefix: str, key: bytes, overrides: d
                 t.start()
             for t in threads:
                 t.join()
+            failed = [f"{node.node_id}: {node.failed}" for node in nodes if node.failed]
+            if failed:
+                raise RuntimeError(f"{len(failed)} nodes got no round: {failed[0]}")
             return [(node.rdzv.job_id, node.done_at, node.result.group_rank,
                      node.result.group_world_size) for node in nodes]
         if cmd == "holds":          # whether every node's view holds the jobs ``arg``
