@@ -80,6 +80,9 @@ BENCHES = (
         Row("hang", "rank hung in C → first step after recovery, default settings"),)),
     Bench("node_loss", "node_loss_bench.py", (), ("--reps", "1"), (
         Row("node-loss", "kill -9 of one of 3 nodes → first step on the survivors"),)),
+    Bench("scale_sim", "scale_sim.py", (), ("--quick",), (
+        Row("scale-sim", "N simulated nodes (membership, watches, rendezvous, phase records) "
+                         "on one etcd"),)),
     Bench("rendezvous", "rendezvous_bench.py", ("--n", "64"), ("--n", "16"), (
         Row("rendezvous", "rendezvous of N participants on one etcd"),)),
     Bench("membership", "membership_bench.py", (), ("--trials", "3", "--seconds", "5"), (

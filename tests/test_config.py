@@ -157,6 +157,22 @@ def test_a_phase_record_outlives_two_publish_intervals_and_goes_stale_before_the
                                 "(12.0 >= 10.0)"]
 
 
+def test_an_unchanged_phase_record_is_refreshed_before_it_goes_stale(tmp_path):
+    # Written only on a change and every refresh interval: it must stay fresh between two.
+    with pytest.raises(ConfigError) as excinfo:
+        _load(_write(tmp_path, "[agent]\nphase_refresh_interval = 4\n"))
+    assert _errors(excinfo) == ["agent.phase_stale_after: must exceed twice "
+                                "agent.phase_refresh_interval (7.0 <= 2 x 4.0)"]
+    with pytest.raises(ConfigError) as excinfo:
+        _load(_write(tmp_path, "[agent]\nphase_publish_interval = 2\n"
+                               "phase_refresh_interval = 1\n"))
+    assert _errors(excinfo) == ["agent.phase_refresh_interval: must be at least "
+                                "agent.phase_publish_interval (1.0 < 2.0)"]
+    cfg = _load(_write(tmp_path, "[agent]\nphase_refresh_interval = 0.5\n"
+                                 "phase_publish_interval = 0.2\nphase_stale_after = 1.5\n"))
+    assert (cfg.agent.phase_refresh_interval, cfg.agent.phase_stale_after) == (0.5, 1.5)
+
+
 def test_unknown_section_is_rejected_with_the_known_ones_listed(tmp_path):
     with pytest.raises(ConfigError) as excinfo:
         _load(_write(tmp_path, "[agnet]\nmonitor_interval = 1\n"))

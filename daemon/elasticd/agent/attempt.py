@@ -63,9 +63,9 @@ class AttemptWatch:
                             time.monotonic())
         self._progress.check(group, peers)
         if self._phase_pub is None:
-            self._phase_pub = PhasePublisher(self.job_id, self._cfg.daemon.node_id,
-                                             a.phase_publish_interval,
-                                             self._rdzv.publish_phases, self._rdzv.delete_phases)
+            self._phase_pub = PhasePublisher.for_agent(
+                self.job_id, self._cfg.daemon.node_id, a, self._rdzv.publish_phases,
+                self._rdzv.delete_phases)
             self._phase_pub.start()
         self._phase_pub.offer(self._progress.snapshot(result.round))
 

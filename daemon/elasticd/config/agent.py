@@ -193,15 +193,24 @@ class AgentSettings:
     straggler_window: float = _setting(60.0, "seconds of beats the per-rank step times are "
                                              "computed over", min=1, max=86400)
     # -- phases across nodes (hangs/phase_board.py): jobs on several nodes --
-    phase_publish_interval: float = _setting(1.0, "seconds between writes of this node's "
-                                                  "ranks' phases and step times for a job "
-                                                  "across nodes (one etcd key per node per "
-                                                  "job; a change of phase is written at once)",
+    phase_publish_interval: float = _setting(1.0, "seconds within which a change of this "
+                                                  "node's phase record that the other nodes "
+                                                  "decide on is written (a rank's time per "
+                                                  "step, what was learned; a change of phase "
+                                                  "at once): one etcd key per node per job "
+                                                  "across nodes",
                                              min=0.1, max=60)
-    phase_stale_after: float = _setting(5.0, "seconds after which another node's phase "
+    phase_refresh_interval: float = _setting(3.0, "seconds between writes of this node's "
+                                                  "phase record while nothing the other "
+                                                  "nodes decide on changed: it stays fresh "
+                                                  "for agent.phase_stale_after (at least "
+                                                  "agent.phase_publish_interval)",
+                                             min=0.1, max=600)
+    phase_stale_after: float = _setting(7.0, "seconds after which another node's phase "
                                              "record counts as stale: until every other "
                                              "node of the round has a fresh one, a job "
                                              "across nodes keeps the fixed hang timeouts "
-                                             "(below agent.hang_learn_floor)",
+                                             "(above twice agent.phase_refresh_interval, "
+                                             "below agent.hang_learn_floor)",
                                         min=0.5, max=3600)
 

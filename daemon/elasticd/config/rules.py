@@ -28,6 +28,15 @@ def check_relations(cfg: Config, errors: list[str]) -> None:
     if a.phase_stale_after <= 2 * a.phase_publish_interval:
         errors.append("agent.phase_stale_after: must exceed twice agent.phase_publish_interval "
                       f"({a.phase_stale_after} <= 2 x {a.phase_publish_interval})")
+    if a.phase_refresh_interval < a.phase_publish_interval:
+        errors.append("agent.phase_refresh_interval: must be at least "
+                      f"agent.phase_publish_interval ({a.phase_refresh_interval} < "
+                      f"{a.phase_publish_interval})")
+    if a.phase_stale_after <= 2 * a.phase_refresh_interval \
+            and not any(e.startswith("agent.phase_stale_after:") for e in errors):
+        # An unchanged record is written once per refresh: one lost, the next in time.
+        errors.append("agent.phase_stale_after: must exceed twice agent.phase_refresh_interval "
+                      f"({a.phase_stale_after} <= 2 x {a.phase_refresh_interval})")
     if a.hang_detection and a.phase_stale_after >= a.hang_learn_floor:
         # A peer's checkpoint that began just after its last record must be seen, or the
         # record counted stale (fixed bounds), before a learned timeout can end the wait.

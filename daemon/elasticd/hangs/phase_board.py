@@ -17,11 +17,17 @@ the node's seal and decoded the value). A peer's record is etcd input:
 anything malformed, naming another node or out of range is refused there
 (ValueError), and the view ignores and counts it.
 
-``PhasePublisher`` is the one writer: a thread per job with a stop event that
-writes the latest record every ``agent.phase_publish_interval`` seconds, and at
-once when a rank's phase changes, so a peer sees a checkpoint begin within a
-tick. One key per node per job: the write load grows with the nodes, not the
-ranks or the steps.
+``PhasePublisher`` is the one writer: a thread per job with a stop event. It
+writes what the peers decide on when it changes: at once when a rank's phase
+or the round changes (a peer sees a checkpoint begin within a tick), within
+``agent.phase_publish_interval`` when a rank's time per step moved by a fifth
+or more, or what was learned grew (``NodePhases.moved_from``); otherwise only every
+``agent.phase_refresh_interval``, which keeps the record fresh for
+``agent.phase_stale_after`` (a write that fails is tried again each publish
+interval). Every node of a job watches every other's record, so a steady
+record costs etcd one write and N deliveries per refresh, not per second.
+One key per node per job: the write load grows with the nodes, not the ranks
+or the steps.
 
 ``JobPeers`` is what the tracker (hangs/detector.py) decides on: the other nodes'
 records of the round, and whether every other member's is fresh. Only then
@@ -32,6 +38,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -81,6 +88,26 @@ class NodePhases:
             else:
                 ranks.pop()
 
+    def moved_from(self, before: "NodePhases | None") -> bool:
+        """Whether this record says something the other nodes decide on that ``before``
+        (the record last written) does not: the round or a rank's phase; a rank's time
+        per step by a fifth (stragglers); a learned phase, its longest gap by a tenth or
+        its count of gaps past a power of two (the learned limits). Not the step counts
+        nor how long a phase has lasted. Measured from what was written, so a value
+        that wavers about one point is not written again and again."""
+        if before is None or self.round != before.round or len(self.ranks) != len(before.ranks) \
+                or len(self.learned) != len(before.learned):
+            return True
+        for now, then in zip(self.ranks, before.ranks):
+            if (now.rank, now.phase) != (then.rank, then.phase) \
+                    or _apart(now.step_seconds, then.step_seconds, 1.2):
+                return True
+        for now, then in zip(self.learned, before.learned):
+            if now.phase != then.phase or _apart(now.longest, then.longest, 1.1) \
+                    or now.gaps.bit_length() != then.gaps.bit_length():
+                return True
+        return False
+
     @classmethod
     def from_doc(cls, doc: dict, node_id: str) -> "NodePhases":
         """A peer's record, decoded; ValueError for anything not exactly right."""
@@ -101,6 +128,13 @@ class NodePhases:
     def from_json(cls, text: str | None, node_id: str) -> "NodePhases":
         """From plain JSON (no seal): at most RECORD_MAX bytes, then ``from_doc``."""
         return cls.from_doc(decode(text, max_bytes=RECORD_MAX), node_id)
+
+
+def _apart(a: float | None, b: float | None, ratio: float) -> bool:
+    """Whether ``a`` and ``b`` differ by ``ratio`` or more (or one of them is None or 0)."""
+    if a is None or b is None or a <= 0 or b <= 0:
+        return (a is None) != (b is None) or (a is not None and b is not None and a != b)
+    return max(a, b) >= ratio * min(a, b)
 
 
 def _rank(item) -> RankPhase:
@@ -172,12 +206,17 @@ def merge_learned(mine: dict, theirs, limit: int = MAX_PHASES) -> bool:
 
 
 class PhasePublisher:
-    """Writes one job's ``NodePhases`` for this node: one owner thread, a stop event."""
+    """Writes one job's ``NodePhases`` for this node: one owner thread, a stop event.
+    ``interval``: the soonest a changed record is written again (a change of phase
+    wakes it at once); ``refresh``: how often an unchanged one is (at least
+    ``interval``; None: every ``interval``)."""
 
     def __init__(self, job_id: str, node_id: str, interval: float,
-                 put: Callable[[str], None], delete: Callable[[], None]):
+                 put: Callable[[str], None], delete: Callable[[], None],
+                 refresh: float | None = None, clock=time.monotonic):
         self.job_id, self.node_id, self.interval = job_id, node_id, interval
-        self._put, self._delete = put, delete
+        self.refresh = interval if refresh is None else max(refresh, interval)
+        self._put, self._delete, self._clock = put, delete, clock
         self._lock = threading.Lock()
         self._latest: NodePhases | None = None
         self._shape: tuple = ()       # (rank, phase) pairs last offered: a change wakes the loop
@@ -185,6 +224,13 @@ class PhasePublisher:
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"phases-{job_id}", daemon=True)
         self.writes = 0
+
+    @classmethod
+    def for_agent(cls, job_id: str, node_id: str, settings, put: Callable[[str], None],
+                  delete: Callable[[], None]) -> "PhasePublisher":
+        """The publisher of one job's record on this node, at the agent's settings."""
+        return cls(job_id, node_id, settings.phase_publish_interval, put, delete,
+                   refresh=settings.phase_refresh_interval)
 
     def start(self) -> None:
         self._thread.start()
@@ -209,8 +255,10 @@ class PhasePublisher:
             log.debug("%s: phase record not deleted: %s", ctx(job=self.job_id), exc)
 
     def _run(self) -> None:
+        written, due = None, 0.0    # the record last written, and when a refresh is due
         while not self._stop.is_set():
-            self._wake.wait(self.interval)
+            self._wake.wait(self.interval if written is None
+                            else min(self.interval, max(0.0, due - self._clock())))
             self._wake.clear()
             if self._stop.is_set():
                 return
@@ -218,10 +266,14 @@ class PhasePublisher:
                 record = self._latest
             if record is None:
                 continue
+            if not record.moved_from(written) and self._clock() < due:
+                continue
             try:
                 self._put(record.to_json())
                 self.writes += 1
+                written, due = record, self._clock() + self.refresh
             except Exception as exc:  # etcd away: try again next interval
+                written, due = None, self._clock() + self.interval
                 log.debug("%s: phase record not written: %s",
                           ctx(job=self.job_id, node=self.node_id), exc)
             # At most one write per tenth of the interval, however often phases change.

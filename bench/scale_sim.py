@@ -1,0 +1,592 @@
+"""N simulated nodes on one real etcd: what the daemon's own cluster code costs etcd, per N.
+
+    python bench/scale_sim.py [--nodes 20,50,100] [--seconds 10] [--procs 2] [--quick]
+
+Each simulated node runs the daemon's own code, nothing else (no torch, no
+workers, no gRPC server), over its OWN etcd client (one Etcd3Store each, so
+its own HTTP connections to etcd's v3 JSON gateway, as a daemon has):
+
+  membership   cluster/membership.py: a LeaseKeeper (its node key under a lease,
+               refreshed every membership.refresh_interval) and a NodeWatcher (a
+               watch of every node key), as cluster/node.py builds them
+  rendezvous   rendezvous/view.py: a JobsView (ONE watch per node of every job's
+               keys, as every daemon keeps) and rendezvous/round.py's
+               ClusterRendezvous.next_round for the job
+  phases       hangs/phase_board.py: a PhasePublisher per node of the running job,
+               made as agent/attempt.py makes it (PhasePublisher.for_agent),
+               offered a record of 4 training ranks every 0.2 s; each node reads
+               its peers' records (JobPeers.of) once a second
+
+The nodes live in --procs worker processes (threads inside: about six per
+node), plus one more process holding the 10 % that is killed with SIGKILL.
+Records are sealed with a cluster key as the daemons' are (trust/sealed.py);
+the job's spec is plain JSON (the spec codec is not simulated).
+
+Per N it measures, over --seconds windows read from etcd's own /metrics and
+psutil:
+  idle         nodes registered and watching, no job
+  rendezvous   one job of min = max = N nodes: seconds from the release of all
+               N next_round calls until the last node has its result
+  running      that job running: every node publishing its phase record
+  node loss    SIGKILL of the process holding 10 % of the nodes: seconds until
+               every survivor's NodeWatcher says each of them is lost (median and
+               the last), at the lease settings of this tree
+and prints, per window: etcd writes/s (raft proposals committed), etcd gRPC
+requests/s (every v3 gateway call, watch streams and lease keep-alives
+included) per node, deliveries/s (the events every node's watches received,
+counted at each node's store) in total and per node, the share of the
+expected deliveries that arrived (every watcher should get every write under
+its prefixes: below ~95 % the watchers fall behind), etcd's CPU and the
+simulator's CPU in % of one core, and the machine's load. Where the
+simulator's processes use their whole core each (they run Python: one core
+per process at most) while etcd has CPU to spare, the simulator, not etcd,
+is the limit, and the line says so.
+
+Prints tables and one BENCH-ROW (bench/rows.py); never asserts a timing.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing
+import os
+import random
+import signal
+import socket
+import sys
+import threading
+import time
+import urllib.request
+import uuid
+from collections import Counter
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+
+import psutil  # noqa: E402
+
+from common import machine, median, revision, table  # noqa: E402
+from rows import emit_row  # noqa: E402
+from etcd_server import EtcdServer, etcd_binary  # noqa: E402
+
+OFFER_EVERY = 0.2      # seconds between records offered to each node's publisher
+PEERS_EVERY = 1.0      # seconds between each node's reads of its peers' records
+RANKS = 4              # training ranks per simulated node
+
+
+# ---------------------------------------------------------------- one node
+
+class CountingStore:
+    """A node's store, counting its requests by operation and its watch deliveries by
+    kind of key (nodes, phases, other job keys)."""
+
+    def __init__(self, inner):
+        self.inner, self.name, self.timeout = inner, inner.name, inner.timeout
+        self.ops: Counter = Counter()
+        self.delivered: Counter = Counter()
+        self.errors = 0          # requests that failed (etcd slow to answer: overload)
+        self._lock = threading.Lock()
+
+    def _op(self, name: str) -> None:
+        with self._lock:
+            self.ops[name] += 1
+
+    def __getattr__(self, name):
+        attr = getattr(self.inner, name)
+        if not callable(attr) or name.startswith("_"):
+            return attr
+
+        def counted(*args, **kwargs):
+            self._op(name)
+            try:
+                return attr(*args, **kwargs)
+            except Exception:
+                self.errors += 1
+                raise
+        return counted
+
+    def watch(self, prefix, start_revision, stop_event=None, timeout=None):
+        self._op("watch")
+        for ev in self.inner.watch(prefix, start_revision, stop_event, timeout):
+            kind = "nodes" if ev.key.startswith("/v1/nodes/") else \
+                "phases" if "/phases/" in ev.key else "jobs"
+            with self._lock:
+                self.delivered[kind] += 1
+            yield ev
+
+
+class SimNode:
+    """One simulated daemon: lease, node watch, jobs view; a rendezvous and a phase
+    publisher while it runs the job."""
+
+    def __init__(self, node_id: str, url: str, prefix: str, records, cfg):
+        from elasticd.cluster.membership import LeaseKeeper, NodeWatcher
+        from elasticd.rendezvous.view import JobsView
+        from elasticd.store import open_store
+        m = cfg.membership
+        self.node_id, self.cfg, self.records = node_id, cfg, records
+        self.store = CountingStore(open_store("etcd3", [url], prefix=prefix,
+                                              timeout=cfg.etcd.request_timeout))
+        self.keeper = LeaseKeeper(self.store, node_id, m.lease_ttl, m.refresh_interval,
+                                  self.info, records=records)
+        self.watcher = NodeWatcher(self.store, node_id, m.lost_node_retention, m.watch_retry,
+                                   records=records)
+        self.lost_at: dict[str, float] = {}
+        self.watcher.listeners.append(self._seen)
+        self.view = JobsView(self.store, records=records, retry=m.watch_retry)
+        self.started_at = time.time()
+        self.rdzv = self.result = self.publisher = None
+
+    def info(self) -> dict:
+        # This host and this process, as a daemon's record says (cluster/node.py): after a
+        # lapsed lease, LeaseKeeper.register takes back a key that is its own.
+        return {"node_id": self.node_id, "host": socket.gethostname(), "address": "127.0.0.1",
+                "slots": 8,
+                "slots_free": 8, "version": "sim", "started_at": self.started_at,
+                "pid": os.getpid(), "lease_ttl": self.cfg.membership.lease_ttl, "jobs": []}
+
+    def _seen(self, node: str, record) -> None:
+        if record is None:
+            self.lost_at[node] = time.time()
+
+    def start(self) -> None:
+        self.keeper.register()
+        self.keeper.start()
+        self.watcher.start()
+        self.view.start()
+
+    def join(self, job_id: str, n: int, release: float, stop: threading.Event) -> None:
+        from elasticd.rendezvous.protocol import JobLimits
+        from elasticd.rendezvous.round import ClusterRendezvous
+        from elasticd.store import StoreError
+        r = self.cfg.rendezvous
+        limits = JobLimits(min_nodes=n, max_nodes=n, max_restarts=0, last_call=0.0,
+                           join_timeout=r.join_timeout)
+        self.rdzv = ClusterRendezvous(self.store, self.view, job_id, self.node_id, "127.0.0.1",
+                                      RANKS, lambda: self.keeper.lease, limits, poll=r.poll)
+        time.sleep(max(0.0, release - time.time()))
+        self.failed = None
+        while True:
+            try:
+                self.result = self.rdzv.next_round(stop)
+                break
+            except StoreError:   # as the agent does (agent/loop.py): wait, join again
+                self.store.errors += 1
+                stop.wait(self.cfg.membership.watch_retry)
+            except Exception as exc:   # the round ended (RoundFinal): the parent says so
+                self.failed = f"{type(exc).__name__}: {str(exc)[:300]}"
+                return
+        self.done_at = time.time()
+
+    def publish(self) -> None:
+        """Start publishing at a random point of one refresh interval: real nodes' jobs
+        do not all start on the same tick, and bursts would fool a short window."""
+        from elasticd.hangs.phase_board import PhasePublisher
+        self.publisher = PhasePublisher.for_agent(self.rdzv.job_id, self.node_id,
+                                                  self.cfg.agent, self.rdzv.publish_phases,
+                                                  self.rdzv.delete_phases)
+        threading.Timer(random.uniform(0, self.publisher.refresh), self.publisher.start).start()
+
+    def offer(self, t: float) -> None:
+        """What the agent's tracker would offer now: RANKS ranks training at ~10 steps/s."""
+        from elasticd.hangs.phase_board import NodePhases, RankPhase
+        from elasticd.hangs.timeouts import PhaseRecord
+        base = self.result.group_rank * RANKS
+        steps = int((t - self.done_at) * 10)
+        ranks = tuple(RankPhase(base + i, "train", t - self.done_at, steps,
+                                0.08 + 0.002 * ((steps + i) % 5)) for i in range(RANKS))
+        self.publisher.offer(NodePhases(self.node_id, self.result.round, ranks,
+                                        (PhaseRecord("train", steps * RANKS, 0.12),)))
+
+    def read_peers(self) -> None:
+        from elasticd.hangs.phase_board import JobPeers
+        JobPeers.of(self.rdzv.peer_phases(), list(self.result.members), self.node_id,
+                    self.result.round, self.cfg.agent.phase_stale_after, time.monotonic())
+
+    def counters(self) -> dict:
+        with self.store._lock:
+            return {"ops": dict(self.store.ops), "delivered": dict(self.store.delivered),
+                    "errors": self.store.errors, "revision": self.view.revision}
+
+
+# ---------------------------------------------------------------- a worker process
+
+def worker(conn, node_ids: list, url: str, prefix: str, key: bytes, overrides: dict) -> None:
+    """Runs ``node_ids`` and answers the parent's commands on ``conn`` until 'stop'."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    import logging
+    logging.basicConfig(level=logging.ERROR)
+    from elasticd.trust.sealed import SealedRecords
+    cfg = sim_config(overrides)
+    records = SealedRecords(key, prefix)
+    nodes = [SimNode(n, url, prefix, records, cfg) for n in node_ids]
+    stop = threading.Event()
+    feeding = threading.Event()
+
+    def feeder():
+        last_peers = 0.0
+        while not stop.wait(OFFER_EVERY):
+            if not feeding.is_set():
+                continue
+            t = time.monotonic()
+            peers = t - last_peers >= PEERS_EVERY
+            for node in nodes:
+                node.offer(t)
+                if peers:
+                    node.read_peers()
+            if peers:
+                last_peers = t
+    threading.Thread(target=feeder, daemon=True).start()
+
+    def handle(cmd: str, arg):
+        if cmd == "start":
+            for node in nodes:
+                node.start()
+            for node in nodes:
+                node.view.synced.wait(60)
+                node.watcher.synced.wait(60)
+            return True
+        if cmd == "seen":          # how many live nodes each node sees
+            return [len(node.watcher.snapshot().live) for node in nodes]
+        if cmd == "join":   # ({node: (job id, its nodes)}, release wall time)
+            jobs, release = arg
+            threads = [threading.Thread(target=node.join,
+                                        args=(*jobs[node.node_id], release, stop), daemon=True)
+                       for node in nodes]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            failed = [f"{node.node_id}: {node.failed}" for node in nodes if node.failed]
+            if failed:
+                raise RuntimeError(f"{len(failed)} nodes got no round: {failed[0]}")
+            return [(node.rdzv.job_id, node.done_at, node.result.group_rank,
+                     node.result.group_world_size) for node in nodes]
+        if cmd == "holds":          # whether every node's view holds the jobs ``arg``
+            return all(node.view.job(j) is not None for node in nodes for j in arg)
+        if cmd == "publish":
+            for node in nodes:
+                node.publish()
+            feeding.set()
+            return True
+        if cmd == "counters":
+            return {"nodes": [node.counters() for node in nodes], "pid": os.getpid()}
+        if cmd == "lost":           # when each node saw each of ``arg`` lost (None: not yet)
+            return [[node.lost_at.get(v) for v in arg] for node in nodes]
+        if cmd == "stop":
+            stop.set()
+            for node in nodes:
+                if node.publisher is not None:
+                    node.publisher.stop(1.0)
+                node.view.request_stop()
+                node.watcher.request_stop()
+            stops = [threading.Thread(target=node.keeper.stop) for node in nodes]
+            for t in stops:       # each revokes its lease: at once, not one after another
+                t.start()
+            for t in stops:
+                t.join()
+            return True
+        raise ValueError(f"unknown command {cmd!r}")
+
+    while True:
+        cmd, arg = conn.recv()
+        try:
+            conn.send(("ok", handle(cmd, arg)))
+        except Exception:   # the parent says what went wrong, then stops
+            import traceback
+            conn.send(("error", traceback.format_exc()))
+        if cmd == "stop":
+            return
+
+
+def sim_config(overrides: dict):
+    """This tree's default settings with the --set overrides (section.field=value),
+    checked as the daemon checks its own (no config file, no environment)."""
+    import tempfile
+    from elasticd.config import load
+    with tempfile.NamedTemporaryFile("w", suffix=".toml") as empty:
+        return load(path=empty.name, env={}, overrides=overrides)
+
+
+# ---------------------------------------------------------------- the parent
+
+def scrape(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = {"requests": 0.0, "writes": 0.0}
+    for line in text.splitlines():
+        if line.startswith("grpc_server_started_total{") and "Health" not in line:
+            out["requests"] += float(line.split()[-1])
+        elif line.startswith("etcd_server_proposals_committed_total "):
+            out["writes"] = float(line.split()[1])
+    return out
+
+
+class Sim:
+    """One N: the worker processes, etcd's counters and CPU."""
+
+    def __init__(self, etcd: EtcdServer, n: int, procs: int, overrides: dict):
+        self.etcd, self.n = etcd, n
+        self.prefix = f"/sim{uuid.uuid4().hex[:8]}"
+        self.ids = [f"n{i:04d}" for i in range(n)]
+        self.victims = self.ids[:max(1, n // 10)]
+        rest = self.ids[len(self.victims):]
+        groups = [self.victims] + [rest[i::procs] for i in range(procs)]
+        ctx = multiprocessing.get_context("fork")
+        self.key = os.urandom(32)
+        self.conns, self.procs = [], []
+        for group in groups:
+            a, b = ctx.Pipe()
+            p = ctx.Process(target=worker, args=(b, group, etcd.url, self.prefix, self.key,
+                                                 overrides), daemon=True)
+            p.start()
+            self.conns.append(a)
+            self.procs.append(p)
+        self.etcd_proc = psutil.Process(etcd.proc.pid)
+        self.sim_procs = [psutil.Process(p.pid) for p in self.procs]
+
+    def ask(self, cmd: str, arg=None, which=None) -> list:
+        conns = self.conns if which is None else [self.conns[i] for i in which]
+        for c in conns:
+            c.send((cmd, arg))
+        replies = [c.recv() for c in conns]
+        for status, value in replies:
+            if status != "ok":
+                raise RuntimeError(f"a simulator process failed at {cmd!r}:\n{value}")
+        return [value for _, value in replies]
+
+    def counters(self, which=None) -> dict:
+        total = {"ops": Counter(), "delivered": Counter(), "revisions": [], "errors": 0}
+        for got in self.ask("counters", which=which):
+            for node in got["nodes"]:
+                total["ops"].update(node["ops"])
+                total["delivered"].update(node["delivered"])
+                total["revisions"].append(node["revision"])
+                total["errors"] += node["errors"]
+        return total
+
+    def cpu(self) -> tuple[float, list]:
+        def busy(p):
+            try:
+                t = p.cpu_times()
+                return t.user + t.system
+            except psutil.Error:
+                return 0.0
+        return busy(self.etcd_proc), [busy(p) for p in self.sim_procs]
+
+    def window(self, name: str, seconds: float, alive=None) -> dict:
+        """Counters over ``seconds`` of steady state."""
+        which = alive
+        c0, e0, (ecpu0, scpu0) = self.counters(which), scrape(self.etcd.url), self.cpu()
+        t0 = time.monotonic()
+        time.sleep(seconds)
+        c1, e1, (ecpu1, scpu1) = self.counters(which), scrape(self.etcd.url), self.cpu()
+        span = time.monotonic() - t0
+        nodes = len(c1["revisions"])
+        ops = {k: (c1["ops"][k] - c0["ops"].get(k, 0)) / span for k in c1["ops"]}
+        got = {k: (c1["delivered"][k] - c0["delivered"].get(k, 0)) / span
+               for k in c1["delivered"]}
+        key_writes = sum(v for k, v in ops.items()
+                         if k in ("put", "create", "compare_and_swap", "delete"))
+        delivered = sum(got.values())
+        expected = key_writes * nodes   # every watcher gets every write (both prefixes)
+        sim = [(b - a) / span * 100 for a, b in zip(scpu0, scpu1)]
+        return {"window": name, "n": self.n, "writes": (e1["writes"] - e0["writes"]) / span,
+                "req_node": (e1["requests"] - e0["requests"]) / span / nodes,
+                "ops_node": sum(ops.values()) / nodes, "ops": ops,
+                "delivered": delivered, "per_node": delivered / nodes, "by_kind": got,
+                "kept_up": delivered / expected * 100 if expected else 100.0,
+                "etcd_cpu": (ecpu1 - ecpu0) / span * 100, "sim_cpu": sum(sim),
+                "sim_max": max(sim), "load": os.getloadavg()[0],
+                "errors": c1["errors"] - c0["errors"]}
+
+    def stop(self) -> None:
+        for c, p in zip(self.conns, self.procs):
+            if p.is_alive():
+                try:
+                    c.send(("stop", None))
+                    if c.poll(10):
+                        c.recv()   # ("ok", True) or what failed: stopping either way
+                except (OSError, EOFError):
+                    pass
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+
+
+def verdict(w: dict) -> str:
+    """Who limits this window: etcd, the simulator (its Python processes), or neither."""
+    if w["etcd_cpu"] >= 85:
+        return "etcd-bound"
+    if w["sim_max"] >= 85 and w["kept_up"] < 95:
+        return "simulator-bound (watchers behind)"
+    if w["sim_max"] >= 85:
+        return "simulator near its limit"
+    if w["kept_up"] < 95:
+        return "watchers behind (machine loaded)"
+    return "ok"
+
+
+def form(sim: Sim, jobs: dict) -> dict:
+    """Create the jobs (``{node: (job, its nodes)}``; node None: every node) and
+    release every node's next_round at once: seconds until the last has its result."""
+    from elasticd.rendezvous.round import create_job
+    from elasticd.store import open_store
+    from elasticd.trust.sealed import SealedRecords
+    if None in jobs:
+        jobs = {node: jobs[None] for node in sim.ids}
+    store = open_store("etcd3", [sim.etcd.url], prefix=sim.prefix, timeout=10.0)
+    records = SealedRecords(sim.key, sim.prefix)
+    for job in sorted({j for j, _ in jobs.values()}):
+        create_job(store, job, {"id": job}, time.time(), records=records)
+    store.close()
+    names = sorted({j for j, _ in jobs.values()})
+    deadline = time.monotonic() + 30
+    while not all(sim.ask("holds", names)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    release = time.time() + 0.5
+    results = [r for got in sim.ask("join", (jobs, release)) for r in got]
+    ranks: dict = {}
+    for job, _, rank, world in results:
+        ranks.setdefault(job, []).append((rank, world))
+    ok = all(sorted(r for r, _ in got) == list(range(len(got)))
+             and {w for _, w in got} == {len(got)} for got in ranks.values())
+    return {"took": max(r[1] for r in results) - release, "ok": ok}
+
+
+def run_n(etcd: EtcdServer, n: int, procs: int, seconds: float, overrides: dict,
+          job_nodes: int = 0) -> dict:
+    sim = Sim(etcd, n, procs, overrides)
+    out = {"n": n}
+    try:
+        t0 = time.monotonic()
+        sim.ask("start")
+        deadline = time.monotonic() + 60
+        while not all(min(seen) >= n for seen in sim.ask("seen")):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the nodes did not all see each other within 60 s")
+            time.sleep(0.1)
+        out["start"] = time.monotonic() - t0
+        out["idle"] = sim.window("idle", seconds)
+        out["idle_errors"] = sim.counters()["errors"]
+
+        rdzv = form(sim, {None: ("j" + uuid.uuid4().hex[:7], n)})
+        out["rdzv"], out["rdzv_ok"] = rdzv["took"], rdzv["ok"]
+        out["rdzv_errors"] = sim.counters()["errors"] - out["idle_errors"]
+        if job_nodes and job_nodes < n:   # the running window: jobs of job_nodes nodes
+            jobs = {}
+            for k in range(0, n, job_nodes):
+                job, size = "j" + uuid.uuid4().hex[:7], len(sim.ids[k:k + job_nodes])
+                jobs.update({node: (job, size) for node in sim.ids[k:k + job_nodes]})
+            many = form(sim, jobs)
+            out["jobs_rdzv"], out["jobs_ok"] = many["took"], many["ok"]
+        sim.ask("publish")
+        a = sim_config(overrides).agent
+        time.sleep(a.phase_refresh_interval + 1.0)   # every publisher started, settled
+        out["running"] = sim.window("running", seconds)
+
+        survivors = list(range(1, len(sim.conns)))
+        victim = sim.procs[0]
+        killed_at = time.time()
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.join(5)
+        deadline = time.monotonic() + 30
+        while True:
+            seen = [t for got in sim.ask("lost", sim.victims, which=survivors)
+                    for row in got for t in row]
+            if all(t is not None for t in seen) or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        got = [t - killed_at for t in seen if t is not None]
+        out["loss_median"] = median(got)
+        out["loss_last"] = max(got) if len(got) == len(seen) else None
+        out["after_loss"] = sim.window("after loss", min(seconds, 5.0), alive=survivors)
+    finally:
+        sim.stop()
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--nodes", help="comma-separated N (default 20,50,100; --quick: 10)")
+    ap.add_argument("--seconds", type=float, help="each measuring window (default 10; "
+                                                  "--quick: 2)")
+    ap.add_argument("--procs", type=int, default=2,
+                    help="worker processes for the surviving 90 %% of the nodes (default 2)")
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                    help="a setting for every simulated node (repeatable)")
+    ap.add_argument("--job-nodes", type=int, default=0, metavar="S",
+                    help="the running window with jobs of S nodes each (N / S jobs, formed "
+                         "at once after the N-node rendezvous) instead of the N-node job")
+    ap.add_argument("--quick", action="store_true", help="N = 10, 2 s windows: well under a "
+                                                         "minute")
+    ap.add_argument("--json", help="write the measurements here too")
+    args = ap.parse_args(argv)
+    args.nodes = args.nodes or ("10" if args.quick else "20,50,100")
+    args.seconds = args.seconds or (2.0 if args.quick else 10.0)
+    if etcd_binary() is None:
+        print("no etcd binary (install etcd or set ELASTICD_TEST_ETCD)", file=sys.stderr)
+        return 2
+    overrides = dict(s.split("=", 1) for s in args.set)
+    cfg = sim_config(overrides)
+    a, m = cfg.agent, cfg.membership
+    print(f"scale simulator: {machine()}; elasticd {revision()}")
+    print(f"settings: lease TTL {m.lease_ttl} s, refresh {m.refresh_interval:g} s; phases "
+          f"every {a.phase_publish_interval:g} s"
+          + (f", refreshed every {a.phase_refresh_interval:g} s"
+             if hasattr(a, "phase_refresh_interval") else "")
+          + f"; {args.procs}+1 worker processes, {args.seconds:g} s windows"
+          + (f"; running: jobs of {args.job_nodes} nodes" if args.job_nodes else
+             "; running: the N-node job"))
+    ns = [int(x) for x in args.nodes.split(",") if x.strip()]
+    runs = []
+    with EtcdServer() as etcd:
+        for n in ns:
+            print(f"\n-- N = {n}", flush=True)
+            r = run_n(etcd, n, args.procs, args.seconds, overrides, args.job_nodes)
+            runs.append(r)
+            print(f"   all {n} nodes up and seeing each other in {r['start']:.1f} s; "
+                  f"rendezvous {r['rdzv']:.3f} s ({'ok' if r['rdzv_ok'] else 'WRONG RANKS'}, "
+                  f"{r['rdzv_errors']} failed calls retried); "
+                  + (f"{-(-n // args.job_nodes)} jobs of {args.job_nodes} formed at once in "
+                     f"{r['jobs_rdzv']:.3f} s ({'ok' if r['jobs_ok'] else 'WRONG RANKS'}); "
+                     if 'jobs_rdzv' in r else "")
+                  + f"loss of {max(1, n // 10)} seen: median {fmt(r['loss_median'])}, "
+                  f"last {fmt(r['loss_last'])}", flush=True)
+    rows = []
+    for r in runs:
+        for w in (r["idle"], r["running"], r["after_loss"]):
+            rows.append([r["n"], w["window"], f"{w['writes']:.0f}", f"{w['req_node']:.2f}",
+                         f"{w['ops_node']:.2f}", f"{w['delivered']:.0f}", f"{w['per_node']:.1f}",
+                         f"{w['by_kind'].get('phases', 0) / max(1, r['n']):.1f}",
+                         f"{w['kept_up']:.0f} %", f"{w['etcd_cpu']:.0f} %",
+                         f"{w['sim_cpu']:.0f} % (max {w['sim_max']:.0f})",
+                         f"{w['load']:.1f}", w["errors"], verdict(w)])
+    print()
+    print(table(rows, ["N", "window", "etcd writes/s", "etcd req/node/s", "store calls/node/s",
+                       "deliveries/s", "deliveries/node/s", "of them phases/node/s", "kept up",
+                       "etcd CPU", "simulator CPU", "load", "failed calls", "limit"]))
+    print()
+    print(table([[r["n"], f"{r['rdzv']:.3f} s", fmt(r["loss_median"]), fmt(r["loss_last"])]
+                 for r in runs], ["N", "rendezvous (all N)", "loss seen, median",
+                                  "loss seen, last"]))
+    big = runs[-1]
+    w = big["running"]
+    emit_row("scale-sim", elasticd=(
+        f"N={big['n']}: {w['writes']:.0f} etcd writes/s, {w['delivered']:.0f} deliveries/s "
+        f"({w['per_node']:.0f}/node), etcd {w['etcd_cpu']:.0f} % of a core, rendezvous "
+        f"{big['rdzv']:.2f} s, loss seen {fmt(big['loss_last'])}"))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(runs, fh, indent=1)
+    return 0
+
+
+def fmt(x) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.2f} s"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
