@@ -64,12 +64,14 @@ def status(node, user, key: str) -> subprocess.CompletedProcess:
 
 def test_two_users_each_have_their_own_live_bert(node, users):
     alice, bob, carol = users["alice"], users["bob"], users["carol"]
-    a = submit(node, alice, "bert", "/bin/sleep", "60")
-    b = submit(node, bob, "bert", "/bin/sleep", "60")   # refused before: ALREADY_EXISTS
+    # Jobs that outlive the test however slow its calls (a loaded machine took over 60 s
+    # for them); the test cancels them at its end.
+    a = submit(node, alice, "bert", "/bin/sleep", "3600")
+    b = submit(node, bob, "bert", "/bin/sleep", "3600")   # refused before: ALREADY_EXISTS
     try:
         assert json.loads(status(node, alice, "bert").stdout)["id"] == a
         assert json.loads(status(node, bob, "bert").stdout)["id"] == b
-        again = ctl(node, alice, "submit", "--name", "bert", "--", "/bin/sleep", "60")
+        again = ctl(node, alice, "submit", "--name", "bert", "--", "/bin/sleep", "3600")
         assert again.returncode == 1 and "ALREADY_EXISTS" in again.stderr  # hers is live
 
         # carol has no bert: someone else's name answers as a name nobody has.
