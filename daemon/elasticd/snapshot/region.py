@@ -26,6 +26,8 @@ BASE_NAME = "elasticd-snapshots-{uid}"
 DEFAULT_RUN_ID = "default"
 RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 SLOT_FILE = re.compile(r"rank(0|[1-9][0-9]{0,8})\.(a|b)")
+REPLICAS = "replicas"          # <dir>/replicas/<node>/: peers' replicas the daemon keeps
+MAX_REPLICA_DIRS = 64          # entries of replicas/ looked at
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # O_NONBLOCK: a planted FIFO must not block the open; fstat then refuses it.
 FILE_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
@@ -167,6 +169,34 @@ class Region:
             os.close(fd)
             raise
         return fd
+
+    def replicas(self) -> "list[Region]":
+        """The dirs of replicas the daemon received from peers (``replicas/<node>/``),
+        each open and checked as the dir itself is (the caller's, private, not a link);
+        one that is not is skipped, never followed. The caller closes them."""
+        try:
+            top = os.open(REPLICAS, DIR_FLAGS, dir_fd=self.fd)
+        except OSError:
+            return []
+        out = []
+        try:
+            check_own(os.fstat(top), f"{self.path}/{REPLICAS}", stat.S_IFDIR)
+            for name in sorted(os.listdir(top))[:MAX_REPLICA_DIRS]:
+                try:
+                    fd = os.open(name, DIR_FLAGS, dir_fd=top)
+                except OSError:
+                    continue
+                try:
+                    check_own(os.fstat(fd), f"{self.path}/{REPLICAS}/{name}", stat.S_IFDIR)
+                except NotOwned:
+                    os.close(fd)
+                    continue
+                out.append(Region(os.path.join(self.path, REPLICAS, name), fd, self.by_daemon))
+        except (NotOwned, OSError):
+            pass
+        finally:
+            os.close(top)
+        return out
 
     def stat_slot(self, name: str) -> os.stat_result | None:
         try:
