@@ -6,7 +6,9 @@
   dirs), and ``status`` says where it went and which step;
 * a peer that sends garbage, a wrong key, a frame over the limit or nothing at all is
   dropped and counted by reason, and the daemon goes on serving (a right key still
-  gets in).
+  gets in);
+* a key holder's offer of a job that does not run there, or over the job's budget
+  there, is refused and counted.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import pytest
 from daemons import DaemonProc, cluster_key_path, free_port, real_users, scrape, short_tmpdir
 from etcd_server import EtcdServer, etcd_binary
 from elasticd.replication import channel as ch
+from elasticd.replication.messages import Offer, Reply
 from elasticd.trust import clusterkey
 from elasticd.workers import snapshot_format as fmt
 
@@ -211,3 +214,21 @@ def test_garbage_a_wrong_key_a_huge_frame_and_silence_are_dropped_and_counted(pa
         c = ch.client_hello(s, key, prefix, "n9", "n2", 1 << 20)
         c.close()
     assert d.proc.poll() is None
+
+
+def test_an_offer_of_a_job_not_running_there_or_over_its_budget_is_refused(pair):
+    nodes, job_id = pair
+    d = nodes["n2"]
+    key = clusterkey.load(cluster_key_path()).replication
+    prefix = next(a for a in d.args if a.startswith("/repl-"))
+    before = _refused(d).get("refused", 0)
+    with socket.create_connection(("127.0.0.1", _listener_port(d)), timeout=10) as s:
+        c = ch.client_hello(s, key, prefix, "n1", "n2", 1 << 20)
+        for offer, why in ((Offer("nosuchjob", 0, "a", 3, 1, 1 << 20), "does not run"),
+                           (Offer(job_id, 0, "a", 3, 1, 1 << 49), "over its budget")):
+            c.send(ch.Kind.OFFER, offer.to_bytes())
+            kind, payload = c.recv()
+            reply = Reply.from_bytes(payload)
+            assert kind is ch.Kind.REPLY and not reply.ok and why in reply.why, reply
+    assert _refused(d)["refused"] >= before + 2
+    assert not os.path.exists(os.path.join(d.snapshot_dir, "nosuchjob"))

@@ -77,7 +77,7 @@ def newest_common(plan: PushPlan) -> tuple[int, dict] | None:
     return step, {rank: held[rank][step] for rank in plan.ranks}
 
 
-def copy_slot(path: str, uid: int, header: fmt.Header) -> bytes | None:
+def copy_slot(path: str, uid: int, header: fmt.Header) -> bytearray | None:
     """The slot file's bytes (header, meta, data) if it still holds ``header`` after the
     copy; None when it changed (a save began) or is not the job's user's plain file."""
     try:
@@ -96,7 +96,7 @@ def copy_slot(path: str, uid: int, header: fmt.Header) -> bytes | None:
                 return None
             at += n
         again = fmt.parse(os.pread(fd, fmt.HEADER_USED, 0))
-        return bytes(data) if again == header else None
+        return data if again == header else None
     except (OSError, fmt.BadHeader):
         return None
     finally:
@@ -142,7 +142,9 @@ class Pusher:
         while not self._stop.wait(self._s.replication_interval):
             try:
                 plans = self._plans()
-                self.stats.forget_others({p.job_id for p in plans})
+                live = {p.job_id for p in plans}
+                self.stats.forget_others(live)
+                self._acked = {k: v for k, v in self._acked.items() if k[0] in live}
                 for plan in plans:
                     if self._stop.is_set():
                         return
@@ -187,11 +189,14 @@ class Pusher:
             sock.close()
         now = time.time()
         saved = max(h.saved_at_ns for _, h in slots.values()) / 1e9
+        first = (plan.job_id, plan.buddy) not in self._acked
         self._acked[(plan.job_id, plan.buddy)] = step
         self.stats.replicated(plan.job_id, Replicated(plan.buddy, step, now,
                                                       max(0.0, now - saved)))
-        log.info("%s: step %d replicated to node %s (%.2f s after the save)", where, step,
-                 plan.buddy, now - saved)
+        # The first replica to a buddy is news; the next ones (every step) are not.
+        (log.info if first else log.debug)(
+            "%s: step %d replicated to node %s (%.2f s after the save)", where, step,
+            plan.buddy, now - saved)
         return f"step {step} replicated to {plan.buddy}"
 
     def _send_file(self, chan: Channel, plan: PushPlan, rank: int, slot: str,
@@ -208,9 +213,9 @@ class Pusher:
             return f"refused: {reply.why}"
         if reply.have:
             return ""
-        step = self._s.replication_max_frame
+        step, view = self._s.replication_max_frame, memoryview(data)
         for at in range(0, len(data), step):
-            chunk = data[at:at + step]
+            chunk = bytes(view[at:at + step])
             if not self._pacer.take(len(chunk)):
                 chan.send(Kind.ABORT)
                 return "stopping"

@@ -158,19 +158,26 @@ class ReplicationServer:
                              f"snapshots here {held + offer.size} bytes, over its budget of "
                              f"{target.budget_bytes} (snapshot.job_budget / node_budget)")
                 return
-            incoming = files.Incoming(dir_fd, offer, target.uid, target.gid)
+            try:
+                incoming = files.Incoming(dir_fd, offer, target.uid, target.gid)
+            except OSError as exc:    # something the job's user put in the way
+                self._refuse(chan, f"cannot write the replica of job {offer.job_id}: "
+                             f"{exc.strerror or exc}")
+                return
             try:
                 chan.send(Kind.REPLY, Reply(ok=True).to_bytes())
-                self._take(chan, incoming)
+                kept = self._take(chan, incoming)
             except BaseException:
                 incoming.abort()
                 raise
         finally:
             os.close(dir_fd)
-        log.info("%s: replica of step %d from node %s kept (%d bytes)", where, offer.step,
-                 chan.peer, offer.size)
+        if kept:   # every step, on a job that saves every step: not an info line
+            log.debug("%s: replica of step %d from node %s kept (%d bytes)", where,
+                      offer.step, chan.peer, offer.size)
 
-    def _take(self, chan: Channel, incoming: files.Incoming) -> None:
+    def _take(self, chan: Channel, incoming: files.Incoming) -> bool:
+        """Receive the offered file into ``incoming``; whether it was kept."""
         while True:
             kind, payload = chan.recv()
             if kind is Kind.CHUNK:
@@ -180,16 +187,16 @@ class ReplicationServer:
                     raise ChannelError(Refusal.GARBAGE, str(exc)) from None
             elif kind is Kind.ABORT:
                 incoming.abort()
-                return
+                return False
             elif kind is Kind.END:
                 try:
                     incoming.finish()
                 except (files.ReplicaRefused, OSError) as exc:
                     incoming.abort()
                     self._refuse(chan, f"replica not kept: {exc}")
-                    return
+                    return False
                 chan.send(Kind.REPLY, Reply(ok=True).to_bytes())
-                return
+                return True
             else:
                 raise ChannelError(Refusal.GARBAGE, f"a {kind.name} frame inside a file")
 
