@@ -70,17 +70,18 @@ class Kind(enum.IntEnum):
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
         try:
-            got = sock.recv(n - len(buf))
+            k = sock.recv_into(view[got:])
         except socket.timeout:
             raise ChannelError(Refusal.TIMEOUT, "the peer stayed silent") from None
         except OSError as exc:
             raise ChannelError(Refusal.CLOSED, exc.strerror or str(exc)) from None
-        if not got:
+        if not k:
             raise ChannelError(Refusal.CLOSED, "the peer closed the connection")
-        buf += got
+        got += k
     return bytes(buf)
 
 
