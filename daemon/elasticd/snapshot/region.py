@@ -85,9 +85,9 @@ def check_own(st: os.stat_result, what: str, kind: int) -> None:
                        f"a snapshot region must be private to its user (0700 dir, 0600 files)")
 
 
-def _open_dir(path: str, what: str) -> int:
+def _open_dir(path: str, what: str, dir_fd: int | None = None) -> int:
     try:
-        fd = os.open(path, DIR_FLAGS)
+        fd = os.open(path, DIR_FLAGS, dir_fd=dir_fd)
     except PermissionError:
         raise NotOwned(f"{what} {path} is not uid {os.geteuid()}'s (it may not even open "
                        f"it): another user's, refused") from None
@@ -175,24 +175,18 @@ class Region:
         each open and checked as the dir itself is (the caller's, private, not a link);
         one that is not is skipped, never followed. The caller closes them."""
         try:
-            top = os.open(REPLICAS, DIR_FLAGS, dir_fd=self.fd)
-        except OSError:
+            top = _open_dir(REPLICAS, f"replicas dir of {self.path}:", dir_fd=self.fd)
+        except (NotOwned, OSError):
             return []
         out = []
         try:
-            check_own(os.fstat(top), f"{self.path}/{REPLICAS}", stat.S_IFDIR)
             for name in sorted(os.listdir(top))[:MAX_REPLICA_DIRS]:
                 try:
-                    fd = os.open(name, DIR_FLAGS, dir_fd=top)
-                except OSError:
-                    continue
-                try:
-                    check_own(os.fstat(fd), f"{self.path}/{REPLICAS}/{name}", stat.S_IFDIR)
-                except NotOwned:
-                    os.close(fd)
+                    fd = _open_dir(name, f"replica dir of {self.path}:", dir_fd=top)
+                except (NotOwned, OSError):
                     continue
                 out.append(Region(os.path.join(self.path, REPLICAS, name), fd, self.by_daemon))
-        except (NotOwned, OSError):
+        except OSError:
             pass
         finally:
             os.close(top)
