@@ -8,7 +8,8 @@
   dropped and counted by reason, and the daemon goes on serving (a right key still
   gets in);
 * a key holder's offer of a job that does not run there, or over the job's budget
-  there, is refused and counted.
+  there, is refused and counted; a replica cut off half way leaves the newest one
+  whole and nothing else behind.
 """
 from __future__ import annotations
 
@@ -232,3 +233,24 @@ def test_an_offer_of_a_job_not_running_there_or_over_its_budget_is_refused(pair)
             assert kind is ch.Kind.REPLY and not reply.ok and why in reply.why, reply
     assert _refused(d)["refused"] >= before + 2
     assert not os.path.exists(os.path.join(d.snapshot_dir, "nosuchjob"))
+
+
+def test_a_replica_cut_off_half_way_leaves_the_last_one_whole(pair):
+    nodes, job_id = pair
+    d = nodes["n2"]
+    path, copy, _ = wait_for(lambda: replica_of(nodes, job_id, "n2", "n1", 0), 90,
+                             "the replica of n1's rank 0 on n2", nodes)
+    key = clusterkey.load(cluster_key_path()).replication
+    prefix = next(a for a in d.args if a.startswith("/repl-"))
+    with socket.create_connection(("127.0.0.1", _listener_port(d)), timeout=10) as s:
+        c = ch.client_hello(s, key, prefix, "n1", "n2", 1 << 20)
+        slot = path[-1]
+        c.send(ch.Kind.OFFER, Offer(job_id, 0, slot, STEPS + 5, 1, len(copy)).to_bytes())
+        kind, payload = c.recv()
+        assert Reply.from_bytes(payload).ok
+        c.send(ch.Kind.CHUNK, os.urandom(len(copy) // 2))
+    where = os.path.dirname(path)
+    wait_for(lambda: not [n for n in os.listdir(where) if n.endswith(".incoming")], 10,
+             "the cut-off replica's temporary file gone", nodes)
+    with open(path, "rb") as fh:
+        assert fh.read() == copy
