@@ -9,7 +9,8 @@
   gets in);
 * a key holder's offer of a job that does not run there, or over the job's budget
   there, is refused and counted; a replica cut off half way leaves the newest one
-  whole and nothing else behind.
+  whole and nothing else behind;
+* the job's end frees its replicas with its dir on every node.
 """
 from __future__ import annotations
 
@@ -254,3 +255,14 @@ def test_a_replica_cut_off_half_way_leaves_the_last_one_whole(pair):
              "the cut-off replica's temporary file gone", nodes)
     with open(path, "rb") as fh:
         assert fh.read() == copy
+
+
+def test_the_job_ended_frees_its_replicas_on_every_node(pair):
+    """Last in the module: it ends the job."""
+    nodes, job_id = pair
+    wait_for(lambda: replica_of(nodes, job_id, "n2", "n1", 0), 90,
+             "the replica of n1's rank 0 on n2", nodes)
+    assert nodes["n1"].ctl("cancel", job_id).returncode == 0
+    for d in nodes.values():
+        wait_for(lambda: not os.path.lexists(os.path.join(d.snapshot_dir, job_id)), 60,
+                 f"{d.node_id}'s snapshot dir of the job, replicas and all, gone", nodes)
