@@ -49,6 +49,10 @@ from .sdnotify import Notifier
 from .store import StoreError
 from .workers import hostname
 from .workers.snapshot_dirs import SnapshotBudgets, prepare_root
+from .replication.peers import Peers
+from .replication.pusher import Pusher
+from .replication.receiver import ReplicationServer
+from .replication.stats import ReplicationStats
 
 log = logging.getLogger("elasticd")
 OWN_FILES = 1024  # fds kept for the daemon's own use beside control connections
@@ -165,6 +169,9 @@ class Daemon:
         cluster.capacity_from(manager.capacity, lambda: dict(
             manager.gpu_record(), suspect=suspicion.verdict().reason))
         self.cluster = cluster
+        replication = None
+        if not d.standalone:   # snapshot replicas to and from the jobs' buddy nodes
+            replication = self._start_replication(manager, registry, view, metrics, stops)
         metrics.attach(registry, manager)
         metrics.attach_cluster(cluster)  # metrics: the node lease
         metrics.attach_gpus(manager)  # metrics: GPUs free/total, health
@@ -208,7 +215,8 @@ class Daemon:
         endpoint = MetricsEndpoint(metrics.registry, cfg.metrics.address, cfg.metrics.port,
                                    cfg.metrics.retry_interval, d.node_id)
         server = ControlServer(cfg, ControlServicer(cfg, manager, registry, issuer, metrics,
-                                                    cluster, view, endpoint), gid, issuer)
+                                                    cluster, view, endpoint, replication),
+                               gid, issuer)
         server.start()
         stops.callback(server.stop, 1.0)
         endpoint.on_change = server.metrics_health
@@ -226,6 +234,25 @@ class Daemon:
                                 metrics=metrics, suspicion=suspicion)
         dispatcher.start()
         stops.callback(dispatcher.stop)
+
+    def _start_replication(self, manager, registry, view, metrics,
+                           stops: contextlib.ExitStack) -> ReplicationStats:
+        """The replication listener (its port goes into the node record, so before the
+        cluster registers) and the pusher (replication/)."""
+        cfg, d = self.cfg, self.cfg.daemon
+        stats = ReplicationStats()
+        peers = Peers(d.node_id, manager, registry, view, self.cluster.watcher)
+        key = self.codec.replication_key
+        listener = ReplicationServer(cfg.snapshot, key, cfg.etcd.prefix, d.node_id,
+                                     peers.target, stats)
+        listener.start()
+        stops.callback(listener.stop)
+        self.cluster.replication_port = listener.port
+        pusher = Pusher(cfg.snapshot, key, cfg.etcd.prefix, d.node_id, peers.plans, stats)
+        pusher.start()
+        stops.callback(pusher.stop)
+        metrics.attach_replication(stats)
+        return stats
 
     def _main_loop(self) -> None:
         interval = self.cfg.daemon.main_loop_interval

@@ -59,7 +59,7 @@ _RECORD_FIELDS = {"slots": int, "slots_free": int, "pid": int, "started_at": (in
                   "lease_ttl": (int, float),
                   "host": str, "address": str, "version": str,
                   "gpus": int, "gpus_free": int, "gpu_source": str, "gpu_health": str,
-                  "suspect": str}
+                  "suspect": str, "replication_port": int}
 
 
 def node_fields(key: str, data: dict) -> dict:
@@ -76,6 +76,8 @@ def node_fields(key: str, data: dict) -> dict:
     for name in ("slots", "slots_free", "gpus", "gpus_free"):
         if not 0 <= data.get(name, 0) <= _INT32_MAX:
             raise ValueError(f"{name}: out of range")
+    if not 0 <= data.get("replication_port", 0) <= 65535:
+        raise ValueError("replication_port: not a port")
     for name in ("gpu_source", "gpu_health", "suspect", "host", "address", "version"):
         if len(data.get(name, "")) > 500:
             raise ValueError(f"{name}: too long")

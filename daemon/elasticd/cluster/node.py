@@ -89,6 +89,7 @@ class Cluster:
         self._slots_info = None                # () -> (slots_free, [job ids])
         self._gpu_info = None                  # () -> the GPU fields of the record
         self._started_at = time.time()
+        self.replication_port = 0    # replication/receiver.py's, once it listens
         m = cfg.membership
         self.keeper = LeaseKeeper(store, cfg.daemon.node_id, m.lease_ttl, m.refresh_interval,
                                   self.record, records=records)
@@ -119,6 +120,8 @@ class Cluster:
                 "version": __version__, "started_at": self._started_at, "pid": os.getpid(),
                 "lease_ttl": self.cfg.membership.lease_ttl,
                 "jobs": sorted(jobs)[:MAX_JOBS_LISTED],
+                **({"replication_port": self.replication_port} if self.replication_port
+                   else {}),
                 **(self._gpu_info() if self._gpu_info else {})}
 
     def start(self) -> None:

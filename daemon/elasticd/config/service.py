@@ -181,3 +181,32 @@ class SnapshotSettings:
                                   "other live jobs here (their budgets, not what they use); "
                                   "where several jobs share a node, give each a share",
                                min=0, max=1 << 60)
+    replication_port: int = _setting(0, "TCP port of this daemon's replication listener "
+                                        "(replication/), which takes peers' snapshot "
+                                        "replicas; 0: a free port picked at start. Either "
+                                        "way the node record publishes it (sealed), so peers "
+                                        "find it. Not used by a standalone daemon",
+                                     min=0, max=65535)
+    replication_address: str = _setting("0.0.0.0", "address the replication listener "
+                                                   "binds (every connection must prove "
+                                                   "it holds the cluster key)")
+    replication_rate: int = _setting(64 << 20, "bytes per second this node sends replicas "
+                                               "at, all jobs together: 64 MiB/s is about "
+                                               "5 % of a 10 Gbit/s link, so training's own "
+                                               "traffic keeps the rest; 1 GiB of state per "
+                                               "node is replicated in about 16 s",
+                                     min=1 << 16, max=1 << 40)
+    replication_interval: float = _setting(1.0, "seconds between the pusher's looks at this "
+                                                "node's jobs for a newer snapshot to "
+                                                "replicate", min=0.05, max=3600)
+    replication_timeout: float = _setting(10.0, "seconds a replication peer may stay "
+                                                "silent (the handshake, a frame, a reply) "
+                                                "before its connection is dropped",
+                                          min=0.1, max=3600)
+    replication_max_frame: int = _setting(1 << 20, "largest replication frame accepted "
+                                                   "(bytes of a chunk of a slot file); a "
+                                                   "larger one drops the connection",
+                                          min=4096, max=64 << 20)
+    replication_max_peers: int = _setting(16, "replication connections served at once; "
+                                              "one more is closed at once (counted)",
+                                          min=1, max=4096)

@@ -14,6 +14,7 @@ from ..jobs.records import WorkerRow
 from ..jobs.restartpolicy import RestartPlan, RestartWindow
 from ..jobs.states import TERMINAL_STATES
 from ..v1 import control_pb2 as pb
+from ..replication.stats import Replicated
 from ..workers.snapshot_status import DirSnapshots
 
 
@@ -85,11 +86,15 @@ def add_worker(msg: pb.Job, w: WorkerRow) -> None:
 
 
 def add_snapshot(msg: pb.Job, node_id: str, snap: DirSnapshots, budget: int | None,
-                 now: float) -> None:
-    """One node's snapshots of the job (workers/snapshot_status.py) into ``snapshots``."""
+                 now: float, replicated: Replicated | None = None) -> None:
+    """One node's snapshots of the job (workers/snapshot_status.py) into ``snapshots``;
+    ``replicated``: where its newest replica is (replication/stats.py), as
+    "<node> step <n>"."""
     msg.snapshots.add(node_id=node_id, step=snap.step, saved_at=snap.saved_at,
                       age_seconds=snap.age(now), bytes=snap.bytes, ranks=snap.ranks,
-                      held_bytes=snap.held_bytes, budget_bytes=-1 if budget is None else budget)
+                      held_bytes=snap.held_bytes, budget_bytes=-1 if budget is None else budget,
+                      replicas=[f"{replicated.node_id} step {replicated.step}"]
+                      if replicated is not None else [])
 
 
 def event_to_proto(ev: JobEvent) -> pb.Event:

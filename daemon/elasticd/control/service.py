@@ -57,8 +57,10 @@ def _settled(job: JobRecord) -> bool:
 
 class ControlServicer(pb_grpc.ControlServicer):
     def __init__(self, cfg: Config, manager, registry: JobRegistry,
-                 issuer: TokenIssuer, metrics=None, cluster=None, view=None, endpoint=None):
+                 issuer: TokenIssuer, metrics=None, cluster=None, view=None, endpoint=None,
+                 replication=None):
         self._cfg = cfg
+        self._replication = replication  # replication/stats.py: where snapshots went
         self._manager = manager
         self._registry = registry
         self._cluster = cluster
@@ -126,8 +128,9 @@ class ControlServicer(pb_grpc.ControlServicer):
             found = snapshot_status.read_dir(ledger.path(job.id), job.uid,
                                              snapshot_status.scan_limit(job.nproc_per_node))
             if found is not None:
+                sent = self._replication.of_job(job.id) if self._replication else None
                 add_snapshot(msg, self._cfg.daemon.node_id, found, ledger.granted(job.id),
-                             time.time())
+                             time.time(), sent)
         keys = self._view.job(job.id) if self._view is not None else None
         if keys is not None:
             for row in clusterjobs.worker_rows(keys, skip=self._cfg.daemon.node_id):

@@ -11,6 +11,7 @@ from .. import statedir
 from ..jobs.registry import JobNotFound
 from ..jobs.restartpolicy import RestartWindow
 from ..jobs.states import LIVE_STATES, JobState, WorkerState
+from ..replication.stats import ReplicationStats
 from ..workers.snapshot_status import read_dir, scan_limit
 
 
@@ -237,3 +238,38 @@ class SnapshotCollector:
         yield GaugeMetricFamily("elasticd_snapshot_granted_bytes", "Snapshot budgets of the "
                                 "jobs whose agents run on this node, summed",
                                 value=ledger.given_bytes())
+
+
+# -- snapshot replicas (replication/) -------------------------------------------------
+class ReplicationCollector:
+    """Bytes this node's replication channel sent and received, connections and replicas
+    refused by reason, and each job's replication lag here."""
+
+    def __init__(self, stats: ReplicationStats):
+        self._stats = stats
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        s = self._stats
+        b = CounterMetricFamily("elasticd_replication_bytes", "Bytes of the replication "
+                                "channel, sealed frames included, by direction",
+                                labels=["direction"])
+        b.add_metric(["sent"], s.bytes_sent)
+        b.add_metric(["received"], s.bytes_received)
+        yield b
+        r = CounterMetricFamily("elasticd_replication_refused", "Replication connections "
+                                "dropped and replicas refused, by reason (garbage, mac, "
+                                "too_large, timeout, closed, busy, refused)",
+                                labels=["reason"])
+        for why, n in s.refusals().items():
+            r.add_metric([why.value], n)
+        yield r
+        lag = GaugeMetricFamily("elasticd_replication_lag_seconds", "Seconds from the "
+                                "job's newest complete snapshot here to its replica "
+                                "acknowledged by the buddy node (the last replicated)",
+                                labels=["job_id", "buddy"])
+        for job_id, rec in s.jobs().items():
+            lag.add_metric([job_id, rec.node_id], rec.lag_s)
+        yield lag

@@ -23,8 +23,8 @@ from ..trust.sealed import Kind, Reason
 from ..jobs.states import TERMINAL_STATES, JobState
 from ..workers.template import StartPath
 from ..store import Store
-from .collectors import (GpuCollector, JobCollector, LeaseCollector, SnapshotCollector,
-                         StateCollector)
+from .collectors import (GpuCollector, JobCollector, LeaseCollector, ReplicationCollector,
+                         SnapshotCollector, StateCollector)
 from .timed_store import STORE_OPERATIONS, TimedStore, store_error_kind
 
 # Restart layers, fastest first (DESIGN.md), and what caused a restart.
@@ -162,6 +162,10 @@ class Metrics:
     def attach_snapshots(self, registry, manager) -> None:
         """Export the jobs' snapshots here and the node's budget at scrape time."""
         self.registry.register(SnapshotCollector(registry, manager))
+
+    def attach_replication(self, stats) -> None:
+        """Export what snapshot replication sent, got and refused (replication/stats.py)."""
+        self.registry.register(ReplicationCollector(stats))
 
     def attach_gpus(self, manager) -> None:
         """Export this node's GPUs, total and free, at scrape time."""

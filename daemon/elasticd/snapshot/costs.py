@@ -14,7 +14,7 @@ class Timings:
     save_bytes: int | None = None        # tensor data written
     restore_step: int | None = None
     restore_s: float | None = None
-    restore_source: str | None = None    # "local" or "none"
+    restore_source: str | None = None    # "local", "peer" (a buddy's replica) or "none"
 
 
 _lock = threading.Lock()

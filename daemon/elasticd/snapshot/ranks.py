@@ -17,6 +17,7 @@ from ..workers import env as wenv
 from .errors import SnapshotError
 
 NONE = -1   # a slot without a complete step, in the exchange
+EXCHANGED = 4   # steps each rank puts in the exchange: its two slots and two replicas
 
 
 def _env_int(name: str, default: int) -> int:
@@ -53,10 +54,11 @@ def _device() -> torch.device:
 
 
 def agree(steps: list[int]) -> int | None:
-    """The newest step every rank holds, given this rank's complete steps (at most two);
+    """The newest step every rank holds, given this rank's complete steps (the newest
+    EXCHANGED of them count);
     None when they hold none in common. Every rank must call it."""
     dev = _device()
-    mine = (sorted(steps, reverse=True) + [NONE, NONE])[:2]
+    mine = (sorted(steps, reverse=True) + [NONE] * EXCHANGED)[:EXCHANGED]
     local = torch.tensor(mine, dtype=torch.int64, device=dev)
     gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, local)

@@ -26,6 +26,8 @@ BASE_NAME = "elasticd-snapshots-{uid}"
 DEFAULT_RUN_ID = "default"
 RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 SLOT_FILE = re.compile(r"rank(0|[1-9][0-9]{0,8})\.(a|b)")
+REPLICAS = "replicas"          # <dir>/replicas/<node>/: peers' replicas the daemon keeps
+MAX_REPLICA_DIRS = 64          # entries of replicas/ looked at
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # O_NONBLOCK: a planted FIFO must not block the open; fstat then refuses it.
 FILE_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
@@ -83,9 +85,9 @@ def check_own(st: os.stat_result, what: str, kind: int) -> None:
                        f"a snapshot region must be private to its user (0700 dir, 0600 files)")
 
 
-def _open_dir(path: str, what: str) -> int:
+def _open_dir(path: str, what: str, dir_fd: int | None = None) -> int:
     try:
-        fd = os.open(path, DIR_FLAGS)
+        fd = os.open(path, DIR_FLAGS, dir_fd=dir_fd)
     except PermissionError:
         raise NotOwned(f"{what} {path} is not uid {os.geteuid()}'s (it may not even open "
                        f"it): another user's, refused") from None
@@ -167,6 +169,28 @@ class Region:
             os.close(fd)
             raise
         return fd
+
+    def replicas(self) -> "list[Region]":
+        """The dirs of replicas the daemon received from peers (``replicas/<node>/``),
+        each open and checked as the dir itself is (the caller's, private, not a link);
+        one that is not is skipped, never followed. The caller closes them."""
+        try:
+            top = _open_dir(REPLICAS, f"replicas dir of {self.path}:", dir_fd=self.fd)
+        except (NotOwned, OSError):
+            return []
+        out = []
+        try:
+            for name in sorted(os.listdir(top))[:MAX_REPLICA_DIRS]:
+                try:
+                    fd = _open_dir(name, f"replica dir of {self.path}:", dir_fd=top)
+                except (NotOwned, OSError):
+                    continue
+                out.append(Region(os.path.join(self.path, REPLICAS, name), fd, self.by_daemon))
+        except OSError:
+            pass
+        finally:
+            os.close(top)
+        return out
 
     def stat_slot(self, name: str) -> os.stat_result | None:
         try:

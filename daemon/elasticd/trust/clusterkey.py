@@ -5,10 +5,11 @@ as hex. ``generate`` writes a fresh one (``elasticd keygen``): created with
 O_EXCL and mode 0600 given to open(), then fchmod'ed, never left to the
 umask. ``load`` refuses a key that is not a regular file owned by this
 daemon's user, or that its group or others may read: a key anyone can read
-vouches for nothing. Three keys are derived from it with HKDF-SHA256 under
+vouches for nothing. Four keys are derived from it with HKDF-SHA256 under
 distinct labels, one to sign job specs, one to encrypt their secrets
-(trust/specs.py) and one to vouch for every other record a daemon writes
-to etcd (trust/sealed.py), so no use weakens another.
+(trust/specs.py), one to vouch for every other record a daemon writes
+to etcd (trust/sealed.py) and one for the daemon-to-daemon replication
+channel (replication/channel.py), so no use weakens another.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ _MAX_FILE_BYTES = 4096
 _MAC_INFO = b"elasticd/v1 job-spec hmac-sha256"
 _ENC_INFO = b"elasticd/v1 job-spec aes-256-gcm"
 _RECORDS_INFO = b"elasticd/v1 etcd-record hmac-sha256"
+_REPLICATION_INFO = b"elasticd/v1 replication-channel"
 HOW_TO_MAKE = ("make one with `elasticd keygen` and copy that same file (root-owned, mode "
                "0600) to every node")
 
@@ -39,6 +41,7 @@ class DerivedKeys:
     mac: bytes      # HMAC-SHA256 key for job specs
     enc: bytes      # AES-256-GCM key for the secret fields of job specs
     records: bytes  # HMAC-SHA256 key for rounds, joins, node records, phases, events
+    replication: bytes = b""  # the replication channel's handshake and session keys
 
     def __repr__(self) -> str:  # never in a log or a traceback
         return "DerivedKeys(<secret>)"
@@ -47,7 +50,8 @@ class DerivedKeys:
 def derive(master: bytes) -> DerivedKeys:
     def one(info: bytes) -> bytes:
         return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=info).derive(master)
-    return DerivedKeys(mac=one(_MAC_INFO), enc=one(_ENC_INFO), records=one(_RECORDS_INFO))
+    return DerivedKeys(mac=one(_MAC_INFO), enc=one(_ENC_INFO), records=one(_RECORDS_INFO),
+                       replication=one(_REPLICATION_INFO))
 
 
 def ephemeral() -> DerivedKeys:

@@ -81,6 +81,7 @@ class SpecCodec:
         self._limits = limits
         self._clock = clock
         self.records = SealedRecords(keys.records, domain)
+        self.replication_key = keys.replication   # replication/channel.py
 
     # -- writing -------------------------------------------------------------
     def seal(self, job: JobSpec) -> dict:

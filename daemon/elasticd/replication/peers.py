@@ -1,0 +1,65 @@
+"""Who replicates to whom: the push plans of the jobs running here and the targets that
+accept peers' replicas, read from the job manager, the jobs view and the node records.
+
+A job replicates while it runs here in a closed round of two nodes or more: its
+buddy is the next member in the round's order (the ranks' order), found at the
+address the round names and the replication port its node record publishes (both
+sealed with the cluster key, so nobody without it can redirect replicas). A job accepts replicas while
+its agent runs here and its snapshot dir exists.
+"""
+from __future__ import annotations
+
+import os
+
+from ..rendezvous.records import CLOSED
+from .pusher import PushPlan, buddy_of
+from .receiver import ReplicaTarget
+
+
+class Peers:
+    def __init__(self, node_id: str, manager, registry, view, nodes):
+        # manager: coordinator (active_jobs, snapshots); registry: jobs by id;
+        # view: rendezvous/view.py JobsView; nodes: cluster/membership.py NodeWatcher
+        self._me, self._manager, self._registry = node_id, manager, registry
+        self._view, self._nodes = view, nodes
+
+    def _job(self, job_id: str):
+        try:
+            return self._registry.get(job_id)
+        except Exception:   # gone since it was listed
+            return None
+
+    def plans(self) -> list[PushPlan]:
+        ledger = self._manager.snapshots
+        if ledger is None:
+            return []
+        live = self._nodes.snapshot().live
+        out = []
+        for job_id in self._manager.active_jobs():
+            keys, job = self._view.job(job_id), self._job(job_id)
+            state = keys.state if keys is not None else None
+            if job is None or state is None or state.status != CLOSED:
+                continue
+            ids = state.member_ids()
+            buddy = buddy_of(ids, self._me)
+            record = live.get(buddy) if buddy else None
+            if record is None or not record.get("replication_port"):
+                continue
+            at = ids.index(self._me)
+            offset = sum(m.nproc for m in state.members[:at])
+            ranks = tuple(range(offset, offset + state.members[at].nproc))
+            out.append(PushPlan(job_id, ledger.path(job_id), job.uid, ranks,
+                                sum(m.nproc for m in state.members), buddy,
+                                state.members[ids.index(buddy)].address,
+                                int(record["replication_port"])))
+        return out
+
+    def target(self, job_id: str) -> ReplicaTarget | None:
+        ledger = self._manager.snapshots
+        if ledger is None or job_id not in self._manager.active_jobs():
+            return None
+        job, budget = self._job(job_id), ledger.granted(job_id)
+        path = ledger.path(job_id)
+        if job is None or budget is None or not os.path.isdir(path):
+            return None
+        return ReplicaTarget(path, job.uid, job.gid, budget)

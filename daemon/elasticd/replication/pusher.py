@@ -1,0 +1,235 @@
+"""The pusher: sends this node's newest complete snapshot of each job to the job's buddy,
+the next member of the job's round in ring order, rate-limited.
+
+One thread owns it (a stop event; every wait bounded). Each ``replication_interval``
+it asks ``plans()`` for the jobs running here in a closed round of two nodes or
+more (a ``PushPlan`` each), reads the headers of this node's ranks' slot files
+(workers/snapshot_format.py, through workers/files.py as status does), and when
+every rank here holds a complete snapshot of a step newer than the one the buddy
+last acknowledged, sends those slot files (newest step only; the buddy skips a
+file it has) over the channel (channel.py). A file is copied out whole first and
+its header read again after: a save that began meanwhile makes it an ABORT,
+tried again next time, never a torn replica. Sending is paced to
+``replication_rate`` bytes per second for the node as a whole.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import stat
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from ..logsetup import ctx
+from ..workers import files as workerfiles
+from ..workers import snapshot_format as fmt
+from .channel import Channel, ChannelError, Kind, Refusal, client_hello
+from .messages import Offer, Reply
+from .stats import ReplicationStats, Replicated
+
+log = logging.getLogger("elasticd.replication.pusher")
+
+
+@dataclass(frozen=True)
+class PushPlan:
+    """A job running here whose snapshots go to a buddy."""
+    job_id: str
+    job_dir: str
+    uid: int
+    ranks: tuple          # this node's ranks in the round
+    world_size: int
+    buddy: str            # node id
+    address: str
+    port: int
+
+
+def buddy_of(member_ids: list[str], me: str) -> str | None:
+    """The next member after ``me`` in the round's ring order; None when alone or absent."""
+    if me not in member_ids or len(member_ids) < 2:
+        return None
+    return member_ids[(member_ids.index(me) + 1) % len(member_ids)]
+
+
+def newest_common(plan: PushPlan) -> tuple[int, dict] | None:
+    """(step, {rank: (slot, header)}) of the newest step every rank here holds complete."""
+    held: dict[int, dict] = {}
+    for rank in plan.ranks:
+        steps = held.setdefault(rank, {})
+        for slot in fmt.SLOTS:
+            got = workerfiles.read(os.path.join(plan.job_dir, fmt.slot_name(rank, slot)),
+                                   plan.uid, fmt.HEADER_USED, whole=False)
+            if not got.ok:
+                continue
+            try:
+                h = fmt.parse(got.data)
+            except fmt.BadHeader:
+                continue
+            if h.state is fmt.SlotState.COMPLETE and h.rank == rank \
+                    and h.world_size == plan.world_size and got.size >= h.total_bytes:
+                steps[h.step] = (slot, h)
+    common = set.intersection(*(set(s) for s in held.values())) if held else set()
+    if not common:
+        return None
+    step = max(common)
+    return step, {rank: held[rank][step] for rank in plan.ranks}
+
+
+def copy_slot(path: str, uid: int, header: fmt.Header) -> bytearray | None:
+    """The slot file's bytes (header, meta, data) if it still holds ``header`` after the
+    copy; None when it changed (a save began) or is not the job's user's plain file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != uid or st.st_size < header.total_bytes:
+            return None
+        data = bytearray(header.total_bytes)
+        view, at = memoryview(data), 0
+        while at < len(data):
+            n = os.preadv(fd, [view[at:]], at)
+            if n <= 0:
+                return None
+            at += n
+        again = fmt.parse(os.pread(fd, fmt.HEADER_USED, 0))
+        return data if again == header else None
+    except (OSError, fmt.BadHeader):
+        return None
+    finally:
+        os.close(fd)
+
+
+class Pacer:
+    """Bytes sent at ``rate`` per second at most, over the pusher's life."""
+
+    def __init__(self, rate: int, stop: threading.Event, clock=time.monotonic):
+        self._rate, self._stop, self._clock = rate, stop, clock
+        self._free_at = clock()
+
+    def take(self, n: int) -> bool:
+        """Wait until the bytes before have had their time, then let ``n`` more go (one
+        frame's burst); False when stopped meanwhile."""
+        now = self._clock()
+        start = max(self._free_at, now)
+        self._free_at = start + n / self._rate
+        return not (start > now and self._stop.wait(start - now))
+
+
+class Pusher:
+    def __init__(self, settings, key: bytes, domain: str, node_id: str,
+                 plans: Callable[[], list[PushPlan]], stats: ReplicationStats):
+        self._s, self._key, self._domain, self._me = settings, key, domain, node_id
+        self._plans, self.stats = plans, stats
+        self._stop = threading.Event()
+        self._pacer = Pacer(settings.replication_rate, self._stop)
+        self._acked: dict[tuple[str, str], int] = {}   # (job, buddy) -> step acknowledged
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="replication-push", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 2.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._s.replication_interval):
+            try:
+                plans = self._plans()
+                live = {p.job_id for p in plans}
+                self.stats.forget_others(live)
+                self._acked = {k: v for k, v in self._acked.items() if k[0] in live}
+                for plan in plans:
+                    if self._stop.is_set():
+                        return
+                    self.push(plan)
+            except Exception:
+                log.exception("%s: replication push failed", ctx(node=self._me))
+
+    def push(self, plan: PushPlan) -> str:
+        """Send the job's newest snapshot here to its buddy if it has not got it; one
+        sentence saying what happened."""
+        where = ctx(job=plan.job_id, node=self._me)
+        newest = newest_common(plan)
+        if newest is None:
+            return "no complete snapshot here"
+        step, slots = newest
+        if self._acked.get((plan.job_id, plan.buddy), -1) >= step:
+            return f"step {step} already at {plan.buddy}"
+        try:
+            sock = socket.create_connection((plan.address, plan.port),
+                                            timeout=self._s.replication_timeout)
+        except OSError as exc:
+            log.warning("%s: cannot reach buddy %s at %s:%d: %s", where, plan.buddy,
+                        plan.address, plan.port, exc.strerror or exc)
+            return "buddy unreachable"
+        chan = None
+        try:
+            chan = client_hello(sock, self._key, self._domain, self._me, plan.buddy,
+                                self._s.replication_max_frame)
+            for rank, (slot, header) in sorted(slots.items()):
+                why = self._send_file(chan, plan, rank, slot, header)
+                if why:
+                    log.warning("%s: step %d of rank %d not replicated to %s: %s", where,
+                                step, rank, plan.buddy, why)
+                    return why
+        except ChannelError as exc:
+            self.stats.refused(exc.why)
+            log.warning("%s: replication to %s failed: %s", where, plan.buddy, exc)
+            return str(exc)
+        finally:
+            if chan is not None:
+                self.stats.sent(chan.bytes_sent)
+            sock.close()
+        now = time.time()
+        saved = max(h.saved_at_ns for _, h in slots.values()) / 1e9
+        first = (plan.job_id, plan.buddy) not in self._acked
+        self._acked[(plan.job_id, plan.buddy)] = step
+        self.stats.replicated(plan.job_id, Replicated(plan.buddy, step, now,
+                                                      max(0.0, now - saved)))
+        # The first replica to a buddy is news; the next ones (every step) are not.
+        (log.info if first else log.debug)(
+            "%s: step %d replicated to node %s (%.2f s after the save)", where, step,
+            plan.buddy, now - saved)
+        return f"step {step} replicated to {plan.buddy}"
+
+    def _send_file(self, chan: Channel, plan: PushPlan, rank: int, slot: str,
+                   header: fmt.Header) -> str:
+        """Offer and send one slot file; '' when the buddy holds it now, else why not."""
+        data = copy_slot(os.path.join(plan.job_dir, fmt.slot_name(rank, slot)), plan.uid,
+                         header)
+        if data is None:
+            return "the slot changed while it was read (a newer save): next time"
+        offer = Offer(plan.job_id, rank, slot, header.step, header.saved_at_ns, len(data))
+        chan.send(Kind.OFFER, offer.to_bytes())
+        reply = self._reply(chan)
+        if not reply.ok:
+            return f"refused: {reply.why}"
+        if reply.have:
+            return ""
+        step, view = self._s.replication_max_frame, memoryview(data)
+        for at in range(0, len(data), step):
+            chunk = bytes(view[at:at + step])
+            if not self._pacer.take(len(chunk)):
+                chan.send(Kind.ABORT)
+                return "stopping"
+            chan.send(Kind.CHUNK, chunk)
+        chan.send(Kind.END)
+        reply = self._reply(chan)
+        return "" if reply.ok else f"refused: {reply.why}"
+
+    @staticmethod
+    def _reply(chan: Channel) -> Reply:
+        kind, payload = chan.recv()
+        if kind is not Kind.REPLY:
+            raise ChannelError(Refusal.GARBAGE, f"a {kind.name} frame for a reply")
+        try:
+            return Reply.from_bytes(payload)
+        except ValueError as exc:
+            raise ChannelError(Refusal.GARBAGE, f"a reply that does not parse: {exc}") from None
