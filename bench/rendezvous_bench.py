@@ -150,8 +150,9 @@ def setup_ours(n: int, url: str, shared_view: bool):
     calls = [(lambda p=p: p.next_round(stop)) for p in parts]
 
     def check(results):
-        ranks = sorted(r.group_rank for r in results)
-        worlds = {(r.group_world_size, r.master_addr, r.master_port) for r in results}
+        ranks = sorted(r.place.group_rank for r in results)
+        worlds = {(r.place.group_world_size, r.place.master_addr, r.place.master_port)
+                  for r in results}
         return ranks == list(range(n)) and len(worlds) == 1
 
     def cleanup():
@@ -192,7 +193,7 @@ def setup_torch(n: int, impl: str, url: str):
 
     def check(results):
         ranks = sorted(r.rank for r in results)
-        return ranks == list(range(n)) and {r.world_size for r in results} == {n}
+        return ranks == list(range(n)) and {r.place.world_size for r in results} == {n}
 
     def cleanup():
         for h in handlers:

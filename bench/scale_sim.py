@@ -193,17 +193,17 @@ class SimNode:
         """What the agent's tracker would offer now: RANKS ranks training at ~10 steps/s."""
         from elasticd.hangs.phase_board import NodePhases, RankPhase
         from elasticd.hangs.timeouts import PhaseRecord
-        base = self.result.group_rank * RANKS
+        base = self.result.place.group_rank * RANKS
         steps = int((t - self.done_at) * 10)
         ranks = tuple(RankPhase(base + i, "train", t - self.done_at, steps,
                                 0.08 + 0.002 * ((steps + i) % 5)) for i in range(RANKS))
-        self.publisher.offer(NodePhases(self.node_id, self.result.round, ranks,
+        self.publisher.offer(NodePhases(self.node_id, self.result.place.round, ranks,
                                         (PhaseRecord("train", steps * RANKS, 0.12),)))
 
     def read_peers(self) -> None:
         from elasticd.hangs.phase_board import JobPeers
         JobPeers.of(self.rdzv.peer_phases(), list(self.result.members), self.node_id,
-                    self.result.round, self.cfg.agent.phase_stale_after, time.monotonic())
+                    self.result.place.round, self.cfg.agent.phase_stale_after, time.monotonic())
 
     def counters(self) -> dict:
         with self.store._lock:
@@ -262,8 +262,8 @@ def worker(conn, node_ids: list, url: str, prefix: str, key: bytes, overrides: d
             failed = [f"{node.node_id}: {node.failed}" for node in nodes if node.failed]
             if failed:
                 raise RuntimeError(f"{len(failed)} nodes got no round: {failed[0]}")
-            return [(node.rdzv.job_id, node.done_at, node.result.group_rank,
-                     node.result.group_world_size) for node in nodes]
+            return [(node.rdzv.job_id, node.done_at, node.result.place.group_rank,
+                     node.result.place.group_world_size) for node in nodes]
         if cmd == "holds":          # whether every node's view holds the jobs ``arg``
             return all(node.view.job(j) is not None for node in nodes for j in arg)
         if cmd == "publish":

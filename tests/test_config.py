@@ -107,7 +107,7 @@ def test_bad_value_names_the_field_and_the_rule(tmp_path):
 
 
 def test_inprocess_rules_are_the_wrappers_named_once(tmp_path):
-    """config.py reports the wrapper's own rules (inprocess/settings.problems) under
+    """config.py reports the wrapper's own rules (workers/inprocess_settings.problems) under
     inprocess.<field>, and a field a bound already refused is not named twice."""
     from elasticd.inprocess import InProcessSettings
     with pytest.raises(ConfigError) as excinfo:
@@ -276,11 +276,11 @@ def test_describe_lists_every_setting_with_its_env_name():
 
 
 def test_inprocess_section_is_the_wrappers_settings_type_and_imports_no_torch():
-    """One definition of the in-process settings (inprocess/settings.py) for the config
+    """One definition of the in-process settings (workers/inprocess_settings.py) for the config
     and the wrapper; loading the config still imports no torch."""
     import subprocess
     import sys
-    from elasticd.inprocess import settings
+    from elasticd.workers import inprocess_settings as settings
     assert config.InprocessSettings is settings.InprocessSettings
     code = ("import sys, elasticd.config; assert 'torch' not in sys.modules, "
             "'config imported torch'")

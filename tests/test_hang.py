@@ -113,8 +113,9 @@ class FakeWorker:
 class FakeGroup:
     def __init__(self, pids, world_size=None):
         # A job on this node alone unless world_size says it has ranks elsewhere.
+        place = type("Place", (), {"world_size": world_size or len(pids)})()
         self.spec = type("Spec", (), {"run_dir": "/run/j", "uid": 0, "nproc": len(pids),
-                                      "world_size": world_size or len(pids)})()
+                                      "place": place})()
         self.workers = [FakeWorker(r, p) for r, p in enumerate(pids)]
 
 

@@ -223,7 +223,7 @@ def floors_and_upward_arrows() -> tuple[list[list[str]], list[str]]:
 
 # Where the house stands now; lower these as the arrows go (issue #31: at most
 # 7 floors and 3 arrows back up).
-MAX_FLOORS = 13
+MAX_FLOORS = 12
 MAX_UPWARD = 3
 
 

@@ -873,7 +873,7 @@ def test_a_round_costs_one_join_write_per_node_and_one_close(etcd):
         finally:  # a round that never closes must not hold the pool's shutdown
             stop.set()
             pool.shutdown(wait=True)
-        assert sorted(r.group_rank for r in results) == list(range(n))
+        assert sorted(r.place.group_rank for r in results) == list(range(n))
         assert counts == {"join": n, "cas": 1}, counts
     finally:
         stop.set()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from elasticd.agent.newcomer import NewcomerWarmup, WarmVerdict, judge
 from elasticd.workers.group import GroupSpec
+from elasticd.workers.round_place import RoundPlace
 
 
 def test_asks_once_every_rank_has_an_imported_spare():
@@ -46,9 +47,10 @@ class FakeSpares:
 
 def spec(tmp_path, command=("python", "-m", "train")):
     return GroupSpec(job_id="j1", command=tuple(command), cwd=str(tmp_path), env={},
-                     uid=0, gid=0, nproc=2, restart_count=0, max_restarts=-1, round=3,
-                     group_rank=1, group_world_size=2, world_size=4, rank_offset=2,
-                     master_addr="", master_port=0, log_dir=str(tmp_path / "logs"),
+                     uid=0, gid=0, nproc=2, restart_count=0, max_restarts=-1,
+                     place=RoundPlace(round=3, group_rank=1, group_world_size=2, world_size=4,
+                                      rank_offset=2, master_addr="", master_port=0),
+                     log_dir=str(tmp_path / "logs"),
                      run_dir=str(tmp_path / "run"), node_id="n2")
 
 

@@ -266,20 +266,20 @@ def test_survivors_keep_relative_order_after_a_loss():
     members = order_members(js)
     assert [m.node_id for m in members] == ["c", "e"]
     state = closed(list(members), rnd=2)
-    assert result_for(state, "c", own_joins(state)).group_rank == 0
-    assert result_for(state, "e", own_joins(state)).group_rank == 1
+    assert result_for(state, "c", own_joins(state)).place.group_rank == 0
+    assert result_for(state, "e", own_joins(state)).place.group_rank == 1
 
 
 def test_ranks_stable_across_a_scale_up_round():
     # Round 1 closed with b, a (b first); a newcomer "0" (smallest id) joins round 2.
     r1 = closed([Member("b", "hb", 2, 1), Member("a", "ha", 2, 2)], rnd=1)
-    prev = {n: result_for(r1, n, own_joins(r1)).group_rank for n in ("a", "b")}
+    prev = {n: result_for(r1, n, own_joins(r1)).place.group_rank for n in ("a", "b")}
     new, _ = decide(open_round(rnd=2, expected=("0", "a", "b")),
                     joins("0", "a", "b", nproc=2, prev=prev), now=0.0)
     assert new.member_ids() == ["b", "a", "0"]
     for node in ("a", "b"):
-        assert result_for(new, node, own_joins(new)).rank_offset == \
-            result_for(r1, node, own_joins(r1)).rank_offset
+        assert result_for(new, node, own_joins(new)).place.rank_offset == \
+            result_for(r1, node, own_joins(r1)).place.rank_offset
 
 
 def test_order_members_carries_address_nproc_and_port():
@@ -299,12 +299,13 @@ def test_result_for_offsets_world_and_master():
     state = closed([Member("x", "10.0.0.9", 2, 29500), Member("y", "10.0.0.8", 3, 29501),
                     Member("z", "10.0.0.7", 1, 29502)], rnd=7)
     rx, ry, rz = (result_for(state, n, own_joins(state)) for n in ("x", "y", "z"))
-    assert [r.group_rank for r in (rx, ry, rz)] == [0, 1, 2]
-    assert [r.rank_offset for r in (rx, ry, rz)] == [0, 2, 5]
-    assert {r.world_size for r in (rx, ry, rz)} == {6}
-    assert {r.group_world_size for r in (rx, ry, rz)} == {3}
-    assert {(r.master_addr, r.master_port) for r in (rx, ry, rz)} == {("10.0.0.9", 29500)}
-    assert {r.round for r in (rx, ry, rz)} == {7}
+    places = [r.place for r in (rx, ry, rz)]
+    assert [p.group_rank for p in places] == [0, 1, 2]
+    assert [p.rank_offset for p in places] == [0, 2, 5]
+    assert {p.world_size for p in places} == {6}
+    assert {p.group_world_size for p in places} == {3}
+    assert {(p.master_addr, p.master_port) for p in places} == {("10.0.0.9", 29500)}
+    assert {p.round for p in places} == {7}
     assert rz.members == ("x", "y", "z")
 
 
@@ -315,7 +316,7 @@ def test_every_global_rank_exactly_once():
     ranks = []
     for m in members:
         r = result_for(state, m.node_id, own_joins(state))
-        ranks += range(r.rank_offset, r.rank_offset + m.nproc)
+        ranks += range(r.place.rank_offset, r.place.rank_offset + m.nproc)
     assert sorted(ranks) == list(range(10))
 
 
@@ -445,7 +446,8 @@ def test_a_hosted_master_port_reaches_every_node_and_old_records_read_as_not_hos
                                             members=order_members(js)).to_json())
     for node in ("a", "b"):
         r = result_for(state, node, own_joins(state))
-        assert (r.master_addr, r.master_port, r.master_hosted) == ("10.0.0.1", 41000, True)
+        assert (r.place.master_addr, r.place.master_port, r.master_hosted) == \
+            ("10.0.0.1", 41000, True)
     assert Join.from_json(js[0].to_json()).hosted is True
     old = json.dumps({"node_id": "a", "address": "x", "nproc": 1, "port": 1})
     assert Join.from_json(old).hosted is False

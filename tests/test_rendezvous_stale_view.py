@@ -96,7 +96,8 @@ def test_a_node_cut_off_from_etcd_does_not_run_its_last_round_again():
             t.start()
         for t in threads:
             t.join(20)
-        assert got["a"].round == got["b"].round == 1 and got["a"].group_world_size == 2
+        assert got["a"].place.round == got["b"].place.round == 1 \
+            and got["a"].place.group_world_size == 2
 
         cut.partition("j1")
         # a's worker fails; its ask for a new round cannot get through
@@ -109,7 +110,7 @@ def test_a_node_cut_off_from_etcd_does_not_run_its_last_round_again():
             "a", next_round_as_the_agent(a, stop)))
         waiter.start()
         waiter.join(1.0)
-        assert "a" not in again, f"a ran round {again['a'].round} again while cut off"
+        assert "a" not in again, f"a ran round {again['a'].place.round} again while cut off"
 
         cut.heal()  # a's ask goes through now: the next round forms with both
         b_next = {}
@@ -117,7 +118,7 @@ def test_a_node_cut_off_from_etcd_does_not_run_its_last_round_again():
         tb.start()
         waiter.join(20)
         tb.join(20)
-        assert again["a"].round == b_next["b"].round == 2, (again, b_next)
+        assert again["a"].place.round == b_next["b"].place.round == 2, (again, b_next)
     finally:
         stop.set()
         with view.changed:

@@ -169,6 +169,7 @@ def test_the_window_is_counted_cluster_wide_whichever_node_restarts(tmp_path):
     from elasticd.rendezvous.view import JobsView
     from elasticd.store import MemoryStore
     from elasticd.trust.sealed import PLAIN
+    from elasticd.workers.round_place import RoundPlace
 
     store = MemoryStore()
     view = JobsView(store, records=PLAIN, retry=0.2)
@@ -191,8 +192,9 @@ def test_the_window_is_counted_cluster_wide_whichever_node_restarts(tmp_path):
             deadline = time.monotonic() + 10
             while view.revision < rev and time.monotonic() < deadline:
                 view.wait(0.1)
-            return Result(round=state.round, group_rank=0, group_world_size=2, world_size=2,
-                          rank_offset=0, master_addr="127.0.0.1", master_port=1)
+            return Result(RoundPlace(round=state.round, group_rank=0, group_world_size=2,
+                                     world_size=2, rank_offset=0, master_addr="127.0.0.1",
+                                     master_port=1))
 
         first = nodes["n1"].reopen(closed_round(), "rank 0 exited 1", True)
         second = nodes["n2"].reopen(closed_round(), "rank 1 exited 1", True)

@@ -19,6 +19,7 @@ import psutil
 
 from elasticd.jobstore.round_host import RoundStoreHost, worker_env
 from elasticd.workers.group import GroupSpec
+from elasticd.workers.round_place import RoundPlace
 
 CLIENT = r"""
 import datetime, sys
@@ -35,8 +36,7 @@ else:
 def spec(tmp_path, command=(sys.executable, "-m", "train")) -> GroupSpec:
     return GroupSpec(job_id="j1", command=tuple(command), cwd=str(tmp_path), env={},
                      uid=os.getuid(), gid=os.getgid(), nproc=1, restart_count=0,
-                     max_restarts=-1, round=0, group_rank=0, group_world_size=1,
-                     world_size=1, rank_offset=0, master_addr="", master_port=0,
+                     max_restarts=-1, place=RoundPlace.before_any_round(1),
                      log_dir=str(tmp_path / "logs"), run_dir=str(tmp_path / "run"),
                      node_id="n1")
 

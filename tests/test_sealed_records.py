@@ -138,14 +138,14 @@ def test_a_closed_rounds_master_address_comes_only_from_its_own_join():
     joins = {m.node_id: Join(m.node_id, m.address, m.nproc, m.port, hosted=m.hosted)
              for m in members}
     assert master_problem(state, joins) == (None, "")
-    assert result_for(state, "n2", joins).master_port == 29500
+    assert result_for(state, "n2", joins).place.master_port == 29500
     cause, why = master_problem(state, {"n2": joins["n2"]})
     assert cause is RoundCause.NODE_LOST and "n1" in why
     moved = {**joins, "n1": Join("n1", "10.6.6.6", 1, 29500, hosted=True)}
     assert master_problem(state, moved)[0] is RoundCause.FAULT
     assert result_for(state, "n2", moved) is None and result_for(state, "n2", {}) is None
     # Only the first member's address matters: another member's join may be gone (lost).
-    assert result_for(state, "n1", {"n1": joins["n1"]}).group_rank == 0
+    assert result_for(state, "n1", {"n1": joins["n1"]}).place.group_rank == 0
 
 
 def alone_in_a_round(store, view, node: str, max_nodes: int):
@@ -184,7 +184,7 @@ def test_a_round_whose_first_member_did_not_join_it_is_not_run_but_replaced(seal
                            store.get(key).revision)
     got = alone_in_a_round(store, view, "n2", max_nodes=2)
     assert got is not None, "n2 formed no round of its own"
-    assert (got.round, got.members, got.master_addr) == (2, ("n2",), "10.0.0.2")
+    assert (got.place.round, got.members, got.place.master_addr) == (2, ("n2",), "10.0.0.2")
 
 
 def test_a_job_whose_state_an_older_daemon_wrote_opens_a_new_sealed_round(sealed_view):
@@ -195,7 +195,7 @@ def test_a_job_whose_state_an_older_daemon_wrote_opens_a_new_sealed_round(sealed
     store.create("/v1/jobs/j1/state", RoundState(round=7, status=CLOSED, members=(
         Member("n1", "10.0.0.1", 1, 29500),)).to_json())       # unsigned: refused
     got = alone_in_a_round(store, view, "n1", max_nodes=1)
-    assert got is not None and got.round == 1 and got.members == ("n1",)
+    assert got is not None and got.place.round == 1 and got.members == ("n1",)
     assert records.open(Kind.STATE, "/v1/jobs/j1/state",
                         store.get("/v1/jobs/j1/state").value).doc["status"] == CLOSED
 

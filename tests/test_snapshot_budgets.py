@@ -15,6 +15,7 @@ from elasticd.workers import env as envnames
 from elasticd.workers import snapshot_format as fmt
 from elasticd.workers.group import prepare_dirs, worker_env
 from elasticd.workers.launch import SpawnError
+from elasticd.workers.round_place import RoundPlace
 from elasticd.workers.snapshot_dirs import (SnapshotBudgets, SnapshotGrant, ensure_job_dir,
                                             prepare_root)
 from elasticd.workers.snapshot_status import read_dir
@@ -89,8 +90,9 @@ def spec(tmp_path, snapshot: SnapshotGrant | None) -> GroupSpec:
     return GroupSpec(job_id="j1", command=("python", "x.py"), cwd=str(tmp_path),
                      env={envnames.SNAPSHOT_DIR: "/mine", envnames.SNAPSHOT_BUDGET: "1"},
                      uid=os.geteuid(), gid=os.getegid(), nproc=2, restart_count=0,
-                     max_restarts=-1, round=1, group_rank=0, group_world_size=1, world_size=2,
-                     rank_offset=0, master_addr="127.0.0.1", master_port=1,
+                     max_restarts=-1,
+                     place=RoundPlace(round=1, group_rank=0, group_world_size=1, world_size=2,
+                                      rank_offset=0, master_addr="127.0.0.1", master_port=1),
                      log_dir=str(tmp_path / "logs"), run_dir=str(tmp_path / "run"),
                      node_id="n1", snapshot=snapshot)
 

@@ -19,6 +19,7 @@ import pytest
 
 from daemons import short_tmpdir
 from elasticd.workers.group import GroupSpec
+from elasticd.workers.round_place import RoundPlace
 from elasticd.workers.template_key import (
     READ_NAMES_MAX, EnvReads, TemplateKey, key_from_record, key_to_record, template_env)
 from test_local_trust import User, real_users
@@ -94,9 +95,10 @@ def _spec(**changes) -> GroupSpec:
     base = dict(job_id="j1", command=(PY, "-u", "train.py", "--lr", "1"), cwd="/w",
                 env={"PATH": "/usr/bin", "PWD": "/w", "SHLVL": "1",
                      "ELASTICD_STORE_SECRET": "a" * 32}, uid=os.geteuid(), gid=os.getegid(),
-                nproc=2, restart_count=0, max_restarts=0, round=1, group_rank=0,
-                group_world_size=1, world_size=2, rank_offset=0, master_addr="",
-                master_port=0, log_dir="/l", run_dir="/r")
+                nproc=2, restart_count=0, max_restarts=0,
+                place=RoundPlace(round=1, group_rank=0, group_world_size=1, world_size=2,
+                                 rank_offset=0, master_addr="", master_port=0),
+                log_dir="/l", run_dir="/r")
     base.update(changes)
     return GroupSpec(**base)
 
@@ -107,8 +109,11 @@ def test_two_jobs_share_a_key_only_when_all_that_shapes_imports_is_equal():
     assert TemplateKey.of(_spec(job_id="j2", command=(PY, "-u", "train.py", "--lr", "2"),
                                 env={"PATH": "/usr/bin", "PWD": "/elsewhere", "SHLVL": "3",
                                      "ELASTICD_STORE_SECRET": "b" * 32, "RUN_NAME": "exp2",
-                                     "SEED": "7", "WANDB_RUN_ID": "x1"}, round=7,
-                                master_port=1234, log_dir="/l2", run_dir="/r2"),
+                                     "SEED": "7", "WANDB_RUN_ID": "x1"},
+                                place=RoundPlace(round=7, group_rank=0, group_world_size=1,
+                                                 world_size=2, rank_offset=0, master_addr="",
+                                                 master_port=1234),
+                                log_dir="/l2", run_dir="/r2"),
                           ["torch"]) == key
     env = dict(_spec().env)
     for other in (dict(uid=key.uid + 1), dict(gid=key.gid + 1), dict(cwd="/v"),

@@ -2,7 +2,7 @@
 
 ``config/`` reads this metadata to document (``--help``, the sample TOML)
 and to check (``min``, ``max``, ``choices``) every setting; the in-process
-settings (inprocess/settings.py) are built with it too, so the daemon's
+settings (workers/inprocess_settings.py) are built with it too, so the daemon's
 ``[inprocess]`` section and the worker-side wrapper share one definition.
 Stdlib only: the wrapper imports it inside the job's interpreter.
 """

@@ -54,12 +54,12 @@ class AttemptWatch:
     def check(self, group: WorkerGroup, result: Result) -> None:
         """Hang detection, one look; a job across nodes shares its ranks' phases and
         step times with its other nodes (hangs/phase_board.py) and decides on theirs."""
-        if result.group_world_size <= 1 or not self._cfg.agent.hang_detection:
+        if result.place.group_world_size <= 1 or not self._cfg.agent.hang_detection:
             self._progress.check(group)
             return
         a = self._cfg.agent
         peers = JobPeers.of(self._rdzv.peer_phases(), list(result.members),
-                            self._cfg.daemon.node_id, result.round, a.phase_stale_after,
+                            self._cfg.daemon.node_id, result.place.round, a.phase_stale_after,
                             time.monotonic())
         self._progress.check(group, peers)
         if self._phase_pub is None:
@@ -67,7 +67,7 @@ class AttemptWatch:
                 self.job_id, self._cfg.daemon.node_id, a, self._rdzv.publish_phases,
                 self._rdzv.delete_phases)
             self._phase_pub.start()
-        self._phase_pub.offer(self._progress.snapshot(result.round))
+        self._phase_pub.offer(self._progress.snapshot(result.place.round))
 
     def forget(self, rank: int) -> None:
         """The rank was replaced: what was known of its progress goes."""

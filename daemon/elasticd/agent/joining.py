@@ -15,8 +15,9 @@ from typing import Callable
 
 from ..config import Config
 from ..jobs.registry import JobRecord, JobRegistry
-from ..rendezvous.protocol import Result, RoundState
+from ..rendezvous.protocol import RoundState
 from ..workers.group import GroupSpec
+from ..workers.round_place import RoundPlace
 from ..workers.spares import SparePool
 from ..workers.template import TemplateState
 from .newcomer import NewcomerWarmup, WarmVerdict
@@ -27,7 +28,7 @@ log = logging.getLogger("elasticd.agent.loop")  # the agent's lines, as they alw
 
 class JoinGate:
     def __init__(self, job_id: str, cfg: Config, registry: JobRegistry, tpl: JobTemplate,
-                 spares: SparePool, group_spec: Callable[[JobRecord, Result], GroupSpec],
+                 spares: SparePool, group_spec: Callable[[JobRecord, RoundPlace], GroupSpec],
                  where: Callable[[int], str]):
         self.job_id = job_id
         self._cfg = cfg
@@ -73,7 +74,7 @@ class JoinGate:
         n = len(state.members) or len(state.expected)
         offset = sum(m.nproc for m in state.members) if state.members \
             else n * job.nproc_per_node
-        check, first = self._newcomer.check(lambda: self._group_spec(job, Result(
+        check, first = self._newcomer.check(lambda: self._group_spec(job, RoundPlace(
             round=state.round + 1, group_rank=n, group_world_size=n + 1,
             world_size=offset + job.nproc_per_node, rank_offset=offset, master_addr="",
             master_port=0)))

@@ -176,13 +176,15 @@ class Agent:
             self._round_state = result.state or self._round_state
             state = self._round_state
             job = self._registry.update(
-                self.job_id, round=result.round,
+                self.job_id, round=result.place.round,
                 **({"restarts": state.restarts, "restart_times": list(state.restart_times)}
                    if state else {}))
             if job.max_nodes <= 1:  # one node: its stores listen on loopback alone
-                result = dataclasses.replace(result, master_addr=LOOPBACK,
-                                             store_addr=LOOPBACK if result.store_addr else "")
-            spec = self._stores.with_job_store(job, self._place.group_spec(job, result), result)
+                result = dataclasses.replace(
+                    result, place=dataclasses.replace(result.place, master_addr=LOOPBACK),
+                    store_addr=LOOPBACK if result.store_addr else "")
+            spec = self._stores.with_job_store(
+                job, self._place.group_spec(job, result.place), result)
             if result.master_hosted:  # a round store listens on MASTER_PORT already
                 spec = dataclasses.replace(spec, extra_env={
                     **spec.extra_env, **round_host.worker_env(True)})
@@ -209,18 +211,19 @@ class Agent:
                                           last_failure=self._notes.record(job, -1, 127, 0,
                                                                           str(exc)))
                 return
-            last = result.rank_offset + len(group.workers) - 1
+            place = result.place
+            last = place.rank_offset + len(group.workers) - 1
             self._registry.transition(
                 self.job_id, JobState.RUNNING,
-                f"round {result.round}: ranks {result.rank_offset}..{last} of "
-                f"{result.world_size} on {result.group_world_size} node(s)",
+                f"round {place.round}: ranks {place.rank_offset}..{last} of "
+                f"{place.world_size} on {place.group_world_size} node(s)",
                 workers=self._place.worker_rows(group))
             self._recovery.recovered()
             self._tpl.note_start(group, result)
             self._publish(group)
             if self._metrics:
                 self._metrics.workers_started_n(len(group.workers))
-                self._metrics.round_nodes(result.group_world_size)  # metrics: participants
+                self._metrics.round_nodes(result.place.group_world_size)  # metrics: participants
             decision = self._monitor(group, result, started_warm)
             if not self._apply(decision, group, result):
                 return
@@ -245,12 +248,12 @@ class Agent:
                 peers_done = True
                 if outcomes and all(rc == 0 for rc in outcomes):
                     if not marked_done:
-                        self._rdzv.mark_done(result.round)
+                        self._rdzv.mark_done(result.place.round)
                         marked_done = True
                     peers_done = self._rdzv.all_done(result)
             except StoreError as exc:
                 # etcd is away: training goes on; decide on the workers alone.
-                log.debug("%s: round status unknown: %s", self._where(result.round), exc)
+                log.debug("%s: round status unknown: %s", self._where(result.place.round), exc)
                 round_status, peers_done = CURRENT, False
             if round_status.state is not None:
                 self._round_state = round_status.state
@@ -260,19 +263,19 @@ class Agent:
                 tuple(outcomes), restarts, max_restarts, cancel, self.shutting_down,
                 round_status=round_status, peers_done=peers_done,
                 inprocess_left=self._recovery.inprocess_left(),
-                gave_up=self._recovery.gave_up(), remote_ranks=result.group_world_size > 1))
+                gave_up=self._recovery.gave_up(), remote_ranks=result.place.group_world_size > 1))
             if decision.action is Action.REPLACE:
                 self._replacer.replace_dead(group)
                 self._refill.arm(time.monotonic(), False)  # the replacement took a spare
             elif decision.action is Action.SCALE_UP:
-                if result.group_rank == 0 and not scale_requested:
+                if result.place.group_rank == 0 and not scale_requested:
                     scale_requested = True
                     self._try(lambda: self._rdzv.reopen(result, decision.reason, False,
                                                         RoundCause.NODE_WAITING))
             elif decision.action is not Action.CONTINUE:
                 return decision
             self._refill.tick(group.spec, self._attempt.first_beat,
-                              max_restarts < 0 or restarts < max_restarts, result.round)
+                              max_restarts < 0 or restarts < max_restarts, result.place.round)
             self._tpl.note()
             if self._attempt.first_beat is not None and not self._tpl.preload_read:
                 self._tpl.learn_preload(group.spec)
@@ -378,7 +381,7 @@ class Agent:
         record = dict(plan.to_dict(), node_id=self._cfg.daemon.node_id, time=time.time())
         climb = self._recovery.ladder.begin(Layer.PROCESS, failure.cause, failure.time,
                                             failure.rank)
-        log.info("%s: %s", self._where(result.round), plan.sentence())
+        log.info("%s: %s", self._where(result.place.round), plan.sentence())
         self._fault_handled(failure, Layer.PROCESS, self._registry.transition(
             self.job_id, JobState.RESTARTING,
             f"{climb.cause}; {decision.reason}; {plan.sentence()}",

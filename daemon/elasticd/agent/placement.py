@@ -4,7 +4,7 @@
 the same for every attempt and replaced rank), asks the node's snapshot ledger
 for the job's snapshot dir and budget each time it makes a spec
 (workers/snapshot_dirs.py: computed where a group starts), and makes from the
-job's record and a round the ``GroupSpec`` its workers are spawned from
+job's record and its place in a round the ``GroupSpec`` its workers are spawned from
 (``group_spec``), the one for what the node starts for the job as a whole
 (``node_spec``: its template, round stores and job store), and the worker
 rows the job's record and the cluster get (``worker_rows``).
@@ -18,8 +18,8 @@ from ..config import Config
 from ..gpus.alloc import Binding
 from ..jobs.records import WorkerRow
 from ..jobs.registry import JobRecord
-from ..rendezvous.protocol import Result
 from ..workers.group import GroupSpec, WorkerGroup
+from ..workers.round_place import RoundPlace
 from ..workers.snapshot_dirs import SnapshotBudgets
 from . import failures
 
@@ -30,15 +30,12 @@ class Placement:
         self.binding = binding
         self._snapshots = snapshots
 
-    def group_spec(self, job: JobRecord, rdzv: Result) -> GroupSpec:
+    def group_spec(self, job: JobRecord, place: RoundPlace) -> GroupSpec:
         d = self._cfg.daemon
         return GroupSpec(
             job_id=job.id, command=tuple(job.command), cwd=job.cwd, env=job.env,
             uid=job.uid, gid=job.gid, nproc=job.nproc_per_node,
-            restart_count=job.restarts, max_restarts=job.max_restarts, round=rdzv.round,
-            group_rank=rdzv.group_rank, group_world_size=rdzv.group_world_size,
-            world_size=rdzv.world_size, rank_offset=rdzv.rank_offset,
-            master_addr=rdzv.master_addr, master_port=rdzv.master_port,
+            restart_count=job.restarts, max_restarts=job.max_restarts, place=place,
             log_dir=self.log_dir(job),
             run_dir=os.path.join(self._cfg.jobs_run_dir, job.id), node_id=d.node_id,
             device_env=self.binding.env(), cpus=self.binding.cpus,
@@ -50,9 +47,7 @@ class Placement:
     def node_spec(self, job: JobRecord, master_addr: str = "") -> GroupSpec:
         """The job's spawn spec before any round: for what this node starts for the job
         as a whole (its template, round stores and job store), not for one round's ranks."""
-        return self.group_spec(job, Result(
-            round=0, group_rank=0, group_world_size=1, world_size=job.nproc_per_node,
-            rank_offset=0, master_addr=master_addr, master_port=0))
+        return self.group_spec(job, RoundPlace.before_any_round(job.nproc_per_node, master_addr))
 
     def worker_rows(self, group: WorkerGroup) -> list[WorkerRow]:
         b = self.binding  # every worker of the job here: the whole set (LOCAL_RANK indexes)

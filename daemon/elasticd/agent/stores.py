@@ -76,8 +76,8 @@ class JobStores:
         if not job.inprocess:
             return spec
         if not rdzv.store_port:
-            self._registry.event(job.id, "info", f"round {rdzv.round}: its first node hosts no "
-                                 "job store; this round restarts processes only")
+            self._registry.event(job.id, "info", f"round {rdzv.place.round}: its first node "
+                                 "hosts no job store; this round restarts processes only")
             return spec
         settings = {envnames.INPROCESS_PREFIX + name.upper(): str(value)
                     for name, value in dataclasses.asdict(self._cfg.inprocess).items()}

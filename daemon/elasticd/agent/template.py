@@ -127,7 +127,7 @@ class JobTemplate:
         if not why and self.template.state is TemplateState.OFF and self.template.reason:
             why = f"no worker template: {self.template.reason}"
         self._registry.event(
-            self.job_id, "start", f"round {result.round}: {len(paths)} rank(s) started in "
+            self.job_id, "start", f"round {result.place.round}: {len(paths)} rank(s) started in "
             f"{group.start_seconds:.3f} s ({counts})" + (f"; not from the template: {why}"
                                                           if why else ""),
             duration=group.start_seconds, start_path=slowest)

@@ -9,14 +9,14 @@ and raises :class:`ConfigError` naming every bad field at once.
 Where each part lives: the sections' fields in node.py ([daemon], [etcd],
 [cluster], [membership], [rendezvous]), agent.py ([agent]), service.py
 ([control], [limits], [metrics], [events], [retention], [snapshot])
-and inprocess/settings.py ([inprocess]); ``Config`` and ``SECTIONS`` in model.py;
+and workers/inprocess_settings.py ([inprocess]); ``Config`` and ``SECTIONS`` in model.py;
 loading and checking each field in loading.py; the rules between fields in
 rules.py; the sample file, ``--help-config`` and ``documented()`` in sample.py.
 A setting's documentation is its field's ``setting(...)`` call (settingfield.py):
 ``dataclasses.fields(SECTIONS[section])`` gives each field, ``field.metadata``
 its help text and bounds.
 """
-from ..inprocess.settings import InprocessSettings
+from ..workers.inprocess_settings import InprocessSettings
 from .agent import AgentSettings
 from .loading import (DEFAULT_CONFIG_PATH, ENV_PREFIX, ConfigError, default_paths,
                       default_socket_path, load, socket_gid)

@@ -1,7 +1,7 @@
 """The settings object: ``Config``, one frozen section per TOML table (``SECTIONS``).
 
 The sections are declared in config/node.py, config/agent.py, config/service.py
-and inprocess/settings.py; this module puts them together in the order the
+and workers/inprocess_settings.py; this module puts them together in the order the
 sample file and the docs list them.
 """
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from ..inprocess.settings import InprocessSettings
+from ..workers.inprocess_settings import InprocessSettings
 from .agent import AgentSettings
 from .node import (ClusterSettings, DaemonSettings, EtcdSettings, MembershipSettings,
                    RendezvousSettings)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-from ..inprocess.settings import problems as inprocess_problems
+from ..workers.inprocess_settings import problems as inprocess_problems
 from .model import Config
 
 

@@ -305,7 +305,7 @@ class ProgressTracker:
         only while every other node of its round has a fresh record; else the fixed ones
         (here and in the in-process wrapper's limits file; the gaps are still recorded)."""
         learn = LearnSettings.from_settings(self.settings)
-        if group is not None and group.spec.world_size > group.spec.nproc \
+        if group is not None and group.spec.place.world_size > group.spec.nproc \
                 and not self._peers.complete:
             return learn.fixed_only()
         return learn

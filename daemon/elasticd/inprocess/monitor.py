@@ -24,7 +24,7 @@ from ._beat import current_phase, last_beat, steps
 from .coord import IterationStore
 from .pgroup import abort_group
 from .reporter import Reporter, say
-from .settings import InprocessSettings
+from ..workers.inprocess_settings import InprocessSettings
 
 log = logging.getLogger("elasticd.inprocess")
 

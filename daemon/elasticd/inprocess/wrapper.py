@@ -99,7 +99,8 @@ from .monitor import Monitor, RestartRequested
 from .pgroup import import_before_any_group, td, teardown
 from .records import RecordSealer
 from .reporter import Reporter, say
-from .settings import ENV_PREFIX, InprocessSettings, from_env, problems  # noqa: F401
+from ..workers.inprocess_settings import (  # noqa: F401
+    ENV_PREFIX, InprocessSettings, from_env, problems)
 
 log = logging.getLogger("elasticd.inprocess")
 
@@ -110,7 +111,8 @@ class RestartAbandoned(RuntimeError):
 
 @dataclass(frozen=True)
 class InProcessSettings(InprocessSettings):
-    """The daemon's [inprocess] settings (inprocess/settings.py), checked on construction."""
+    """The daemon's [inprocess] settings (workers/inprocess_settings.py), checked on
+    construction."""
 
     def __post_init__(self):
         bad = problems(self)

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field, replace
 
 from ..jobs.restartpolicy import RestartWindow
 from ..jobs.states import JobState
+from ..workers.round_place import RoundPlace
 from .records import (CANCELLED, CLOSED, FAILED, FINAL, OPEN, SUCCEEDED, Join, Member,
                       RoundCause, RoundState)
 
@@ -85,14 +86,8 @@ class RoundClock:
 
 @dataclass(frozen=True)
 class Result:
-    """This node's place in a closed round: plain data for the worker env."""
-    round: int
-    group_rank: int
-    group_world_size: int
-    world_size: int
-    rank_offset: int
-    master_addr: str
-    master_port: int
+    """This node's place in a closed round, and what else the round's members share."""
+    place: RoundPlace       # what the workers' env is made from (workers/spec.py GroupSpec)
     members: tuple = field(default=())
     # The job store every rank of the round shares for in-process restart: the
     # first member's (it hosts rank 0's MASTER_PORT too); empty if it has none.
@@ -228,9 +223,10 @@ def result_for(state: RoundState, node_id: str, joins: dict) -> Result | None:
         return None
     index = ids.index(node_id)
     master = joins[state.members[0].node_id]
-    return Result(round=state.round, group_rank=index, group_world_size=len(ids),
-                  world_size=sum(m.nproc for m in state.members),
-                  rank_offset=sum(m.nproc for m in state.members[:index]),
-                  master_addr=master.address, master_port=master.port,
-                  members=tuple(ids), store_addr=master.address if master.store_port else "",
+    place = RoundPlace(round=state.round, group_rank=index, group_world_size=len(ids),
+                       world_size=sum(m.nproc for m in state.members),
+                       rank_offset=sum(m.nproc for m in state.members[:index]),
+                       master_addr=master.address, master_port=master.port)
+    return Result(place=place, members=tuple(ids),
+                  store_addr=master.address if master.store_port else "",
                   store_port=master.store_port, state=state, master_hosted=master.hosted)

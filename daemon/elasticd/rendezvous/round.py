@@ -162,7 +162,8 @@ class ClusterRendezvous:
                 joins = keys.joins.get(state.round, {})
                 cause, problem = master_problem(state, joins) \
                     if self.node_id in state.member_ids() else (None, "")
-                if cause is not None and (self._ran is None or state.round > self._ran.round):
+                if cause is not None and (self._ran is None
+                                          or state.round > self._ran.place.round):
                     # Never connect where no member's own join vouches for: the round
                     # cannot run, and the next one forms from the joins there are.
                     self._reopen_round(state.round, f"round {state.round} cannot run: "
@@ -171,7 +172,7 @@ class ClusterRendezvous:
                     continue
                 result = result_for(state, self.node_id, joins)
                 if result is not None and self._ran is not None \
-                        and state.round <= self._ran.round:
+                        and state.round <= self._ran.place.round:
                     # The view still shows a round we already ran: our ask for the next
                     # one has not got through (etcd unreachable) or the view lags it.
                     # Running it again would start a stale rank beside the round the
@@ -182,7 +183,7 @@ class ClusterRendezvous:
                     continue
                 if result is not None:
                     self._ran, self._wanted = result, None
-                    self.prev_rank = result.group_rank
+                    self.prev_rank = result.place.group_rank
                     self._forget_old_joins(state.round)
                     return result
                 if len(state.members) < self.limits.max_nodes \
@@ -196,7 +197,7 @@ class ClusterRendezvous:
         daemon that just started): open a new round over it, sealed, so the job goes on.
         Daemons that hold a later verified round ignore this one; they then see this
         node lost from their round and open the next, which every node takes."""
-        rnd = (self._ran.round if self._ran is not None else 0) + 1
+        rnd = (self._ran.place.round if self._ran is not None else 0) + 1
         new = RoundState(round=rnd, status=OPEN, opened_at=self._clock(),
                          reason=f"round {rnd} opened: the job's round state in etcd did "
                                 "not verify (written by an older elasticd, or by someone "
@@ -241,7 +242,7 @@ class ClusterRendezvous:
     def _judge(self, result: Result, keys, state: RoundState) -> RoundStatus:
         if state.final:
             return RoundStatus(StatusKind.FINAL, state.reason or state.status)
-        if state.round != result.round or state.status != CLOSED:
+        if state.round != result.place.round or state.status != CLOSED:
             return RoundStatus(StatusKind.SUPERSEDED, state.reason or f"round {state.round} opened",
                                cause=state.cause)
         joined = keys.joins.get(state.round, {})
@@ -264,7 +265,7 @@ class ClusterRendezvous:
         """Open the next round (once, cluster-wide) for ``cause``; returns the state
         that then holds. A StoreError leaves the ask pending: next_round makes it again."""
         self._wanted = (reason, count_restart, cause)
-        return self._reopen_round(result.round, reason, count_restart, cause)
+        return self._reopen_round(result.place.round, reason, count_restart, cause)
 
     def _reopen_round(self, rnd: int, reason: str, count_restart: bool,
                       cause: RoundCause) -> RoundState | None:
@@ -311,7 +312,7 @@ class ClusterRendezvous:
 
     def all_done(self, result: Result) -> bool:
         keys = self._view.job(self.job_id)
-        done = keys.done.get(result.round, set()) if keys else set()
+        done = keys.done.get(result.place.round, set()) if keys else set()
         return set(result.members) <= done
 
     def publish_workers(self, rows: list[WorkerRow],

@@ -229,23 +229,24 @@ class ElasticdRendezvousHandler(RendezvousHandler):
         except StoreError as exc:
             raise RendezvousConnectionError(f"etcd: {exc}") from exc
         self._result = result
-        master = result.master_addr
+        place = result.place
+        master = place.master_addr
         # A fresh store every round: workers use it unprefixed (torch's env://
         # with TORCHELASTIC_USE_AGENT_STORE), so keys of the last attempt must
         # not be there. Rank 0 hosts it on the port it announced when joining.
         self._tcp_server = None
-        if result.group_rank == 0:
-            self._tcp_server = TCPStore(master, result.master_port, is_master=True,
+        if place.group_rank == 0:
+            self._tcp_server = TCPStore(master, place.master_port, is_master=True,
                                         multi_tenant=True, wait_for_workers=False)
             store: Store = self._tcp_server
         else:
-            store = TCPStore(master, result.master_port, is_master=False,
+            store = TCPStore(master, place.master_port, is_master=False,
                              timeout=_timedelta(self._timeout))
-        prefixed = PrefixStore(f"elasticd/{self._run_id}/{result.round}", store)
-        log.info("joined round %d of %s as rank %d of %d", result.round, self._run_id,
-                 result.group_rank, result.group_world_size)
-        return RendezvousInfo(prefixed, result.group_rank, result.group_world_size,
-                              RendezvousStoreInfo(master, result.master_port))
+        prefixed = PrefixStore(f"elasticd/{self._run_id}/{place.round}", store)
+        log.info("joined round %d of %s as rank %d of %d", place.round, self._run_id,
+                 place.group_rank, place.group_world_size)
+        return RendezvousInfo(prefixed, place.group_rank, place.group_world_size,
+                              RendezvousStoreInfo(master, place.master_port))
 
     def is_closed(self) -> bool:
         keys = self._view.job(self._run_id)
@@ -263,7 +264,7 @@ class ElasticdRendezvousHandler(RendezvousHandler):
         if status is StatusKind.WAITING:
             keys = self._view.job(self._run_id)
             members = set(self._result.members)
-            return len([n for n in keys.joins.get(self._result.round + 1, {})
+            return len([n for n in keys.joins.get(self._result.place.round + 1, {})
                         if n not in members]) if keys else 1
         return 1  # a new round opened (a peer restarts, or a member was lost)
 

@@ -51,20 +51,21 @@ def base_env(spec: GroupSpec) -> dict[str, str]:
 
 def worker_env(spec: GroupSpec, local_rank: int) -> dict[str, str]:
     """The worker's environment: the submitter's, plus what torchrun sets."""
-    rank = spec.rank_offset + local_rank
+    place = spec.place
+    rank = place.rank_offset + local_rank
     env = base_env(spec)
     env.update({
         envnames.TORCHRUN_RANK: str(rank),
         envnames.TORCHRUN_LOCAL_RANK: str(local_rank),
-        envnames.TORCHRUN_WORLD_SIZE: str(spec.world_size),
+        envnames.TORCHRUN_WORLD_SIZE: str(place.world_size),
         envnames.TORCHRUN_LOCAL_WORLD_SIZE: str(spec.nproc),
-        envnames.TORCHRUN_GROUP_RANK: str(spec.group_rank),
-        envnames.TORCHRUN_GROUP_WORLD_SIZE: str(spec.group_world_size),
+        envnames.TORCHRUN_GROUP_RANK: str(place.group_rank),
+        envnames.TORCHRUN_GROUP_WORLD_SIZE: str(place.group_world_size),
         envnames.TORCHRUN_ROLE_RANK: str(rank),
-        envnames.TORCHRUN_ROLE_WORLD_SIZE: str(spec.world_size),
+        envnames.TORCHRUN_ROLE_WORLD_SIZE: str(place.world_size),
         envnames.TORCHRUN_ROLE_NAME: "default",
-        envnames.TORCHRUN_MASTER_ADDR: spec.master_addr,
-        envnames.TORCHRUN_MASTER_PORT: str(spec.master_port),
+        envnames.TORCHRUN_MASTER_ADDR: place.master_addr,
+        envnames.TORCHRUN_MASTER_PORT: str(place.master_port),
         envnames.TORCHRUN_RESTART_COUNT: str(spec.restart_count),
         envnames.TORCHRUN_MAX_RESTARTS: str(spec.max_restarts),
         envnames.TORCHRUN_RUN_ID: spec.job_id,
@@ -75,14 +76,14 @@ def worker_env(spec: GroupSpec, local_rank: int) -> dict[str, str]:
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": spec.env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING",
                                                         "1"),
         envnames.JOB_ID: spec.job_id,
-        envnames.ROUND: str(spec.round),
+        envnames.ROUND: str(place.round),
         envnames.NODE_ID: spec.node_id,
     })
     if spec.snapshot is not None:  # its snapshots: over whatever the submitter's env said
         env[envnames.SNAPSHOT_DIR] = spec.snapshot.dir
         env[envnames.SNAPSHOT_BUDGET] = str(spec.snapshot.budget_bytes)
-    if _loopback(spec.master_addr):  # one node: rank 0's store listens there alone
-        env[envnames.MASTER_BIND] = spec.master_addr
+    if _loopback(place.master_addr):  # one node: rank 0's store listens there alone
+        env[envnames.MASTER_BIND] = place.master_addr
     env.update(progress.rank_env(spec.run_dir, rank))  # hang detection: where it beats
     env.update(spec.device_env)  # its GPUs: over whatever the submitter's shell had
     if local_rank == 0:  # learned preload: what it imported by its first step
@@ -171,7 +172,7 @@ class WorkerGroup:
     def _spawn(self, local_rank: int, user_kwargs: dict, spares: "SparePool | None",
                extra_env: dict | None = None, what: str = "starting") -> Worker:
         spec = self.spec
-        rank = spec.rank_offset + local_rank
+        rank = spec.place.rank_offset + local_rank
         env = worker_env(spec, local_rank)
         env.update(extra_env or {})
         err = env[envnames.ERROR_FILE]
@@ -197,7 +198,7 @@ class WorkerGroup:
             proc, path = start_process(spec, list(spec.command), rank, env, user_kwargs,
                                        stdin=None), "cold"
         log.info("%s: worker started pid %d (%s)%s",
-                 ctx(job=spec.job_id, node=spec.node_id, round=spec.round, rank=rank),
+                 ctx(job=spec.job_id, node=spec.node_id, round=spec.place.round, rank=rank),
                  proc.pid, {"template": "forked from the worker template",
                             "spare": "from a warm spare", "cold": "cold"}[path],
                  f"; no template: {cold_reason}" if cold_reason and path != "template" else "")
@@ -247,7 +248,7 @@ def _mark_log(spec: GroupSpec, rank: int, what: str) -> None:
     stamp = datetime.datetime.now().astimezone().isoformat(timespec="milliseconds")
     with open_log(log_file_path(spec.log_dir, rank)) as logf:
         logf.write((f"==== elasticd: job {spec.job_id} rank {rank} {what} "
-                    f"(restart {spec.restart_count}, round {spec.round}) at {stamp} ====\n"
+                    f"(restart {spec.restart_count}, round {spec.place.round}) at {stamp} ====\n"
                     ).encode())
 
 

@@ -61,9 +61,9 @@ class SparePool:
             if spare is not None and spare.poll() is None:
                 continue
             try:
-                self._ranks[local_rank] = spec.rank_offset + local_rank
+                self._ranks[local_rank] = spec.place.rank_offset + local_rank
                 self._spares[local_rank] = start_process(  # it sets sys.path[0] from args
-                    spec, [spec.command[0], WARMSTART, *args], spec.rank_offset + local_rank,
+                    spec, [spec.command[0], WARMSTART, *args], spec.place.rank_offset + local_rank,
                     env, user_kwargs, stdin=subprocess.PIPE)
                 if nice and os.geteuid() == 0:
                     _renice(self._spares[local_rank].pid, nice)

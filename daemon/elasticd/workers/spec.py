@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .round_place import RoundPlace
 from .snapshot_dirs import SnapshotGrant
 
 
@@ -19,13 +20,7 @@ class GroupSpec:
     nproc: int
     restart_count: int
     max_restarts: int
-    round: int
-    group_rank: int
-    group_world_size: int
-    world_size: int
-    rank_offset: int
-    master_addr: str
-    master_port: int
+    place: RoundPlace       # this node's place in the round (the rendezvous's, as it is)
     log_dir: str
     run_dir: str
     node_id: str = ""

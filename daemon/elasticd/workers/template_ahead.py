@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass
 
 from . import group as workers
+from .round_place import RoundPlace
 from .template import TemplateState, WorkerTemplate
 from .template_key import TemplateKey, template_env
 from .template_saved import SavedTemplate
@@ -55,10 +56,9 @@ def spec_for(cfg, uid: int, gid: int, command: tuple, cwd: str, env: dict, nproc
     """What a template is started from when no job asked for it."""
     return workers.GroupSpec(
         job_id=log_job, command=tuple(command), cwd=cwd, env=dict(env), uid=uid, gid=gid,
-        nproc=nproc, restart_count=0, max_restarts=0, round=0, group_rank=0,
-        group_world_size=1, world_size=nproc, rank_offset=0, master_addr="", master_port=0,
-        log_dir=os.path.join(cfg.logs_dir, log_job), run_dir="",
-        node_id=cfg.daemon.node_id, cpus=tuple(cpus))
+        nproc=nproc, restart_count=0, max_restarts=0, place=RoundPlace.before_any_round(nproc),
+        log_dir=os.path.join(cfg.logs_dir, log_job), run_dir="", node_id=cfg.daemon.node_id,
+        cpus=tuple(cpus))
 
 
 def _new(cfg, job: str) -> WorkerTemplate:

@@ -1,5 +1,6 @@
 """The in-process restart settings: one definition for the daemon's ``[inprocess]``
-config section (config/) and the worker-side wrapper (wrapper.py).
+config section (config/) and the worker-side wrapper (inprocess/wrapper.py), part of
+the workers' contract as their environment carries them.
 
 ``InprocessSettings`` holds the 8 fields, their defaults, help and bounds (the
 field metadata of settingfield.py, which config/ documents and checks); the daemon
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from ..settingfield import setting as _setting
-from ..workers import env as envnames
+from . import env as envnames
 
 ENV_PREFIX = envnames.INPROCESS_PREFIX
 
