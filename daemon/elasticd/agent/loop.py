@@ -211,8 +211,7 @@ class Agent:
                                           last_failure=self._notes.record(job, -1, 127, 0,
                                                                           str(exc)))
                 return
-            place = result.place
-            last = place.rank_offset + len(group.workers) - 1
+            place, last = result.place, result.place.rank_offset + len(group.workers) - 1
             self._registry.transition(
                 self.job_id, JobState.RUNNING,
                 f"round {place.round}: ranks {place.rank_offset}..{last} of "

@@ -11,7 +11,6 @@ from .. import statedir
 from ..jobs.registry import JobNotFound
 from ..jobs.restartpolicy import RestartWindow
 from ..jobs.states import LIVE_STATES, JobState, WorkerState
-from ..replication.stats import ReplicationStats
 from ..workers.snapshot_status import read_dir, scan_limit
 
 
@@ -243,9 +242,11 @@ class SnapshotCollector:
 # -- snapshot replicas (replication/) -------------------------------------------------
 class ReplicationCollector:
     """Bytes this node's replication channel sent and received, connections and replicas
-    refused by reason, and each job's replication lag here."""
+    refused by reason, and each job's replication lag here. ``stats`` is the daemon's
+    replication/stats.py ``ReplicationStats``, not imported here: metrics/ sits below
+    replication/ (tests/test_layout.py), and only reads its counters and records."""
 
-    def __init__(self, stats: ReplicationStats):
+    def __init__(self, stats):
         self._stats = stats
 
     def describe(self):
