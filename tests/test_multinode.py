@@ -53,8 +53,8 @@ with open(os.path.join(out, "." + name), "w") as fh:
     json.dump(env, fh)
 os.replace(os.path.join(out, "." + name), os.path.join(out, name))
 print("probe", env["ELASTICD_NODE_ID"], "rank", env["RANK"], flush=True)
-if mode == "train-grow" and env["ELASTICD_ROUND"] == "1":
-    args = [*args, "--steps", "1000000"]   # round 1 trains until the job grows
+if mode == "train-grow" and int(env["WORLD_SIZE"]) < 4:
+    args = [*args, "--steps", "1000000"]   # trains until the job has grown to 4 ranks
 if mode in ("train", "train-grow"):
     sys.argv = ["train", *args]
     runpy.run_module("elasticd.examples.train", run_name="__main__")
@@ -579,9 +579,10 @@ def test_fourth_node_started_later_joins_a_running_job(make_cluster):
     running_on(c["n1"], job, 3)
     wait_for(lambda: "FIRST_STEP" in rank_log(c["n1"], job, 0), 90, "the first step",
              interval=0.3)
-    # Round 1 trains until the job grows, however long n4 takes to start; the round
-    # with n4 finishes the 100 steps. n4 asks at once rather than after its template's
-    # imports (the newcomer warm-up has its own cases below).
+    # Every round of fewer than 4 ranks trains on, however long n4 takes to start (a
+    # loaded machine may also form round 1 of two nodes and round 2 of three); the
+    # round with n4 finishes the 100 steps. n4 asks at once rather than after its
+    # template's imports (the newcomer warm-up has its own cases below).
     c.add("n4", ("--set", "rendezvous.newcomer_warm_timeout=0"))
     final = wait_done(c["n1"], job, 150)
     assert final["state"] == "SUCCEEDED", final
