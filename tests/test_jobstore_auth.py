@@ -89,6 +89,7 @@ print(json.dumps({"keys": keys, "planted": planted}))
 """
 
 
+@pytest.mark.slow  # 30 s of training for mallory to strike in: the default suite's budget
 def test_a_user_who_reads_the_job_store_cannot_forge_or_replay_its_records(node, users):
     victim, mallory = users["victim"], users["mallory"]
     work = victim.mkdir(os.path.join(node.root, "victim-inproc"))

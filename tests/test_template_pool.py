@@ -222,6 +222,7 @@ def test_a_second_job_of_the_same_user_forks_from_the_first_ones_template(
     assert [p.pid for p in idle_templates(node, a)] == [template.pid]  # back in the pool
 
 
+@pytest.mark.slow  # three cold jobs (70 s on 2 busy cores): the default suite's budget
 def test_another_user_or_another_environment_gets_a_template_of_its_own(
         daemon_factory, users, work):
     node = start_node(daemon_factory)
