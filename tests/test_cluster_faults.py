@@ -6,6 +6,7 @@ prints its timeline (run with -s to see it when it passes).
 """
 from __future__ import annotations
 
+import datetime
 import time
 
 import psutil
@@ -295,8 +296,16 @@ def test_tls_etcd_right_ca_registers_wrong_ca_fails_fast(daemon_factory, tmp_pat
 def test_no_etcd_at_all_fails_within_startup_timeout(daemon_factory):
     d = cluster_daemon(daemon_factory, f"http://127.0.0.1:{free_port()}", "n-x", fresh_prefix(),
                        "--set", "membership.startup_timeout=2")
-    t0 = time.monotonic()
     with pytest.raises(RuntimeError, match="exited 1"):
         d.start(timeout=15)
-    assert time.monotonic() - t0 < 6
-    assert "cannot reach etcd" in d.log(), d.log()
+    # Timed by the daemon's own log, from its first line to giving up: the 2 s
+    # startup timeout and a margin, whatever the interpreter's start cost on a
+    # loaded machine (6.9 s from exec to exit there).
+    lines = d.log().splitlines()
+    stamps = [datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f")
+              for line in lines if line[:4].isdigit()]
+    gave_up = [line for line in lines if "cannot reach etcd" in line]
+    assert stamps and gave_up, d.log()
+    took = (datetime.datetime.strptime(gave_up[0][:23], "%Y-%m-%d %H:%M:%S,%f")
+            - stamps[0]).total_seconds()
+    assert took < 2 + 2, (took, d.log())
