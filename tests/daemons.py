@@ -191,6 +191,19 @@ def cluster_key_args() -> list[str]:
             "--set", "cluster.allow_root_jobs=true"]
 
 
+def wait_logged(pred, timeout: float, what: str, daemons: dict) -> object:
+    """``pred()``'s first truthy value within ``timeout`` seconds; otherwise an
+    AssertionError naming ``what``, with the tail of each daemon's log (name -> DaemonProc)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.05)
+    logs = "\n".join(f"--- {n}\n{d.log()[-3000:]}" for n, d in daemons.items())
+    raise AssertionError(f"{what} within {timeout}s\n{logs}")
+
+
 def short_tmpdir(prefix: str = "ed-") -> str:
     path = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
     os.chmod(path, 0o755)  # other users (the cross-user tests) must traverse it

@@ -24,6 +24,7 @@ import time
 import pytest
 
 from daemons import DaemonProc, cluster_key_path, free_port, real_users, scrape, short_tmpdir
+from daemons import wait_logged as wait_for
 from etcd_server import EtcdServer, etcd_binary
 from elasticd.replication import channel as ch
 from elasticd.replication.messages import Offer, Reply
@@ -93,17 +94,6 @@ def pair(etcd, user):
     finally:
         for d in nodes.values():
             d.cleanup()
-
-
-def wait_for(pred, timeout: float, what: str, nodes: dict):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.1)
-    logs = "\n".join(f"--- {n}\n{d.log()[-3000:]}" for n, d in nodes.items())
-    raise AssertionError(f"{what} within {timeout}s\n{logs}")
 
 
 def newest_slot(job_dir: str, rank: int) -> tuple[str, fmt.Header] | None:

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from daemons import DaemonProc, real_users, scrape, start_with_metrics
+from daemons import DaemonProc, real_users, scrape, start_with_metrics, wait_logged
 from elasticd.v1 import control_pb2 as pb
 from elasticd.workers import snapshot_format as fmt
 
@@ -98,16 +98,6 @@ def submit(d: DaemonProc, who: tuple, slot: fmt.Header | None, warm: bool = Fals
     return json.loads(r.stdout)["id"]
 
 
-def wait_for(pred, timeout: float, what: str, d: DaemonProc):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.05)
-    raise AssertionError(f"{what} within {timeout}s\n{d.log()[-3000:]}")
-
-
 def rank_log(d: DaemonProc, job_id: str) -> str:
     try:
         return d.rank_log(job_id, 0)
@@ -116,8 +106,8 @@ def rank_log(d: DaemonProc, job_id: str) -> str:
 
 
 def ready(d: DaemonProc, job_id: str, count: int = 1) -> str:
-    return wait_for(lambda: rank_log(d, job_id).count("READY") >= count
-                    and rank_log(d, job_id), 60, f"job {job_id} ready", d)
+    return wait_logged(lambda: rank_log(d, job_id).count("READY") >= count
+                       and rank_log(d, job_id), 60, f"job {job_id} ready", {d.node_id: d})
 
 
 def started(d: DaemonProc, who: tuple, slot: fmt.Header | None) -> str:
@@ -127,7 +117,8 @@ def started(d: DaemonProc, who: tuple, slot: fmt.Header | None) -> str:
 
 
 def gone(d: DaemonProc, job_id: str, what: str) -> None:
-    wait_for(lambda: not os.path.lexists(os.path.join(d.snapshot_dir, job_id)), 15, what, d)
+    wait_logged(lambda: not os.path.lexists(os.path.join(d.snapshot_dir, job_id)), 15, what,
+                {d.node_id: d})
 
 
 def status(d: DaemonProc, job_id: str) -> dict:
@@ -247,4 +238,5 @@ def test_the_dir_outlives_a_daemon_kill_and_what_a_killed_daemon_left_goes(node,
     gone(d, ended, "the dir a killed daemon left removed")
     assert snapshots(d, live)[0].step == STEP
     stop(d, live)
-    wait_for(lambda: os.listdir(d.snapshot_dir) == [], 15, "every snapshot dir removed", d)
+    wait_logged(lambda: os.listdir(d.snapshot_dir) == [], 15, "every snapshot dir removed",
+                {d.node_id: d})
