@@ -128,6 +128,8 @@ def test_another_user_cannot_read_the_database_wal_or_logs(users, daemons):
     assert mine.returncode == 0 and "out: hunter2-h15" in mine.stdout, mine.stderr
     theirs = d.ctl("logs", job, user=bob)
     assert theirs.returncode == 1 and "PERMISSION_DENIED" in theirs.stderr
+    # ... and is not told whose job it is (by name it would be NOT_FOUND).
+    assert USERS[0] not in theirs.stderr and f"uid {alice[0]}" not in theirs.stderr
     assert d.ctl("cancel", job).returncode == 0
 
 

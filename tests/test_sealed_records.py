@@ -10,6 +10,7 @@ The view runs on the in-memory store: the same Store contract as etcd's.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 
@@ -23,6 +24,7 @@ from elasticd.store import MemoryStore
 from elasticd.store.follow import Follower
 from elasticd.trust import clusterkey
 from elasticd.trust.refusals import Refusals
+from elasticd.trust.seqmark import SeqMark
 from elasticd.trust.sealed import (MAX_BODY, PLAIN, Kind, Reason, Refused, SealedRecords)
 
 KEY = clusterkey.derive(b"k" * 32).records
@@ -383,3 +385,33 @@ def test_verifying_a_record_costs_microseconds():
                    f"{costs[1]:.1f} us), refuse unsigned {costs[0]:.1f} us")
         assert opened < 2000, out      # far above what it costs: a loaded machine passes
     print("\n" + "\n".join(out))
+
+
+def test_seqs_stay_above_an_earlier_process_of_the_daemon_after_its_clock_went_back(tmp_path):
+    """A daemon restarted after its clock stepped back an hour: its peers hold its
+    records' counts of before, so its new counts must lie above them (trust/seqmark.py)."""
+    now = [7_200 * 10**9]
+    first = SealedRecords(KEY, "", clock=lambda: now[0], mark=SeqMark(str(tmp_path)))
+    before = [first.open(Kind.NODE, "/k", first.seal(Kind.NODE, "/k", "{}")).seq
+              for _ in range(3)]
+    assert (tmp_path / "records-seq").stat().st_mode & 0o777 == 0o600
+    now[0] -= 3_600 * 10**9                     # the clock goes back an hour; a restart
+    again = SealedRecords(KEY, "", clock=lambda: now[0], mark=SeqMark(str(tmp_path)))
+    after = again.open(Kind.NODE, "/k", again.seal(Kind.NODE, "/k", "{}")).seq
+    assert after > max(before)
+    # Without the mark the count would have come from the clock alone, below them.
+    bare = SealedRecords(KEY, "", clock=lambda: now[0])
+    assert bare.open(Kind.NODE, "/k", bare.seal(Kind.NODE, "/k", "{}")).seq < max(before)
+    # The mark is written once per reserve, not once a record.
+    written = (tmp_path / "records-seq").stat().st_mtime_ns
+    again.seal(Kind.NODE, "/k", "{}")
+    assert (tmp_path / "records-seq").stat().st_mtime_ns == written
+
+
+def test_a_mark_file_that_holds_no_count_is_ignored(tmp_path):
+    (tmp_path / "records-seq").write_text("garbage\n")
+    assert SeqMark(str(tmp_path)).reserved == 0
+    (tmp_path / "elsewhere").write_text("99999999999999\n")
+    os.unlink(tmp_path / "records-seq")
+    os.symlink(tmp_path / "elsewhere", tmp_path / "records-seq")   # never followed
+    assert SeqMark(str(tmp_path)).reserved == 0

@@ -189,5 +189,5 @@ def check_access(job: JobRecord, caller: Caller) -> None:
     """root may see and change every job; anyone else only their own."""
     if not caller.may_act_on(job.uid):
         raise PermissionDenied(
-            f"job {job.id} belongs to {job.user or job.uid}; only that user or root may "
-            "see or change it")
+            f"job {job.id} is another user's; only its owner or root may see or change "
+            "it (the owner is not named to anyone else)")

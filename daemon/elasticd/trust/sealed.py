@@ -7,7 +7,8 @@ trust/specs.py under its own key), is stored as::
 
 ``body`` is the record's JSON, as the record serialised itself; ``seq`` its
 writer's count, a decimal that rises across that daemon's writes (the
-microseconds of its wall clock, at least one more than its last), so a
+microseconds of its wall clock, at least one more than its last, and above
+every count the daemon handed out before a restart: trust/seqmark.py), so a
 reader holding a newer record of a key can refuse an older one put back;
 ``mac`` is hex HMAC-SHA256, under the records key (clusterkey: its own HKDF
 label), over::
@@ -119,14 +120,17 @@ class SealedRecords:
 
     signed = True
 
-    def __init__(self, key: bytes, domain: str, clock=time.time_ns):
+    def __init__(self, key: bytes, domain: str, clock=time.time_ns, mark=None):
+        """``mark`` (trust/seqmark.py's SeqMark, or None) keeps the writer's count above
+        every count an earlier process of this daemon handed out."""
         if len(key) < 16:
             raise ValueError("the records key must have at least 128 bits")
         self._key = key
         self._domain = domain.encode("utf-8")
         self._clock = clock
         self._lock = threading.Lock()
-        self._last = 0
+        self._mark = mark
+        self._last = mark.reserved if mark is not None else 0
 
     def __repr__(self) -> str:  # never the key in a log or a traceback
         return f"SealedRecords(domain={self._domain.decode()!r})"
@@ -139,6 +143,8 @@ class SealedRecords:
     def next_seq(self) -> int:
         with self._lock:
             self._last = max(self._last + 1, self._clock() // 1000)
+            if self._mark is not None:
+                self._mark.reach(self._last)
             return self._last
 
     def seal(self, kind: Kind, key: str, body: str) -> str:

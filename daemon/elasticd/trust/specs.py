@@ -47,6 +47,7 @@ from .clusterkey import DerivedKeys
 from ..errors import InvalidArgument
 from .rejections import RejectReason, Rejection, SpecRejected
 from .sealed import SealedRecords
+from .seqmark import SeqMark
 from .values import BadValue, decode
 from ..jobs.spec import JobSpec
 
@@ -75,12 +76,13 @@ class SpecCodec:
     ``records`` seals and opens every other record, from the same cluster key
     (trust/sealed.py; ``domain``: the etcd prefix, bound into each MAC)."""
 
-    def __init__(self, keys: DerivedKeys, limits, clock=time.time, domain: str = ""):
+    def __init__(self, keys: DerivedKeys, limits, clock=time.time, domain: str = "",
+                 mark: SeqMark | None = None):
         self._mac_key = keys.mac
         self._aead = AESGCM(keys.enc)
         self._limits = limits
         self._clock = clock
-        self.records = SealedRecords(keys.records, domain)
+        self.records = SealedRecords(keys.records, domain, mark=mark)
         self.replication_key = keys.replication   # replication/channel.py
 
     # -- writing -------------------------------------------------------------
@@ -175,6 +177,7 @@ class ClusterPolicy:
 def codec_for(cfg) -> SpecCodec:
     """The daemon's codec: keys from the cluster key file, or (standalone) ephemeral
     ones. Raises clusterkey.ClusterKeyError when a daemon on etcd has no usable key."""
-    keys = clusterkey.ephemeral() if cfg.daemon.standalone else clusterkey.load(
-        cfg.cluster.key_file)
-    return SpecCodec(keys, cfg.control, domain=cfg.etcd.prefix)
+    if cfg.daemon.standalone:      # records no other daemon reads: no mark to keep
+        return SpecCodec(clusterkey.ephemeral(), cfg.control, domain=cfg.etcd.prefix)
+    return SpecCodec(clusterkey.load(cfg.cluster.key_file), cfg.control,
+                     domain=cfg.etcd.prefix, mark=SeqMark(cfg.daemon.state_dir))
