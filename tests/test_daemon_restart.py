@@ -1,8 +1,10 @@
 """A daemon killed hard leaves no worker behind, and resumes its jobs."""
 import os
+import sys
 import time
 
 import psutil
+import pytest
 
 from elasticd.v1 import control_pb2 as pb
 
@@ -112,3 +114,26 @@ def test_second_daemon_on_the_same_state_dir_refuses_to_start(daemon_factory):
                            "--metrics-port", "0"], capture_output=True, text=True, timeout=30)
     assert twin.returncode == 1
     assert "already uses the state dir" in twin.stderr
+
+
+@pytest.mark.slow   # ~20 s: three attempts 4 s apart and a daemon restart
+def test_a_crash_loop_goes_on_counting_across_a_daemon_restart(daemon_factory, tmp_path):
+    """agent.crash_loop_limit 3 means three attempts in all, not three more after each
+    daemon restart: the count is kept in the job's record (JobRecord.crash_loop)."""
+    (tmp_path / "train.py").write_text("import nowhere_crash_loop_h30\n")
+    line = "ModuleNotFoundError: No module named 'nowhere_crash_loop_h30'"
+    # A wait before each restart that leaves time to kill the daemon between attempts.
+    d = daemon_factory(extra_args=("--set", "agent.restart_backoff_initial=4",
+                                   "--set", "agent.restart_backoff_step=0",
+                                   "--set", "agent.warm_spares=false")).start()
+    job_id = d.submit(sys.executable, "train.py", cwd=str(tmp_path), max_restarts=20)
+    d.wait_state(job_id, "RESTARTING", timeout=60, pred=lambda j: line in j.reason)
+    d.kill()                               # within the 4 s wait after the first failure
+    d.start()
+    job = d.wait_job(job_id, timeout=120)
+    assert job.state == pb.FAILED, job.reason
+    assert "crash loop: it failed the same way in 3 attempts in a row" in job.reason, job.reason
+    failed = [e for e in d.events(job_id) if line in e.reason
+              and e.to_state in (pb.RESTARTING, pb.FAILED)]
+    # Three failed attempts in all (without the kept count: 1 before the restart + 3 after).
+    assert len(failed) == 3, [(pb.JobState.Name(e.to_state), e.reason[:80]) for e in failed]

@@ -115,6 +115,14 @@ def test_a_crash_loop_is_the_same_failure_without_progress_in_a_row():
     assert [loop.note(other, False), loop.note(other, False)] == [False, True]
     assert loop.note(other, True) is False and loop.count == 0   # progress resets it
     assert CrashLoop(limit=0).note(a, False) is False   # 0: never
+    # What the job record keeps goes on counting in a restarted daemon's agent.
+    loop.note(a, False)
+    again = CrashLoop.resumed(3, json.loads(json.dumps(loop.saved())))
+    assert (again.signature, again.count) == (a, 1) and again.note(a, False) is False
+    assert again.note(a, False) is True
+    for kept in ([], None, [1, 2], ["1", 1, None, "k", "c"], [True, 1, None, "k", "c"],
+                 [1 << 30, 1, None, "k", "c"], [1, 1.5, None, "k", "c"], "x"):
+        assert CrashLoop.resumed(3, kept).count == 0, kept
 
 
 def test_an_error_file_is_decoded_bounded_whatever_the_worker_wrote(tmp_path):

@@ -90,7 +90,7 @@ class Agent:
         # What the running attempt did (beats, phases, hangs: agent/attempt.py), for the
         # wait before the next restart and the crash-loop count (agent/pacing.py).
         self._attempt = AttemptWatch(job_id, cfg, registry, rendezvous, metrics)
-        self._pacer = RestartPacer(cfg)
+        self._pacer = RestartPacer(cfg, registry.get(job_id).crash_loop)
         # The spares the next restart takes, started while this attempt runs.
         self._refill = SpareRefill(cfg, self._spares, self._tpl, self._where)
         self._notes = FailureNotes(cfg, registry, self._place, self._recovery, self._attempt)
@@ -385,7 +385,7 @@ class Agent:
             self.job_id, JobState.RESTARTING,
             f"{climb.cause}; {decision.reason}; {plan.sentence()}",
             plan=plan, restarts=restart, restart_times=times, last_restart_plan=record,
-            last_failure=failure, workers=self._place.worker_rows(group),
+            crash_loop=self._pacer.crash_loop_saved(), last_failure=failure, workers=self._place.worker_rows(group),
             **self._recovery.fields()))
         if plan.delay:
             self.wake.wait(plan.delay)

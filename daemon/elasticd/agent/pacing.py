@@ -18,10 +18,11 @@ from . import failures
 class RestartPacer:
     """One agent's backoff streak and crash-loop count."""
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, saved_crash_loop=()):
+        """``saved_crash_loop``: the count the job's record kept (a restarted daemon)."""
         self._settings = BackoffSettings.from_settings(cfg.agent)
         self._streak = 0   # attempts in a row without progress
-        self._crash_loop = CrashLoop(cfg.agent.crash_loop_limit)
+        self._crash_loop = CrashLoop.resumed(cfg.agent.crash_loop_limit, saved_crash_loop)
 
     def peer_fault(self, progress: AttemptProgress) -> None:
         """Another node's fault ended an attempt that did ``progress``."""
@@ -37,6 +38,10 @@ class RestartPacer:
         if self._crash_loop.note(failures.signature(failure), plan.streak == 0):
             return self._crash_loop.sentence()
         return ""
+
+    def crash_loop_saved(self) -> list:
+        """The crash-loop count as the job record keeps it."""
+        return self._crash_loop.saved()
 
     def restarting(self, plan: RestartPlan) -> None:
         """The job restarts as ``plan`` says: its streak is the one to build on."""

@@ -47,6 +47,10 @@ class JobRecord:
     # The latest wait chosen before a process restart here (RestartPlan.to_dict()
     # plus node_id and time), or None.
     last_restart_plan: dict | None = None
+    # The crash loop this node's agent is counting (restartpolicy.CrashLoop.saved()):
+    # [count, exit code, signal, kind, cause], or empty; a restarted daemon goes on
+    # counting from it instead of granting the job crash_loop_limit tries anew.
+    crash_loop: list = field(default_factory=list)
     round: int = 0
     created_at: float = 0.0
     started_at: float = 0.0

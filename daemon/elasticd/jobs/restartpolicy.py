@@ -149,6 +149,22 @@ class CrashLoop:
             self.signature, self.count = signature, 1
         return self.count >= self.limit
 
+    def saved(self) -> list:
+        """What the job record keeps of the count (JobRecord.crash_loop)."""
+        return [self.count, *self.signature] if self.count else []
+
+    @classmethod
+    def resumed(cls, limit: int, saved) -> "CrashLoop":
+        """The count a job record kept (``saved()``); anything else there (a record
+        an older release wrote, or cut short) starts the count over."""
+        if isinstance(saved, list) and len(saved) == 5 and isinstance(saved[0], int) \
+                and not isinstance(saved[0], bool) and 0 < saved[0] < 1 << 20:
+            code, sig, kind, cause = saved[1:]
+            if all(v is None or (isinstance(v, int) and not isinstance(v, bool))
+                   for v in (code, sig)) and isinstance(kind, str) and isinstance(cause, str):
+                return cls(limit, (code, sig, kind, cause), saved[0])
+        return cls(limit)
+
     def sentence(self) -> str:
         return (f"crash loop: it failed the same way in {self.count} attempts in a row "
                 f"without progress (agent.crash_loop_limit {self.limit}); not restarting")
