@@ -2,6 +2,7 @@
 
     python bench/goodput.py                       # 90 s per run, 8 runs: about 15 minutes
     python bench/goodput.py --duration 40 --launchers elasticd,torchrun
+    python bench/goodput.py --picture bench/goodput.svg   # and draw it (bench/README.md)
 
 Goodput is the share of the training a job does with faults of what the same
 job does without faults in the same time: the step it has reached when the
@@ -95,6 +96,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from common import (BenchDaemon, kill_owned, kill_procs, machine, read_text,  # noqa: E402
                     revision, start_torchrun, stop_torchrun, table, tempdir, torchrun_bin,
                     torchrun_env, tree)
+from goodput_picture import Trace, draw  # noqa: E402
 from rows import emit_row  # noqa: E402
 
 LAUNCHERS = ("torchrun", "torchrun-snap", "elasticd", "elasticd-snap")
@@ -125,6 +127,7 @@ class Run:
     lost: int = 0                                  # steps rolled back
     recover: list = field(default_factory=list)    # kill -> first step after it (s)
     error: str = ""
+    trace: Trace = field(default_factory=Trace)    # rank 0's step over time (--picture)
 
 
 def train_args(ckpt: str, launcher: str = "") -> list[str]:
@@ -192,11 +195,13 @@ class Faults:
                 on_tick()
             if end is None:
                 if "FIRST_STEP" in read_text(log_path):
-                    end = time.time() + duration
+                    run.trace.start = time.time()
+                    end = run.trace.start + duration
                     next_at = time.time() + self.gap()
                 else:
                     time.sleep(0.05)
                     continue
+            run.trace.sample(lambda: read_text(log_path))
             if not run.faults or time.time() < next_at:
                 time.sleep(0.05)
                 continue
@@ -566,6 +571,9 @@ def main(argv=None) -> int:
                     help="with --nodes 3: seconds before a killed node comes back (3)")
     ap.add_argument("--verbose", action="store_true",
                     help="print each elasticd run with faults as a timeline")
+    ap.add_argument("--picture", metavar="SVG", default="",
+                    help="also draw each launcher's step against time, faults marked, "
+                         "to this SVG file (bench/README.md shows bench/goodput.svg)")
     ap.add_argument("--launchers", default=None,
                     help=f"default {','.join(LAUNCHERS)}; also {','.join(LAUNCHERS_MORE)} "
                          f"(3 nodes: {','.join(LAUNCHERS3)})")
@@ -610,6 +618,15 @@ def main(argv=None) -> int:
         if etcd is not None:
             etcd.__exit__(None, None, None)
     report(runs, launchers, a)
+    if a.picture:
+        where = "1 node, 2 ranks" if a.nodes == 1 else "3 nodes"
+        draw(a.picture, f"goodput.py --nodes {a.nodes} --duration {a.duration:g} --fault-every "
+                        f"{a.fault_every:g} --seed {a.seed}; {where}; rev {revision()}",
+             [(L, next((r.trace for r in runs if r.launcher == L and not r.faults), None),
+               next((r.trace for r in runs if r.launcher == L and r.faults), None),
+               next((r.kills for r in runs if r.launcher == L and r.faults), []))
+              for L in launchers])
+        print(f"picture: {a.picture}")
     return 0
 
 
