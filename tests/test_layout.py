@@ -12,7 +12,7 @@ PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 ROOT = os.path.dirname(PKG)
 # The modules that stay at the top: the wiring and what every part shares.
 TOP = {"__init__", "__main__", "cli", "daemon", "errors", "logsetup", "sdnotify",
-       "statedir", "settingfield"}
+       "statedir", "settingfield", "values", "fields"}
 GENERATED = ("v1",)
 
 

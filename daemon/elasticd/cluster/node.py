@@ -22,7 +22,7 @@ from ..logsetup import ctx
 from .membership import DRAIN, LeaseKeeper, NodeWatcher
 from ..store import EVENT_PUT, Store, StoreAuthError, StoreError, StoreUnavailable, open_store
 from ..store.follow import Follower
-from ..trust import fields
+from .. import fields
 from ..trust.refusals import Refusals
 from ..trust.sealed import Kind, Reason, Refused
 

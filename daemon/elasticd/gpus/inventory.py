@@ -31,7 +31,7 @@ import stat
 import subprocess
 from dataclasses import dataclass
 
-from ..trust.values import BadValue, decode
+from ..values import BadValue, decode
 
 log = logging.getLogger("elasticd.gpus")
 

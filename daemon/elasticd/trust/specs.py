@@ -47,7 +47,7 @@ from .clusterkey import DerivedKeys
 from ..errors import InvalidArgument
 from .rejections import RejectReason, Rejection, SpecRejected
 from .sealed import SealedRecords
-from .values import BadValue, decode
+from ..values import BadValue, decode
 from ..jobs.spec import JobSpec
 
 FORMAT = "elasticd-spec/1"

@@ -1,6 +1,6 @@
 """Checked fields of records from outside the daemon: bounded numbers, text and ids.
 
-A typed record built from a decoded value (trust/values.py) takes each field
+A typed record built from a decoded value (values.py) takes each field
 through one of these: the value comes back as the type the record holds, or
 ``ValueError`` names the field. A bool is never a number here, a float is
 never an int, and nothing unbounded gets through. Standard library only.
