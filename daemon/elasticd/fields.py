@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 
 MAX_ID = 253          # a node or job id: one key segment, as long as a host name at most
+MAX_GPUS = 64         # GPUs in one node, more than any machine has: a job's gpus_per_node,
+                      # an index or count from nvidia-smi, NVML or the fake GPU file
 
 
 def whole(doc: dict, name: str, lo: int, hi: int, default: int | None = None) -> int:
