@@ -98,7 +98,7 @@ class JobRecord:
 
     def recovery_summary(self) -> RecoverySummary:
         """What this node shares of the job's recovery with the other nodes
-        (published with its worker rows; see cluster/remote_jobs.py), size-bounded."""
+        (published with its worker rows; see control/remote_jobs.py), size-bounded."""
         return RecoverySummary.of_record(self.restarts_by_layer, self.restart_budget,
                                          self.last_failure, self.attempts)
 
