@@ -142,7 +142,7 @@ class Cluster:
 
     def stop(self) -> None:
         """Stop the lease and the watches; the store stays open (its opener,
-        daemon.py, closes it once, after every part that uses it stopped)."""
+        node/daemon.py, closes it once, after every part that uses it stopped)."""
         self.request_stop()
         self.keeper.stop()
         self._drain_follower.stop()

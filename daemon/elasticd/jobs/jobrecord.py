@@ -1,6 +1,6 @@
 """A job's record as this node keeps it: the fields, its JSON form, what its spec weighs.
 
-Built by the job manager (coordinator/coordinator.py) at a submit or an adoption, changed
+Built by the job manager (node/coordinator.py) at a submit or an adoption, changed
 only through the registry (jobs/registry.py), which persists it as ``to_json``
 and reads it back with ``from_json`` (fields an older release did not write take
 their defaults; a saved sub-record that no longer parses is dropped, never the
