@@ -222,9 +222,8 @@ def floors_and_upward_arrows() -> tuple[list[list[str]], list[str]]:
     return stacked, up
 
 
-# Where the house stands now; lower these as the arrows go (issue #31: at most
-# 7 floors and 3 arrows back up).
-MAX_FLOORS = 12
+# Issue #31: at most 7 floors and 3 arrows back up.
+MAX_FLOORS = 7
 MAX_UPWARD = 3
 
 
