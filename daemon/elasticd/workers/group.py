@@ -29,7 +29,6 @@ from .launch import (  # noqa: F401 (the worker group's public names, from here 
     log_file_path, not_found, open_log, start_job_process, start_process)
 from .signals import signal_rank_group
 from .spec import GroupSpec
-from ..jobstore import address as jobstore_env
 from ..hangs import detector as progress
 from .. import statedir
 from ..logsetup import ctx
@@ -89,7 +88,7 @@ def worker_env(spec: GroupSpec, local_rank: int) -> dict[str, str]:
     if local_rank == 0:  # learned preload: what it imported by its first step
         env[preload.ENV] = preload.report_path(spec.run_dir)
     env.update(spec.extra_env)
-    if jobstore_env.ADDR in spec.extra_env:  # in-process restart: where it reports
+    if envnames.STORE_ADDR in spec.extra_env:  # in-process restart: where it reports
         env[inprocess_reports.ENV] = inprocess_reports.report_path(spec.run_dir, rank,
                                                                    spec.restart_count)
     return env
