@@ -1,6 +1,6 @@
 """`elasticctl status/wait/events/cancel JOB` on a node that never ran the job.
 
-The pure part (cluster/remote_jobs.py: the record the cluster's keys make of a job,
+The pure part (control/remote_jobs.py: the record the cluster's keys make of a job,
 the round status as a job state, resolving a live name) is tested on its
 own; then three real daemons on one real etcd, driven with the real
 ``elasticctl``: a 2-node job on n1 and n2 whose rank on n2 fails once, seen
@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from elasticd.cluster.remote_jobs import AmbiguousName, find, job_state, nodes_of, record_from_keys
+from elasticd.control.remote_jobs import AmbiguousName, find, job_state, nodes_of, record_from_keys
 from elasticd.jobs.spec import JobSpec
 from elasticd.jobs.registry import JobRecord
 from elasticd.rendezvous.protocol import Join, Member, RoundState

@@ -259,7 +259,7 @@ def test_a_user_may_not_hold_more_idle_templates_than_the_node_keeps(tmp_path):
 
 
 def test_metrics_address_is_a_setting_and_a_flag():
-    from elasticd import cli
+    from elasticd.node import cli
     args = cli.build_parser().parse_args(["--metrics-address", "127.0.0.1"])
     assert config.load("/dev/null", env={}, overrides=cli.overrides_from(args)).metrics.address \
         == "127.0.0.1"

@@ -18,9 +18,9 @@ import pytest
 from daemons import DaemonProc
 from elasticd import config
 from elasticd.hangs.detector import (
-    HEARTBEAT_ENV, WORKER_SITE, BeatRecord, HangAction, HangLimits, ProgressTracker,
-    heartbeat_file, judge)
+    HEARTBEAT_ENV, BeatRecord, HangAction, HangLimits, ProgressTracker, judge)
 from elasticd.jobs.records import Failure, FailureKind
+from elasticd.workers.rank_files import WORKER_SITE, heartbeat_file
 from elasticd.v1 import control_pb2 as pb
 
 PY = sys.executable

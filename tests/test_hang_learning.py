@@ -17,8 +17,9 @@ from elasticd import config
 from elasticd.hangs.timeouts import (
     HangLimits, LearnSettings, PhaseRecord, decode_limits, encode_limits, limits_table, observe,
     phase_limit, read_limits_file, write_limits_file)
-from elasticd.hangs.detector import HEARTBEAT_ENV, WORKER_SITE, BeatRecord, ProgressTracker
+from elasticd.hangs.detector import HEARTBEAT_ENV, BeatRecord, ProgressTracker
 from elasticd.hangs.stragglers import RankSamples, Straggler, crossed, find_straggler
+from elasticd.workers.rank_files import WORKER_SITE
 from elasticd.workers.contract import beats as contract
 from test_hang import FakeGroup, FakeOps, FakeRegistry, beat
 

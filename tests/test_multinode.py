@@ -694,7 +694,7 @@ class InProcessNode:
         from elasticd.config import load
         from elasticd.cluster.dispatch import Dispatcher
         from elasticd.jobs.registry import JobRegistry
-        from elasticd.coordinator.coordinator import Coordinator
+        from elasticd.node.coordinator import Coordinator
         from elasticd.rendezvous.view import JobsView
         from elasticd.store import MemoryStore
         from elasticd.trust.clusterkey import ephemeral

@@ -146,7 +146,7 @@ def test_installed_deb_runs_a_job(deb):
         _verify_unit("/lib/systemd/system/elasticd.service")
         # The installed daemon's Python has no torch and loads none.
         run("/opt/elasticd/bin/python", "-c",
-            "import importlib.util, sys, elasticd.daemon; "
+            "import importlib.util, sys, elasticd.node.daemon; "
             "assert importlib.util.find_spec('torch') is None; "
             "assert 'torch' not in sys.modules")
 
@@ -241,7 +241,7 @@ def test_wheel_builds_and_carries_the_generated_protos(tmp_path):
     for proto in ("control_pb2.py", "control_pb2_grpc.py", "control_pb2.pyi"):
         assert f"elasticd/v1/{proto}" in names
     assert "elasticctl/cli.py" in names and "elasticd/examples/train.py" in names
-    assert "elasticd = elasticd.cli:main" in entry_points
+    assert "elasticd = elasticd.node.cli:main" in entry_points
     assert "elasticctl = elasticctl.cli:main" in entry_points
     torch_reqs = [line for line in meta.splitlines()
                   if line.startswith("Requires-Dist: torch")]

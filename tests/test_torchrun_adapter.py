@@ -23,7 +23,7 @@ def test_backend_is_registered_under_the_torchrun_entry_point():
 
 
 def test_daemon_side_never_imports_torch():
-    code = ("import sys, elasticd.daemon, elasticd.rendezvous.round, elasticd.control.service;"
+    code = ("import sys, elasticd.node.daemon, elasticd.rendezvous.round, elasticd.control.service;"
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

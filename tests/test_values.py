@@ -1,9 +1,9 @@
-"""trust/values.decode: every hostile shape is one typed BadValue, never another exception."""
+"""values.decode: every hostile shape is one typed BadValue, never another exception."""
 from __future__ import annotations
 
 import pytest
 
-from elasticd.trust.values import BadValue, Why, decode
+from elasticd.values import BadValue, Why, decode
 
 
 @pytest.mark.parametrize("data, why", [

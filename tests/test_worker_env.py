@@ -11,7 +11,7 @@ import sys
 
 from elasticd.hangs import beat_channel, timeouts
 from elasticd.jobstore import address
-from elasticd.workers import env, inprocess_reports, preload
+from elasticd.workers import env, inprocess_reports, preload, rank_files
 from elasticd.workers.contract import beats
 
 PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -54,8 +54,8 @@ def test_daemon_side_names_are_the_contracts():
 
 def test_run_dir_file_names_are_unchanged():
     run = "/run/x"
-    assert beat_channel.heartbeat_file(run, 3) == "/run/x/heartbeat-rank3"
-    assert beat_channel.limits_file(run) == "/run/x/hang-limits.json"
+    assert rank_files.heartbeat_file(run, 3) == "/run/x/heartbeat-rank3"
+    assert rank_files.limits_file(run) == "/run/x/hang-limits.json"
     assert preload.report_path(run) == "/run/x/preload-report.txt"
     assert inprocess_reports.report_path(run, 2, 5) == "/run/x/inprocess-rank2-restart5.jsonl"
     assert env.ERROR_FILE_NAME.format(rank=1, restart=4) == "error-rank1-restart4.json"

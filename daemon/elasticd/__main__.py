@@ -1,6 +1,6 @@
-"""``python -m elasticd``: the daemon's command line (cli.py)."""
+"""``python -m elasticd``: the daemon's command line (node/cli.py)."""
 import sys
 
-from .cli import main
+from .node.cli import main
 
 sys.exit(main())

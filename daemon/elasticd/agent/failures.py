@@ -1,7 +1,7 @@
 """What failed in a worker group and why: the failure record the agent keeps.
 
 Reads torch's ``@record`` error files (a file a worker can touch: read
-bounded, decoded by ``trust.values.decode``, never fatal) and, for a rank that
+bounded, decoded by ``values.decode``, never fatal) and, for a rank that
 left none, the last lines of its output since its start (as torchrun shows a
 child's stderr): its last line is the failure's cause, the lines its
 traceback. Decides which of several failed workers seen together is to
@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import psutil
 
-from ..trust import values
+from .. import values
 from ..workers import files as workerfiles
 from ..jobs.records import Failure, FailureKind, WorkerRow
 from ..jobs.states import WorkerState

@@ -42,7 +42,7 @@ from ..jobs.restartpolicy import RestartRule
 from ..jobs.states import JobState
 from ..store import EVENT_PUT, Store, StoreError
 from ..store.follow import Follower
-from ..trust.fields import is_ident, is_real
+from ..fields import is_ident, is_real
 from ..trust.refusals import Refusals
 from ..trust.sealed import Kind, Reason, Refused
 

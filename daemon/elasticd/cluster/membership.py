@@ -33,7 +33,7 @@ import psutil
 from ..logsetup import ctx
 from ..store import EVENT_PUT, CompareFailed, KeyExists, Lease, LeaseNotFound, Store, StoreError
 from ..store.follow import Follower
-from ..trust.fields import is_ident
+from ..fields import is_ident
 from ..trust.refusals import Refusals
 from ..trust.sealed import Kind, Opened, Reason, Refused
 

@@ -22,7 +22,7 @@ from ..logsetup import ctx
 from .membership import DRAIN, LeaseKeeper, NodeWatcher
 from ..store import EVENT_PUT, Store, StoreAuthError, StoreError, StoreUnavailable, open_store
 from ..store.follow import Follower
-from ..trust import fields
+from .. import fields
 from ..trust.refusals import Refusals
 from ..trust.sealed import Kind, Reason, Refused
 
@@ -142,7 +142,7 @@ class Cluster:
 
     def stop(self) -> None:
         """Stop the lease and the watches; the store stays open (its opener,
-        daemon.py, closes it once, after every part that uses it stopped)."""
+        node/daemon.py, closes it once, after every part that uses it stopped)."""
         self.request_stop()
         self.keeper.stop()
         self._drain_follower.stop()

@@ -45,7 +45,7 @@ class ControlSettings:
 @dataclass(frozen=True)
 class LimitsSettings:
     """What one user, or everyone together, may hold of the daemon (control/service.py,
-    coordinator/). An error over a limit names it, e.g. RESOURCE_EXHAUSTED "uid
+    node/coordinator.py). An error over a limit names it, e.g. RESOURCE_EXHAUSTED "uid
     1001 has 100 unfinished jobs (limits.jobs_per_user 100)". root counts as
     one user like any other."""
     streams_total: int = _setting(64, "long-lived calls (logs -f, events, wait) served at "

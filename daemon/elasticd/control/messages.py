@@ -14,8 +14,7 @@ from ..jobs.records import WorkerRow
 from ..jobs.restartpolicy import RestartPlan, RestartWindow
 from ..jobs.states import TERMINAL_STATES
 from ..v1 import control_pb2 as pb
-from ..replication.stats import Replicated
-from ..workers.snapshot_status import DirSnapshots
+from ..workers.snapshot_status import DirSnapshots, Replicated
 
 
 def job_to_proto(job: JobRecord) -> pb.Job:
@@ -88,7 +87,7 @@ def add_worker(msg: pb.Job, w: WorkerRow) -> None:
 def add_snapshot(msg: pb.Job, node_id: str, snap: DirSnapshots, budget: int | None,
                  now: float, replicated: Replicated | None = None) -> None:
     """One node's snapshots of the job (workers/snapshot_status.py) into ``snapshots``;
-    ``replicated``: where its newest replica is (replication/stats.py), as
+    ``replicated``: where its newest replica is (replication/pusher.py records it), as
     "<node> step <n>"."""
     msg.snapshots.add(node_id=node_id, step=snap.step, saved_at=snap.saved_at,
                       age_seconds=snap.age(now), bytes=snap.bytes, ranks=snap.ranks,

@@ -14,7 +14,7 @@ from ..v1 import control_pb2 as pb
 
 def answer(cfg, cluster, manager, caller: Caller, endpoint=None) -> pb.ListNodesResponse:
     """The ListNodes answer from ``cluster`` (cluster/node.Cluster), ``manager``
-    (coordinator/coordinator.Coordinator) and the metrics ``endpoint``
+    (node/coordinator.Coordinator) and the metrics ``endpoint``
     (exposition/endpoint.MetricsEndpoint, or None)."""
     view = cluster.watcher.snapshot()
     try:

@@ -14,9 +14,8 @@ import os
 import threading
 import time
 
-from ..cluster import remote_jobs as clusterjobs
 from .. import errors
-from . import nodes, validation
+from . import nodes, remote_jobs as clusterjobs, validation
 from .handling import CallDoor, handled
 from .auth import Caller, TokenIssuer, check_access
 from ..config import Config

@@ -31,11 +31,11 @@ import stat
 import subprocess
 from dataclasses import dataclass
 
-from ..trust.values import BadValue, decode
+from ..fields import MAX_GPUS
+from ..values import BadValue, decode
 
 log = logging.getLogger("elasticd.gpus")
 
-MAX_GPUS = 64                       # more in one node than any machine has
 FAKE_FILE_MAX_BYTES = 64 * 1024
 NVIDIA_SMI_FIELDS = "index,uuid,memory.total,pci.bus_id"
 _UUID = re.compile(r"(GPU|MIG)-[0-9A-Za-z-]{1,80}\Z")

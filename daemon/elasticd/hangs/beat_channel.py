@@ -1,10 +1,10 @@
-"""The daemon's side of the beat channel: where each rank beats, its records, the OS calls.
+"""The daemon's side of the beat channel: each rank's beat records, and the OS calls.
 
 The channel's format is the worker contract, worker_site/elasticd_heartbeat.py
-(loaded here as ``contract``); this module says where each rank's files are
-(its environment), reads a record the way anything a worker can write must
-be read (capped, no link followed, every field checked), and wraps the OS
-calls the hang tracker makes on ranks, so that tests can swap in fakes.
+(loaded here as ``contract``); where each rank's files are (its environment) is
+workers/rank_files.py. This module reads a record the way anything a worker can
+write must be read (capped, no link followed, every field checked), and wraps the
+OS calls the hang tracker makes on ranks, so that tests can swap in fakes.
 """
 from __future__ import annotations
 
@@ -16,33 +16,10 @@ from typing import Callable
 from ..workers import env as envnames
 from ..workers import files as workerfiles
 from ..workers import signals as rank_signals
-from .timeouts import LIMITS_FILE_ENV, write_limits_file
+from .timeouts import write_limits_file
 from ..workers.contract import beats as contract
 
-WORKER_SITE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "worker_site")
 HEARTBEAT_ENV = envnames.HEARTBEAT_FILE
-
-
-# ---------------------------------------------------------------- worker env
-
-def site_env(env: dict) -> dict[str, str]:
-    """PYTHONPATH with worker_site/ first: what every worker (and spare) gets."""
-    rest = env.get("PYTHONPATH", "")
-    parts = [WORKER_SITE] + [p for p in rest.split(os.pathsep) if p and p != WORKER_SITE]
-    return {"PYTHONPATH": os.pathsep.join(parts)}
-
-
-def heartbeat_file(run_dir: str, rank: int) -> str:
-    return os.path.join(run_dir, envnames.HEARTBEAT_FILE_NAME.format(rank=rank))
-
-
-def limits_file(run_dir: str) -> str:
-    return os.path.join(run_dir, envnames.LIMITS_FILE_NAME)
-
-
-def rank_env(run_dir: str, rank: int) -> dict[str, str]:
-    """What one rank's environment adds: where it beats, where its learned limits are."""
-    return {HEARTBEAT_ENV: heartbeat_file(run_dir, rank), LIMITS_FILE_ENV: limits_file(run_dir)}
 
 
 @dataclass(frozen=True)

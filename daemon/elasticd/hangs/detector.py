@@ -51,14 +51,14 @@ from typing import NamedTuple
 
 from . import phase_board, stragglers
 from .beat_channel import (  # noqa: F401
-    HEARTBEAT_ENV, WORKER_SITE, BeatRecord, ProcessOps, contract, heartbeat_file, limits_file,
-    rank_env, site_env)
+    HEARTBEAT_ENV, BeatRecord, ProcessOps, contract)
 from .timeouts import (
     MAX_PHASES, STEADY_PHASES, HangLimits, LearnSettings, PhaseLimit, PhaseRecord, bracketed,
     encode_limits, limits_table, observe, others_wait_for, phase_limit)
 from .phase_board import JobPeers, NodePhases, RankPhase
 from ..logsetup import ctx
 from ..jobs.records import Failure, FailureKind
+from ..workers.rank_files import heartbeat_file, limits_file
 
 log = logging.getLogger("elasticd.hangs.detector")
 

@@ -44,8 +44,8 @@ from typing import Callable
 
 from .timeouts import MAX_PHASES, PhaseRecord
 from ..logsetup import ctx
-from ..trust.fields import is_real, is_whole
-from ..trust.values import decode
+from ..fields import is_real, is_whole
+from ..values import decode
 from ..workers.contract import beats
 
 log = logging.getLogger("elasticd.phases")

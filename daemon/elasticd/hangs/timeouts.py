@@ -45,7 +45,7 @@ import secrets
 import stat
 from dataclasses import dataclass, replace
 
-from ..trust.values import BadValue, decode
+from ..values import BadValue, decode
 from ..workers import env as envnames
 
 STEADY_PHASES = ("train", "forward")

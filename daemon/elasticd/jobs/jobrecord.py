@@ -1,6 +1,6 @@
 """A job's record as this node keeps it: the fields, its JSON form, what its spec weighs.
 
-Built by the job manager (coordinator/coordinator.py) at a submit or an adoption, changed
+Built by the job manager (node/coordinator.py) at a submit or an adoption, changed
 only through the registry (jobs/registry.py), which persists it as ``to_json``
 and reads it back with ``from_json`` (fields an older release did not write take
 their defaults; a saved sub-record that no longer parses is dropped, never the
@@ -102,7 +102,7 @@ class JobRecord:
 
     def recovery_summary(self) -> RecoverySummary:
         """What this node shares of the job's recovery with the other nodes
-        (published with its worker rows; see cluster/remote_jobs.py), size-bounded."""
+        (published with its worker rows; see control/remote_jobs.py), size-bounded."""
         return RecoverySummary.of_record(self.restarts_by_layer, self.restart_budget,
                                          self.last_failure, self.attempts)
 

@@ -22,7 +22,7 @@ The budget over a window (``RestartWindow``) is counted cluster-wide in the
 round state (rendezvous/protocol.py ``reopen``): the times of the restarts
 within ``agent.restart_window`` seconds ride along with the restart count.
 ``plan_forgotten`` decides, with the same budgets, whether a job the store
-forgot (a standalone daemon restarted) starts again (coordinator/resume.py).
+forgot (a standalone daemon restarted) starts again (node/resume.py).
 """
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from types import MappingProxyType
 from typing import Mapping, Protocol
 
 from ..errors import InvalidArgument
-from ..gpus.inventory import MAX_GPUS
+from ..fields import MAX_GPUS
 from .jobrecord import JobRecord
 
 JOB_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}\Z")   # a job id, a name, a node id

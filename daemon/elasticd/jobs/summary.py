@@ -5,7 +5,7 @@ the job's recovery (rendezvous/round.py ``publish_workers``): restarts per
 layer, the budgets, its last failure (bounded), its latest ladder attempts.
 ``JobRecord.recovery_summary`` builds it; ``to_dict`` is the one form it is
 shared in; ``from_dict`` reads a peer's back where it enters (the jobs view,
-rendezvous/view.py), checked field by field; cluster/remote_jobs.py merges
+rendezvous/view.py), checked field by field; control/remote_jobs.py merges
 every node's into the record a node that does not run the job shows.
 """
 from __future__ import annotations

@@ -18,8 +18,8 @@ import enum
 import json
 from dataclasses import asdict, dataclass
 
-from ..trust import fields as f
-from ..trust.values import decode
+from .. import fields as f
+from ..values import decode
 
 OPEN, CLOSED = "open", "closed"
 SUCCEEDED, FAILED, CANCELLED = "succeeded", "failed", "cancelled"

@@ -34,11 +34,11 @@ from dataclasses import dataclass, field
 from ..hangs.phase_board import NodePhases
 from ..jobs.records import WorkerRow
 from ..jobs.summary import RecoverySummary
-from ..trust.fields import is_ident
+from ..fields import is_ident
 from ..trust.refusals import Refusals
 from ..trust.rejections import Rejection, SpecRejected
 from ..trust.sealed import Kind, Reason, Refused
-from ..trust.values import BadValue, decode
+from ..values import BadValue, decode
 from ..store import EVENT_PUT, Store
 from ..store.follow import Follower
 from .records import Join, RoundState

@@ -31,7 +31,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from ..trust.fields import is_ident
+from ..fields import is_ident
 
 MAGIC = b"ELREPL01"
 NONCE_BYTES = 32

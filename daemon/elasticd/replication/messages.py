@@ -1,8 +1,8 @@
 """The replication channel's two JSON messages, typed: a slot file offered, and the
 receiver's reply; each built from a decoded frame in one place and serialised in one.
 
-A frame's JSON goes through trust/values.py ``decode`` (size cap first) and each field
-through trust/fields.py, so a peer that holds the key but sends nonsense is a
+A frame's JSON goes through values.py ``decode`` (size cap first) and each field
+through fields.py, so a peer that holds the key but sends nonsense is a
 ``ValueError`` naming the field, never a wrong write.
 """
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
-from ..trust import fields as f
-from ..trust.values import BadValue, decode
+from .. import fields as f
+from ..values import BadValue, decode
 from ..workers import snapshot_format as fmt
 
 MAX_JSON_BYTES = 4096

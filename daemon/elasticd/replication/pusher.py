@@ -26,9 +26,10 @@ from typing import Callable
 from ..logsetup import ctx
 from ..workers import files as workerfiles
 from ..workers import snapshot_format as fmt
+from ..workers.snapshot_status import Replicated
 from .channel import Channel, ChannelError, Kind, Refusal, client_hello
 from .messages import Offer, Reply
-from .stats import ReplicationStats, Replicated
+from .stats import ReplicationStats
 
 log = logging.getLogger("elasticd.replication.pusher")
 

@@ -3,18 +3,9 @@ reason, and per job where its newest snapshot is replicated (thread-safe)."""
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
 
+from ..workers.snapshot_status import Replicated
 from .channel import Refusal
-
-
-@dataclass(frozen=True)
-class Replicated:
-    """A job's newest snapshot from this node, as its buddy acknowledged it."""
-    node_id: str        # the buddy holding the replica
-    step: int
-    acked_at: float     # unix seconds
-    lag_s: float        # from the local snapshot complete to the replica acknowledged
 
 
 class ReplicationStats:

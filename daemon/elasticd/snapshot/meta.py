@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..trust import values
+from .. import values
 from ..workers import snapshot_format as fmt
 from .structure import MAX_DEPTH, Flat
 

@@ -21,7 +21,7 @@ the round (joins, done marks) and the node; what else gives a record its
 meaning (a round state's round) is in its body.
 
 ``open`` takes the key name and what etcd holds there and returns ``Opened``
-(the body decoded by trust/values.decode, and the seq) or raises
+(the body decoded by values.decode, and the seq) or raises
 ``Refused`` with a bounded ``Reason``; nothing else. The size cap comes before
 any hashing, the MAC before any parsing. ``PlainRecords`` is the torchrun
 adapter's: it runs without a cluster key under its users' own prefix, so
@@ -36,7 +36,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from .values import BadValue, as_bytes, decode
+from ..values import BadValue, as_bytes, decode
 
 VERSION = b"e1."
 DOMAIN = b"elasticd/v1 etcd-record\0"

@@ -48,7 +48,7 @@ from ..errors import InvalidArgument
 from .rejections import RejectReason, Rejection, SpecRejected
 from .sealed import SealedRecords
 from .seqmark import SeqMark
-from .values import BadValue, decode
+from ..values import BadValue, decode
 from ..jobs.spec import JobSpec
 
 FORMAT = "elasticd-spec/1"

@@ -24,13 +24,12 @@ from dataclasses import dataclass
 
 from . import inprocess_reports, preload, env as envnames, files as workerfiles
 from .snapshot_dirs import ensure_job_dir
+from .rank_files import rank_env, site_env
 from .launch import (  # noqa: F401 (the worker group's public names, from here as before)
     WORKER_UMASK, SpawnError, as_user_kwargs, can_enter, cwd_unusable, end_helper,
     log_file_path, not_found, open_log, start_job_process, start_process)
 from .signals import signal_rank_group
 from .spec import GroupSpec
-from ..jobstore import address as jobstore_env
-from ..hangs import detector as progress
 from .. import statedir
 from ..logsetup import ctx
 
@@ -45,7 +44,7 @@ def base_env(spec: GroupSpec) -> dict[str, str]:
         env["OMP_NUM_THREADS"] = "1"
     # Logs are followed live; a block-buffered stdout would hide them.
     env.setdefault("PYTHONUNBUFFERED", "1")
-    env.update(progress.site_env(env))  # hang detection: sitecustomize on the path
+    env.update(site_env(env))  # hang detection: sitecustomize on the path
     return env
 
 
@@ -84,12 +83,12 @@ def worker_env(spec: GroupSpec, local_rank: int) -> dict[str, str]:
         env[envnames.SNAPSHOT_BUDGET] = str(spec.snapshot.budget_bytes)
     if _loopback(place.master_addr):  # one node: rank 0's store listens there alone
         env[envnames.MASTER_BIND] = place.master_addr
-    env.update(progress.rank_env(spec.run_dir, rank))  # hang detection: where it beats
+    env.update(rank_env(spec.run_dir, rank))  # hang detection: where it beats
     env.update(spec.device_env)  # its GPUs: over whatever the submitter's shell had
     if local_rank == 0:  # learned preload: what it imported by its first step
         env[preload.ENV] = preload.report_path(spec.run_dir)
     env.update(spec.extra_env)
-    if jobstore_env.ADDR in spec.extra_env:  # in-process restart: where it reports
+    if envnames.STORE_ADDR in spec.extra_env:  # in-process restart: where it reports
         env[inprocess_reports.ENV] = inprocess_reports.report_path(spec.run_dir, rank,
                                                                    spec.restart_count)
     return env

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 from . import env as envnames
 from . import files as workerfiles
-from ..trust import fields
-from ..trust.values import BadValue, decode
+from .. import fields
+from ..values import BadValue, decode
 
 log = logging.getLogger("elasticd.workers.inprocess_reports")
 

@@ -7,6 +7,9 @@ regular file owned by the job's uid, ``HEADER_USED`` bytes at most) and parsed b
 workers/snapshot_format.py: a link, a FIFO, another user's file, a header torn
 or foreign is no snapshot. At most ``max_entries`` entries of the dir are looked
 at, so a dir a user filled with files costs a bounded scan.
+
+``Replicated`` is the other half of a job's snapshot status: where its newest
+snapshot's replica is, as the buddy acknowledged it (replication/pusher.py records it).
 """
 from __future__ import annotations
 
@@ -42,6 +45,15 @@ class DirSnapshots:
 
     def age(self, now: float) -> float:
         return max(0.0, now - self.saved_at) if self.present else 0.0
+
+
+@dataclass(frozen=True)
+class Replicated:
+    """A job's newest snapshot from this node, as its buddy acknowledged it."""
+    node_id: str        # the buddy holding the replica
+    step: int
+    acked_at: float     # unix seconds
+    lag_s: float        # from the local snapshot complete to the replica acknowledged
 
 
 def read_dir(path: str, uid: int, max_entries: int) -> DirSnapshots | None:

@@ -47,7 +47,7 @@ from .template_key import EnvReads, TemplateKey, entry_part
 from .forked import ForkedProcess, pin_child
 from .signals import kill_group
 from .. import statedir
-from ..trust import values
+from .. import values
 from ..logsetup import ctx
 
 log = logging.getLogger("elasticd.workers.template")

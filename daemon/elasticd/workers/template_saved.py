@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from . import files, group as workers
 from .template_key import TemplateKey, entry_part, key_from_record, key_to_record
 from .. import statedir
-from ..trust import values
+from .. import values
 
 SAVED_NAME = "idle-templates.json"
 VERSION = 2

@@ -6,7 +6,7 @@ there; one whose cancel was asked is cancelled; one the cluster still runs
 is rejoined (RESTARTING); one the store forgot (the in-memory store of a
 standalone daemon) starts again as a counted restart while its budgets
 allow (jobs/restartpolicy.plan_forgotten). Workers the previous daemon left
-running are killed first (coordinator/leftovers.py). The coordinator then
+running are killed first (node/leftovers.py). The coordinator then
 schedules what was resumed.
 """
 from __future__ import annotations

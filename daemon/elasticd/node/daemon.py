@@ -21,38 +21,38 @@ import signal
 import threading
 import time
 
-from . import __version__, statedir
-from .control.auth import CredentialServer, TokenIssuer
-from .cluster.node import Cluster, ClusterStartError, open_cluster_store
-from .trust.clusterkey import ClusterKeyError
-from .trust.refusals import Refusals
-from .trust.specs import ClusterPolicy, codec_for
-from .config import Config, socket_gid
-from .control.server import ControlServer
-from .control.service import ControlServicer
-from .jobs.registry import JobRegistry
-from .jobs.retirer import Retirer
-from .workers.logrotate import LogKeeper
-from .logsetup import ctx
-from .cluster.dispatch import Dispatcher
-from .cluster.eventlog import EventLog
-from .gpus.alloc import GpuLedger
-from .gpus.health import HealthGate
-from .gpus.inventory import Inventory, InventoryError, discover, nvml_module
-from .cluster.suspicion import MAX_REMEMBERED as SUSPECT_REMEMBERED, SuspectTracker
-from .coordinator.coordinator import Coordinator
-from .metrics import Metrics
-from .rendezvous.protocol import job_prefix
-from .exposition.endpoint import MetricsEndpoint
-from .rendezvous.view import JobsView
-from .sdnotify import Notifier
-from .store import StoreError
-from .workers import hostname
-from .workers.snapshot_dirs import SnapshotBudgets, prepare_root
-from .replication.peers import Peers
-from .replication.pusher import Pusher
-from .replication.receiver import ReplicationServer
-from .replication.stats import ReplicationStats
+from .. import __version__, statedir
+from ..control.auth import CredentialServer, TokenIssuer
+from ..cluster.node import Cluster, ClusterStartError, open_cluster_store
+from ..trust.clusterkey import ClusterKeyError
+from ..trust.refusals import Refusals
+from ..trust.specs import ClusterPolicy, codec_for
+from ..config import Config, socket_gid
+from ..control.server import ControlServer
+from ..control.service import ControlServicer
+from ..jobs.registry import JobRegistry
+from ..jobs.retirer import Retirer
+from ..workers.logrotate import LogKeeper
+from ..logsetup import ctx
+from ..cluster.dispatch import Dispatcher
+from ..cluster.eventlog import EventLog
+from ..gpus.alloc import GpuLedger
+from ..gpus.health import HealthGate
+from ..gpus.inventory import Inventory, InventoryError, discover, nvml_module
+from ..cluster.suspicion import MAX_REMEMBERED as SUSPECT_REMEMBERED, SuspectTracker
+from .coordinator import Coordinator
+from ..metrics import Metrics
+from ..rendezvous.protocol import job_prefix
+from ..exposition.endpoint import MetricsEndpoint
+from ..rendezvous.view import JobsView
+from ..sdnotify import Notifier
+from ..store import StoreError
+from ..workers import hostname
+from ..workers.snapshot_dirs import SnapshotBudgets, prepare_root
+from ..replication.peers import Peers
+from ..replication.pusher import Pusher
+from ..replication.receiver import ReplicationServer
+from ..replication.stats import ReplicationStats
 
 log = logging.getLogger("elasticd")
 OWN_FILES = 1024  # fds kept for the daemon's own use beside control connections

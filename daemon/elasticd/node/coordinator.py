@@ -7,7 +7,7 @@ A job whose workers do not fit in the free slots waits PENDING; each time an
 agent exits, pending jobs are looked at again in submission order. At start,
 jobs left unfinished by a previous daemon are resumed: rejoined where the
 cluster still runs them, or started again as a counted restart where the
-store forgot them (the in-memory store of a standalone daemon): coordinator/resume.py.
+store forgot them (the in-memory store of a standalone daemon): node/resume.py.
 """
 from __future__ import annotations
 
@@ -383,7 +383,7 @@ class Coordinator:
 
     # -- life cycle ----------------------------------------------------------
     def resume(self) -> None:
-        """Pick up jobs a previous daemon left unfinished (coordinator/resume.py)."""
+        """Pick up jobs a previous daemon left unfinished (node/resume.py)."""
         Resumer(self._cfg, self._registry, self._view, self._cluster.store,
                 self._codec).resume(self.end_from_cluster)
         try:  # the templates idle at the last stop: users' next jobs warm from the first

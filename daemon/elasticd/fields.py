@@ -1,6 +1,6 @@
 """Checked fields of records from outside the daemon: bounded numbers, text and ids.
 
-A typed record built from a decoded value (trust/values.py) takes each field
+A typed record built from a decoded value (values.py) takes each field
 through one of these: the value comes back as the type the record holds, or
 ``ValueError`` names the field. A bool is never a number here, a float is
 never an int, and nothing unbounded gets through. Standard library only.
@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 
 MAX_ID = 253          # a node or job id: one key segment, as long as a host name at most
+MAX_GPUS = 64         # GPUs in one node, more than any machine has: a job's gpus_per_node,
+                      # an index or count from nvidia-smi, NVML or the fake GPU file
 
 
 def whole(doc: dict, name: str, lo: int, hi: int, default: int | None = None) -> int:

@@ -5,7 +5,7 @@ import argparse
 import os
 import sys
 
-from . import __version__, config, logsetup
+from .. import __version__, config, logsetup
 
 EPILOG = """\
 Settings come from, later winning: defaults, the config file
@@ -72,7 +72,7 @@ def overrides_from(args: argparse.Namespace) -> dict:
 
 
 def keygen_main(argv: list[str]) -> int:
-    from .trust import clusterkey
+    from ..trust import clusterkey
     p = argparse.ArgumentParser(
         prog="elasticd keygen", description="Write a new random cluster key (mode 0600). "
         "Every node of a cluster needs the same key: make it once, then copy the file "
@@ -92,7 +92,7 @@ def keygen_main(argv: list[str]) -> int:
 
 
 def etcd_roles_main(argv: list[str]) -> int:
-    from .trust import etcdroles
+    from ..trust import etcdroles
     p = argparse.ArgumentParser(
         prog="elasticd etcd-roles", description="Print (or, with --apply, make) the etcd "
         f"roles: {etcdroles.DAEMON_ROLE} read-write on the daemons' prefix only, "
@@ -131,8 +131,8 @@ def etcd_roles_main(argv: list[str]) -> int:
     if not args.apply:
         print("\n".join(etcdroles.commands(steps)))
         return 0
-    from .store import StoreError
-    from .store.etcd3 import Etcd3Store
+    from ..store import StoreError
+    from ..store.etcd3 import Etcd3Store
     password = ""
     if args.password_file:
         with open(args.password_file) as fh:

@@ -1,1 +1,0 @@
-"""The node's coordinator: which jobs run here, on which slots and GPUs, and their agents."""
