@@ -224,7 +224,7 @@ def floors_and_upward_arrows() -> tuple[list[list[str]], list[str]]:
 
 # Issue #31: at most 7 floors and 3 arrows back up.
 MAX_FLOORS = 7
-MAX_UPWARD = 3
+MAX_UPWARD = 0
 
 
 def test_floors_and_arrows_back_up():
