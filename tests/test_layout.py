@@ -222,7 +222,7 @@ def floors_and_upward_arrows() -> tuple[list[list[str]], list[str]]:
     return stacked, up
 
 
-# Issue #31: at most 7 floors and 3 arrows back up.
+# Issue #31: at most 7 floors; no arrow back up (the issue allowed 3; none is left).
 MAX_FLOORS = 7
 MAX_UPWARD = 0
 
