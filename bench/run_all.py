@@ -92,6 +92,9 @@ BENCHES = (
                              "(`wait=False`), vs `torch.save` to local disk + fsync"),
         Row("snapshot-restore", "snapshot restore of that state (tensors mapped), vs "
                                 "`torch.load` of the checkpoint"))),
+    Bench("replication", "replication_bench.py", (), ("--reps", "1", "--steps", "100"), (
+        Row("replication", "snapshot replication to the buddy node (2 daemons, loopback): "
+                           "step time it costs a job that snapshots every step"),)),
     Bench("daemon_overhead", "daemon_overhead.py", (),
           ("--starts", "2", "--idle-seconds", "5", "--spawns", "5", "--rpc-calls", "200"), (
         Row("idle-daemon", "idle daemon"),)),
