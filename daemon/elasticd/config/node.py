@@ -106,6 +106,16 @@ class ClusterSettings:
                                   "jobs this node adopts", min=0, max=2**32 - 2)
     allowed_uids: list = _setting([], "if not empty, the only uids whose cluster jobs this "
                                       "node adopts, as strings: [\"1001\", \"1002\"]")
+    # A node's memory of its faults (cluster/faults.py, cluster/quarantine.py)
+    quarantine_faults: int = _setting(5, "a node is quarantined (it takes no new rounds until "
+                                         "`elasticctl uncordon`) once this many faults (worker "
+                                         "failures, hang kills, GPU health failures, lost "
+                                         "leases) were recorded for it within "
+                                         "cluster.quarantine_window (0: never)", min=0,
+                                      max=1000)
+    quarantine_window: float = _setting(600.0, "seconds a node's recorded fault counts toward "
+                                               "cluster.quarantine_faults (older ones age out of "
+                                               "its record)", min=1, max=30 * 86400)
 
 
 @dataclass(frozen=True)

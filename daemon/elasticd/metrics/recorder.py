@@ -23,7 +23,8 @@ from ..trust.sealed import Kind, Reason
 from ..jobs.states import TERMINAL_STATES, JobState
 from ..workers.template import StartPath
 from ..store import Store
-from .collectors import (GpuCollector, JobCollector, LeaseCollector, ReplicationCollector,
+from .collectors import (GpuCollector, JobCollector, LeaseCollector, QuarantineCollector,
+                         ReplicationCollector,
                          SnapshotCollector, StateCollector)
 from .timed_store import STORE_OPERATIONS, TimedStore, store_error_kind
 
@@ -166,6 +167,10 @@ class Metrics:
     def attach_replication(self, stats) -> None:
         """Export what snapshot replication sent, got and refused (replication/stats.py)."""
         self.registry.register(ReplicationCollector(stats))
+
+    def attach_quarantine(self, faults, cluster) -> None:
+        """Export this node's faults and quarantine, and the cluster's quarantined nodes."""
+        self.registry.register(QuarantineCollector(faults, cluster))
 
     def attach_gpus(self, manager) -> None:
         """Export this node's GPUs, total and free, at scrape time."""

@@ -1,0 +1,166 @@
+"""A node's memory of its faults (cluster/faults.py, cluster/quarantine.py).
+
+The decision without I/O first; then two real daemons on a real etcd: a node
+whose job's workers keep failing is quarantined, `nodes` shows why, a new
+2-node job does not take it, the quarantine outlives a kill -9 of its daemon,
+and `uncordon` brings it back (the waiting job then runs on both).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+from elasticd.cluster.faults import (MAX_FAULTS, Fault, FaultBook, FaultKind, fault_key, judge,
+                                     reasons)
+from elasticd.store import open_store
+from elasticd.trust.sealed import MAX_BODY, Kind
+from etcd_cluster import cluster_daemon, ctl_json, fresh_prefix, scrape, states, wait_for
+from etcd_server import EtcdServer, etcd_binary
+from elasticd.v1 import control_pb2 as pb
+
+W = FaultKind.WORKER_EXIT
+
+
+def faults(*times, kind=W):
+    return [Fault(t, kind, f"j{i}", "exit 3", 0) for i, t in enumerate(times)]
+
+
+# ---------------------------------------------------------------- the decision
+
+def test_quarantined_at_the_threshold_within_the_window():
+    v = judge(faults(10, 20, 30), now=40, window=60, threshold=3)
+    assert v.quarantine and len(v.faults) == 3
+    assert "3 faults in the last 60s (3 worker_exit" in v.reason
+    assert not judge(faults(10, 20), now=40, window=60, threshold=3).quarantine
+
+
+def test_faults_older_than_the_window_or_in_the_future_do_not_count():
+    v = judge(faults(1, 50, 55, 100), now=60, window=20, threshold=3)
+    assert not v.quarantine and [f.time for f in v.faults] == [50, 55]
+
+
+def test_threshold_zero_is_off():
+    assert not judge(faults(*range(1, 50)), now=50, window=100, threshold=0).quarantine
+
+
+def test_a_release_forgives_the_faults_before_it():
+    fs = faults(10, 20, 30, 40)
+    assert judge(fs, now=41, window=100, threshold=3).quarantine
+    assert not judge(fs, now=41, window=100, threshold=3, released_at=30).quarantine
+    assert judge(fs + faults(41, 42), now=43, window=100, threshold=3,
+                 released_at=30).quarantine
+
+
+def test_causes_and_reasons_name_kinds_and_newest_faults():
+    fs = faults(1, 2) + faults(3, kind=FaultKind.LEASE_LOST) + faults(4, 5, kind=FaultKind.HANG)
+    v = judge(fs, now=6, window=10, threshold=5)
+    assert v.causes() == {"worker_exit": 2, "lease_lost": 1, "hang": 2}
+    said = reasons(v)
+    assert said[0] == v.reason and len(said) == 5 and said[-1].startswith("hang (job j")
+
+
+def test_the_book_ages_out_bounds_and_reads_back_what_it_wrote():
+    book = FaultBook()
+    for t in range(MAX_FAULTS + 20):
+        book = book.add(Fault(float(t), W, "job", "x" * 300, t), now=float(t), window=1e6)
+    assert len(book.faults) == MAX_FAULTS and book.faults[0].time == 20.0
+    assert len(book.add(Fault(1e6, W), now=1e6 + 10, window=100).faults) == 1
+    body = book.to_json(MAX_BODY[Kind.FAULTS])
+    assert len(body) <= MAX_BODY[Kind.FAULTS]
+    again = FaultBook.from_doc(json.loads(body))
+    assert again.faults[-1].detail == "x" * 200 and again.faults[-1].attempt == MAX_FAULTS + 19
+    small = book.to_json(2000)   # too many to fit: the oldest are left out
+    assert len(small) <= 2000 and json.loads(small)["faults"][-1]["attempt"] == MAX_FAULTS + 19
+
+
+@pytest.mark.parametrize("doc", [{"faults": "no"}, {"faults": [{"kind": "boom", "time": 1}]},
+                                 {"faults": [{"kind": "hang", "time": -1}]},
+                                 {"faults": [], "quarantined": 1},
+                                 {"reasons": ["x"] * 6}, {"reasons": ["x" * 501]}])
+def test_a_bad_record_is_refused_by_field(doc):
+    with pytest.raises(ValueError):
+        FaultBook.from_doc(doc)
+
+
+def test_one_fault_per_kind_per_job_attempt():
+    assert Fault(1, W, "j", "a", 2).key() == Fault(9, W, "j", "b", 2).key()
+    assert Fault(1, W, "j", "a", 2).key() != Fault(1, W, "j", "a", 3).key()
+    lost = FaultKind.LEASE_LOST
+    assert Fault(1, lost).key() != Fault(2, lost).key()
+
+
+# ---------------------------------------------------------------- real daemons
+
+pytestmark_etcd = pytest.mark.skipif(etcd_binary() is None, reason="no etcd binary")
+
+QUARANTINE = ("--set", "cluster.quarantine_faults=3", "--set", "cluster.quarantine_window=600",
+              "--set", "agent.restart_backoff_step=0", "--set", "agent.warm_spares=false")
+
+
+def _submit(d, command, *, nodes=(), min_nodes=1, max_nodes=1, max_restarts=0) -> str:
+    req = pb.SubmitRequest(command=list(command), cwd=d.root, env=dict(os.environ),
+                           nproc_per_node=1, min_nodes=min_nodes, max_nodes=max_nodes,
+                           nodes=list(nodes), max_restarts=max_restarts)
+    with d.client() as c:
+        return c.call("Submit", req).job.id
+
+
+def _node(d, node_id) -> dict:
+    return next(n for n in ctl_json(d, "nodes")["nodes"] if n["node_id"] == node_id)
+
+
+@pytestmark_etcd
+def test_a_node_whose_workers_keep_failing_is_quarantined_until_uncordoned(daemon_factory):
+    with EtcdServer() as etcd:
+        prefix = fresh_prefix()
+        a = cluster_daemon(daemon_factory, etcd.url, "q-a", prefix, *QUARANTINE).start()
+        b = cluster_daemon(daemon_factory, etcd.url, "q-b", prefix, *QUARANTINE,
+                           metrics=True).start()
+        wait_for(lambda: states(a) == {"q-a": "ready", "q-b": "ready"}, 10, what="both ready")
+
+        # Three failed attempts of a job pinned to q-b: three faults, the threshold.
+        bad = _submit(b, [sys.executable, "-c", "import sys; sys.exit(3)"], nodes=("q-b",),
+                      max_restarts=2)
+        assert b.wait_job(bad).state == "FAILED"
+        wait_for(lambda: states(a).get("q-b") == "quarantined", 10, what="q-b quarantined")
+        seen = _node(a, "q-b")   # every node reads the reasons from etcd
+        assert seen["state"] == "quarantined"
+        assert "3 faults in the last 600s (3 worker_exit" in seen["quarantine"][0]
+        assert any(bad in r for r in seen["quarantine"][1:])
+        table = a.ctl("nodes").stdout
+        assert "quarantined: q-b: 3 faults" in table and "elasticctl uncordon q-b" in table
+        events = [e for e in b.events(bad) if e.kind == "quarantine"]
+        assert len(events) == 1 and "node q-b quarantined" in events[0].reason
+        m = scrape(b.metrics_port)
+        assert m["elasticd_node_quarantined"] == 1
+        assert m['elasticd_node_faults{cause="worker_exit"}'] == 3
+        assert m["elasticd_cluster_nodes_quarantined"] == 1
+        assert b.log().count("quarantined: 3 faults") == 1
+
+        # Its own daemon killed and started again: still quarantined, from etcd.
+        b.kill()
+        b.start()
+        wait_for(lambda: states(a).get("q-b") == "quarantined", 10, what="q-b back, quarantined")
+        store = open_store("etcd3", [etcd.url], prefix=prefix)
+        try:
+            assert store.get(fault_key("q-b")).value.startswith("e1.")   # sealed
+        finally:
+            store.close()
+
+        # A new 2-node job does not take it: it waits for a second node.
+        two = _submit(a, [sys.executable, "-c", "pass"], min_nodes=2, max_nodes=2)
+        wait_for(lambda: a.job(two).state in ("PENDING", "RENDEZVOUS"), 10,
+                 what="the 2-node job waiting")
+        with b.client() as c:
+            assert two not in {j.id for j in c.call("ListJobs", pb.ListJobsRequest()).jobs}
+
+        # uncordon brings it back: it takes the waiting job, which runs on both.
+        assert ctl_json(a, "uncordon", "q-b")["state"] == "ready"
+        done = a.wait_job(two, timeout=60)
+        assert done.state == "SUCCEEDED", done
+        wait_for(lambda: scrape(b.metrics_port)["elasticd_node_quarantined"] == 0, 10,
+                 what="q-b's record released")
+        assert "quarantine lifted" in b.log()
