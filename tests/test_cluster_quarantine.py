@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import pytest
 
@@ -97,7 +98,18 @@ def test_one_fault_per_kind_per_job_attempt():
 pytestmark_etcd = pytest.mark.skipif(etcd_binary() is None, reason="no etcd binary")
 
 QUARANTINE = ("--set", "cluster.quarantine_faults=3", "--set", "cluster.quarantine_window=600",
-              "--set", "agent.restart_backoff_step=0", "--set", "agent.warm_spares=false")
+              "--set", "cluster.quarantine_recheck=0.3", "--set", "agent.restart_backoff_step=0",
+              "--set", "agent.warm_spares=false")
+
+# A worker that fails once, when the test says (file GO), and succeeds when run again.
+FAIL_ON_CUE = """import os, sys, time
+if os.path.exists("again"):
+    sys.exit(0)
+while not os.path.exists("GO"):
+    time.sleep(0.05)
+open("again", "w").close()
+sys.exit(3)
+"""
 
 
 def _submit(d, command, *, nodes=(), min_nodes=1, max_nodes=1, max_restarts=0) -> str:
@@ -121,10 +133,15 @@ def test_a_node_whose_workers_keep_failing_is_quarantined_until_uncordoned(daemo
                            metrics=True).start()
         wait_for(lambda: states(a) == {"q-a": "ready", "q-b": "ready"}, 10, what="both ready")
 
+        # A job running on q-b before the quarantine: it leaves q-b at its next round.
+        with open(os.path.join(b.root, "cue.py"), "w") as fh:
+            fh.write(FAIL_ON_CUE)
+        running = _submit(b, [sys.executable, "cue.py"], nodes=("q-b",), max_restarts=1)
+        b.wait_state(running, "RUNNING")
         # Three failed attempts of a job pinned to q-b: three faults, the threshold.
         bad = _submit(b, [sys.executable, "-c", "import sys; sys.exit(3)"], nodes=("q-b",),
                       max_restarts=2)
-        assert b.wait_job(bad).state == "FAILED"
+        assert b.wait_job(bad).state == pb.FAILED
         wait_for(lambda: states(a).get("q-b") == "quarantined", 10, what="q-b quarantined")
         seen = _node(a, "q-b")   # every node reads the reasons from etcd
         assert seen["state"] == "quarantined"
@@ -133,12 +150,19 @@ def test_a_node_whose_workers_keep_failing_is_quarantined_until_uncordoned(daemo
         table = a.ctl("nodes").stdout
         assert "quarantined: q-b: 3 faults" in table and "elasticctl uncordon q-b" in table
         events = [e for e in b.events(bad) if e.kind == "quarantine"]
-        assert len(events) == 1 and "node q-b quarantined" in events[0].reason
+        assert len(events) == 1 and "node q-b quarantined" in events[0].reason, events
         m = scrape(b.metrics_port)
         assert m["elasticd_node_quarantined"] == 1
         assert m['elasticd_node_faults{cause="worker_exit"}'] == 3
         assert m["elasticd_cluster_nodes_quarantined"] == 1
         assert b.log().count("quarantined: 3 faults") == 1
+
+        # The running job's next round: q-b does not join it while quarantined.
+        open(os.path.join(b.root, "GO"), "w").close()
+        wait_for(lambda: "is quarantined, not joining" in b.job(running).reason, 20,
+                 what="the running job staying out of its next round")
+        job = b.job(running)
+        assert job.state == pb.RENDEZVOUS and [w.state for w in job.workers] == ["failed"], job
 
         # Its own daemon killed and started again: still quarantined, from etcd.
         b.kill()
@@ -152,15 +176,17 @@ def test_a_node_whose_workers_keep_failing_is_quarantined_until_uncordoned(daemo
 
         # A new 2-node job does not take it: it waits for a second node.
         two = _submit(a, [sys.executable, "-c", "pass"], min_nodes=2, max_nodes=2)
-        wait_for(lambda: a.job(two).state in ("PENDING", "RENDEZVOUS"), 10,
-                 what="the 2-node job waiting")
+        wait_for(lambda: a.job(two).state == pb.RENDEZVOUS, 10, what="the 2-node job waiting")
+        time.sleep(1.0)   # time for q-b's dispatcher to look at it (it wakes on the change)
+        assert a.job(two).state == pb.RENDEZVOUS
         with b.client() as c:
             assert two not in {j.id for j in c.call("ListJobs", pb.ListJobsRequest()).jobs}
 
         # uncordon brings it back: it takes the waiting job, which runs on both.
         assert ctl_json(a, "uncordon", "q-b")["state"] == "ready"
         done = a.wait_job(two, timeout=60)
-        assert done.state == "SUCCEEDED", done
+        assert done.state == pb.SUCCEEDED, done
+        assert b.wait_job(running, timeout=30).state == pb.SUCCEEDED   # after its restart
         wait_for(lambda: scrape(b.metrics_port)["elasticd_node_quarantined"] == 0, 10,
                  what="q-b's record released")
         assert "quarantine lifted" in b.log()

@@ -116,6 +116,10 @@ class ClusterSettings:
     quarantine_window: float = _setting(600.0, "seconds a node's recorded fault counts toward "
                                                "cluster.quarantine_faults (older ones age out of "
                                                "its record)", min=1, max=30 * 86400)
+    quarantine_recheck: float = _setting(2.0, "seconds a job's agent on a quarantined node "
+                                              "waits before it looks again whether the node "
+                                              "was uncordoned", min=0, exclusive_min=True,
+                                         max=3600)
 
 
 @dataclass(frozen=True)

@@ -107,6 +107,11 @@ class Coordinator:
     def gpu_problem(self) -> str:
         return self._health.problem() if self._health is not None else ""
 
+    def quarantine_reasons(self) -> tuple:
+        """Why this node is quarantined, as its drain mark says (cluster/quarantine.py);
+        () when it is not: its agents join no round while it is."""
+        return self._cluster.drain_states().get(self._cfg.daemon.node_id, {}).get("reasons", ())
+
     def suspect_reason(self) -> str:
         """Why this node is suspect (cluster/suspicion.py); "" when it is not."""
         return self._suspicion.verdict().reason if self._suspicion is not None else ""
@@ -288,7 +293,8 @@ class Coordinator:
                 agent = Agent(job.id, self._cfg, self._registry, self._rendezvous_for(job),
                               on_exit=self._agent_exited, metrics=self._metrics,
                               binding=binding, health=self._health,
-                              templates=self.templates, snapshots=self.snapshots)
+                              templates=self.templates, snapshots=self.snapshots,
+                              quarantine=self.quarantine_reasons)
                 self._agents[job.id] = agent
                 agent.start()
 
