@@ -27,7 +27,7 @@ import time
 from ..jobs.jobevent import JobEvent
 from ..logsetup import ctx
 from ..store import StoreError
-from ..trust.sealed import MAX_BODY, Kind, Refused
+from ..trust.sealed import MAX_BODY, Kind, Reason, Refused
 from .faults import EVENT_FAULTS, Fault, FaultBook, FaultKind, Verdict, fault_key, judge, reasons
 
 log = logging.getLogger("elasticd.cluster.quarantine")
@@ -36,12 +36,13 @@ MAX_PENDING = 1000      # faults queued between two ticks; more are dropped (cou
 
 
 class FaultMemory:
-    def __init__(self, cfg, store, records, cluster, registry, interval: float = 0.5,
+    def __init__(self, cfg, store, records, cluster, registry, refusals, interval: float = 0.5,
                  clock=time.time):
         self._cfg = cfg
         self._me = cfg.daemon.node_id
         self._store = store
         self._records = records
+        self._refusals = refusals     # trust/refusals.py: a record refused, counted, logged
         self._cluster = cluster
         self._registry = registry
         self._interval = interval
@@ -181,10 +182,13 @@ class FaultMemory:
         if kv is None:
             return FaultBook()
         try:
-            return FaultBook.from_doc(self._records.open(Kind.FAULTS, key, kv.value).doc)
-        except (Refused, ValueError) as exc:
-            log.warning("%s: this node's fault record in etcd is unreadable (%s); starting "
-                        "a new one", ctx(node=self._me), exc)
+            doc = self._records.open(Kind.FAULTS, key, kv.value).doc
+            try:
+                return FaultBook.from_doc(doc)
+            except ValueError as exc:
+                raise Refused(Reason.INVALID, str(exc)) from None
+        except Refused as exc:   # counted and logged; a new record replaces it
+            self._refusals.refused(Kind.FAULTS, key, exc.reason, exc.detail)
             return FaultBook()
 
     def _write(self, book: FaultBook) -> None:

@@ -109,8 +109,9 @@ class Metrics:
         self.records_rejected = Counter(  # trust/refusals.py
             "elasticd_etcd_records_rejected_total",
             "Records read from etcd that this node refused and never acted on, by kind (state, "
-            "join, done, workers, phases, node, drain, event, spec, key) and reason (unsigned, "
-            "bad_mac, replayed, invalid, too_large, too_deep, ...: trust/sealed.Reason)",
+            "join, done, workers, phases, node, drain, faults, event, spec, key) and reason "
+            "(unsigned, bad_mac, replayed, invalid, too_large, too_deep, ...: "
+            "trust/sealed.Reason)",
             ["kind", "reason"], registry=r)
         for kind in (Kind.STATE, Kind.JOIN, Kind.NODE, Kind.EVENT):   # ElasticdUnvouched...
             self.records_rejected.labels(kind.value, Reason.UNSIGNED.value)
