@@ -14,10 +14,15 @@ import time
 
 import pytest
 
+from elasticd import config
 from elasticd.cluster.faults import (MAX_FAULTS, Fault, FaultBook, FaultKind, fault_key, judge,
                                      reasons)
-from elasticd.store import open_store
-from elasticd.trust.sealed import MAX_BODY, Kind
+from elasticd.cluster.node import Cluster
+from elasticd.cluster.quarantine import FaultMemory
+from elasticd.jobs.registry import JobRegistry
+from elasticd.store import MemoryStore, open_store
+from elasticd.trust.refusals import Refusals
+from elasticd.trust.sealed import MAX_BODY, Kind, SealedRecords
 from etcd_cluster import cluster_daemon, ctl_json, fresh_prefix, scrape, states, wait_for
 from etcd_server import EtcdServer, etcd_binary
 from elasticd.v1 import control_pb2 as pb
@@ -91,6 +96,82 @@ def test_one_fault_per_kind_per_job_attempt():
     assert Fault(1, W, "j", "a", 2).key() != Fault(1, W, "j", "a", 3).key()
     lost = FaultKind.LEASE_LOST
     assert Fault(1, lost).key() != Fault(2, lost).key()
+
+
+# ------------------------------------------- the memory, in process, on the memory store
+
+RECORDS = SealedRecords(b"k" * 32, "/elasticd")
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+@pytest.fixture
+def node_parts(tmp_path):
+    """(cfg, store, cluster, registry, rejected) of one node, quarantined at 3 faults."""
+    state = os.path.join(tmp_path, "n1")
+    cfg = config.load(env={}, overrides={
+        "daemon.node_id": "n1", "daemon.state_dir": state, "daemon.socket": "/tmp/x.sock",
+        "membership.watch_retry": 0.05, "cluster.quarantine_faults": 3,
+        "cluster.quarantine_window": 600})
+    store = MemoryStore()
+    rejected = []
+    cluster = Cluster(cfg, store, records=RECORDS,
+                      refusals=Refusals("n1", lambda k, r: rejected.append((k, r))))
+    cluster.capacity_from(lambda: (4, []))
+    cluster.start()
+    try:
+        yield cfg, store, cluster, JobRegistry(state, "n1"), rejected
+    finally:
+        cluster.stop()
+
+
+def test_lost_leases_quarantine_the_node_the_record_outlives_it_uncordon_forgives(node_parts):
+    cfg, store, cluster, registry, rejected = node_parts
+    clock = Clock()
+    memory = FaultMemory(cfg, store, RECORDS, cluster, registry, Refusals("n1"), clock=clock)
+    cluster.keeper.lease_lost_listeners.append(memory.lease_lost)
+    wait_for(cluster.drains_loaded, 5, what="the drain watch's first read")
+    for _ in range(3):   # the lease keeper finds its lease gone, and registers again
+        store.revoke_lease(cluster.keeper.lease)
+        assert cluster.keeper.tick() == "registered again after losing the lease"
+        memory.tick()
+    said = memory.quarantined()
+    assert said[0].startswith("3 faults in the last 600s (3 lease_lost")
+    assert cluster.drain_states()["n1"]["reasons"] == said
+    assert memory.causes() == {"worker_exit": 0, "hang": 0, "gpu_health": 0, "lease_lost": 3}
+    sealed = store.get(fault_key("n1")).value
+    assert sealed.startswith("e1.")
+    assert RECORDS.open(Kind.FAULTS, fault_key("n1"), sealed).doc["quarantined"] is True
+
+    # A new daemon of the node (the record is all it has): still quarantined.
+    again = FaultMemory(cfg, store, RECORDS, cluster, registry, Refusals("n1"), clock=clock)
+    again.tick()
+    assert again.quarantined() == said
+
+    # Uncordoned: the release is recorded, the faults before it no more count.
+    cluster.set_drain("n1", False, "root")
+    again.tick()
+    assert again.quarantined() == () and "n1" not in cluster.drain_states()
+    again.lease_lost()
+    again.tick()
+    assert again.quarantined() == () and again.causes()["lease_lost"] == 1
+    book = FaultBook.from_doc(RECORDS.open(Kind.FAULTS, fault_key("n1"),
+                                           store.get(fault_key("n1")).value).doc)
+    assert not book.quarantined and book.released_at > 0 and len(book.faults) == 4
+
+    # A record moved from another node's key does not verify: refused, counted, new.
+    store.put(fault_key("n1"), RECORDS.seal(Kind.FAULTS, fault_key("n2"), book.to_json(4096)))
+    refusals = Refusals("n1", lambda k, r: rejected.append((k, r)))
+    fresh = FaultMemory(cfg, store, RECORDS, cluster, registry, refusals, clock=clock)
+    fresh.tick()
+    assert rejected == [("faults", "bad_mac")] and fresh.causes()["lease_lost"] == 0
 
 
 # ---------------------------------------------------------------- real daemons
