@@ -15,7 +15,7 @@ job on a draining node, `elasticctl nodes` shows it quarantined with them),
 and the record says so, so the quarantine outlives the daemon. An operator's
 `elasticctl uncordon NODE` deletes the mark; this loop sees the mark gone
 (now, or at its next start if the node was down) and records the release:
-faults before it no longer count. Each decision is logged once and written as
+faults before it count no more. Each decision is logged once and written as
 a ``quarantine`` event of the jobs whose faults counted.
 """
 from __future__ import annotations
@@ -144,6 +144,7 @@ class FaultMemory:
     def _decide(self, book: FaultBook, pending: list) -> None:
         c, now = self._cfg.cluster, self._clock()
         changed = False
+        told = []       # what to log and tell the jobs once the record holds it
         for fault in pending:
             if fault.key() in self._seen:   # one fault per kind per job attempt
                 continue
@@ -154,7 +155,7 @@ class FaultMemory:
         if book.quarantined and not (marks and marks.get("reasons")) and self._mark_read():
             book = FaultBook(book.faults, False, now, ())
             changed = True
-            self._released(book)
+            told.append((self._released, book.faults))
         if pending and not book.quarantined:
             verdict = judge(book.faults, now, c.quarantine_window, c.quarantine_faults,
                             book.released_at)
@@ -163,13 +164,15 @@ class FaultMemory:
                 self._cluster.set_drain(self._me, True, "elasticd: quarantined", said)
                 book = FaultBook(book.faults, True, book.released_at, said)
                 changed = True
-                self._quarantined(verdict)
+                told.append((self._quarantined, verdict))
         if changed:
             self._write(book)
             with self._lock:
                 self._book = book
                 if len(self._seen) > 4 * MAX_PENDING:
                     self._seen = {f.key() for f in book.faults}
+        for tell, what in told:
+            tell(what)
 
     def _mark_read(self) -> bool:
         """Whether the drain watch has read etcd's marks at least once (before that, no
@@ -201,11 +204,10 @@ class FaultMemory:
                   "%s`", ctx(node=self._me), verdict.reason, self._me)
         self._tell_jobs(verdict.faults, f"node {self._me} quarantined: {verdict.reason}")
 
-    def _released(self, book: FaultBook) -> None:
-        log.warning("%s: quarantine lifted (the node was uncordoned); faults before now no "
-                    "longer count", ctx(node=self._me))
-        self._tell_jobs(book.faults, f"node {self._me} released from quarantine "
-                                     "(uncordoned)")
+    def _released(self, faults: tuple) -> None:
+        log.warning("%s: quarantine lifted (the node was uncordoned); only faults from now "
+                    "on count", ctx(node=self._me))
+        self._tell_jobs(faults, f"node {self._me} released from quarantine (uncordoned)")
 
     def _tell_jobs(self, faults, reason: str) -> None:
         """A ``quarantine`` event of each job (known here) whose faults counted."""
