@@ -36,8 +36,8 @@ def fault_key(node_id: str) -> str:
 
 class FaultKind(str, enum.Enum):
     """What went wrong on the node: the metric's ``cause`` label."""
-    WORKER_EXIT = "worker_exit"     # a worker failed (job event worker_exit)
-    HANG = "hang"                   # a rank hung and was killed (job event hang)
+    WORKER_EXIT = "worker_exit"     # a worker failed, or was killed as hung (worker_exit)
+    HANG = "hang"                   # its in-process wrapper reported a rank stuck (hang)
     GPU_HEALTH = "gpu_health"       # the pre-start GPU health check failed
     LEASE_LOST = "lease_lost"       # the node's lease expired under it
 
