@@ -7,6 +7,7 @@ and `uncordon` brings it back (the waiting job then runs on both).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -19,6 +20,8 @@ from elasticd.cluster.faults import (MAX_FAULTS, Fault, FaultBook, FaultKind, fa
                                      reasons)
 from elasticd.cluster.node import Cluster
 from elasticd.cluster.quarantine import FaultMemory
+from elasticd.gpus.health import HealthGate
+from elasticd.gpus.inventory import discover
 from elasticd.jobs.registry import JobRegistry
 from elasticd.store import MemoryStore, open_store
 from elasticd.trust.refusals import Refusals
@@ -172,6 +175,40 @@ def test_lost_leases_quarantine_the_node_the_record_outlives_it_uncordon_forgive
     fresh = FaultMemory(cfg, store, RECORDS, cluster, registry, refusals, clock=clock)
     fresh.tick()
     assert rejected == [("faults", "bad_mac")] and fresh.causes()["lease_lost"] == 0
+
+
+def test_with_health_release_a_node_whose_gpus_pass_returns_by_itself(node_parts, tmp_path):
+    cfg, store, cluster, registry, _ = node_parts
+    fake = os.path.join(tmp_path, "gpus.json")
+    doc = {"gpus": [{"index": 0, "uuid": "GPU-fake-0", "memory_mib": 81920, "numa_node": 0}],
+           "healthy": False, "problem": "GPU 0: XID 79 (fell off the bus)"}
+    with open(fake, "w") as fh:
+        json.dump(doc, fh)
+    cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(
+        cfg.cluster, quarantine_health_release=True, quarantine_recheck=5.0),
+        daemon=dataclasses.replace(cfg.daemon, fake_gpus_file=fake))
+    gate = HealthGate(cfg, discover("auto", fake), registry, drain=lambda why: None)
+    clock = Clock()
+    memory = FaultMemory(cfg, store, RECORDS, cluster, registry, Refusals("n1"), gate,
+                         clock=clock)
+    wait_for(cluster.drains_loaded, 5, what="the drain watch's first read")
+    for _ in range(3):
+        memory.lease_lost()
+    memory.tick()
+    assert memory.quarantined()
+    memory.tick()                                 # its GPUs still fail: it stays
+    assert memory.quarantined() and "n1" in cluster.drain_states()
+    doc.update(healthy=True, problem="")
+    with open(fake, "w") as fh:
+        json.dump(doc, fh)
+    memory.tick()                                 # within quarantine_recheck: not checked
+    assert memory.quarantined()
+    clock.now += 5
+    memory.tick()
+    assert memory.quarantined() == () and "n1" not in cluster.drain_states()
+    book = FaultBook.from_doc(RECORDS.open(Kind.FAULTS, fault_key("n1"),
+                                           store.get(fault_key("n1")).value).doc)
+    assert not book.quarantined and book.released_at > 0
 
 
 # ---------------------------------------------------------------- real daemons

@@ -15,7 +15,9 @@ job on a draining node, `elasticctl nodes` shows it quarantined with them),
 and the record says so, so the quarantine outlives the daemon. An operator's
 `elasticctl uncordon NODE` deletes the mark; this loop sees the mark gone
 (now, or at its next start if the node was down) and records the release:
-faults before it count no more. Each decision is logged once and written as
+faults before it count no more. With ``cluster.quarantine_health_release``, a
+node with GPUs that pass the health check (gpus/health.py ``probe``) lifts
+its own mark the same way. Each decision is logged once and written as
 a ``quarantine`` event of the jobs whose faults counted.
 """
 from __future__ import annotations
@@ -36,13 +38,15 @@ MAX_PENDING = 1000      # faults queued between two ticks; more are dropped (cou
 
 
 class FaultMemory:
-    def __init__(self, cfg, store, records, cluster, registry, refusals, interval: float = 0.5,
-                 clock=time.time):
+    def __init__(self, cfg, store, records, cluster, registry, refusals, health=None,
+                 interval: float = 0.5, clock=time.time):
         self._cfg = cfg
         self._me = cfg.daemon.node_id
         self._store = store
         self._records = records
         self._refusals = refusals     # trust/refusals.py: a record refused, counted, logged
+        self._health = health         # gpus/health.HealthGate, or None: its probe() frees
+        self._probed = 0.0            # when it last ran
         self._cluster = cluster
         self._registry = registry
         self._interval = interval
@@ -155,7 +159,12 @@ class FaultMemory:
         if book.quarantined and not (marks and marks.get("reasons")) and self._mark_read():
             book = FaultBook(book.faults, False, now, ())
             changed = True
-            told.append((self._released, book.faults))
+            told.append((self._released, "uncordoned"))
+        elif book.quarantined and self._healthy(now):
+            self._cluster.set_drain(self._me, False, "elasticd: GPU health check passed")
+            book = FaultBook(book.faults, False, now, ())
+            changed = True
+            told.append((self._released, "its GPU health check passed"))
         if pending and not book.quarantined:
             verdict = judge(book.faults, now, c.quarantine_window, c.quarantine_faults,
                             book.released_at)
@@ -173,6 +182,16 @@ class FaultMemory:
                     self._seen = {f.key() for f in book.faults}
         for tell, what in told:
             tell(what)
+
+    def _healthy(self, now: float) -> bool:
+        """Whether this node's GPUs passed a check now (cluster.quarantine_health_release,
+        one check every cluster.quarantine_recheck seconds)."""
+        c = self._cfg.cluster
+        if not c.quarantine_health_release or self._health is None or not self._health.active \
+                or now - self._probed < c.quarantine_recheck:
+            return False
+        self._probed = now
+        return self._health.probe().ok
 
     def _mark_read(self) -> bool:
         """Whether the drain watch has read etcd's marks at least once (before that, no
@@ -204,10 +223,12 @@ class FaultMemory:
                   "%s`", ctx(node=self._me), verdict.reason, self._me)
         self._tell_jobs(verdict.faults, f"node {self._me} quarantined: {verdict.reason}")
 
-    def _released(self, faults: tuple) -> None:
-        log.warning("%s: quarantine lifted (the node was uncordoned); only faults from now "
-                    "on count", ctx(node=self._me))
-        self._tell_jobs(faults, f"node {self._me} released from quarantine (uncordoned)")
+    def _released(self, why: str) -> None:
+        log.warning("%s: quarantine lifted (%s); only faults from now on count",
+                    ctx(node=self._me), why)
+        with self._lock:
+            faults = self._book.faults if self._book is not None else ()
+        self._tell_jobs(faults, f"node {self._me} released from quarantine ({why})")
 
     def _tell_jobs(self, faults, reason: str) -> None:
         """A ``quarantine`` event of each job (known here) whose faults counted."""

@@ -118,8 +118,16 @@ class ClusterSettings:
                                                "its record)", min=1, max=30 * 86400)
     quarantine_recheck: float = _setting(2.0, "seconds a job's agent on a quarantined node "
                                               "waits before it looks again whether the node "
-                                              "was uncordoned", min=0, exclusive_min=True,
-                                         max=3600)
+                                              "was uncordoned; and between the GPU health "
+                                              "checks of cluster.quarantine_health_release",
+                                         min=0, exclusive_min=True, max=3600)
+    quarantine_health_release: bool = _setting(False, "a quarantined node with GPUs checks "
+                                                      "them all (the quick check and "
+                                                      "daemon.gpu_health_command) every "
+                                                      "cluster.quarantine_recheck seconds and "
+                                                      "returns by itself once they pass; off: "
+                                                      "only `elasticctl uncordon` brings it "
+                                                      "back")
 
 
 @dataclass(frozen=True)

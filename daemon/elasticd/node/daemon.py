@@ -172,7 +172,7 @@ class Daemon:
         self.cluster = cluster
         # Faults of this node, kept in etcd across restarts; over the threshold the
         # node quarantines itself (cluster/quarantine.py).
-        faults = FaultMemory(cfg, store, records, cluster, registry, refusals)
+        faults = FaultMemory(cfg, store, records, cluster, registry, refusals, health)
         registry.subscribe(faults.on_event)
         cluster.keeper.lease_lost_listeners.append(faults.lease_lost)
         replication = None
