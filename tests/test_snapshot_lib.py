@@ -15,7 +15,12 @@
 * ``python -m elasticd.snapshot clean`` removes a run's default dir;
 * a rank whose node holds no slot of its own but a replica the daemon received
   from the buddy node (``replicas/<node>/``) restores it (source ``peer``); its own
-  slot wins for a step both hold; a replica dir that is a link is not followed.
+  slot wins for a step both hold; a replica dir that is a link is not followed;
+* with a pin grid, a rank keeps its two newest grid steps however often it saves, so
+  a rank holding only a grid step (a lost node's replica) and one that saved every
+  step agree on it; the ranks' own slots of later steps are retired after;
+* restore() waits for a replica only where a rank holds none while another holds
+  one: not on a first start; both get None when none arrives, both its step when it does.
 """
 from __future__ import annotations
 

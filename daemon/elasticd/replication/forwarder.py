@@ -9,8 +9,8 @@ goes to the node that holds r in the current round, unless that node is this one
 (restore() finds it here) or the node it came from (which holds its own). The
 pusher (pusher.py) sends them over the same channel, saying where the replica
 came from, so the receiver keeps it under ``replicas/<from node>/`` as it would
-have. A world-size change forwards nothing: the ranks' numbering no longer
-matches (the job falls back to its disk checkpoint).
+have. A world-size change forwards nothing: the ranks' numbering does not
+match the replicas' (the job falls back to its disk checkpoint).
 
 The replicas dir is the job's user's: every dir is opened without following a
 link, a name that is not a node id or not a slot file is skipped, and a file
