@@ -10,6 +10,8 @@
 * a key holder's offer of a job that does not run there, or over the job's budget
   there, is refused and counted; a replica cut off half way leaves the newest one
   whole and nothing else behind;
+* a forwarded replica is kept under the node it came from; a node offered its own
+  snapshot back says it has it;
 * the job's end frees its replicas with its dir on every node.
 """
 from __future__ import annotations
@@ -255,6 +257,36 @@ def test_a_replica_cut_off_half_way_leaves_the_last_one_whole(pair):
              "the cut-off replica's temporary file gone", nodes)
     with open(path, "rb") as fh:
         assert fh.read() == copy
+
+
+def test_a_forwarded_replica_is_kept_under_its_origin_and_its_own_is_not_taken_back(pair):
+    """A key holder forwards a lost node's replica (Offer.origin): kept under
+    ``replicas/<origin>/``; n2 offered its own snapshot back answers it has it."""
+    nodes, job_id = pair
+    d = nodes["n2"]
+    own = wait_for(lambda: newest_slot(os.path.join(d.snapshot_dir, job_id), 1), 90,
+                   "n2's own grid slot of rank 1", nodes)
+    with open(os.path.join(d.snapshot_dir, job_id, fmt.slot_name(1, own[0])), "rb") as fh:
+        data = fh.read(own[1].total_bytes)
+    key = clusterkey.load(cluster_key_path()).replication
+    prefix = next(a for a in d.args if a.startswith("/repl-"))
+    h = own[1]
+    with socket.create_connection(("127.0.0.1", _listener_port(d)), timeout=10) as s:
+        c = ch.client_hello(s, key, prefix, "n1", "n2", 1 << 20)
+        c.send(ch.Kind.OFFER, Offer(job_id, 1, own[0], h.step, h.saved_at_ns, len(data),
+                                    "n2").to_bytes())
+        kind, payload = c.recv()
+        assert Reply.from_bytes(payload) == Reply(ok=True, have=True)
+        c.send(ch.Kind.OFFER, Offer(job_id, 1, own[0], h.step, h.saved_at_ns, len(data),
+                                    "n7").to_bytes())
+        assert Reply.from_bytes(c.recv()[1]) == Reply(ok=True)
+        c.send(ch.Kind.CHUNK, data)
+        c.send(ch.Kind.END)
+        assert Reply.from_bytes(c.recv()[1]) == Reply(ok=True)
+    with open(os.path.join(d.snapshot_dir, job_id, "replicas", "n7",
+                           fmt.slot_name(1, own[0])), "rb") as fh:
+        assert fh.read() == data
+    assert not os.path.exists(os.path.join(d.snapshot_dir, job_id, "replicas", "n2"))
 
 
 def test_the_job_ended_frees_its_replicas_on_every_node(pair):

@@ -3,13 +3,16 @@
 A node keeps its ring predecessor's newest grid snapshot under
 ``<job dir>/replicas/<from node>/`` (receiver.py). When that node is lost (or
 leaves the round), the ranks it held land on some other node, which has no
-snapshot of them; this node does. For a job running here in a closed round of
-the same world size as a replica's header, each complete replica file of rank r
-goes to the node that holds r in the current round, unless that node is this one
-(restore() finds it here) or the node it came from (which holds its own). The
-pusher (pusher.py) sends them over the same channel, saying where the replica
-came from, so the receiver keeps it under ``replicas/<from node>/`` as it would
-have. A world-size change forwards nothing: the ranks' numbering does not
+snapshot of them; this node does. When it comes back with the same id, its
+memory is gone just the same. For a job running here in a closed round of the
+same world size as a replica's header, each complete replica file of rank r
+goes to the node that holds r in the current round, unless that node is this
+one (restore() finds it here). The node it came from, holding its ranks still,
+is offered it too: its receiver answers that it has it (its own slot of that
+name holds that very snapshot) unless it lost it, so what crosses the wire in
+steady state is one small offer per grid step. The pusher (pusher.py) sends
+them over the same channel, saying where the replica came from, so the receiver
+keeps it under ``replicas/<from node>/`` as it would have. A world-size change forwards nothing: the ranks' numbering does not
 match the replicas' (the job falls back to its disk checkpoint).
 
 The replicas dir is the job's user's: every dir is opened without following a
@@ -126,7 +129,7 @@ def _from_origin(plan: ForwardPlan, me: str, origin: str, fd: int) -> list[Forwa
             if rank in plan.my_ranks:
                 continue
             to = plan.holder_of(rank)
-            if to is None or to.node_id in (me, origin):
+            if to is None or to.node_id == me:
                 continue
             h = files.header_of(fd, name, plan.uid)
             if h is None or h.rank != rank or h.world_size != plan.world_size:

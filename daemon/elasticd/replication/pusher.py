@@ -190,8 +190,8 @@ class Pusher:
             return f"step {step} already at {plan.buddy}"
         items = [Outgoing(os.path.join(plan.job_dir, fmt.slot_name(rank, slot)), rank, slot,
                           header) for rank, (slot, header) in sorted(slots.items())]
-        why = self._send(plan.job_id, plan.uid, plan.buddy, plan.address, plan.port, items,
-                         f"step {step}")
+        why, _ = self._send(plan.job_id, plan.uid, plan.buddy, plan.address, plan.port,
+                            items, f"step {step}")
         if why:
             return why
         now = time.time()
@@ -218,24 +218,26 @@ class Pusher:
             to = group[0].to
             items = [Outgoing(fw.path, fw.rank, fw.slot, fw.header, fw.origin) for fw in group]
             steps = sorted({fw.header.step for fw in group})
-            why = self._send(plan.job_id, plan.uid, node, to.address, to.port, items,
-                             f"the replica of ranks {sorted({fw.rank for fw in group})} "
-                             f"(steps {steps}) from node {group[0].origin}")
+            why, taken = self._send(plan.job_id, plan.uid, node, to.address, to.port, items,
+                                    f"the replica of ranks {sorted({fw.rank for fw in group})} "
+                                    f"(steps {steps}) from node {group[0].origin}")
             if why:
                 said.append(f"{node}: {why}")
                 continue
             self._forwarded.update((plan.job_id, *fw.key) for fw in group)
-            log.info("%s: replicas of ranks %s (steps %s) of lost node(s) %s forwarded to "
-                     "node %s, which holds those ranks now",
+            if not taken:    # it holds them (its own, offered back): the steady state
+                continue
+            log.info("%s: replicas of ranks %s (steps %s) of node(s) %s forwarded to node %s, "
+                     "which holds those ranks now and did not have them",
                      ctx(job=plan.job_id, node=self._me), sorted({fw.rank for fw in group}),
                      steps, sorted({fw.origin for fw in group}), node)
             said.append(f"{node}: forwarded")
         return "; ".join(said) or "nothing to forward"
 
     def _send(self, job_id: str, uid: int, to: str, address: str, port: int,
-              items: list[Outgoing], what: str) -> str:
-        """Send slot files to node ``to`` over one connection; '' when it holds all of
-        them now, else why not (logged)."""
+              items: list[Outgoing], what: str) -> tuple[str, int]:
+        """Send slot files to node ``to`` over one connection: ('' when it holds all of
+        them now, else why not (logged); how many it took, not holding them before)."""
         where = ctx(job=job_id, node=self._me)
         try:
             sock = socket.create_connection((address, port),
@@ -243,51 +245,54 @@ class Pusher:
         except OSError as exc:
             log.warning("%s: cannot reach node %s at %s:%d: %s", where, to, address, port,
                         exc.strerror or exc)
-            return "node unreachable"
-        chan = None
+            return "node unreachable", 0
+        chan, taken = None, 0
         try:
             chan = client_hello(sock, self._key, self._domain, self._me, to,
                                 self._s.replication_max_frame)
             for item in items:
-                why = self._send_file(chan, job_id, uid, item)
+                why, took = self._send_file(chan, job_id, uid, item)
                 if why:
                     log.warning("%s: %s (rank %d) not replicated to %s: %s", where, what,
                                 item.rank, to, why)
-                    return why
+                    return why, taken
+                taken += took
         except ChannelError as exc:
             self.stats.refused(exc.why)
             log.warning("%s: replication to %s failed: %s", where, to, exc)
-            return str(exc)
+            return str(exc), taken
         finally:
             if chan is not None:
                 self.stats.sent(chan.bytes_sent)
             sock.close()
-        return ""
+        return "", taken
 
-    def _send_file(self, chan: Channel, job_id: str, uid: int, item: Outgoing) -> str:
-        """Offer and send one slot file; '' when the peer holds it now, else why not."""
+    def _send_file(self, chan: Channel, job_id: str, uid: int, item: Outgoing
+                   ) -> tuple[str, bool]:
+        """Offer and send one slot file: ('' when the peer holds it now, else why not;
+        whether it took it now)."""
         data = copy_slot(item.path, uid, item.header)
         if data is None:
-            return "the slot changed while it was read (a newer save): next time"
+            return "the slot changed while it was read (a newer save): next time", False
         h = item.header
         offer = Offer(job_id, item.rank, item.slot, h.step, h.saved_at_ns, len(data),
                       item.origin)
         chan.send(Kind.OFFER, offer.to_bytes())
         reply = self._reply(chan)
         if not reply.ok:
-            return f"refused: {reply.why}"
+            return f"refused: {reply.why}", False
         if reply.have:
-            return ""
+            return "", False
         step, view = self._s.replication_max_frame, memoryview(data)
         for at in range(0, len(data), step):
             chunk = bytes(view[at:at + step])
             if not self._pacer.take(len(chunk)):
                 chan.send(Kind.ABORT)
-                return "stopping"
+                return "stopping", False
             chan.send(Kind.CHUNK, chunk)
         chan.send(Kind.END)
         reply = self._reply(chan)
-        return "" if reply.ok else f"refused: {reply.why}"
+        return ("", True) if reply.ok else (f"refused: {reply.why}", False)
 
     @staticmethod
     def _reply(chan: Channel) -> Reply:

@@ -145,6 +145,10 @@ class ReplicationServer:
         if target is None:
             self._refuse(chan, f"job {offer.job_id} does not run on node {self._me}")
             return
+        if offer.origin == self._me and files.holds_own(target.job_dir, offer, target.uid):
+            # Its own snapshot back from its buddy: here already, unless this node lost it.
+            chan.send(Kind.REPLY, Reply(ok=True, have=True).to_bytes())
+            return
         try:
             dir_fd = files.open_from_dir(target.job_dir, offer.origin or chan.peer, target.uid,
                                          target.gid)
