@@ -401,17 +401,20 @@ def _rank(pipe, rank: int, init: str, steps: tuple, plant: str) -> None:
         pipe.send(json.dumps(f"{type(exc).__name__}: {exc}"))
 
 
-def _two_ranks(snapdir: str, steps0: tuple, steps1: tuple, plant: str = "") -> list:
+def _ranks(snapdir: str, target, args: tuple, meanwhile=None) -> list:
+    """Run ``target(pipe, rank, init, *args[rank])`` as ranks 0 and 1 (forked), call
+    ``meanwhile()`` while they run, and return what each sent (JSON)."""
     init = f"file://{snapdir}-store-{uuid.uuid4().hex}"
     pipes, procs = [], []
-    for rank, steps in ((0, steps0), (1, steps1)):
+    for rank, extra in enumerate(args):
         here, there = FORK.Pipe()
-        p = FORK.Process(target=_rank, args=(there, rank, init, steps,
-                                             plant if rank == 1 else ""))
+        p = FORK.Process(target=target, args=(there, rank, init, *extra))
         p.start()
         pipes.append(here)
         procs.append(p)
     try:
+        if meanwhile is not None:
+            meanwhile()
         return [json.loads(h.recv()) if h.poll(60) else "no answer" for h in pipes]
     finally:
         for p in procs:
@@ -420,6 +423,10 @@ def _two_ranks(snapdir: str, steps0: tuple, steps1: tuple, plant: str = "") -> l
                 p.kill()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(init[len("file://"):])
+
+
+def _two_ranks(snapdir: str, steps0: tuple, steps1: tuple, plant: str = "") -> list:
+    return _ranks(snapdir, _rank, ((steps0, ""), (steps1, plant)))
 
 
 def test_two_ranks_agree_on_the_newest_step_both_hold(snapdir):
@@ -610,26 +617,12 @@ def _wait_case(snapdir: str, steps0: tuple, replica_after: float | None,
     """Two ranks, rank 1 holding nothing; ``staged`` (a dir of rank 1's slots) moved into
     ``replicas/n3/`` ``replica_after`` seconds after they start, as a forward lands."""
     import time
-    init = f"file://{snapdir}-store-{uuid.uuid4().hex}"
-    pipes, procs = [], []
-    for rank, steps in ((0, steps0), (1, ())):
-        here, there = FORK.Pipe()
-        p = FORK.Process(target=_waiting_rank, args=(there, rank, init, steps))
-        p.start()
-        pipes.append(here)
-        procs.append(p)
-    try:
-        if replica_after is not None:
-            time.sleep(replica_after)
-            os.rename(staged, os.path.join(snapdir, "replicas", "n3"))
-        return [json.loads(h.recv()) if h.poll(60) else "no answer" for h in pipes]
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(init[len("file://"):])
+
+    def land() -> None:
+        time.sleep(replica_after)
+        os.rename(staged, os.path.join(snapdir, "replicas", "n3"))
+    return _ranks(snapdir, _waiting_rank, ((steps0,), ((),)),
+                  land if replica_after is not None else None)
 
 
 def test_restore_waits_for_a_forwarded_replica_only_where_a_rank_holds_none(snapdir,
