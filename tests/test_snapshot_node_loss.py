@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.skipif(etcd_binary() is None, reason="needs an etcd bi
               pytest.mark.slow]   # a node lost and replaced mid-training: ~40 s
 
 STEPS = 60
-PIN = 5                 # snapshot.pin_every here
+PIN = 10                # snapshot.pin_every here
 KILL_AFTER = 30         # steps rank 0 has logged when n3 is killed
 TRAIN = ("-m", "elasticd.examples.train", "--steps", str(STEPS), "--snapshot-every", "1",
          "--checkpoint-every", "100000", "--log-every", "1", "--step-time", "0.05")
