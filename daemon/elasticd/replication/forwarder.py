@@ -28,9 +28,9 @@ import os
 import re
 from dataclasses import dataclass
 
-from ..trust import fields as f
 from ..workers import snapshot_format as fmt
 from . import replica_files as files
+from .messages import is_node_id
 
 MAX_ORIGINS = 64
 MAX_FILES = 4096
@@ -101,7 +101,7 @@ def forwards(plan: ForwardPlan, me: str) -> list[Forward]:
         return out
     try:
         for origin in _listed(top, MAX_ORIGINS):
-            if not f.is_ident(origin) or origin == me:
+            if not is_node_id(origin) or origin == me:
                 continue
             try:
                 fd = os.open(origin, _DIR_FLAGS, dir_fd=top)

@@ -28,6 +28,11 @@ def _doc(raw: bytes) -> dict:
         raise ValueError(str(exc)) from None
 
 
+def is_node_id(name) -> bool:
+    """Whether ``name`` may name a node, as an offer's ``origin`` must."""
+    return f.is_ident(name)
+
+
 @dataclass(frozen=True)
 class Offer:
     """One complete slot file of a rank of a job on the sending node: its own, or a
