@@ -1,9 +1,13 @@
 """The snapshot slot file's header: the one layout the worker library and the daemon share.
 
-A rank's snapshots live in two slot files in the job's snapshot dir
-(``env.SNAPSHOT_DIR``), ``rank{rank}.a`` and ``rank{rank}.b``: a save
-overwrites the slot that does not hold the newest complete snapshot, so the
-newest stays whole until the new one is complete. A slot file is
+A rank's snapshots live in four slot files in the job's snapshot dir
+(``env.SNAPSHOT_DIR``), two pairs: ``rank{rank}.p0`` / ``.p1`` take the saves of
+a step on the pin grid (a multiple of ``env.SNAPSHOT_PIN_EVERY``: ``pinned``),
+``rank{rank}.a`` / ``.b`` every other save. Within its pair a save overwrites the
+slot that does not hold the pair's newest complete snapshot, so the newest stays
+whole until the new one is complete, and the two newest grid steps stay however
+often a rank saves (the daemon replicates only those: they are what the ranks of
+a lost node and the survivors still hold in common). A slot file is
 
     [header: HEADER_BYTES][meta: meta_len bytes of JSON][pad to DATA_ALIGN][tensor data]
 
@@ -28,7 +32,9 @@ MAGIC = b"ELSNAP01"
 VERSION = 1
 HEADER_BYTES = 4096          # the header's room; data after it stays page aligned
 DATA_ALIGN = 4096            # tensor data starts at a multiple of this
-SLOTS = ("a", "b")
+SLOTS = ("a", "b")           # the pair of saves off the pin grid
+PIN_SLOTS = ("p0", "p1")     # the pair of saves on it
+ALL_SLOTS = SLOTS + PIN_SLOTS
 SLOT_NAME = "rank{rank}.{slot}"
 
 # magic, version, state, rank, world_size, step, saved_at_ns, meta_len, data_len, crc32
@@ -74,9 +80,19 @@ def data_offset(meta_len: int) -> int:
 
 
 def slot_name(rank: int, slot: str) -> str:
-    if slot not in SLOTS:
-        raise ValueError(f"slot must be one of {SLOTS}, not {slot!r}")
+    if slot not in ALL_SLOTS:
+        raise ValueError(f"slot must be one of {ALL_SLOTS}, not {slot!r}")
     return SLOT_NAME.format(rank=rank, slot=slot)
+
+
+def pinned(step: int, pin_every: int) -> bool:
+    """Whether a save of ``step`` goes into the pin pair (``pin_every`` 0: never)."""
+    return pin_every > 0 and step % pin_every == 0
+
+
+def pair(step: int, pin_every: int) -> tuple:
+    """The two slots a save of ``step`` may write."""
+    return PIN_SLOTS if pinned(step, pin_every) else SLOTS
 
 
 def pack(h: Header) -> bytes:

@@ -21,13 +21,13 @@ from dataclasses import dataclass
 from . import files as workerfiles
 from . import snapshot_format as fmt
 
-SLOT_FILE = re.compile(r"rank(\d{1,9})\.([ab])\Z")
+SLOT_FILE = re.compile(r"rank(\d{1,9})\.(a|b|p0|p1)\Z")
 
 
 def scan_limit(nproc: int) -> int:
-    """Entries of a job's dir looked at: its ranks' two slots, twice over (ranks of an
+    """Entries of a job's dir looked at: its ranks' four slots, twice over (ranks of an
     earlier round, a library's temporary files), and a few more."""
-    return 4 * max(nproc, 1) + 16
+    return 8 * max(nproc, 1) + 16
 
 
 @dataclass(frozen=True)
