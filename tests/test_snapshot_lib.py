@@ -123,8 +123,13 @@ def test_a_nested_training_state_comes_back_bit_for_bit(snapdir):
     same(opt.state_dict(), fresh_opt.state_dict())
     t = snapshot.timings()
     assert t.restore_step == 5 and t.restore_source == "local" and t.save_bytes > 0
-    assert sorted(os.listdir(snapdir)) == ["rank0.a", "rank0.b"] or \
-        sorted(os.listdir(snapdir)) == ["rank0.a"]
+    # Beside its slots, the rank's costs for the daemon's metrics, as the daemon parses them.
+    slots = sorted(n for n in os.listdir(snapdir) if n != "rank0.costs")
+    assert slots == ["rank0.a", "rank0.b"] or slots == ["rank0.a"]
+    with open(os.path.join(snapdir, "rank0.costs")) as fh:
+        costs = fmt.RankCosts.from_doc(json.load(fh))
+    assert costs.save_stall_s > 0 and costs.restore_source == "local" \
+        and costs.restore_s == t.restore_s
     for name in os.listdir(snapdir):
         assert os.stat(os.path.join(snapdir, name)).st_mode & 0o777 == 0o600
 
@@ -140,15 +145,18 @@ def test_restored_tensors_are_private_to_the_caller(snapdir):
         snapshot.save(step, {"w": w + step})
     assert torch.equal(held, w)            # the tensors a restore gave stay as they were
     assert snapshot.restore()[0] == 4
-    assert sorted(os.listdir(snapdir)) == ["rank0.a", "rank0.b"]
+    assert sorted(os.listdir(snapdir)) == ["rank0.a", "rank0.b", "rank0.costs"]
     # Once the restored tensors are dropped (no GC needed), saves reuse the slot files.
     del got, held
-    inodes = {n: os.stat(os.path.join(snapdir, n)).st_ino for n in os.listdir(snapdir)}
+    def slot_inodes() -> dict:      # the costs file beside them is replaced whole each time
+        return {n: os.stat(os.path.join(snapdir, n)).st_ino for n in os.listdir(snapdir)
+                if n != "rank0.costs"}
+    inodes = slot_inodes()
     got = snapshot.restore()
     del got
     for step in (5, 6):
         snapshot.save(step, {"w": w + step})
-    assert {n: os.stat(os.path.join(snapdir, n)).st_ino for n in os.listdir(snapdir)} == inodes
+    assert slot_inodes() == inodes
 
 
 def _hold_in_the_middle(pipe, size: int) -> None:

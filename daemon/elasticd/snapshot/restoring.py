@@ -133,8 +133,10 @@ def restore():
     took = time.perf_counter() - t0
     if step is None:
         costs.record(restore_step=None, restore_s=took, restore_source="none")
+        costs.publish(rank, restored=True)
         return None
     _retire_newer(step, rank, world)
     costs.record(restore_step=step, restore_s=took,
                  restore_source="local" if steps[step][0] is None else "peer")
+    costs.publish(rank, restored=True)
     return step, state

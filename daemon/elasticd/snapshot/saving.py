@@ -186,4 +186,5 @@ def save(step: int, state, *, wait: bool = True) -> SaveHandle:
             _pending = handle
             _writer.submit(handle, lambda: finish(lambda: slots.fill_from(m, len(raw), staged)))
         costs.record(save_stall_s=time.perf_counter() - t0)
+        costs.publish(rank)
         return handle

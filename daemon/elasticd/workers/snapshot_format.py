@@ -18,12 +18,20 @@ as no snapshot at all. The meta JSON (structure, dtypes, shapes, offsets) is
 the worker library's (elasticd.snapshot); the daemon reads only headers, to
 show the newest step, its age and size.
 
+Beside its slots each rank keeps ``rank{rank}.costs``: what its last save held
+the caller and what its last restore took and where from (``RankCosts``, a
+JSON object of at most ``COSTS_MAX`` bytes), which the daemon exports as
+metrics. The library writes it (``RankCosts.to_json``); the daemon reads it as
+it reads any file a worker can write and parses it with ``RankCosts.from_doc``.
+
 Stdlib only, imports nothing of the daemon's: elasticd.snapshot (worker side)
 and the daemon both import it.
 """
 from __future__ import annotations
 
 import enum
+import json
+import math
 import struct
 import zlib
 from dataclasses import dataclass
@@ -43,6 +51,40 @@ _CRC = struct.Struct("<I")
 HEADER_USED = _LAYOUT.size + _CRC.size
 
 MAX_META_BYTES = 64 << 20    # a structure description larger than this is refused
+COSTS_NAME = "rank{rank}.costs"
+COSTS_MAX = 512              # bytes of a rank's costs file, as written and as read
+RESTORE_SOURCES = ("local", "peer", "none")
+_MAX_SECONDS = 1e6
+
+
+@dataclass(frozen=True)
+class RankCosts:
+    """What a rank's last save and restore cost (``rank{rank}.costs``)."""
+    save_stall_s: float | None = None     # how long its last save held the caller
+    restore_s: float | None = None        # how long its last restore() took
+    restore_source: str | None = None     # where that restore found its step
+
+    def to_json(self) -> str:
+        return json.dumps({"save_stall_s": self.save_stall_s, "restore_s": self.restore_s,
+                           "restore_source": self.restore_source}, allow_nan=False)
+
+    @classmethod
+    def from_doc(cls, doc) -> "RankCosts":
+        """From the decoded file; ValueError for anything but what ``to_json`` writes."""
+        if not isinstance(doc, dict) or set(doc) != {"save_stall_s", "restore_s",
+                                                      "restore_source"}:
+            raise ValueError("not a rank's costs")
+        for key in ("save_stall_s", "restore_s"):
+            v = doc[key]
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
+                                  or not math.isfinite(v) or not 0 <= v <= _MAX_SECONDS):
+                raise ValueError(f"{key} out of range")
+        src = doc["restore_source"]
+        if src is not None and src not in RESTORE_SOURCES:
+            raise ValueError("unknown restore source")
+        if (src is None) != (doc["restore_s"] is None):
+            raise ValueError("a restore time without its source, or the other way")
+        return cls(doc["save_stall_s"], doc["restore_s"], src)
 
 
 class SlotState(enum.IntEnum):
