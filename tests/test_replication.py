@@ -1,8 +1,8 @@
 """Snapshot replicas on the buddy node (issue 32): two real daemons on a real etcd, a real
 2-node job of a real user whose ranks save with elasticd.snapshot, and raw TCP peers.
 
-* each node's newest snapshot appears in the other node's job dir, under
-  ``replicas/<from node>/``, byte for byte, owned by the job's user (0600 files, 0700
+* each node's newest grid snapshot (snapshot.pin_every) appears in the other node's job
+  dir, under ``replicas/<from node>/``, byte for byte, not a newer step off the grid, owned by the job's user (0600 files, 0700
   dirs), and ``status`` says where it went and which step;
 * a peer that sends garbage, a wrong key, a frame over the limit or nothing at all is
   dropped and counted by reason, and the daemon goes on serving (a right key still
@@ -10,6 +10,8 @@
 * a key holder's offer of a job that does not run there, or over the job's budget
   there, is refused and counted; a replica cut off half way leaves the newest one
   whole and nothing else behind;
+* a forwarded replica is kept under the node it came from; a node offered its own
+  snapshot back says it has it;
 * the job's end frees its replicas with its dir on every node.
 """
 from __future__ import annotations
@@ -39,6 +41,8 @@ GROUP = f"s32r_ctl{_WORKER}"
 USER = f"s32r_alice{_WORKER}"
 TIMEOUT = 1.0           # snapshot.replication_timeout here
 STEPS = 4
+PIN_EVERY = 2           # snapshot.pin_every here: steps 0 and 2 are on the grid, 3 is not
+GRID = 2                # the newest grid step saved, the one replicated
 
 # Each rank saves STEPS snapshots with elasticd.snapshot, says SAVED and waits.
 JOB = r"""
@@ -71,7 +75,8 @@ def pair(etcd, user):
     prefix = f"/repl-{os.getpid()}-{_WORKER}"
     common = ("--etcd-prefix", prefix, "--set", f"daemon.socket_group={GROUP}",
               "--set", "agent.warm_spares=false", "--set", f"snapshot.replication_timeout={TIMEOUT}",
-              "--set", "snapshot.replication_interval=0.2")
+              "--set", "snapshot.replication_interval=0.2",
+              "--set", f"snapshot.pin_every={PIN_EVERY}")
     nodes = {}
     try:
         for node_id in ("n1", "n2"):
@@ -96,9 +101,10 @@ def pair(etcd, user):
             d.cleanup()
 
 
-def newest_slot(job_dir: str, rank: int) -> tuple[str, fmt.Header] | None:
+def newest_slot(job_dir: str, rank: int, slots: tuple = fmt.PIN_SLOTS
+                ) -> tuple[str, fmt.Header] | None:
     best = None
-    for slot in fmt.SLOTS:
+    for slot in slots:
         try:
             with open(os.path.join(job_dir, fmt.slot_name(rank, slot)), "rb") as fh:
                 h = fmt.parse(fh.read(fmt.HEADER_USED))
@@ -110,10 +116,10 @@ def newest_slot(job_dir: str, rank: int) -> tuple[str, fmt.Header] | None:
 
 
 def replica_of(nodes, job_id: str, here: str, there: str, rank: int):
-    """The replica on ``here`` of ``there``'s newest slot of ``rank``, once it is whole."""
+    """The replica on ``here`` of ``there``'s newest grid slot of ``rank``, once whole."""
     src = os.path.join(nodes[there].snapshot_dir, job_id)
     got = newest_slot(src, rank)
-    if got is None or got[1].step != STEPS - 1:
+    if got is None or got[1].step != GRID:
         return None
     path = os.path.join(nodes[here].snapshot_dir, job_id, "replicas", there,
                         fmt.slot_name(rank, got[0]))
@@ -142,7 +148,13 @@ def test_each_nodes_newest_snapshot_is_kept_on_its_buddy_byte_for_byte(pair, use
             assert (st.st_uid, st.st_mode & 0o7777) == (user[0], 0o700), d
     status = json.loads(nodes["n1"].ctl("-o", "json", "status", job_id).stdout)
     mine = [s for s in status.get("snapshots", []) if s.get("node_id") == "n1"]
-    assert mine and mine[0].get("replicas") == [f"n2 step {STEPS - 1}"], status
+    assert mine and mine[0].get("replicas") == [f"n2 step {GRID}"], status
+    # Step 3, newer but off the grid, stays on its node.
+    assert newest_slot(os.path.join(nodes["n1"].snapshot_dir, job_id), 0, fmt.SLOTS)[1].step \
+        == STEPS - 1
+    there = os.path.join(nodes["n2"].snapshot_dir, job_id, "replicas", "n1")
+    assert not [n for n in os.listdir(there) if not n.endswith((".p0", ".p1"))], \
+        os.listdir(there)
     text = scrape(nodes["n1"].metrics_port)
     sent = re.search(r'^elasticd_replication_bytes_total\{direction="sent"\} (\S+)$', text, re.M)
     assert sent and float(sent.group(1)) > 0, text
@@ -235,7 +247,7 @@ def test_a_replica_cut_off_half_way_leaves_the_last_one_whole(pair):
     prefix = next(a for a in d.args if a.startswith("/repl-"))
     with socket.create_connection(("127.0.0.1", _listener_port(d)), timeout=10) as s:
         c = ch.client_hello(s, key, prefix, "n1", "n2", 1 << 20)
-        slot = path[-1]
+        slot = path.rsplit(".", 1)[1]
         c.send(ch.Kind.OFFER, Offer(job_id, 0, slot, STEPS + 5, 1, len(copy)).to_bytes())
         kind, payload = c.recv()
         assert Reply.from_bytes(payload).ok
@@ -245,6 +257,36 @@ def test_a_replica_cut_off_half_way_leaves_the_last_one_whole(pair):
              "the cut-off replica's temporary file gone", nodes)
     with open(path, "rb") as fh:
         assert fh.read() == copy
+
+
+def test_a_forwarded_replica_is_kept_under_its_origin_and_its_own_is_not_taken_back(pair):
+    """A key holder forwards a lost node's replica (Offer.origin): kept under
+    ``replicas/<origin>/``; n2 offered its own snapshot back answers it has it."""
+    nodes, job_id = pair
+    d = nodes["n2"]
+    own = wait_for(lambda: newest_slot(os.path.join(d.snapshot_dir, job_id), 1), 90,
+                   "n2's own grid slot of rank 1", nodes)
+    with open(os.path.join(d.snapshot_dir, job_id, fmt.slot_name(1, own[0])), "rb") as fh:
+        data = fh.read(own[1].total_bytes)
+    key = clusterkey.load(cluster_key_path()).replication
+    prefix = next(a for a in d.args if a.startswith("/repl-"))
+    h = own[1]
+    with socket.create_connection(("127.0.0.1", _listener_port(d)), timeout=10) as s:
+        c = ch.client_hello(s, key, prefix, "n1", "n2", 1 << 20)
+        c.send(ch.Kind.OFFER, Offer(job_id, 1, own[0], h.step, h.saved_at_ns, len(data),
+                                    "n2").to_bytes())
+        kind, payload = c.recv()
+        assert Reply.from_bytes(payload) == Reply(ok=True, have=True)
+        c.send(ch.Kind.OFFER, Offer(job_id, 1, own[0], h.step, h.saved_at_ns, len(data),
+                                    "n7").to_bytes())
+        assert Reply.from_bytes(c.recv()[1]) == Reply(ok=True)
+        c.send(ch.Kind.CHUNK, data)
+        c.send(ch.Kind.END)
+        assert Reply.from_bytes(c.recv()[1]) == Reply(ok=True)
+    with open(os.path.join(d.snapshot_dir, job_id, "replicas", "n7",
+                           fmt.slot_name(1, own[0])), "rb") as fh:
+        assert fh.read() == data
+    assert not os.path.exists(os.path.join(d.snapshot_dir, job_id, "replicas", "n2"))
 
 
 def test_the_job_ended_frees_its_replicas_on_every_node(pair):

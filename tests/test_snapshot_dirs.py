@@ -48,6 +48,9 @@ elif sys.argv[1] != "-":
         f.write(header)
         f.write(bytes(int(sys.argv[2]) - len(header)))
     os.rename(path + ".tmp", path)
+if len(sys.argv) > 3:    # what the worker library publishes for the metrics
+    with open(os.path.join(d, "rank%d.costs" % rank), "w") as f:
+        f.write(sys.argv[3])
 print("READY", flush=True)
 time.sleep(600)
 """
@@ -83,12 +86,14 @@ def header(rank: int = 0, step: int = STEP) -> fmt.Header:
                       saved_at_ns=time.time_ns(), meta_len=100, data_len=DATA)
 
 
-def submit(d: DaemonProc, who: tuple, slot: fmt.Header | None, warm: bool = False) -> str:
+def submit(d: DaemonProc, who: tuple, slot: fmt.Header | None, warm: bool = False,
+           costs: fmt.RankCosts | None = None) -> str:
     """The job, started cold (a command no template runs: a shell that execs Python), or
     forked from a worker template (``warm``: it imports torch first, seconds). Every
     start path takes its environment from workers/group.py ``worker_env``
     (tests/test_snapshot_budgets.py); cold keeps these tests to a second a job."""
     args = [fmt.pack(slot).hex(), str(slot.total_bytes)] if slot else ["-", "0"]
+    args += [costs.to_json()] if costs else []
     command = [sys.executable, "-u", os.path.join(d.root, "job.py"), *args]
     if not warm:
         command = ["/bin/sh", "-c", 'exec "$@"', "sh", *command]
@@ -110,8 +115,9 @@ def ready(d: DaemonProc, job_id: str, count: int = 1) -> str:
                        and rank_log(d, job_id), 60, f"job {job_id} ready", {d.node_id: d})
 
 
-def started(d: DaemonProc, who: tuple, slot: fmt.Header | None) -> str:
-    job_id = submit(d, who, slot)
+def started(d: DaemonProc, who: tuple, slot: fmt.Header | None,
+            costs: fmt.RankCosts | None = None) -> str:
+    job_id = submit(d, who, slot, costs=costs)
     ready(d, job_id)
     return job_id
 
@@ -149,7 +155,7 @@ def stop(d: DaemonProc, job_id: str) -> None:
 def test_each_job_gets_its_users_dir_and_budget_and_status_shows_its_snapshot(node, users):
     d, (alice, bob) = node, users
     slot = header()
-    first = submit(d, alice, slot)
+    first = submit(d, alice, slot, costs=fmt.RankCosts(0.0125, 0.25, "peer"))
     log = ready(d, first)
     path = os.path.join(d.snapshot_dir, first)
     root = os.lstat(d.snapshot_dir)
@@ -175,6 +181,12 @@ def test_each_job_gets_its_users_dir_and_budget_and_status_shows_its_snapshot(no
     assert held >= slot.total_bytes, page
     assert 0 <= sample(page, f'elasticd_job_snapshot_age_seconds{{job_id="{first}"}}') < 120
     assert f'elasticd_job_snapshot_age_seconds{{job_id="{second}"}}' not in page  # none yet
+    # What its rank published of its last save and restore (workers/snapshot_format.py).
+    assert sample(page, f'elasticd_job_snapshot_save_stall_seconds{{job_id="{first}"}}') \
+        == 0.0125
+    assert sample(page, f'elasticd_job_snapshot_restore_seconds{{job_id="{first}",'
+                        f'source="peer"}}') == 0.25
+    assert f'elasticd_job_snapshot_save_stall_seconds{{job_id="{second}"}}' not in page
     assert sample(page, "elasticd_snapshot_budget_bytes") == NODE_BUDGET
     assert sample(page, "elasticd_snapshot_granted_bytes") == NODE_BUDGET  # 6 + 4 MiB
     table = d.ctl("status", first).stdout
@@ -190,8 +202,27 @@ def test_each_job_gets_its_users_dir_and_budget_and_status_shows_its_snapshot(no
 
 def test_a_planted_link_another_users_file_a_fifo_or_a_torn_header_is_no_snapshot(node, users):
     d, (alice, bob) = node, users
-    theirs, mine = started(d, alice, header()), started(d, bob, None)
+    theirs = started(d, alice, header(), costs=fmt.RankCosts(0.5, None, None))
+    mine = started(d, bob, None)
     dir_a, dir_b = (os.path.join(d.snapshot_dir, j) for j in (theirs, mine))
+    # Costs files bob's job could plant: a link to alice's, a FIFO, garbage, a huge one,
+    # one out of range; and a name with a leading zero beside a good one.
+    os.symlink(os.path.join(dir_a, "rank0.costs"), os.path.join(dir_b, "rank0.costs"))
+    os.mkfifo(os.path.join(dir_b, "rank1.costs"))
+    for name, body in (("rank2.costs", "[" * 400), ("rank3.costs", "x" * 100000),
+                       ("rank4.costs", '{"save_stall_s": 1e999, "restore_s": null, '
+                                       '"restore_source": null}'),
+                       ("rank5.costs", fmt.RankCosts(7.0, None, None).to_json()),
+                       ("rank05.costs", fmt.RankCosts(9.0, None, None).to_json())):
+        with open(os.path.join(dir_b, name), "w") as fh:
+            fh.write(body)
+    for name in os.listdir(dir_b):
+        os.lchown(os.path.join(dir_b, name), bob[0], bob[1])
+    page = scrape(d.metrics_port)
+    assert sample(page, f'elasticd_job_snapshot_save_stall_seconds{{job_id="{mine}"}}') == 7.0
+    assert sample(page, f'elasticd_job_snapshot_save_stall_seconds{{job_id="{theirs}"}}') == 0.5
+    for name in os.listdir(dir_b):
+        os.unlink(os.path.join(dir_b, name))
     # What bob's own job could do: link to alice's intact slot, make a FIFO.
     os.symlink(os.path.join(dir_a, "rank0.a"), os.path.join(dir_b, "rank0.a"))
     os.mkfifo(os.path.join(dir_b, "rank1.a"))

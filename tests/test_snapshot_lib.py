@@ -15,7 +15,12 @@
 * ``python -m elasticd.snapshot clean`` removes a run's default dir;
 * a rank whose node holds no slot of its own but a replica the daemon received
   from the buddy node (``replicas/<node>/``) restores it (source ``peer``); its own
-  slot wins for a step both hold; a replica dir that is a link is not followed.
+  slot wins for a step both hold; a replica dir that is a link is not followed;
+* with a pin grid, a rank keeps its two newest grid steps however often it saves, so
+  a rank holding only a grid step (a lost node's replica) and one that saved every
+  step agree on it; the ranks' own slots of later steps are retired after;
+* restore() waits for a replica only where a rank holds none while another holds
+  one: not on a first start; both get None when none arrives, both its step when it does.
 """
 from __future__ import annotations
 
@@ -118,8 +123,13 @@ def test_a_nested_training_state_comes_back_bit_for_bit(snapdir):
     same(opt.state_dict(), fresh_opt.state_dict())
     t = snapshot.timings()
     assert t.restore_step == 5 and t.restore_source == "local" and t.save_bytes > 0
-    assert sorted(os.listdir(snapdir)) == ["rank0.a", "rank0.b"] or \
-        sorted(os.listdir(snapdir)) == ["rank0.a"]
+    # Beside its slots, the rank's costs for the daemon's metrics, as the daemon parses them.
+    slots = sorted(n for n in os.listdir(snapdir) if n != "rank0.costs")
+    assert slots == ["rank0.a", "rank0.b"] or slots == ["rank0.a"]
+    with open(os.path.join(snapdir, "rank0.costs")) as fh:
+        costs = fmt.RankCosts.from_doc(json.load(fh))
+    assert costs.save_stall_s > 0 and costs.restore_source == "local" \
+        and costs.restore_s == t.restore_s
     for name in os.listdir(snapdir):
         assert os.stat(os.path.join(snapdir, name)).st_mode & 0o777 == 0o600
 
@@ -135,15 +145,18 @@ def test_restored_tensors_are_private_to_the_caller(snapdir):
         snapshot.save(step, {"w": w + step})
     assert torch.equal(held, w)            # the tensors a restore gave stay as they were
     assert snapshot.restore()[0] == 4
-    assert sorted(os.listdir(snapdir)) == ["rank0.a", "rank0.b"]
+    assert sorted(os.listdir(snapdir)) == ["rank0.a", "rank0.b", "rank0.costs"]
     # Once the restored tensors are dropped (no GC needed), saves reuse the slot files.
     del got, held
-    inodes = {n: os.stat(os.path.join(snapdir, n)).st_ino for n in os.listdir(snapdir)}
+    def slot_inodes() -> dict:      # the costs file beside them is replaced whole each time
+        return {n: os.stat(os.path.join(snapdir, n)).st_ino for n in os.listdir(snapdir)
+                if n != "rank0.costs"}
+    inodes = slot_inodes()
     got = snapshot.restore()
     del got
     for step in (5, 6):
         snapshot.save(step, {"w": w + step})
-    assert {n: os.stat(os.path.join(snapdir, n)).st_ino for n in os.listdir(snapdir)} == inodes
+    assert slot_inodes() == inodes
 
 
 def _hold_in_the_middle(pipe, size: int) -> None:
@@ -396,17 +409,20 @@ def _rank(pipe, rank: int, init: str, steps: tuple, plant: str) -> None:
         pipe.send(json.dumps(f"{type(exc).__name__}: {exc}"))
 
 
-def _two_ranks(snapdir: str, steps0: tuple, steps1: tuple, plant: str = "") -> list:
+def _ranks(snapdir: str, target, args: tuple, meanwhile=None) -> list:
+    """Run ``target(pipe, rank, init, *args[rank])`` as ranks 0 and 1 (forked), call
+    ``meanwhile()`` while they run, and return what each sent (JSON)."""
     init = f"file://{snapdir}-store-{uuid.uuid4().hex}"
     pipes, procs = [], []
-    for rank, steps in ((0, steps0), (1, steps1)):
+    for rank, extra in enumerate(args):
         here, there = FORK.Pipe()
-        p = FORK.Process(target=_rank, args=(there, rank, init, steps,
-                                             plant if rank == 1 else ""))
+        p = FORK.Process(target=target, args=(there, rank, init, *extra))
         p.start()
         pipes.append(here)
         procs.append(p)
     try:
+        if meanwhile is not None:
+            meanwhile()
         return [json.loads(h.recv()) if h.poll(60) else "no answer" for h in pipes]
     finally:
         for p in procs:
@@ -415,6 +431,10 @@ def _two_ranks(snapdir: str, steps0: tuple, steps1: tuple, plant: str = "") -> l
                 p.kill()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(init[len("file://"):])
+
+
+def _two_ranks(snapdir: str, steps0: tuple, steps1: tuple, plant: str = "") -> list:
+    return _ranks(snapdir, _rank, ((steps0, ""), (steps1, plant)))
 
 
 def test_two_ranks_agree_on_the_newest_step_both_hold(snapdir):
@@ -547,3 +567,92 @@ def test_its_own_slot_wins_and_a_linked_replica_dir_is_not_followed(snapdir, mon
     os.symlink(elsewhere, os.path.join(snapdir, "replicas", "n2"))
     assert snapshot.restore() is None
     assert snapshot.timings().restore_source == "none"
+
+
+# ---------------------------------------------------------------- the pin grid, the wait
+
+def _headers(snapdir: str, rank: int) -> dict:
+    """{slot: the step its complete header says} of the rank's slot files."""
+    out = {}
+    for slot in fmt.ALL_SLOTS:
+        with contextlib.suppress(OSError, fmt.BadHeader):
+            with open(os.path.join(snapdir, fmt.slot_name(rank, slot)), "rb") as fh:
+                h = fmt.parse(fh.read(fmt.HEADER_USED))
+            if h.state is fmt.SlotState.COMPLETE:
+                out[slot] = h.step
+    return out
+
+
+def test_the_two_newest_grid_steps_stay_however_often_a_rank_saves(snapdir, monkeypatch):
+    monkeypatch.setenv(wenv.SNAPSHOT_PIN_EVERY, "10")
+    for s in range(26):
+        snapshot.save(s, {"w": torch.full((4,), float(s)), "rank": 0})
+    held = _headers(snapdir, 0)
+    assert sorted(held.values()) == [10, 20, 24, 25] and held["p0"] in (10, 20), held
+    assert snapshot.restore()[0] == 25
+    # A rank that holds only grid step 20 (the replica a lost node's buddy kept) and one
+    # that saved every step have step 20 in common: without the grid they have none.
+    assert _two_ranks(snapdir, tuple(range(30, 56)), (50,)) == \
+        [[50, 0, [50.0] * 4], [50, 1, [60.0] * 4]]
+    # The ranks went back to 50: rank 0's own slots of 51..55 are no snapshot any more.
+    assert max(_headers(snapdir, 0).values()) == 50
+    monkeypatch.setenv(wenv.SNAPSHOT_PIN_EVERY, "ten")
+    with pytest.raises(snapshot.SnapshotError, match="ELASTICD_SNAPSHOT_PIN_EVERY"):
+        snapshot.save(60, {"w": torch.ones(4), "rank": 0})
+
+
+def _waiting_rank(pipe, rank: int, init: str, steps: tuple) -> None:
+    """Child: rank ``rank`` of 2 saves ``steps``, restores; says what, from where, how long."""
+    torch.set_num_threads(1)
+    import time
+    import torch.distributed as dist
+    try:
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+        for s in steps:
+            snapshot.save(s, {"w": torch.full((4,), float(10 * rank + s))})
+        t0 = time.monotonic()
+        got = snapshot.restore()
+        took = time.monotonic() - t0
+        pipe.send(json.dumps([None if got is None else [got[0], got[1]["w"].tolist()],
+                              snapshot.timings().restore_source, took]))
+        dist.destroy_process_group()
+    except BaseException as exc:
+        pipe.send(json.dumps(f"{type(exc).__name__}: {exc}"))
+
+
+def _wait_case(snapdir: str, steps0: tuple, replica_after: float | None,
+               staged: str = "") -> list:
+    """Two ranks, rank 1 holding nothing; ``staged`` (a dir of rank 1's slots) moved into
+    ``replicas/n3/`` ``replica_after`` seconds after they start, as a forward lands."""
+    import time
+
+    def land() -> None:
+        time.sleep(replica_after)
+        os.rename(staged, os.path.join(snapdir, "replicas", "n3"))
+    return _ranks(snapdir, _waiting_rank, ((steps0,), ((),)),
+                  land if replica_after is not None else None)
+
+
+def test_restore_waits_for_a_forwarded_replica_only_where_a_rank_holds_none(snapdir,
+                                                                           monkeypatch):
+    monkeypatch.setenv(wenv.SNAPSHOT_RESTORE_WAIT, "1.5")
+    # Nobody holds anything (a first start): no wait.
+    nothing = _wait_case(snapdir, (), None)
+    assert [r[:2] for r in nothing] == [[None, "none"]] * 2 and nothing[0][2] < 1.0, nothing
+    # Rank 0 holds step 5, rank 1 nothing, and nothing arrives: both None after the wait.
+    lost = _wait_case(snapdir, (5,), None)
+    assert [r[:2] for r in lost] == [[None, "none"]] * 2 and lost[1][2] >= 1.4, lost
+    # The replica of rank 1's step 5 lands 0.5 s in: both go on from step 5, rank 1 from it.
+    staged = os.path.join(snapdir, "staged")
+    os.mkdir(staged, 0o700)
+    os.mkdir(os.path.join(snapdir, "replicas"), 0o700)
+    monkeypatch.setenv(wenv.SNAPSHOT_DIR, staged)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    snapshot.save(5, {"w": torch.full((4,), 15.0)})
+    monkeypatch.setenv(wenv.SNAPSHOT_DIR, snapdir)
+    monkeypatch.setenv(wenv.SNAPSHOT_RESTORE_WAIT, "30")
+    found = _wait_case(snapdir, (), 0.5, staged)
+    assert [r[:2] for r in found] == [[[5, [5.0] * 4], "local"], [[5, [15.0] * 4], "peer"]], \
+        found
+    assert found[1][2] < 10, found

@@ -168,19 +168,35 @@ class SnapshotSettings:
                             "memory speed and a reboot leaves nothing. One daemon per dir: "
                             "it removes the dirs of jobs it does not run")
     node_budget: int = _setting(0, "bytes every job's snapshots on this node may hold "
-                                   "together (both slots of every rank); 0: half the size "
+                                   "together (all four slots of every rank, and peers' "
+                                   "replicas); 0: half the size "
                                    "of the filesystem holding snapshot.root, read at start "
                                    "and logged (tmpfs is half of RAM by default, so a "
                                    "quarter of RAM): snapshots never take the memory "
                                    "training needs, on any node size. Set bytes for the "
                                    "same figure on every node", min=0, max=1 << 60)
-    job_budget: int = _setting(0, "bytes one job's ranks on this node may hold (both slots "
-                                  "of every rank); 0: snapshot.node_budget, since a "
+    job_budget: int = _setting(0, "bytes one job's ranks on this node may hold (all four "
+                                  "slots of every rank, and peers' replicas); 0: snapshot.node_budget, since a "
                                   "training node usually runs one job. A job gets the least "
                                   "of this and what snapshot.node_budget leaves after the "
                                   "other live jobs here (their budgets, not what they use); "
                                   "where several jobs share a node, give each a share",
                                min=0, max=1 << 60)
+    pin_every: int = _setting(10, "the pin grid, in steps: a save of a step that is a "
+                                  "multiple of it goes into a rank's second pair of "
+                                  "slots, so every rank keeps the two newest grid steps "
+                                  "however often it saves, and only those are replicated "
+                                  "to the buddy node: the ranks that take over a lost "
+                                  "node's part restore a grid step the survivors still "
+                                  "hold. Make it more steps than replicating a snapshot "
+                                  "takes. 0: no grid (two slots per rank, the newest "
+                                  "snapshot replicated; a lost node's ranks find none in "
+                                  "common with the survivors)", min=0, max=1 << 30)
+    restore_wait: float = _setting(5.0, "seconds restore() waits, where a rank holds no "
+                                        "snapshot while another does (it took over a "
+                                        "lost node's ranks), for the replica the buddy "
+                                        "forwards to it; no wait on a first start or "
+                                        "when every rank holds one", min=0, max=3600)
     replication_port: int = _setting(0, "TCP port of this daemon's replication listener "
                                         "(replication/), which takes peers' snapshot "
                                         "replicas; 0: a free port picked at start. Either "

@@ -10,7 +10,8 @@ that an all_reduce of the ranks sums right.
 ``--snapshot-every N`` also keeps the state (model, optimizer, each rank's
 data generator) in memory with ``elasticd.snapshot`` every N steps: a restart
 goes on from the newest snapshot every rank holds, bit for bit as if nothing
-had happened, and from the disk checkpoint only when that is newer.
+had happened, and from the disk checkpoint only when that is newer. Each rank that
+restores one says so: ``RESTORED rank=R step=S source=local|peer in T s``.
 
 ``--crash-at-step K`` makes ``--crash-rank`` fail once, on the first attempt
 only (TORCHELASTIC_RESTART_COUNT == 0), to show recovery. Rank 0 ends with a
@@ -83,6 +84,9 @@ def resume(args, model, opt, gen) -> tuple[int, str]:
             opt.load_state_dict(state["opt"])
             gen.set_state(state["gen"])
             source = "a snapshot in memory"
+            took = snapshot.timings()
+            print(f"RESTORED rank={os.environ.get('RANK')} step={start} "
+                  f"source={took.restore_source} in {took.restore_s:.3f} s", flush=True)
     path = checkpoint_path(args)
     if os.path.exists(path):
         state = torch.load(path)

@@ -247,6 +247,15 @@ class SnapshotCollector:
         age = GaugeMetricFamily(
             "elasticd_job_snapshot_age_seconds", "Age of the newest snapshot every rank of "
             "the job on this node holds complete (jobs with one)", labels=["job_id"])
+        stall = GaugeMetricFamily(
+            "elasticd_job_snapshot_save_stall_seconds", "How long the last snapshot save held "
+            "a rank of the job on this node (the longest among its ranks; as the worker "
+            "library published it)", labels=["job_id"])
+        restore = GaugeMetricFamily(
+            "elasticd_job_snapshot_restore_seconds", "How long the last snapshot restore "
+            "took on a rank of the job on this node (the longest among its ranks), by where "
+            "it found its step: local, peer (a buddy's replica) or none", labels=["job_id",
+                                                                                 "source"])
         for job_id in self._manager.active_jobs():
             try:
                 job = self._jobs.get(job_id)
@@ -258,8 +267,15 @@ class SnapshotCollector:
             held.add_metric([job_id], found.held_bytes)
             if found.present:
                 age.add_metric([job_id], found.age(now))
+            if found.save_stall_s is not None:
+                stall.add_metric([job_id], found.save_stall_s)
+            if found.restore is not None:
+                took, source = found.restore
+                restore.add_metric([job_id, source], took)
         yield held
         yield age
+        yield stall
+        yield restore
         yield GaugeMetricFamily("elasticd_snapshot_budget_bytes", "Bytes every job's "
                                 "snapshots on this node may hold together "
                                 "(snapshot.node_budget)", value=ledger.node_budget)

@@ -257,7 +257,8 @@ class Daemon:
         listener.start()
         stops.callback(listener.stop)
         self.cluster.replication_port = listener.port
-        pusher = Pusher(cfg.snapshot, key, cfg.etcd.prefix, d.node_id, peers.plans, stats)
+        pusher = Pusher(cfg.snapshot, key, cfg.etcd.prefix, d.node_id, peers.plans, stats,
+                        peers.forward_plans)
         pusher.start()
         stops.callback(pusher.stop)
         metrics.attach_replication(stats)

@@ -28,29 +28,40 @@ def _doc(raw: bytes) -> dict:
         raise ValueError(str(exc)) from None
 
 
+def is_node_id(name) -> bool:
+    """Whether ``name`` may name a node, as an offer's ``origin`` must."""
+    return f.is_ident(name)
+
+
 @dataclass(frozen=True)
 class Offer:
-    """One complete slot file of a rank of a job on the sending node."""
+    """One complete slot file of a rank of a job on the sending node: its own, or a
+    replica it keeps of ``origin``'s, forwarded."""
     job_id: str
     rank: int
     slot: str            # "a" or "b": the name the file has on the sender
     step: int
     saved_at_ns: int
     size: int            # bytes of the file that follow (header, meta, data)
+    origin: str = ""     # a forwarded replica: the node whose snapshot it is ("": the sender)
 
     def to_bytes(self) -> bytes:
-        return json.dumps(asdict(self), sort_keys=True).encode()
+        doc = asdict(self)
+        if not self.origin:
+            del doc["origin"]
+        return json.dumps(doc, sort_keys=True).encode()
 
     @classmethod
     def from_bytes(cls, raw: bytes) -> "Offer":
         doc = _doc(raw)
         slot = doc.get("slot")
-        if slot not in fmt.SLOTS:
-            raise ValueError("slot: not a or b")
+        if slot not in fmt.ALL_SLOTS:
+            raise ValueError(f"slot: not one of {', '.join(fmt.ALL_SLOTS)}")
         return cls(job_id=f.ident(doc, "job_id"), rank=f.whole(doc, "rank", 0, MAX_RANK),
                    slot=slot, step=f.whole(doc, "step", 0, MAX_STEP),
                    saved_at_ns=f.whole(doc, "saved_at_ns", 0, MAX_STEP),
-                   size=f.whole(doc, "size", fmt.HEADER_BYTES, MAX_FILE_BYTES))
+                   size=f.whole(doc, "size", fmt.HEADER_BYTES, MAX_FILE_BYTES),
+                   origin=f.ident(doc, "origin") if "origin" in doc else "")
 
     @property
     def name(self) -> str:

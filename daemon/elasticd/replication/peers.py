@@ -4,14 +4,16 @@ accept peers' replicas, read from the job manager, the jobs view and the node re
 A job replicates while it runs here in a closed round of two nodes or more: its
 buddy is the next member in the round's order (the ranks' order), found at the
 address the round names and the replication port its node record publishes (both
-sealed with the cluster key, so nobody without it can redirect replicas). A job accepts replicas while
-its agent runs here and its snapshot dir exists.
+sealed with the cluster key, so nobody without it can redirect replicas); the
+replicas it keeps go on to the members that hold their ranks now (forward plans).
+A job accepts replicas while its agent runs here and its snapshot dir exists.
 """
 from __future__ import annotations
 
 import os
 
 from ..rendezvous.records import CLOSED
+from .forwarder import ForwardPlan, Holder
 from .pusher import PushPlan, buddy_of
 from .receiver import ReplicaTarget
 
@@ -29,17 +31,23 @@ class Peers:
         except Exception:   # gone since it was listed
             return None
 
+    def _rounds(self):
+        """(job id, job record, closed round state, live node records) of each job
+        running here in a closed round."""
+        live = self._nodes.snapshot().live
+        for job_id in self._manager.active_jobs():
+            keys, job = self._view.job(job_id), self._job(job_id)
+            state = keys.state if keys is not None else None
+            if job is not None and state is not None and state.status == CLOSED \
+                    and self._me in state.member_ids():
+                yield job_id, job, state, live
+
     def plans(self) -> list[PushPlan]:
         ledger = self._manager.snapshots
         if ledger is None:
             return []
-        live = self._nodes.snapshot().live
         out = []
-        for job_id in self._manager.active_jobs():
-            keys, job = self._view.job(job_id), self._job(job_id)
-            state = keys.state if keys is not None else None
-            if job is None or state is None or state.status != CLOSED:
-                continue
+        for job_id, job, state, live in self._rounds():
             ids = state.member_ids()
             buddy = buddy_of(ids, self._me)
             record = live.get(buddy) if buddy else None
@@ -52,6 +60,28 @@ class Peers:
                                 sum(m.nproc for m in state.members), buddy,
                                 state.members[ids.index(buddy)].address,
                                 int(record["replication_port"])))
+        return out
+
+    def forward_plans(self) -> list[ForwardPlan]:
+        """Each job running here in a closed round, with the members that hold its
+        other ranks and publish a replication port (forwarder.py)."""
+        ledger = self._manager.snapshots
+        if ledger is None:
+            return []
+        out = []
+        for job_id, job, state, live in self._rounds():
+            holders, mine, first = [], (), 0
+            for m in state.members:
+                if m.node_id == self._me:
+                    mine = tuple(range(first, first + m.nproc))
+                else:
+                    port = (live.get(m.node_id) or {}).get("replication_port")
+                    if port:
+                        holders.append(Holder(m.node_id, m.address, int(port), first, m.nproc))
+                first += m.nproc
+            if holders:
+                out.append(ForwardPlan(job_id, ledger.path(job_id), job.uid, first, mine,
+                                       tuple(holders)))
         return out
 
     def target(self, job_id: str) -> ReplicaTarget | None:

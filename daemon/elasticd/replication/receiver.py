@@ -8,7 +8,9 @@ once (one more is closed at once and counted). Every read waits at most
 peer that sends garbage, a wrong key or MAC, a frame too large or nothing at all
 is dropped and counted by reason, and the daemon goes on serving. An offer is
 refused (and counted) unless the job runs on this node and its replicas fit the
-job's snapshot budget here with the offered file.
+job's snapshot budget here with the offered file. A file kept is
+``replicas/<node>/`` of the node whose snapshot it is: the sender, or the lost
+node a forwarded replica (forwarder.py) came from.
 """
 from __future__ import annotations
 
@@ -143,8 +145,13 @@ class ReplicationServer:
         if target is None:
             self._refuse(chan, f"job {offer.job_id} does not run on node {self._me}")
             return
+        if offer.origin == self._me and files.holds_own(target.job_dir, offer, target.uid):
+            # Its own snapshot back from its buddy: here already, unless this node lost it.
+            chan.send(Kind.REPLY, Reply(ok=True, have=True).to_bytes())
+            return
         try:
-            dir_fd = files.open_from_dir(target.job_dir, chan.peer, target.uid, target.gid)
+            dir_fd = files.open_from_dir(target.job_dir, offer.origin or chan.peer, target.uid,
+                                         target.gid)
         except (files.ReplicaRefused, OSError) as exc:
             self._refuse(chan, f"no replica dir for job {offer.job_id} here: {exc}")
             return

@@ -117,6 +117,18 @@ def holds(dir_fd: int, offer: Offer, uid: int) -> bool:
         and h.saved_at_ns == offer.saved_at_ns
 
 
+def holds_own(job_dir: str, offer: Offer, uid: int) -> bool:
+    """Whether this node's own slot file of the offered name holds that very snapshot."""
+    try:
+        fd = os.open(job_dir, _DIR_FLAGS)
+    except OSError:
+        return False
+    try:
+        return holds(fd, offer, uid)
+    finally:
+        os.close(fd)
+
+
 class Incoming:
     """One replica being received: a fresh temporary file, renamed over the replica by
     ``finish`` once whole; ``abort`` removes it."""

@@ -12,7 +12,8 @@
 
 A state is a nested dict (str or int keys) / list / tuple of dense tensors and
 plain values (None, bool, int, float, str, bytes); nothing is pickled. Each rank
-keeps two slot files in the job's snapshot dir on tmpfs ($ELASTICD_SNAPSHOT_DIR
+keeps four slot files (two for the steps on the pin grid, two for the others) in
+the job's snapshot dir on tmpfs ($ELASTICD_SNAPSHOT_DIR
 under the daemon; /dev/shm/elasticd-snapshots-<uid>/<run id> without one, removed
 by ``python -m elasticd.snapshot clean``). See docs/snapshots.md.
 

@@ -8,7 +8,7 @@ import stat
 import sys
 
 from .errors import SnapshotError
-from .region import SLOT_FILE, base_dir, check_own, run_id
+from .region import COSTS_FILE, SLOT_FILE, base_dir, check_own, run_id
 
 HELP = """\
 Without a daemon (plain torchrun, one node), elasticd.snapshot keeps each rank's
@@ -21,8 +21,8 @@ runs this command after the job ends:
     python -m elasticd.snapshot clean my-run-7   # the run my-run-7
     python -m elasticd.snapshot clean --all      # every run of yours
 
-Only your own private slot files (rank<N>.a / rank<N>.b) and the dirs that held
-them are removed; nothing is followed through a symbolic link. Under the
+Only your own private slot files (rank<N>.a, .b, .p0, .p1), the ranks' costs
+files beside them (rank<N>.costs) and the dirs that held them are removed; nothing is followed through a symbolic link. Under the
 elasticd daemon the job's snapshot dir is removed when the job ends.
 """
 
@@ -37,10 +37,12 @@ def _remove_run(base_fd: int, name: str, base: str) -> int:
         check_own(os.fstat(fd), f"snapshot dir {path}", stat.S_IFDIR)
         for entry in os.listdir(fd):
             st = os.stat(entry, dir_fd=fd, follow_symlinks=False)
-            if SLOT_FILE.fullmatch(entry) and stat.S_ISREG(st.st_mode) \
-                    and st.st_uid == os.geteuid():
+            ours = stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid()
+            if ours and SLOT_FILE.fullmatch(entry):
                 os.unlink(entry, dir_fd=fd)
                 removed += 1
+            elif ours and COSTS_FILE.fullmatch(entry):
+                os.unlink(entry, dir_fd=fd)
             else:
                 print(f"left {path}/{entry}: not a slot file of yours", file=sys.stderr)
     finally:

@@ -4,11 +4,14 @@ agreement on the newest step every one of them holds.
 With torch.distributed initialized, the default group's rank and size; without,
 $RANK and $WORLD_SIZE as torchrun sets them (0 and 1 when unset). The agreement
 is an all_gather of each rank's complete steps (tensors, no pickling): the
-newest step in all of them, the same answer on every rank, or none.
+newest step in all of them, the same answer on every rank, or none; and whether
+some rank holds nothing while another holds something (then restore() waits
+for a replica), with the fewest polls any rank's setting allows.
 """
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -17,7 +20,7 @@ from ..workers import env as wenv
 from .errors import SnapshotError
 
 NONE = -1   # a slot without a complete step, in the exchange
-EXCHANGED = 4   # steps each rank puts in the exchange: its two slots and two replicas
+EXCHANGED = 8   # steps each rank puts in the exchange: its four slots and four replicas
 
 
 def _env_int(name: str, default: int) -> int:
@@ -53,20 +56,33 @@ def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def agree(steps: list[int]) -> int | None:
+@dataclass(frozen=True)
+class Agreement:
+    """What the ranks agreed on: the same on every rank."""
+    step: int | None     # the newest step every rank holds; None: none in common
+    starved: bool        # some rank holds no snapshot while another holds one, none failed
+    polls: int           # the fewest polls any rank would wait for a replica (its setting)
+
+
+def agree(steps: list[int], failed: bool = False, polls: int = 0) -> Agreement:
     """The newest step every rank holds, given this rank's complete steps (the newest
-    EXCHANGED of them count);
-    None when they hold none in common. Every rank must call it."""
+    EXCHANGED of them count), whether this rank's look failed, and how many times it
+    would poll again for a replica. Every rank must call it."""
     dev = _device()
     mine = (sorted(steps, reverse=True) + [NONE] * EXCHANGED)[:EXCHANGED]
-    local = torch.tensor(mine, dtype=torch.int64, device=dev)
+    local = torch.tensor([int(failed), polls, *mine], dtype=torch.int64, device=dev)
     gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, local)
-    common = None
+    common, empty, holding, any_failed, fewest = None, False, False, False, polls
     for t in gathered:
-        held = {s for s in t.tolist() if s != NONE}
+        row = t.tolist()
+        any_failed |= bool(row[0])
+        fewest = min(fewest, row[1])
+        held = {s for s in row[2:] if s != NONE}
+        empty, holding = empty or not held, holding or bool(held)
         common = held if common is None else common & held
-    return max(common) if common else None
+    return Agreement(max(common) if common else None, empty and holding and not any_failed,
+                     max(fewest, 0))
 
 
 def all_ok(ok: bool) -> bool:

@@ -25,12 +25,15 @@ SHM = "/dev/shm"
 BASE_NAME = "elasticd-snapshots-{uid}"
 DEFAULT_RUN_ID = "default"
 RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-SLOT_FILE = re.compile(r"rank(0|[1-9][0-9]{0,8})\.(a|b)")
+SLOT_FILE = re.compile(r"rank(0|[1-9][0-9]{0,8})\.(a|b|p0|p1)")
+COSTS_FILE = re.compile(r"rank(0|[1-9][0-9]{0,8})\.costs(\.tmp)?")   # snapshot/costs.py
 REPLICAS = "replicas"          # <dir>/replicas/<node>/: peers' replicas the daemon keeps
 MAX_REPLICA_DIRS = 64          # entries of replicas/ looked at
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # O_NONBLOCK: a planted FIFO must not block the open; fstat then refuses it.
 FILE_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+MAX_PIN_EVERY = 1 << 30         # snapshot.pin_every's bound
+MAX_RESTORE_WAIT = 3600.0      # snapshot.restore_wait's bound
 BUDGET_HINT = ("the daemon's settings snapshot.job_budget and snapshot.node_budget in "
                "elasticd.toml set it")
 
@@ -69,6 +72,33 @@ def budget() -> int | None:
         raise SnapshotError(f"${wenv.SNAPSHOT_BUDGET} must be a whole number of bytes, "
                             f"not {raw[:40]!r}")
     return int(raw)
+
+
+def pin_every() -> int:
+    """$ELASTICD_SNAPSHOT_PIN_EVERY (snapshot.pin_every): the pin grid in steps; 0 (no pin
+    slots) when not set."""
+    raw = os.environ.get(wenv.SNAPSHOT_PIN_EVERY)
+    if raw is None or raw == "":
+        return 0
+    if not raw.isascii() or not raw.isdigit() or len(raw) > 10 or int(raw) > MAX_PIN_EVERY:
+        raise SnapshotError(f"${wenv.SNAPSHOT_PIN_EVERY} must be a whole number of steps up "
+                            f"to {MAX_PIN_EVERY}, not {raw[:40]!r}")
+    return int(raw)
+
+
+def restore_wait() -> float:
+    """$ELASTICD_SNAPSHOT_RESTORE_WAIT (snapshot.restore_wait) in seconds; 0 when not set."""
+    raw = os.environ.get(wenv.SNAPSHOT_RESTORE_WAIT)
+    if raw is None or raw == "":
+        return 0.0
+    try:
+        got = float(raw) if raw.isascii() and len(raw) <= 32 else -1.0
+    except ValueError:
+        got = -1.0
+    if not 0 <= got <= MAX_RESTORE_WAIT:     # NaN fails this too
+        raise SnapshotError(f"${wenv.SNAPSHOT_RESTORE_WAIT} must be seconds from 0 to "
+                            f"{MAX_RESTORE_WAIT:g}, not {raw[:40]!r}")
+    return got
 
 
 def check_own(st: os.stat_result, what: str, kind: int) -> None:
@@ -250,5 +280,6 @@ def _open_and_close(path: str, what: str) -> None:
     os.close(_open_dir(path, what))
 
 
-def slot_names(rank: int) -> tuple[str, str]:
-    return tuple(fmt.slot_name(rank, s) for s in fmt.SLOTS)  # type: ignore[return-value]
+def slot_names(rank: int, slots: tuple = fmt.ALL_SLOTS) -> tuple:
+    """The names of the rank's slot files (all four, or the pair ``slots``)."""
+    return tuple(fmt.slot_name(rank, s) for s in slots)

@@ -1,5 +1,7 @@
-"""save(): copy a rank's state into the slot that does not hold its newest complete
-snapshot, now (``wait=True``) or from a staging copy on a background thread.
+"""save(): copy a rank's state into the slot of its pair (the pin pair for a step on the
+pin grid, $ELASTICD_SNAPSHOT_PIN_EVERY; the other pair otherwise) that does not hold the
+pair's newest complete snapshot, now (``wait=True``) or from a staging copy on a
+background thread.
 
 ``wait=False`` copies the tensors into a staging buffer kept between saves
 (pinned when the state has CUDA tensors) before it returns, so the caller may
@@ -21,7 +23,7 @@ from . import meta as metas
 from . import costs, slots
 from .errors import BadState, SnapshotError
 from .ranks import identity
-from .region import Region, slot_names
+from .region import Region, pin_every, slot_names
 from .structure import check_same, flatten
 
 EXIT_WAIT_S = 60.0     # at exit, how long the save in flight may still take
@@ -157,7 +159,7 @@ def save(step: int, state, *, wait: bool = True) -> SaveHandle:
             except ValueError as exc:
                 raise BadState(str(exc)) from None
             size = fmt.data_offset(len(raw)) + plan.data_len
-            names = slot_names(rank)
+            names = slot_names(rank, fmt.pair(step, pin_every()))
             held = [c for c in (slots.probe(region, n, rank, world) for n in names) if c]
             name = slots.pick(held, step, names)
             m = slots.prepare(region, name, size)
@@ -184,4 +186,5 @@ def save(step: int, state, *, wait: bool = True) -> SaveHandle:
             _pending = handle
             _writer.submit(handle, lambda: finish(lambda: slots.fill_from(m, len(raw), staged)))
         costs.record(save_stall_s=time.perf_counter() - t0)
+        costs.publish(rank)
         return handle

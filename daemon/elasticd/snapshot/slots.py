@@ -11,6 +11,7 @@ slot, and a later save into that slot while they are alive writes a fresh file
 """
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import os
 import time
@@ -73,6 +74,17 @@ def pick(completes: list, step: int, names: tuple) -> str:
         return min(names, key=lambda n: (n in held, held.get(n, -1)))
     keep = max(older, key=lambda c: (c.header.step, c.header.saved_at_ns)).name
     return next(n for n in names if n != keep)
+
+
+def retire(region: Region, c: Complete) -> None:
+    """Make slot ``c`` absent (its header WRITING) if it still holds ``c``; its pages stay."""
+    fd = region.open_slot(c.name, writable=True)
+    try:
+        if read_header(fd) == c.header:
+            os.pwrite(fd, fmt.pack(dataclasses.replace(c.header, state=fmt.SlotState.WRITING)),
+                      0)
+    finally:
+        os.close(fd)
 
 
 # ---------------------------------------------------------------- writing

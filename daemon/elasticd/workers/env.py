@@ -66,3 +66,9 @@ SNAPSHOT_DIR = "ELASTICD_SNAPSHOT_DIR"
 # Bytes this node's ranks of the job may hold in it, every slot together (a save that would
 # pass it fails in the worker, naming the setting).
 SNAPSHOT_BUDGET = "ELASTICD_SNAPSHOT_BUDGET_BYTES"
+# The pin grid (snapshot.pin_every): a save of a step that is a multiple of it goes into the
+# rank's pin slots (workers/snapshot_format.py); 0: no pin slots.
+SNAPSHOT_PIN_EVERY = "ELASTICD_SNAPSHOT_PIN_EVERY"
+# Seconds restore() waits for a replica to arrive where a rank holds no snapshot while
+# another rank does (snapshot.restore_wait).
+SNAPSHOT_RESTORE_WAIT = "ELASTICD_SNAPSHOT_RESTORE_WAIT"

@@ -81,6 +81,8 @@ def worker_env(spec: GroupSpec, local_rank: int) -> dict[str, str]:
     if spec.snapshot is not None:  # its snapshots: over whatever the submitter's env said
         env[envnames.SNAPSHOT_DIR] = spec.snapshot.dir
         env[envnames.SNAPSHOT_BUDGET] = str(spec.snapshot.budget_bytes)
+        env[envnames.SNAPSHOT_PIN_EVERY] = str(spec.snapshot.pin_every)
+        env[envnames.SNAPSHOT_RESTORE_WAIT] = repr(float(spec.snapshot.restore_wait))
     if _loopback(place.master_addr):  # one node: rank 0's store listens there alone
         env[envnames.MASTER_BIND] = place.master_addr
     env.update(rank_env(spec.run_dir, rank))  # hang detection: where it beats

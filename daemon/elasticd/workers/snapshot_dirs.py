@@ -36,10 +36,13 @@ JOB_DIR_MODE = 0o700
 
 @dataclass(frozen=True)
 class SnapshotGrant:
-    """A job's snapshot dir on this node and the bytes its ranks here may hold in it
-    (every slot of every rank together): what its workers' environment says."""
+    """A job's snapshot dir on this node, the bytes its ranks here may hold in it (every
+    slot of every rank together), the pin grid and the restore wait: what its workers'
+    environment says."""
     dir: str
     budget_bytes: int
+    pin_every: int = 0
+    restore_wait: float = 0.0
 
 
 def prepare_root(path: str) -> None:
@@ -102,8 +105,10 @@ def filesystem_half(path: str) -> int:
 class SnapshotBudgets:
     """The node's ledger of snapshot budgets (held by the coordinator, thread-safe)."""
 
-    def __init__(self, root: str, node_budget: int, job_budget: int = 0):
+    def __init__(self, root: str, node_budget: int, job_budget: int = 0, pin_every: int = 0,
+                 restore_wait: float = 0.0):
         self.root = root
+        self.pin_every, self.restore_wait = pin_every, restore_wait
         self.node_budget = node_budget
         self.job_budget = job_budget or node_budget   # 0: as much as the node's
         self._lock = threading.Lock()
@@ -118,7 +123,8 @@ class SnapshotBudgets:
             node = filesystem_half(settings.root)
             log.info("%s: snapshot.node_budget is half of %s's filesystem: %d bytes "
                      "(%.1f GiB)", ctx(node=node_id), settings.root, node, node / 2**30)
-        return cls(settings.root, node, min(settings.job_budget or node, node))
+        return cls(settings.root, node, min(settings.job_budget or node, node),
+                   settings.pin_every, settings.restore_wait)
 
     def path(self, job_id: str) -> str:
         return os.path.join(self.root, job_id)
@@ -130,7 +136,7 @@ class SnapshotBudgets:
             others = sum(b for j, b in self._given.items() if j != job_id)
             budget = max(0, min(self.job_budget, self.node_budget - others))
             self._given[job_id] = budget
-        return SnapshotGrant(self.path(job_id), budget)
+        return SnapshotGrant(self.path(job_id), budget, self.pin_every, self.restore_wait)
 
     def granted(self, job_id: str) -> int | None:
         """The job's budget now; None while it has none (its agent is not running here)."""

@@ -5,8 +5,11 @@ The dir is the job's user's, so each slot file is read the one way the daemon re
 a file a worker can write (workers/files.py ``read``: O_NOFOLLOW|O_NONBLOCK, a
 regular file owned by the job's uid, ``HEADER_USED`` bytes at most) and parsed by
 workers/snapshot_format.py: a link, a FIFO, another user's file, a header torn
-or foreign is no snapshot. At most ``max_entries`` entries of the dir are looked
-at, so a dir a user filled with files costs a bounded scan.
+or foreign is no snapshot. Each rank's ``rank{rank}.costs`` (its last save stall,
+restore time and source, for the metrics) is read the same way, bounded to
+``COSTS_MAX`` bytes, decoded by values.decode and checked by ``RankCosts.from_doc``:
+anything else there is no costs. At most ``max_entries`` entries of the dir are
+looked at, so a dir a user filled with files costs a bounded scan.
 
 ``Replicated`` is the other half of a job's snapshot status: where its newest
 snapshot's replica is, as the buddy acknowledged it (replication/pusher.py records it).
@@ -16,18 +19,20 @@ from __future__ import annotations
 import os
 import re
 import stat
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from . import files as workerfiles
 from . import snapshot_format as fmt
+from ..values import BadValue, decode
 
-SLOT_FILE = re.compile(r"rank(\d{1,9})\.([ab])\Z")
+SLOT_FILE = re.compile(r"rank(\d{1,9})\.(a|b|p0|p1)\Z")
+COSTS_FILE = re.compile(r"rank(0|[1-9]\d{0,8})\.costs\Z")
 
 
 def scan_limit(nproc: int) -> int:
-    """Entries of a job's dir looked at: its ranks' two slots, twice over (ranks of an
+    """Entries of a job's dir looked at: its ranks' four slots, twice over (ranks of an
     earlier round, a library's temporary files), and a few more."""
-    return 4 * max(nproc, 1) + 16
+    return 8 * max(nproc, 1) + 16
 
 
 @dataclass(frozen=True)
@@ -38,6 +43,24 @@ class DirSnapshots:
     bytes: int = 0          # that snapshot's slots, every rank here together
     ranks: int = 0          # ranks with a slot file here
     held_bytes: int = 0     # what every plain file in the dir takes (memory, on tmpfs)
+    costs: tuple = ()       # (rank, fmt.RankCosts) of the ranks that published theirs
+
+    @property
+    def save_stall_s(self) -> float | None:
+        """The longest last save stall among the ranks here."""
+        return max((c.save_stall_s for _, c in self.costs if c.save_stall_s is not None),
+                   default=None)
+
+    @property
+    def restore(self) -> tuple[float, str] | None:
+        """(the longest last restore time among the ranks here, where it came from:
+        "peer" if any rank's came from a replica, else "local", else "none")."""
+        done = [c for _, c in self.costs if c.restore_s is not None]
+        if not done:
+            return None
+        sources = {c.restore_source for c in done}
+        source = next(s for s in ("peer", "local", "none") if s in sources)
+        return max(c.restore_s for c in done), source
 
     @property
     def present(self) -> bool:
@@ -64,7 +87,7 @@ def read_dir(path: str, uid: int, max_entries: int) -> DirSnapshots | None:
         fd = os.open(path, flags)
     except OSError:
         return None
-    held, complete = 0, {}   # rank -> {step: header}
+    held, complete, costs = 0, {}, []   # rank -> {step: header}; (rank, RankCosts)
     try:
         with os.scandir(fd) as entries:
             for seen, entry in enumerate(entries):
@@ -79,6 +102,10 @@ def read_dir(path: str, uid: int, max_entries: int) -> DirSnapshots | None:
                 held += st.st_blocks * 512
                 m = SLOT_FILE.match(entry.name)
                 if m is None:
+                    c = COSTS_FILE.match(entry.name)
+                    got = c and _costs(os.path.join(path, entry.name), uid)
+                    if got:
+                        costs.append((int(c.group(1)), got))
                     continue
                 rank = int(m.group(1))
                 steps = complete.setdefault(rank, {})
@@ -89,7 +116,17 @@ def read_dir(path: str, uid: int, max_entries: int) -> DirSnapshots | None:
         pass
     finally:
         os.close(fd)
-    return _newest_common(complete, held)
+    return replace(_newest_common(complete, held), costs=tuple(sorted(costs, key=lambda rc: rc[0])))
+
+
+def _costs(path: str, uid: int) -> fmt.RankCosts | None:
+    got = workerfiles.read(path, uid, fmt.COSTS_MAX)
+    if not got.ok:
+        return None
+    try:
+        return fmt.RankCosts.from_doc(decode(got.data, max_bytes=fmt.COSTS_MAX))
+    except (BadValue, ValueError):
+        return None
 
 
 def _complete_header(path: str, uid: int) -> fmt.Header | None:
