@@ -1,9 +1,10 @@
 """A node's fault record in etcd and the quarantine decision over it, without I/O.
 
 Each node keeps one record at ``/v1/faults/<node>`` (``fault_key``): the
-faults seen for it (a worker failure, a hang kill, a GPU health failure, a
-lost lease), newest ``MAX_FAULTS`` within the window, whether it is
-quarantined, and when an operator last released it. The key is under no
+faults it owns (``node_owned``: a GPU health failure, a lost lease, a worker
+killed by a signal that points at the machine; never a job's own failure),
+newest ``MAX_FAULTS`` within the window, whether it is quarantined, and when
+an operator last released it. The key is under no
 lease, so the record outlives the node's daemon and its lease. Its only
 writer is the node itself (cluster/quarantine.py): one writer per key, no
 race between peers, and a peer cut off from the node cannot blame it.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import enum
 import json
+import signal
 from dataclasses import dataclass, field
 
 from .. import fields
@@ -36,15 +38,39 @@ def fault_key(node_id: str) -> str:
 
 class FaultKind(str, enum.Enum):
     """What went wrong on the node: the metric's ``cause`` label."""
-    WORKER_EXIT = "worker_exit"     # a worker failed, or was killed as hung (worker_exit)
+    WORKER_EXIT = "worker_exit"     # a worker died of a signal that points at the machine
     HANG = "hang"                   # its in-process wrapper reported a rank stuck (hang)
     GPU_HEALTH = "gpu_health"       # the pre-start GPU health check failed
     LEASE_LOST = "lease_lost"       # the node's lease expired under it
 
 
-# The job events that are faults of the node they happened on.
+# The job events that may be faults of the node they happened on (``node_owned`` decides).
 EVENT_FAULTS = {"worker_exit": FaultKind.WORKER_EXIT, "hang": FaultKind.HANG,
                 "gpu_health": FaultKind.GPU_HEALTH}
+
+# Signals that say the machine failed its worker, not the job: SIGBUS is how the
+# kernel ends a process that touched memory it found broken (an uncorrectable ECC
+# error, a machine check), whatever the job's code.
+MACHINE_SIGNALS = frozenset({int(signal.SIGBUS)})
+
+
+def node_owned(kind: FaultKind, sig: int = 0) -> bool:
+    """Whether a fault of ``kind`` is the node's (it counts toward quarantine), not its job's.
+
+    A failed GPU health check and a lease lost under a running daemon are the
+    node's. A worker's exit is its job's (the user's exception, a kill someone
+    sent, the job's own memory use: the OOM killer's SIGKILL cannot be told from
+    an operator's), unless its signal ``sig`` is a MACHINE_SIGNALS one. A rank
+    reported stuck is not the node's either: a stuck collective waits as often
+    for a peer or for the job's own code as for this node's GPU or network, and
+    nothing here says which. Counting the job's faults would quarantine every
+    node a broken job runs on, one after another.
+    """
+    if kind in (FaultKind.GPU_HEALTH, FaultKind.LEASE_LOST):
+        return True
+    if kind is FaultKind.WORKER_EXIT:
+        return sig in MACHINE_SIGNALS
+    return False
 
 
 @dataclass(frozen=True)
@@ -64,6 +90,14 @@ class Fault:
     def line(self) -> str:
         where = f" (job {self.job_id})" if self.job_id else ""
         return f"{self.kind.value}{where}: {self.detail}"[:MAX_LINE]
+
+
+@dataclass(frozen=True)
+class NodeQuarantine:
+    """This node's quarantine as its agents see it: why (() when it is not), and
+    the nodes of the cluster with a drain mark (drained or quarantined)."""
+    reasons: tuple = ()
+    drained: frozenset = frozenset()
 
 
 @dataclass(frozen=True)

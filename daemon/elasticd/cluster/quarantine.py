@@ -1,8 +1,9 @@
 """This node's memory of its faults in etcd, and its quarantine.
 
-``FaultMemory`` listens to this node's job events (a failed worker, a hang, a
-failed GPU health check: faults.EVENT_FAULTS) and to its lease keeper (a
-lease that expired under it), and keeps them in the node's sealed fault
+``FaultMemory`` listens to this node's job events (a failed GPU health
+check, a worker killed by a signal that points at the machine: the faults
+the node owns, faults.node_owned; a job's own failures never count) and to
+its lease keeper (a lease that expired under it), and keeps them in the node's sealed fault
 record (faults.py: ``/v1/faults/<node>``, under no lease, so a restart of the
 daemon or a lost lease forgets nothing). It alone writes that record, from
 its one loop: the registry listener only queues (it runs under the
@@ -30,7 +31,8 @@ from ..jobs.jobevent import JobEvent
 from ..logsetup import ctx
 from ..store import StoreError
 from ..trust.sealed import MAX_BODY, Kind, Reason, Refused
-from .faults import EVENT_FAULTS, Fault, FaultBook, FaultKind, Verdict, fault_key, judge, reasons
+from .faults import (EVENT_FAULTS, Fault, FaultBook, FaultKind, Verdict, fault_key, judge,
+                     node_owned, reasons)
 
 log = logging.getLogger("elasticd.cluster.quarantine")
 
@@ -64,8 +66,8 @@ class FaultMemory:
     def on_event(self, ev: JobEvent) -> None:
         """A registry listener: this node's faulty job events, queued."""
         kind = EVENT_FAULTS.get(ev.kind)
-        if kind is None or ev.node_id != self._me:
-            return
+        if kind is None or ev.node_id != self._me or not node_owned(kind, ev.signal):
+            return   # not this node's fault: its job's (faults.node_owned)
         self._queue(Fault(float(ev.time), kind, ev.job_id, ev.reason[:200], ev.restart))
 
     def lease_lost(self) -> None:

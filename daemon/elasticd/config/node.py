@@ -108,10 +108,11 @@ class ClusterSettings:
                                       "node adopts, as strings: [\"1001\", \"1002\"]")
     # A node's memory of its faults (cluster/faults.py, cluster/quarantine.py)
     quarantine_faults: int = _setting(5, "a node is quarantined (it takes no new rounds until "
-                                         "`elasticctl uncordon`) once this many faults (worker "
-                                         "failures, hang kills, GPU health failures, lost "
-                                         "leases) were recorded for it within "
-                                         "cluster.quarantine_window (0: never)", min=0,
+                                         "`elasticctl uncordon`) once this many faults it owns "
+                                         "(GPU health failures, lost leases, workers killed by "
+                                         "SIGBUS; never a job's own failures) were recorded "
+                                         "for it within cluster.quarantine_window (0: never; "
+                                         "a standalone daemon keeps none)", min=0,
                                       max=1000)
     quarantine_window: float = _setting(600.0, "seconds a node's recorded fault counts toward "
                                                "cluster.quarantine_faults (older ones age out of "
