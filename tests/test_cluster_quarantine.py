@@ -1,27 +1,31 @@
 """A node's memory of its faults (cluster/faults.py, cluster/quarantine.py).
 
-The decision without I/O first; then two real daemons on a real etcd: a node
-whose job's workers keep failing is quarantined, `nodes` shows why, a new
-2-node job does not take it, the quarantine outlives a kill -9 of its daemon,
-and `uncordon` brings it back (the waiting job then runs on both).
+The decisions without I/O first; then two real daemons on a real etcd: a
+job's own failures do not count, a node whose workers keep dying of SIGBUS is
+quarantined, `nodes` shows why, a running job with nowhere else to go keeps
+it, a new 2-node job does not take it, the quarantine outlives a kill -9 of
+its daemon, and `uncordon` brings it back (the waiting job then runs on both).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
+import signal
 import sys
 import time
 
 import pytest
 
 from elasticd import config
+from elasticd.agent.gpu_gate import leaves_job
 from elasticd.cluster.faults import (MAX_FAULTS, Fault, FaultBook, FaultKind, fault_key, judge,
-                                     reasons)
+                                     node_owned, reasons)
 from elasticd.cluster.node import Cluster
 from elasticd.cluster.quarantine import FaultMemory
 from elasticd.gpus.health import HealthGate
 from elasticd.gpus.inventory import discover
+from elasticd.jobs.jobevent import JobEvent
 from elasticd.jobs.registry import JobRegistry
 from elasticd.store import MemoryStore, open_store
 from elasticd.trust.refusals import Refusals
@@ -101,6 +105,21 @@ def test_one_fault_per_kind_per_job_attempt():
     assert Fault(1, lost).key() != Fault(2, lost).key()
 
 
+def test_only_the_faults_a_node_owns_count():
+    assert node_owned(FaultKind.GPU_HEALTH) and node_owned(FaultKind.LEASE_LOST)
+    assert node_owned(W, int(signal.SIGBUS))          # the kernel's memory error
+    for sig in (0, signal.SIGKILL, signal.SIGTERM, signal.SIGSEGV, signal.SIGABRT):
+        assert not node_owned(W, int(sig))            # the job's: its exception, a kill
+    assert not node_owned(FaultKind.HANG)             # a stuck collective: whose, unknown
+
+
+def test_a_quarantined_node_leaves_a_job_only_if_it_keeps_its_min_nodes():
+    assert leaves_job({"b", "c"}, set(), 2)
+    assert not leaves_job({"b", "c"}, {"c"}, 2)       # c is drained or quarantined too
+    assert not leaves_job(set(), set(), 1)            # a job pinned to this node
+    assert leaves_job({"b"}, {"x"}, 1)
+
+
 # ------------------------------------------- the memory, in process, on the memory store
 
 RECORDS = SealedRecords(b"k" * 32, "/elasticd")
@@ -177,6 +196,26 @@ def test_lost_leases_quarantine_the_node_the_record_outlives_it_uncordon_forgive
     assert rejected == [("faults", "bad_mac")] and fresh.causes()["lease_lost"] == 0
 
 
+def test_a_jobs_own_worker_failures_do_not_count_a_machine_signal_does(node_parts):
+    cfg, store, cluster, registry, _ = node_parts
+    memory = FaultMemory(cfg, store, RECORDS, cluster, registry, Refusals("n1"), clock=Clock())
+    wait_for(cluster.drains_loaded, 5, what="the drain watch's first read")
+    # (the clock starts at 1000: these faults are all within the window)
+    for attempt, sig in enumerate((0, 9, 15, 11, 9, 9)):    # one broken job: not the node
+        memory.on_event(JobEvent("j", 900.0 + attempt, "worker_exit", node_id="n1",
+                                 restart=attempt, signal=sig))
+    memory.on_event(JobEvent("j", 901.0, "hang", node_id="n1"))
+    memory.tick()
+    assert memory.quarantined() == () and sum(memory.causes().values()) == 0
+    for attempt in range(3):                        # SIGBUS: the machine's memory error
+        memory.on_event(JobEvent("j", 910.0 + attempt, "worker_exit", node_id="n1",
+                                 restart=attempt, signal=int(signal.SIGBUS)))
+    memory.on_event(JobEvent("k", 911.0, "worker_exit", node_id="n2",
+                             signal=int(signal.SIGBUS)))     # another node's: not ours
+    memory.tick()
+    assert memory.causes()["worker_exit"] == 3 and memory.quarantined()
+
+
 def test_with_health_release_a_node_whose_gpus_pass_returns_by_itself(node_parts, tmp_path):
     cfg, store, cluster, registry, _ = node_parts
     fake = os.path.join(tmp_path, "gpus.json")
@@ -230,6 +269,9 @@ sys.exit(3)
 """
 
 
+SIGBUS = "import os, signal; os.kill(os.getpid(), signal.SIGBUS)"
+
+
 def _submit(d, command, *, nodes=(), min_nodes=1, max_nodes=1, max_restarts=0) -> str:
     req = pb.SubmitRequest(command=list(command), cwd=d.root, env=dict(os.environ),
                            nproc_per_node=1, min_nodes=min_nodes, max_nodes=max_nodes,
@@ -243,7 +285,7 @@ def _node(d, node_id) -> dict:
 
 
 @pytestmark_etcd
-def test_a_node_whose_workers_keep_failing_is_quarantined_until_uncordoned(daemon_factory):
+def test_a_node_whose_workers_keep_dying_of_sigbus_is_quarantined_until_uncordoned(daemon_factory):
     with EtcdServer() as etcd:
         prefix = fresh_prefix()
         a = cluster_daemon(daemon_factory, etcd.url, "q-a", prefix, *QUARANTINE).start()
@@ -251,14 +293,19 @@ def test_a_node_whose_workers_keep_failing_is_quarantined_until_uncordoned(daemo
                            metrics=True).start()
         wait_for(lambda: states(a) == {"q-a": "ready", "q-b": "ready"}, 10, what="both ready")
 
-        # A job running on q-b before the quarantine: it leaves q-b at its next round.
+        # A job running on q-b before the quarantine, pinned to it: with nowhere else to
+        # go it keeps q-b at its next round.
         with open(os.path.join(b.root, "cue.py"), "w") as fh:
             fh.write(FAIL_ON_CUE)
         running = _submit(b, [sys.executable, "cue.py"], nodes=("q-b",), max_restarts=1)
         b.wait_state(running, "RUNNING")
-        # Three failed attempts of a job pinned to q-b: three faults, the threshold.
-        bad = _submit(b, [sys.executable, "-c", "import sys; sys.exit(3)"], nodes=("q-b",),
+        # A job's own failures are not the node's: three attempts exit 3, no fault.
+        own = _submit(b, [sys.executable, "-c", "import sys; sys.exit(3)"], nodes=("q-b",),
                       max_restarts=2)
+        assert b.wait_job(own).state == pb.FAILED
+        # Three attempts of a job pinned to q-b die of SIGBUS (how the kernel ends a
+        # process that touched broken memory): three faults, the threshold.
+        bad = _submit(b, [sys.executable, "-c", SIGBUS], nodes=("q-b",), max_restarts=2)
         assert b.wait_job(bad).state == pb.FAILED
         wait_for(lambda: states(a).get("q-b") == "quarantined", 10, what="q-b quarantined")
         seen = _node(a, "q-b")   # every node reads the reasons from etcd
@@ -275,12 +322,13 @@ def test_a_node_whose_workers_keep_failing_is_quarantined_until_uncordoned(daemo
         assert m["elasticd_cluster_nodes_quarantined"] == 1
         assert b.log().count("quarantined: 3 faults") == 1
 
-        # The running job's next round: q-b does not join it while quarantined.
+        assert own not in " ".join(seen["quarantine"])
+
+        # The running job's next round: q-b stays in it (the job has no other node).
         open(os.path.join(b.root, "GO"), "w").close()
-        wait_for(lambda: "is quarantined, not joining" in b.job(running).reason, 20,
-                 what="the running job staying out of its next round")
-        job = b.job(running)
-        assert job.state == pb.RENDEZVOUS and [w.state for w in job.workers] == ["failed"], job
+        assert b.wait_job(running, timeout=30).state == pb.SUCCEEDED
+        kept = [e.reason for e in b.events(running) if e.kind == "quarantine"]
+        assert any("is quarantined but stays in this job" in r for r in kept), kept
 
         # Its own daemon killed and started again: still quarantined, from etcd.
         b.kill()
@@ -304,7 +352,6 @@ def test_a_node_whose_workers_keep_failing_is_quarantined_until_uncordoned(daemo
         assert ctl_json(a, "uncordon", "q-b")["state"] == "ready"
         done = a.wait_job(two, timeout=60)
         assert done.state == pb.SUCCEEDED, done
-        assert b.wait_job(running, timeout=30).state == pb.SUCCEEDED   # after its restart
         wait_for(lambda: scrape(b.metrics_port)["elasticd_node_quarantined"] == 0, 10,
                  what="q-b's record released")
         assert b.log().count("quarantine lifted") == 1
