@@ -302,6 +302,9 @@ def nodes_table(resp: control_pb2.ListNodesResponse) -> str:
         text += "".join(f"\nproblem on {n.node_id}: {p}" for p in n.problems)
         if n.suspect and not any(n.suspect in p for p in n.problems):
             text += f"\nsuspect: {n.node_id}: {n.suspect}"
+        text += "".join(f"\nquarantined: {n.node_id}: {r}" for r in n.quarantine)
+        if n.quarantine:
+            text += f"\n  (`elasticctl uncordon {n.node_id}` takes it back)"
     for n in resp.nodes:
         if n.idle_templates:
             rss = sum(t.rss_bytes for t in n.idle_templates)

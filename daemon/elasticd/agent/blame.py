@@ -54,7 +54,7 @@ class FailureNotes:
         log.warning("%s: worker pid %d failed: %s",
                     ctx(job=job.id, node=self._cfg.daemon.node_id, round=job.round, rank=w.rank),
                     w.pid, cause)
-        self._registry.event(job.id, "worker_exit", cause, rank=w.rank)
+        self._registry.event(job.id, "worker_exit", cause, rank=w.rank, signal=sig)
         # typed, for whoever decides on it (not the sentence)
         kind = FailureKind.UNREADABLE_ERROR_FILE if report.problem is not None \
             else FailureKind.WORKER

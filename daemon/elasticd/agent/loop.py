@@ -61,13 +61,13 @@ class Agent:
     def __init__(self, job_id: str, cfg: Config, registry: JobRegistry,
                  rendezvous: ClusterRendezvous, on_exit: Callable[[str], None], metrics=None,
                  binding: Binding | None = None, health=None, *, templates: TemplatePool,
-                 snapshots: SnapshotBudgets | None = None):
+                 snapshots: SnapshotBudgets | None = None, quarantine=None):
         self.job_id = job_id
-        # The job's GPUs and CPUs on this node (gpus/alloc.py), the same for every
-        # attempt and replaced rank (agent/placement.py); their health checked before
-        # each round (agent/gpu_gate.py); its snapshot budget (agent/placement.py).
+        # The job's GPUs, CPUs and snapshot budget here, the same for every attempt and rank
+        # (agent/placement.py); GPU health and quarantine checked before each round (gpu_gate).
         self._place = Placement(cfg, binding or Binding(), snapshots)
-        self._gpu_gate = GpuGate(job_id, cfg, registry, rendezvous, self._place.binding, health)
+        self._gpu_gate = GpuGate(job_id, cfg, registry, rendezvous, self._place.binding, health,
+                                 quarantine)
         self._cfg = cfg
         self._registry = registry
         self._rdzv = rendezvous

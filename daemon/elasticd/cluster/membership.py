@@ -125,6 +125,7 @@ class LeaseKeeper:
         self.reregistrations = 0
         self.errors = 0
         self._retry_at_once = False   # see _next_wait
+        self.lease_lost_listeners: list[Callable[[], None]] = []  # called when it expired
 
     def _sealed(self, info: dict) -> str:
         key = node_key(self._node_id)
@@ -229,6 +230,8 @@ class LeaseKeeper:
             log.warning("%s: our lease expired (etcd was unreachable too long); "
                         "registering again", ctx(node=self._node_id))
             self._lease = None
+            for listener in self.lease_lost_listeners:   # the fault memory: quick, no I/O
+                listener()
             self.errors += 1
             return self.tick() if not self._stop.is_set() else "stopping"
         except NodeIdInUse as exc:

@@ -19,6 +19,7 @@ from urllib.parse import urlparse
 from .. import __version__
 from ..config import Config
 from ..logsetup import ctx
+from .faults import MAX_LINE, MAX_REASONS, reason_lines
 from .membership import DRAIN, LeaseKeeper, NodeWatcher
 from ..store import EVENT_PUT, Store, StoreAuthError, StoreError, StoreUnavailable, open_store
 from ..store.follow import Follower
@@ -97,6 +98,7 @@ class Cluster:
                                    m.watch_retry, records=records, refusals=self._refusals)
         self._drains: dict[str, dict] = {}
         self._drain_lock = threading.Lock()
+        self._drains_loaded = False
         self._drain_follower = Follower(store, DRAIN, "drain-watch", m.watch_retry,
                                         self._drain_reset, self._drain_event)
 
@@ -167,7 +169,7 @@ class Cluster:
                 if doc.get("state") != "draining":
                     raise ValueError("state: not draining")
                 return {"state": "draining", "by": fields.text(doc, "by", 500, ""),
-                        "at": fields.real(doc, "at", 0.0, 1e11, 0.0)}
+                        "at": fields.real(doc, "at", 0.0, 1e11, 0.0), "reasons": reason_lines(doc)}
             except ValueError as exc:
                 raise Refused(Reason.INVALID, str(exc)) from None
         except Refused as exc:
@@ -187,6 +189,7 @@ class Cluster:
                 marks[node] = record
         with self._drain_lock:
             self._drains = marks
+            self._drains_loaded = True
 
     def _drain_event(self, ev) -> None:
         node = ev.key.rsplit("/", 1)[-1]
@@ -202,11 +205,20 @@ class Cluster:
             if record is not None:
                 self._drains[node] = record
 
-    def set_drain(self, node_id: str, draining: bool, by: str) -> None:
+    def drains_loaded(self) -> bool:
+        """Whether the drain watch has read etcd's marks at least once."""
+        with self._drain_lock:
+            return self._drains_loaded
+
+    def set_drain(self, node_id: str, draining: bool, by: str, reasons: tuple = ()) -> None:
+        """Mark ``node_id`` draining (``reasons``: a quarantine's, cluster/quarantine.py)
+        or ready again."""
         key = f"{DRAIN}/{node_id}"
-        record = {"state": "draining", "by": by[:500], "at": time.time()}
+        said = [r[:MAX_LINE] for r in reasons[:MAX_REASONS]]
+        record = {"state": "draining", "by": by[:500], "at": time.time(), "reasons": said}
         if draining:
             self.store.put(key, self._records.seal(Kind.DRAIN, key, json.dumps(record)))
+            record["reasons"] = tuple(said)
         else:
             self.store.delete(key)
         with self._drain_lock:  # the watch confirms it a moment later

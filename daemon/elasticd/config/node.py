@@ -106,6 +106,29 @@ class ClusterSettings:
                                   "jobs this node adopts", min=0, max=2**32 - 2)
     allowed_uids: list = _setting([], "if not empty, the only uids whose cluster jobs this "
                                       "node adopts, as strings: [\"1001\", \"1002\"]")
+    # A node's memory of its faults (cluster/faults.py, cluster/quarantine.py)
+    quarantine_faults: int = _setting(5, "a node is quarantined (it takes no new rounds until "
+                                         "`elasticctl uncordon`) once this many faults it owns "
+                                         "(GPU health failures, lost leases, workers killed by "
+                                         "SIGBUS; never a job's own failures) were recorded "
+                                         "for it within cluster.quarantine_window (0: never; "
+                                         "a standalone daemon keeps none)", min=0,
+                                      max=1000)
+    quarantine_window: float = _setting(600.0, "seconds a node's recorded fault counts toward "
+                                               "cluster.quarantine_faults (older ones age out of "
+                                               "its record)", min=1, max=30 * 86400)
+    quarantine_recheck: float = _setting(2.0, "seconds a job's agent on a quarantined node "
+                                              "waits before it looks again whether the node "
+                                              "was uncordoned; and between the GPU health "
+                                              "checks of cluster.quarantine_health_release",
+                                         min=0, exclusive_min=True, max=3600)
+    quarantine_health_release: bool = _setting(False, "a quarantined node with GPUs checks "
+                                                      "them all (the quick check and "
+                                                      "daemon.gpu_health_command) every "
+                                                      "cluster.quarantine_recheck seconds and "
+                                                      "returns by itself once they pass; off: "
+                                                      "only `elasticctl uncordon` brings it "
+                                                      "back")
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,8 @@ def answer(cfg, cluster, manager, caller: Caller, endpoint=None) -> pb.ListNodes
         # refresh was within its TTL (-1: "less than lease_ttl_seconds").
         age = (time.time() - cluster.keeper.last_refresh
                if node_id == me and cluster.keeper.last_refresh else -1.0)
-        msg = node_to_proto(rec, "draining" if node_id in drains else "ready", age)
+        msg = node_to_proto(rec, _state(drains.get(node_id)), age)
+        msg.quarantine.extend(drains.get(node_id, {}).get("reasons", ()))
         if node_id == me:
             msg.problems.extend(problems(cfg, manager, endpoint))
             gpus_to_proto(msg, manager.gpus.inventory, manager.gpu_holders())
@@ -45,8 +46,16 @@ def answer(cfg, cluster, manager, caller: Caller, endpoint=None) -> pb.ListNodes
         if node_id not in live:
             msg = node_to_proto(rec, "lost", time.time() - lost_at)
             msg.lost_at = lost_at
+            msg.quarantine.extend(drains.get(node_id, {}).get("reasons", ()))
             nodes.append(msg)
     return pb.ListNodesResponse(nodes=nodes, store=cluster.kind, store_health=cluster.health())
+
+
+def _state(drain: dict | None) -> str:
+    """ready, draining, or quarantined (a drain mark with reasons: cluster/quarantine.py)."""
+    if drain is None:
+        return "ready"
+    return "quarantined" if drain.get("reasons") else "draining"
 
 
 def problems(cfg, manager, endpoint=None) -> list[str]:

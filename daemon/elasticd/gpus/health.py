@@ -323,6 +323,20 @@ class HealthGate:
                     self.drained = False
         return result
 
+    def probe(self) -> HealthResult:
+        """Every GPU of the node checked outside any round (the quick check, then
+        ``daemon.gpu_health_command``): a quarantined node's way back
+        (cluster/quarantine.py). No event, no count toward a drain."""
+        d = self._cfg.daemon
+        gpus = tuple(g.index for g in self._inv.gpus)
+        with self._lock:
+            problems = quick_check(self._inv, gpus, d.fake_gpus_file, d.gpu_health_timeout,
+                                   self._nvml)
+            if not problems and d.gpu_health_command:
+                problems = run_hook(d.gpu_health_command, gpus, d.node_id, "",
+                                    d.gpu_health_timeout)
+        return HealthResult(not problems, tuple(problems))
+
     def problem(self) -> str:
         """The node's GPU problem for `elasticctl nodes`; "" when the last check passed."""
         with self._lock:

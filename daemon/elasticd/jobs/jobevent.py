@@ -40,6 +40,7 @@ class JobEvent:
     rejected_reason: str = ""    # a refused spec: why (rejections.RejectReason value)
     uid: int | None = None       # a refused spec's user, where its signature vouched for it
     origin_seq: int | None = None  # another node's event: its seq in that node's log
+    signal: int = 0              # a worker_exit's: the signal that ended the worker (0: none)
 
     def to_dict(self) -> dict:
         """The event as stored and shared: the optional fields only where they apply;
@@ -61,6 +62,8 @@ class JobEvent:
             d["uid"] = self.uid
         if self.origin_seq is not None:
             d["origin_seq"] = self.origin_seq
+        if self.signal:
+            d["signal"] = self.signal
         if self.seq:
             d["seq"] = self.seq
         return d
@@ -79,15 +82,16 @@ class JobEvent:
                    restart_rule=d.get("restart_rule", ""),
                    restart_delay_seconds=d.get("restart_delay_seconds", 0.0),
                    rejected_reason=d.get("rejected_reason", ""), uid=d.get("uid"),
-                   origin_seq=d.get("origin_seq"))
+                   origin_seq=d.get("origin_seq"), signal=d.get("signal", 0))
 
 
 def local_event(rec: JobRecord, kind: str, reason: str, node_id: str, now: float, *,
                 from_state: JobState | None = None, to_state: JobState | None = None,
                 rank: int = -1, layer: str = "", duration: float = 0.0,
-                plan: RestartPlan | None = None, start_path: str = "") -> JobEvent:
+                plan: RestartPlan | None = None, start_path: str = "",
+                signal: int = 0) -> JobEvent:
     """An event of job ``rec`` on this node; ``plan``: the restart plan a process
-    restart's RESTARTING carries."""
+    restart's RESTARTING carries; ``signal``: a worker_exit's."""
     return JobEvent(
         job_id=rec.id, time=now, kind=kind,
         from_state=from_state.value if from_state else "",
@@ -95,7 +99,7 @@ def local_event(rec: JobRecord, kind: str, reason: str, node_id: str, now: float
         round=rec.round, rank=rank, restart=rec.restarts, layer=layer,
         start_path=start_path, duration_seconds=duration if layer or start_path else 0.0,
         restart_rule=plan.rule.value if plan is not None else "",
-        restart_delay_seconds=plan.delay if plan is not None else 0.0)
+        restart_delay_seconds=plan.delay if plan is not None else 0.0, signal=signal)
 
 
 def rejection_event(rej, node_id: str) -> JobEvent:

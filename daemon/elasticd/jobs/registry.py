@@ -229,11 +229,11 @@ class JobRegistry:
             return copy.deepcopy(rec)
 
     def event(self, job_id: str, kind: str, reason: str, rank: int = -1, layer: str = "",
-              duration: float = 0.0, start_path: str = "") -> None:
+              duration: float = 0.0, start_path: str = "", signal: int = 0) -> None:
         with self._lock:
             rec = self._require(job_id)
             self._append_event(rec, kind, reason, rank=rank, layer=layer, duration=duration,
-                               start_path=start_path)
+                               start_path=start_path, signal=signal)
 
     def record_rejection(self, rej) -> None:
         """An event for a job spec from etcd this node refused (rejections.Rejection):
@@ -324,18 +324,21 @@ class JobRegistry:
     def _append_event(self, rec: JobRecord, kind: str, reason: str, *,
                       from_state: JobState | None = None, to_state: JobState | None = None,
                       rank: int = -1, layer: str = "", duration: float = 0.0,
-                      plan: RestartPlan | None = None, start_path: str = "") -> None:
+                      plan: RestartPlan | None = None, start_path: str = "",
+                      signal: int = 0) -> None:
         self._announce(self._insert_event(rec, kind, reason, from_state=from_state,
                                           to_state=to_state, rank=rank, layer=layer,
-                                          duration=duration, plan=plan, start_path=start_path))
+                                          duration=duration, plan=plan, start_path=start_path,
+                                          signal=signal))
 
     def _insert_event(self, rec: JobRecord, kind: str, reason: str, *,
                       from_state: JobState | None = None, to_state: JobState | None = None,
                       rank: int = -1, layer: str = "", duration: float = 0.0,
-                      plan: RestartPlan | None = None, start_path: str = "") -> JobEvent:
+                      plan: RestartPlan | None = None, start_path: str = "",
+                      signal: int = 0) -> JobEvent:
         ev = local_event(rec, kind, reason, self._node_id, self._clock(),
                          from_state=from_state, to_state=to_state, rank=rank, layer=layer,
-                         duration=duration, plan=plan, start_path=start_path)
+                         duration=duration, plan=plan, start_path=start_path, signal=signal)
         return dataclasses.replace(ev, seq=jobdb.insert_event(self._db, ev))
 
     def _announce(self, ev: JobEvent) -> None:

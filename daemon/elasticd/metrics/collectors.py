@@ -145,6 +145,35 @@ class LeaseCollector:
                                   value=k.reregistrations)
 
 
+class QuarantineCollector:
+    """This node's recorded faults and quarantine (cluster/quarantine.py), and the
+    quarantined nodes of the cluster as its drain marks say."""
+
+    def __init__(self, faults, cluster):
+        self._faults = faults
+        self._cluster = cluster
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        yield GaugeMetricFamily("elasticd_node_quarantined",
+                                "1 while this node is quarantined (too many faults within "
+                                "cluster.quarantine_window), else 0",
+                                value=1 if self._faults.quarantined() else 0)
+        g = GaugeMetricFamily("elasticd_node_faults",
+                              "Faults recorded for this node that count toward its "
+                              "quarantine now, by cause", labels=["cause"])
+        for cause, n in sorted(self._faults.causes().items()):
+            g.add_metric([cause], n)
+        yield g
+        yield GaugeMetricFamily("elasticd_cluster_nodes_quarantined",
+                                "Nodes of the cluster quarantined, as this node's drain "
+                                "watch sees them",
+                                value=sum(1 for m in self._cluster.drain_states().values()
+                                          if m.get("reasons")))
+
+
 class StateCollector:
     """The state dir's filesystem and the bounding of rank logs (workers/logrotate.py)."""
 

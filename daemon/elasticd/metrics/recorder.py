@@ -23,7 +23,8 @@ from ..trust.sealed import Kind, Reason
 from ..jobs.states import TERMINAL_STATES, JobState
 from ..workers.template import StartPath
 from ..store import Store
-from .collectors import (GpuCollector, JobCollector, LeaseCollector, ReplicationCollector,
+from .collectors import (GpuCollector, JobCollector, LeaseCollector, QuarantineCollector,
+                         ReplicationCollector,
                          SnapshotCollector, StateCollector)
 from .timed_store import STORE_OPERATIONS, TimedStore, store_error_kind
 
@@ -108,8 +109,9 @@ class Metrics:
         self.records_rejected = Counter(  # trust/refusals.py
             "elasticd_etcd_records_rejected_total",
             "Records read from etcd that this node refused and never acted on, by kind (state, "
-            "join, done, workers, phases, node, drain, event, spec, key) and reason (unsigned, "
-            "bad_mac, replayed, invalid, too_large, too_deep, ...: trust/sealed.Reason)",
+            "join, done, workers, phases, node, drain, faults, event, spec, key) and reason "
+            "(unsigned, bad_mac, replayed, invalid, too_large, too_deep, ...: "
+            "trust/sealed.Reason)",
             ["kind", "reason"], registry=r)
         for kind in (Kind.STATE, Kind.JOIN, Kind.NODE, Kind.EVENT):   # ElasticdUnvouched...
             self.records_rejected.labels(kind.value, Reason.UNSIGNED.value)
@@ -166,6 +168,10 @@ class Metrics:
     def attach_replication(self, stats) -> None:
         """Export what snapshot replication sent, got and refused (replication/stats.py)."""
         self.registry.register(ReplicationCollector(stats))
+
+    def attach_quarantine(self, faults, cluster) -> None:
+        """Export this node's faults and quarantine, and the cluster's quarantined nodes."""
+        self.registry.register(QuarantineCollector(faults, cluster))
 
     def attach_gpus(self, manager) -> None:
         """Export this node's GPUs, total and free, at scrape time."""

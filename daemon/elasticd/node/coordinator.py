@@ -23,6 +23,7 @@ from ..jobstore import address as jobstore_env
 from ..agent.loop import Agent
 from ..control.auth import Caller, check_access
 from ..control.validation import JobRequest
+from ..cluster.faults import NodeQuarantine
 from ..config import Config
 from ..gpus.alloc import GpuLedger, binding_for, needed
 from ..gpus.inventory import Inventory
@@ -106,6 +107,13 @@ class Coordinator:
 
     def gpu_problem(self) -> str:
         return self._health.problem() if self._health is not None else ""
+
+    def quarantine_state(self) -> NodeQuarantine:
+        """Why this node is quarantined, as its drain mark says (cluster/quarantine.py;
+        () when it is not), and the nodes with a drain mark: its agents' pre-round gate."""
+        marks = self._cluster.drain_states()
+        return NodeQuarantine(marks.get(self._cfg.daemon.node_id, {}).get("reasons", ()),
+                              frozenset(marks))
 
     def suspect_reason(self) -> str:
         """Why this node is suspect (cluster/suspicion.py); "" when it is not."""
@@ -288,7 +296,8 @@ class Coordinator:
                 agent = Agent(job.id, self._cfg, self._registry, self._rendezvous_for(job),
                               on_exit=self._agent_exited, metrics=self._metrics,
                               binding=binding, health=self._health,
-                              templates=self.templates, snapshots=self.snapshots)
+                              templates=self.templates, snapshots=self.snapshots,
+                              quarantine=self.quarantine_state)
                 self._agents[job.id] = agent
                 agent.start()
 

@@ -39,6 +39,7 @@ from ..cluster.eventlog import EventLog
 from ..gpus.alloc import GpuLedger
 from ..gpus.health import HealthGate
 from ..gpus.inventory import Inventory, InventoryError, discover, nvml_module
+from ..cluster.quarantine import FaultMemory
 from ..cluster.suspicion import MAX_REMEMBERED as SUSPECT_REMEMBERED, SuspectTracker
 from .coordinator import Coordinator
 from ..metrics import Metrics
@@ -169,12 +170,22 @@ class Daemon:
         cluster.capacity_from(manager.capacity, lambda: dict(
             manager.gpu_record(), suspect=suspicion.verdict().reason))
         self.cluster = cluster
+        # Faults of this node, kept in etcd across restarts; over the threshold the
+        # node quarantines itself (cluster/quarantine.py). Not standalone: with one
+        # node there is nowhere else for its jobs to go.
+        faults = None
+        if not d.standalone:
+            faults = FaultMemory(cfg, store, records, cluster, registry, refusals, health)
+            registry.subscribe(faults.on_event)
+            cluster.keeper.lease_lost_listeners.append(faults.lease_lost)
         replication = None
         if not d.standalone:   # snapshot replicas to and from the jobs' buddy nodes
             replication = self._start_replication(manager, registry, view, metrics, stops)
         metrics.attach(registry, manager)
         metrics.attach_cluster(cluster)  # metrics: the node lease
         metrics.attach_gpus(manager)  # metrics: GPUs free/total, health
+        if faults is not None:
+            metrics.attach_quarantine(faults, cluster)  # metrics: quarantines and their causes
         metrics.attach_snapshots(registry, manager)  # metrics: jobs' snapshots, the budget
         issuer = TokenIssuer(cfg.control.token_ttl)
         gid = socket_gid(cfg)
@@ -186,6 +197,9 @@ class Daemon:
         stops.callback(cred.stop)
         cluster.start()
         stops.callback(cluster.stop)
+        if faults is not None:
+            faults.start()
+            stops.callback(faults.stop)
         view.start()
         stops.callback(view.stop)
         watches = [view, cluster]

@@ -124,6 +124,16 @@ class ClusterRendezvous:
         state = keys.state if keys else None
         return state if state is not None and state.final else None
 
+    def peers(self) -> frozenset:
+        """The job's other nodes, as the view last saw them: its round's members, the
+        nodes the round waits for and those that joined it."""
+        keys = self._view.job(self.job_id)
+        state = keys.state if keys else None
+        if state is None:
+            return frozenset()
+        nodes = set(state.member_ids()) | set(state.expected) | set(keys.joins.get(state.round, {}))
+        return frozenset(nodes - {self.node_id})
+
     # -- joining -----------------------------------------------------------------
     def next_round(self, stop: threading.Event, store_port: int = 0) -> Result:
         """Join rounds until one that includes this node closes; its result.

@@ -55,6 +55,7 @@ class Kind(str, enum.Enum):
     PHASES = "phases"        # /v1/jobs/<job>/phases/<node>
     NODE = "node"            # /v1/nodes/<node>
     DRAIN = "drain"          # /v1/drain/<node>
+    FAULTS = "faults"        # /v1/faults/<node> (cluster/faults.py)
     EVENT = "event"          # /v1/events/<job>/<node>/<seq>
     KEY = "key"              # a key no daemon writes
 
@@ -63,7 +64,7 @@ class Kind(str, enum.Enum):
 # refuses to write more, a reader to read more (before any hashing).
 MAX_BODY = {Kind.STATE: 1 << 20, Kind.JOIN: 4096, Kind.DONE: 256,
             Kind.WORKERS: 512 * 1024, Kind.PHASES: 40 * 1024, Kind.NODE: 256 * 1024,
-            Kind.DRAIN: 4096, Kind.EVENT: 64 * 1024}
+            Kind.DRAIN: 20 * 1024, Kind.EVENT: 64 * 1024, Kind.FAULTS: 48 * 1024}
 
 
 class Reason(str, enum.Enum):

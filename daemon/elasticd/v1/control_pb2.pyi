@@ -462,7 +462,7 @@ class ListNodesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Node(_message.Message):
-    __slots__ = ("node_id", "state", "host", "address", "slots", "slots_free", "version", "started_at", "heartbeat_age_seconds", "jobs", "lost_at", "lease_ttl_seconds", "problems", "gpus", "gpus_free", "gpu_source", "gpu_health", "devices", "suspect", "idle_templates")
+    __slots__ = ("node_id", "state", "host", "address", "slots", "slots_free", "version", "started_at", "heartbeat_age_seconds", "jobs", "lost_at", "lease_ttl_seconds", "problems", "gpus", "gpus_free", "gpu_source", "gpu_health", "devices", "suspect", "quarantine", "idle_templates")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
@@ -482,6 +482,7 @@ class Node(_message.Message):
     GPU_HEALTH_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     SUSPECT_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINE_FIELD_NUMBER: _ClassVar[int]
     IDLE_TEMPLATES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     state: str
@@ -502,8 +503,9 @@ class Node(_message.Message):
     gpu_health: str
     devices: _containers.RepeatedCompositeFieldContainer[NodeGpu]
     suspect: str
+    quarantine: _containers.RepeatedScalarFieldContainer[str]
     idle_templates: _containers.RepeatedCompositeFieldContainer[IdleTemplate]
-    def __init__(self, node_id: _Optional[str] = ..., state: _Optional[str] = ..., host: _Optional[str] = ..., address: _Optional[str] = ..., slots: _Optional[int] = ..., slots_free: _Optional[int] = ..., version: _Optional[str] = ..., started_at: _Optional[float] = ..., heartbeat_age_seconds: _Optional[float] = ..., jobs: _Optional[_Iterable[str]] = ..., lost_at: _Optional[float] = ..., lease_ttl_seconds: _Optional[float] = ..., problems: _Optional[_Iterable[str]] = ..., gpus: _Optional[int] = ..., gpus_free: _Optional[int] = ..., gpu_source: _Optional[str] = ..., gpu_health: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[NodeGpu, _Mapping]]] = ..., suspect: _Optional[str] = ..., idle_templates: _Optional[_Iterable[_Union[IdleTemplate, _Mapping]]] = ...) -> None: ...
+    def __init__(self, node_id: _Optional[str] = ..., state: _Optional[str] = ..., host: _Optional[str] = ..., address: _Optional[str] = ..., slots: _Optional[int] = ..., slots_free: _Optional[int] = ..., version: _Optional[str] = ..., started_at: _Optional[float] = ..., heartbeat_age_seconds: _Optional[float] = ..., jobs: _Optional[_Iterable[str]] = ..., lost_at: _Optional[float] = ..., lease_ttl_seconds: _Optional[float] = ..., problems: _Optional[_Iterable[str]] = ..., gpus: _Optional[int] = ..., gpus_free: _Optional[int] = ..., gpu_source: _Optional[str] = ..., gpu_health: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[NodeGpu, _Mapping]]] = ..., suspect: _Optional[str] = ..., quarantine: _Optional[_Iterable[str]] = ..., idle_templates: _Optional[_Iterable[_Union[IdleTemplate, _Mapping]]] = ...) -> None: ...
 
 class IdleTemplate(_message.Message):
     __slots__ = ("uid", "pid", "key", "idle_seconds", "rss_bytes", "origin", "state")
