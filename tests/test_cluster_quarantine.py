@@ -284,6 +284,7 @@ def _node(d, node_id) -> dict:
     return next(n for n in ctl_json(d, "nodes")["nodes"] if n["node_id"] == node_id)
 
 
+@pytest.mark.slow   # 12-25 s of two daemons and real workers; the default suite is at its budget
 @pytestmark_etcd
 def test_a_node_whose_workers_keep_dying_of_sigbus_is_quarantined_until_uncordoned(daemon_factory):
     with EtcdServer() as etcd:
