@@ -8,7 +8,8 @@ import stat
 import sys
 
 from .errors import SnapshotError
-from .region import COSTS_FILE, SLOT_FILE, base_dir, check_own, run_id
+from ..workers import snapshot_format as fmt
+from .region import SLOT_FILE, base_dir, check_own, run_id
 
 HELP = """\
 Without a daemon (plain torchrun, one node), elasticd.snapshot keeps each rank's
@@ -41,7 +42,7 @@ def _remove_run(base_fd: int, name: str, base: str) -> int:
             if ours and SLOT_FILE.fullmatch(entry):
                 os.unlink(entry, dir_fd=fd)
                 removed += 1
-            elif ours and COSTS_FILE.fullmatch(entry):
+            elif ours and fmt.COSTS_FILE.fullmatch(entry.removesuffix(".tmp")):
                 os.unlink(entry, dir_fd=fd)
             else:
                 print(f"left {path}/{entry}: not a slot file of yours", file=sys.stderr)

@@ -26,7 +26,6 @@ BASE_NAME = "elasticd-snapshots-{uid}"
 DEFAULT_RUN_ID = "default"
 RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 SLOT_FILE = re.compile(r"rank(0|[1-9][0-9]{0,8})\.(a|b|p0|p1)")
-COSTS_FILE = re.compile(r"rank(0|[1-9][0-9]{0,8})\.costs(\.tmp)?")   # snapshot/costs.py
 REPLICAS = "replicas"          # <dir>/replicas/<node>/: peers' replicas the daemon keeps
 MAX_REPLICA_DIRS = 64          # entries of replicas/ looked at
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC

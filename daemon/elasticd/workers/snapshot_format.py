@@ -32,6 +32,7 @@ from __future__ import annotations
 import enum
 import json
 import math
+import re
 import struct
 import zlib
 from dataclasses import dataclass
@@ -52,6 +53,7 @@ HEADER_USED = _LAYOUT.size + _CRC.size
 
 MAX_META_BYTES = 64 << 20    # a structure description larger than this is refused
 COSTS_NAME = "rank{rank}.costs"
+COSTS_FILE = re.compile(r"rank(0|[1-9][0-9]{0,8})\.costs")   # fullmatch: a costs file's name
 COSTS_MAX = 512              # bytes of a rank's costs file, as written and as read
 RESTORE_SOURCES = ("local", "peer", "none")
 _MAX_SECONDS = 1e6

@@ -26,7 +26,6 @@ from . import snapshot_format as fmt
 from ..values import BadValue, decode
 
 SLOT_FILE = re.compile(r"rank(\d{1,9})\.(a|b|p0|p1)\Z")
-COSTS_FILE = re.compile(r"rank(0|[1-9]\d{0,8})\.costs\Z")
 
 
 def scan_limit(nproc: int) -> int:
@@ -102,7 +101,7 @@ def read_dir(path: str, uid: int, max_entries: int) -> DirSnapshots | None:
                 held += st.st_blocks * 512
                 m = SLOT_FILE.match(entry.name)
                 if m is None:
-                    c = COSTS_FILE.match(entry.name)
+                    c = fmt.COSTS_FILE.fullmatch(entry.name)
                     got = c and _costs(os.path.join(path, entry.name), uid)
                     if got:
                         costs.append((int(c.group(1)), got))
