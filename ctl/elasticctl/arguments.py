@@ -93,6 +93,13 @@ def add_arguments(name: str, sp: argparse.ArgumentParser, common=None) -> None:
                              "worker's CUDA_VISIBLE_DEVICES; LOCAL_RANK indexes into them "
                              "(default: one per local rank on a node with GPUs, none "
                              "otherwise); the job waits PENDING until they are free")
+        sp.add_argument("--spares", type=_int_at_least(0, "--spares"), default=None,
+                        metavar="K",
+                        help="spare nodes the job keeps beside its max nodes: each keeps the "
+                             "job's worker template warm without ranks and, when a member "
+                             "node is lost, takes its place (and its ranks) at once, at the "
+                             "same world size (default: the cluster's, "
+                             "cluster.default_spares = 0)")
         sp.add_argument("--cpu-bind", choices=("none", "numa"), default="none",
                         help="numa: bind the workers to the CPUs of their GPUs' NUMA node "
                              "(default none)")

@@ -146,7 +146,8 @@ def cmd_submit(ctx: Context) -> int:
                            inprocess=a.inprocess,
                            max_restarts=a.max_restarts,
                            max_restarts_per_window=a.max_restarts_per_window,
-                           gpus_per_node=a.gpus_per_node, cpu_bind=a.cpu_bind)
+                           gpus_per_node=a.gpus_per_node, cpu_bind=a.cpu_bind,
+                           spares=a.spares)
     job = ctx.client.call("Submit", req).job
     if not a.wait:
         ctx.printer.submitted(job)

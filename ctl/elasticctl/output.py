@@ -247,6 +247,9 @@ def job_detail(job: control_pb2.Job, now: float | None = None) -> str:
                         if st.nodes > 1 and st.rank_node_id else
                         f" on node {st.node_id}" if st.node_id else "")
                      + ")")
+    if job.spares or job.spare_nodes:
+        lines.append(f"spares:       {job.spares} wanted; standing by: "
+                     + (", ".join(job.spare_nodes) or "none"))
     if job.gpus_per_node >= 0 or job.cpu_bind == "numa":
         lines.append("gpus:         " + (f"{job.gpus_per_node} per node" if job.gpus_per_node
                                          >= 0 else "one per local rank on nodes with GPUs")
@@ -285,7 +288,7 @@ def jobs_table(jobs: Iterable[control_pb2.Job], now: float | None = None) -> str
 def nodes_table(resp: control_pb2.ListNodesResponse) -> str:
     rows = [[n.node_id, n.state, n.host or "-", n.address or "-", f"{n.slots_free}/{n.slots}",
              f"{n.gpus_free}/{n.gpus}" if n.gpus else "-",
-             n.version or "-", _heartbeat(n), ",".join(n.jobs) or "-"]
+             n.version or "-", _heartbeat(n), _jobs_cell(n)]
             for n in resp.nodes]
     text = table(rows, ["NODE", "STATE", "HOST", "ADDRESS", "FREE/SLOTS", "FREE/GPUS",
                         "VERSION", "HEARTBEAT", "JOBS"])
@@ -316,6 +319,13 @@ def nodes_table(resp: control_pb2.ListNodesResponse) -> str:
                             + (f"  {t.state}" if t.state == "starting" else "")
                             for t in n.idle_templates)
     return text
+
+
+def _jobs_cell(n: control_pb2.Node) -> str:
+    """The node's jobs, those it stands by for as a spare node marked ``(spare)``."""
+    spare = set(n.spare_for)
+    jobs = list(n.jobs) + [j for j in n.spare_for if j not in set(n.jobs)]
+    return ",".join(j + " (spare)" if j in spare else j for j in jobs) or "-"
 
 
 def _heartbeat(n: control_pb2.Node) -> str:

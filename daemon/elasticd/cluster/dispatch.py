@@ -34,10 +34,12 @@ log = logging.getLogger("elasticd.cluster.dispatch")
 def eligible(spec: JobSpec, state, joined: int, node_id: str, free_slots: int, draining: bool,
              daemon_uid: int, free_gpus: int = 0, node_gpus: int = 0,
              hold_back: float = 0.0, now: float = 0.0) -> tuple[bool, str]:
-    """(whether this node should join the job, why not). ``free_gpus`` of the
-    node's ``node_gpus``: the job takes gpu_alloc.needed() of them. ``hold_back``
-    (a suspect node, cluster/suspicion.py): join only a round open (or closed) for
-    at least that many seconds at ``now``, so other nodes go first."""
+    """(whether this node should join the job, why not). ``joined``: the nodes in the
+    job's round (its joins; a closed round's spares stand by among them). A job takes
+    up to its max nodes plus its spares. ``free_gpus`` of the node's ``node_gpus``: the
+    job takes gpu_alloc.needed() of them. ``hold_back`` (a suspect node,
+    cluster/suspicion.py): join only a round open (or closed) for at least that many
+    seconds at ``now``, so other nodes go first."""
     if draining:
         return False, "this node is draining"
     if spec.nodes and node_id not in spec.nodes:
@@ -48,10 +50,12 @@ def eligible(spec: JobSpec, state, joined: int, node_id: str, free_slots: int, d
     gpus = needed(spec.gpus_per_node, nproc, node_gpus)
     if gpus > free_gpus:
         return False, f"needs {gpus} GPUs, {free_gpus} free of {node_gpus}"
-    if state.status == OPEN and joined >= max_nodes:
-        return False, "its round already has its max nodes"
-    if state.status == CLOSED and len(state.members) >= max_nodes:
-        return False, "it already runs on its max nodes"
+    spares = spec.spares
+    plus = f" and its {spares} spare(s)" if spares else ""
+    if state.status == OPEN and joined >= max_nodes + spares:
+        return False, f"its round already has its max nodes{plus}"
+    if state.status == CLOSED and max(joined, len(state.members)) >= max_nodes + spares:
+        return False, f"it already runs on its max nodes{plus}"
     if state.status not in (OPEN, CLOSED):
         return False, f"it is {state.status}"
     since = state.opened_at if state.status == OPEN else state.closed_at
@@ -134,7 +138,7 @@ class Dispatcher:
             total_gpus = self._manager.gpus.total
             gpus_free = self._manager.gpus_free() - sum(
                 n for n in map(self._manager.gpus_needed, waiting) if n <= total_gpus)
-            joined = len(keys.joins.get(keys.state.round, {}))
+            joined = len(set(keys.joins.get(keys.state.round, {})) | set(keys.state.member_ids()))
             hold = (self._cfg.daemon.suspect_adopt_delay if self._suspicion is not None
                     and self._suspicion.verdict().suspect else 0.0)
             ok, why = eligible(keys.spec, keys.state, joined, me, free, draining, os.geteuid(),

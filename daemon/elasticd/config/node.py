@@ -122,6 +122,11 @@ class ClusterSettings:
                                               "was uncordoned; and between the GPU health "
                                               "checks of cluster.quarantine_health_release",
                                          min=0, exclusive_min=True, max=3600)
+    default_spares: int = _setting(0, "spare nodes a cluster job keeps beside its max nodes "
+                                      "when its submission names none (`elasticctl submit "
+                                      "--spares`): each stands by with the job's worker "
+                                      "template warm and takes a lost member's place at the "
+                                      "same world size", min=0, max=1 << 20)
     quarantine_health_release: bool = _setting(False, "a quarantined node with GPUs checks "
                                                       "them all (the quick check and "
                                                       "daemon.gpu_health_command) every "

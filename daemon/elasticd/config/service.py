@@ -33,6 +33,8 @@ class ControlSettings:
     max_restarts_per_window_limit: int = _setting(
         1000, "largest --max-restarts-per-window accepted (the restart times within the "
               "window travel in the job's round state)", min=0, max=10_000)
+    max_spares: int = _setting(64, "largest --spares accepted (spare nodes a job keeps beside "
+                                   "its max nodes)", min=0, max=1 << 20)
     max_live_jobs: int = _setting(1000, "most unfinished jobs this daemon holds", min=1,
                                   max=1_000_000)
     cwd_check_timeout: float = _setting(10.0, "seconds the check that a submitter can enter "

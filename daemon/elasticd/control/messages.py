@@ -70,6 +70,7 @@ def job_to_proto(job: JobRecord) -> pb.Job:
     for w in job.workers:
         add_worker(msg, w)
     msg.gpus_per_node, msg.cpu_bind = job.gpus_per_node, job.cpu_bind
+    msg.spares = job.spares
     msg.template_state, msg.template_reason = job.template_state, job.template_reason
     msg.template_rss_bytes, msg.start_path = job.template_rss_bytes, job.start_path
     msg.start_seconds = job.start_seconds

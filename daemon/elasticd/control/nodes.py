@@ -12,10 +12,13 @@ from ..workers import hostname
 from ..v1 import control_pb2 as pb
 
 
-def answer(cfg, cluster, manager, caller: Caller, endpoint=None) -> pb.ListNodesResponse:
+def answer(cfg, cluster, manager, caller: Caller, endpoint=None,
+           spare_for: dict | None = None) -> pb.ListNodesResponse:
     """The ListNodes answer from ``cluster`` (cluster/node.Cluster), ``manager``
-    (node/coordinator.Coordinator) and the metrics ``endpoint``
-    (exposition/endpoint.MetricsEndpoint, or None)."""
+    (node/coordinator.Coordinator), the metrics ``endpoint``
+    (exposition/endpoint.MetricsEndpoint, or None) and ``spare_for`` ({node: the
+    jobs it stands by for as a spare}: control/remote_jobs.spare_roles)."""
+    spare_for = spare_for or {}
     view = cluster.watcher.snapshot()
     try:
         drains = cluster.drain_states()
@@ -33,6 +36,7 @@ def answer(cfg, cluster, manager, caller: Caller, endpoint=None) -> pb.ListNodes
                if node_id == me and cluster.keeper.last_refresh else -1.0)
         msg = node_to_proto(rec, _state(drains.get(node_id)), age)
         msg.quarantine.extend(drains.get(node_id, {}).get("reasons", ()))
+        msg.spare_for.extend(spare_for.get(node_id, ())[:1000])
         if node_id == me:
             msg.problems.extend(problems(cfg, manager, endpoint))
             gpus_to_proto(msg, manager.gpus.inventory, manager.gpu_holders())

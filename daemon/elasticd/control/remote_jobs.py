@@ -74,6 +74,28 @@ def nodes_of(keys: JobKeys) -> list[str]:
     return nodes or sorted(keys.workers)
 
 
+def spares_of(keys: JobKeys) -> list[str]:
+    """The nodes standing by as the job's spares: those that joined its closed round
+    without being its members (rendezvous/round.py); an open round's spares as it
+    was opened with them."""
+    state = keys.state
+    if state is None or state.final:
+        return []
+    if state.status == OPEN:
+        return sorted(state.spares)
+    return sorted(set(keys.joins.get(state.round, {})) - set(state.member_ids()))
+
+
+def spare_roles(view) -> dict[str, list[str]]:
+    """{node: [jobs it stands by for]} over every job in ``view`` (rendezvous/view.py)."""
+    roles: dict[str, list[str]] = {}
+    for job_id in view.job_ids():
+        keys = view.job(job_id)
+        for node in spares_of(keys) if keys is not None else ():
+            roles.setdefault(node, []).append(job_id)
+    return roles
+
+
 def job_state(keys: JobKeys) -> JobState:
     """The round status as a job state: closed is RUNNING; an open first round
     is PENDING until a node joins, then RENDEZVOUS; a later open round (after a

@@ -226,7 +226,11 @@ class ControlServicer(pb_grpc.ControlServicer):
         job, here, rejected = self._find_or_rejected(request.id, caller)
         if rejected is not None:
             return rejection_to_proto(rejected, self._cfg.daemon.node_id)
-        return self._fit(self._with_cluster(job) if here else job_to_proto(job))
+        msg = self._with_cluster(job) if here else job_to_proto(job)
+        keys = self._view.job(job.id) if self._view is not None else None
+        if keys is not None:
+            msg.spare_nodes.extend(clusterjobs.spares_of(keys))
+        return self._fit(msg)
 
     @handled
     def CancelJob(self, request, context, caller):
@@ -356,7 +360,9 @@ class ControlServicer(pb_grpc.ControlServicer):
 
     @handled
     def ListNodes(self, request, context, caller):
-        return nodes.answer(self._cfg, self._cluster, self._manager, caller, self._endpoint)
+        return nodes.answer(self._cfg, self._cluster, self._manager, caller, self._endpoint,
+                            clusterjobs.spare_roles(self._view) if self._view is not None
+                            else {})
 
     @handled
     def SetNodeState(self, request, context, caller):

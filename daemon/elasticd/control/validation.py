@@ -33,6 +33,7 @@ class JobRequest:
     inprocess: bool = False
     gpus_per_node: int = -1                      # -1: one per local rank on a GPU node
     cpu_bind: CpuBind = CpuBind.NONE
+    spares: int | None = None                    # None: the cluster's default
 
 
 def job_key(value: str) -> str:
@@ -82,9 +83,11 @@ def submit_request(req, limits: ControlSettings) -> JobRequest:
         raise InvalidArgument(f"nodes: {len(set(nodes))} node(s) named but the job needs at "
                               f"least {min_nodes}")
     gpus = checks.gpus_per_node(req.gpus_per_node if req.HasField("gpus_per_node") else -1)
+    spares = checks.spares(req.spares, limits) if req.HasField("spares") else None
     return JobRequest(command=tuple(command), cwd=cwd, env=env, name=name,
                       min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc,
                       max_restarts=max_restarts, max_restarts_per_window=per_window,
                       nodes=tuple(sorted(set(nodes))),
                       inprocess=bool(req.inprocess),
-                      gpus_per_node=gpus, cpu_bind=checks.cpu_bind(req.cpu_bind or "none"))
+                      gpus_per_node=gpus, cpu_bind=checks.cpu_bind(req.cpu_bind or "none"),
+                      spares=spares)

@@ -79,6 +79,7 @@ class JobRecord:
     # so a restarted daemon gives it the same devices).
     gpus_per_node: int = -1
     cpu_bind: str = "none"
+    spares: int = 0                     # spare nodes it keeps beside max_nodes (JobSpec)
     gpu_indices: list = field(default_factory=list)
     # The worker template on this node (workers/template.py): its state, why not
     # ready when it is not, its resident memory; and how the latest start of this

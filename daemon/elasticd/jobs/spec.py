@@ -43,6 +43,7 @@ class SpecLimits(Protocol):
     max_nodes: int
     max_restarts_limit: int
     max_restarts_per_window_limit: int
+    max_spares: int
 
 
 # -- the field checks a submission and a spec from etcd share ------------------------
@@ -110,6 +111,11 @@ def node_ids(nodes: tuple, limits: SpecLimits) -> tuple:
     return nodes
 
 
+def spares(value: int, limits: SpecLimits) -> int:
+    """Spare nodes a job keeps beside its max nodes (rendezvous/round.py stands them by)."""
+    return count("spares", value, 0, limits.max_spares, "control.max_spares")
+
+
 def gpus_per_node(value: int) -> int:
     """-1 (one per local rank where the node has GPUs), or 0..MAX_GPUS."""
     return count("gpus_per_node", value, -1, MAX_GPUS,
@@ -131,7 +137,7 @@ _WIRE_TYPES = {"id": str, "name": str, "command": list, "cwd": str, "env": dict,
                "nproc_per_node": int, "max_restarts": int, "max_restarts_per_window": int,
                "restart_window": float, "nodes": list,
                "created_at": float, "submitted_on": str, "inprocess": bool,
-               "gpus_per_node": int, "cpu_bind": str}
+               "gpus_per_node": int, "cpu_bind": str, "spares": int}
 
 
 @dataclass(frozen=True)
@@ -157,6 +163,7 @@ class JobSpec:
     inprocess: bool = False
     gpus_per_node: int = -1               # -1: one per local rank on a node with GPUs
     cpu_bind: CpuBind = CpuBind.NONE
+    spares: int = 0                       # spare nodes kept beside max_nodes
 
     def __post_init__(self):
         object.__setattr__(self, "env", MappingProxyType(dict(self.env)))
@@ -172,7 +179,7 @@ class JobSpec:
                    restart_window=rec.restart_window, nodes=tuple(nodes or rec.nodes),
                    created_at=rec.created_at, submitted_on=rec.node_id,
                    inprocess=rec.inprocess, gpus_per_node=rec.gpus_per_node,
-                   cpu_bind=CpuBind(rec.cpu_bind))
+                   cpu_bind=CpuBind(rec.cpu_bind), spares=rec.spares)
 
     def record(self) -> JobRecord:
         """A local record for the job, adopted from the cluster."""
@@ -185,7 +192,7 @@ class JobSpec:
             restart_window=self.restart_window, created_at=self.created_at,
             node_id=self.submitted_on, inprocess=self.inprocess, nodes=list(self.nodes),
             gpus_per_node=self.gpus_per_node, cpu_bind=self.cpu_bind.value,
-            reason="adopted from the cluster")
+            spares=self.spares, reason="adopted from the cluster")
 
     def to_wire(self) -> dict:
         """The spec as JSON values, as trust/specs.py seals it: each field as it is."""
@@ -197,7 +204,7 @@ class JobSpec:
                 "restart_window": self.restart_window, "nodes": list(self.nodes),
                 "created_at": self.created_at, "submitted_on": self.submitted_on,
                 "inprocess": self.inprocess, "gpus_per_node": self.gpus_per_node,
-                "cpu_bind": self.cpu_bind.value}
+                "cpu_bind": self.cpu_bind.value, "spares": self.spares}
 
     @classmethod
     def from_wire(cls, doc: dict, limits: SpecLimits) -> "JobSpec":
@@ -261,4 +268,4 @@ class JobSpec:
             restart_window=window, nodes=tuple(node_ids(tuple(doc["nodes"]), limits)),
             created_at=created, submitted_on=submitted_on, inprocess=doc["inprocess"],
             gpus_per_node=gpus_per_node(doc["gpus_per_node"]),
-            cpu_bind=cpu_bind(doc["cpu_bind"]))
+            cpu_bind=cpu_bind(doc["cpu_bind"]), spares=spares(doc["spares"], limits))

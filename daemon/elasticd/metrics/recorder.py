@@ -10,8 +10,8 @@ from __future__ import annotations
 import threading
 import time
 
-from prometheus_client import (CollectorRegistry, Counter, Histogram, Info, ProcessCollector,
-                               disable_created_metrics)
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, Info,
+                               ProcessCollector, disable_created_metrics)
 
 from .. import __version__
 from ..jobs.jobevent import JobEvent
@@ -138,6 +138,16 @@ class Metrics:
             ["result"], registry=r)
         for result in ("ok", "failed"):
             self.gpu_health_checks.labels(result)
+        # Spare nodes (agent/standby.py): the jobs this node stands by for, and the
+        # rounds that took it from standing by into a lost member's place.
+        self._standing: set[str] = set()
+        self.spare_jobs = Gauge(
+            "elasticd_node_spare_jobs", "Jobs this node stands by for as a spare node now "
+            "(no ranks here; summed over nodes: the cluster's free spares)", registry=r)
+        self.spare_takeovers = Counter(
+            "elasticd_spare_takeovers_total", "Rounds that took this node from standing by as "
+            "a spare into a job's ranks (the cluster's spares used, summed over nodes)",
+            registry=r)
 
     def attach(self, registry, manager) -> None:
         """Count registry events; export job and worker gauges at scrape time."""
@@ -176,6 +186,14 @@ class Metrics:
     def attach_gpus(self, manager) -> None:
         """Export this node's GPUs, total and free, at scrape time."""
         self.registry.register(GpuCollector(manager))
+
+    def spare_standing(self, job_id: str, standing: bool) -> None:
+        with self._lock:
+            (self._standing.add if standing else self._standing.discard)(job_id)
+            self.spare_jobs.set(len(self._standing))
+
+    def spare_taken(self) -> None:
+        self.spare_takeovers.inc()
 
     def gpu_health(self, ok: bool) -> None:
         self.gpu_health_checks.labels("ok" if ok else "failed").inc()

@@ -128,7 +128,12 @@ class Coordinator:
                 f"this daemon runs standalone (one node) but the job needs {req.min_nodes} "
                 "nodes; start elasticd with --etcd to form a cluster")
         if self._cfg.daemon.standalone:
-            req = dataclasses.replace(req, max_nodes=1)
+            req = dataclasses.replace(req, max_nodes=1, spares=0)
+        spares = self._cfg.cluster.default_spares if req.spares is None else req.spares
+        if spares > self._cfg.control.max_spares:
+            raise errors.InvalidArgument(
+                f"spares: cluster.default_spares ({spares}) is above control.max_spares "
+                f"({self._cfg.control.max_spares}); name --spares")
         if req.nproc_per_node > self.slots_total:
             raise errors.FailedPrecondition(
                 f"the job needs {req.nproc_per_node} worker slots but this node has "
@@ -161,7 +166,7 @@ class Coordinator:
             reason="waiting for free slots", node_id=self._cfg.daemon.node_id,
             inprocess=req.inprocess, nodes=list(req.nodes),
             gpus_per_node=req.gpus_per_node, cpu_bind=req.cpu_bind.value,
-            created_at=time.time())
+            spares=spares if req.max_nodes > 1 or req.spares else 0, created_at=time.time())
         # The local record first: this node's own dispatcher, woken by the
         # store write, must find the job known here and not adopt it again.
         with self._admit_lock:  # the limits checked and the job counted at once

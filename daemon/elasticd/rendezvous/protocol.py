@@ -27,8 +27,17 @@ itself). It closes the round once max nodes joined, or min nodes joined and
 ``last_call`` seconds passed since; a round after a fault or a membership
 change closes as soon as every node it expects joined, not waiting for a
 member of the last round whose lease expired, nor, past ``rejoin_timeout``,
-for one that has not rejoined. Members keep their group ranks across rounds
-and newcomers come after them.
+for one that has not rejoined. Members keep their group ranks across rounds;
+newcomers take the places of members lost (a spare node takes a lost
+node's ranks) and the rest come after them.
+
+Spare nodes: a node that runs a job but is not in its closed round, which
+already has its max nodes, stands by: it joins that round without ranks
+(``round.py``), its worker template warm. A round opened after a fault or a
+loss expects it (``RoundState.spares``), so one with a member lost closes
+at once at the same world size; live members rejoining go first (a spare
+takes a place only once they rejoined or ``rejoin_timeout`` passed), and
+the nodes beyond max stand by again.
 """
 from __future__ import annotations
 
@@ -100,12 +109,25 @@ class Result:
     master_hosted: bool = False
 
 
-def order_members(joins: list[Join]) -> tuple[Member, ...]:
-    """Old members keep their order (group ranks stay stable); newcomers follow by id."""
+def order_members(joins: list[Join], max_nodes: int | None = None) -> tuple[Member, ...]:
+    """Old members keep their order (group ranks stay stable); newcomers, by id, first
+    fill the places of members gone (a spare takes a lost node's group rank, so the
+    others keep theirs), then follow. With ``max_nodes``, only as many newcomers take
+    places as there is room for beside the old members: an old member is never put
+    behind a newcomer the round then leaves out."""
     old = sorted((j for j in joins if j.prev_rank >= 0), key=lambda j: (j.prev_rank, j.node_id))
     new = sorted((j for j in joins if j.prev_rank < 0), key=lambda j: j.node_id)
+    room = len(new) if max_nodes is None else max(0, max_nodes - len(old))
+    filling, rest = new[:room], new[room:]
+    ordered: list[Join] = []
+    while old or filling:
+        # the next place goes to the next old member unless a member before it is gone
+        if old and (not filling or old[0].prev_rank <= len(ordered)):
+            ordered.append(old.pop(0))
+        else:
+            ordered.append(filling.pop(0))
     return tuple(Member(j.node_id, j.address, j.nproc, j.port, j.store_port, j.hosted)
-                 for j in old + new)
+                 for j in ordered + rest)
 
 
 def decider(joins: list[Join]) -> str | None:
@@ -113,10 +135,11 @@ def decider(joins: list[Join]) -> str | None:
 
 
 def lost_rejoiners(state: RoundState, joined: set, last_round: set) -> set:
-    """The last round's members this open round waits for that are gone: neither
-    joined it nor hold their join key of the last round any more (it lived on their
-    node lease: the lease expired, or was revoked)."""
-    return {n for n in state.rejoining if n not in joined and n not in last_round}
+    """The last round's members (and spares) this open round waits for that are gone:
+    neither joined it nor hold their join key of the last round any more (it lived on
+    their node lease: the lease expired, or was revoked)."""
+    return {n for n in (*state.rejoining, *state.spares)
+            if n not in joined and n not in last_round}
 
 
 def decide_open_round(state: RoundState, joins: list[Join], limits: JobLimits,
@@ -124,11 +147,13 @@ def decide_open_round(state: RoundState, joins: list[Join], limits: JobLimits,
                       last_round: set | None = None) -> tuple[RoundState | None, str]:
     """What the decider does with an open round: (new state or None, why).
 
-    It closes once max nodes joined; or once min joined and: every expected node
-    still alive joined (``last_round``: the nodes whose join key of the last round
-    is still there; a rejoining member without one is lost), or only members of
-    the last round are missing and ``rejoin_timeout`` passed (alive, they would
-    have rejoined by now), or ``last_call`` passed."""
+    It closes once max nodes joined (but while a live member of the last round has
+    not rejoined, a spare does not take its place before ``rejoin_timeout``); or
+    once min joined and: every expected node still alive joined (``last_round``:
+    the nodes whose join key of the last round is still there; a rejoining member
+    or a spare without one is lost), or only members or spares of the last round
+    are missing and ``rejoin_timeout`` passed (alive, they would have rejoined by
+    now), or ``last_call`` passed."""
     if clock.round != state.round:
         clock.round, clock.opened_seen, clock.min_reached = state.round, now, 0.0
     n = len(joins)
@@ -139,11 +164,14 @@ def decide_open_round(state: RoundState, joins: list[Join], limits: JobLimits,
     missing = set(state.expected) - lost - joined
     everyone = bool(state.expected) and not missing
     waited = now - clock.min_reached
-    late = bool(missing) and missing <= set(state.rejoining) \
+    late = bool(missing) and missing <= set(state.rejoining) | set(state.spares) \
         and waited >= limits.rejoin_timeout
-    if n >= limits.max_nodes or (n >= limits.min_nodes and (
-            everyone or late or waited >= limits.last_call)):
-        members = order_members(joins)[:limits.max_nodes]
+    # More joined than max: members still to rejoin go before the spares that came first.
+    members_due = set(state.rejoining) - lost - joined
+    full = n >= limits.max_nodes and (
+        not members_due or now - clock.opened_seen >= limits.rejoin_timeout)
+    if full or (n >= limits.min_nodes and (everyone or late or waited >= limits.last_call)):
+        members = order_members(joins, limits.max_nodes)[:limits.max_nodes]
         gone = f"; lost: {', '.join(sorted(lost))}" if lost else ""
         why = (f"round {state.round} closed with {len(members)} node(s)"
                + (" (max reached)" if n >= limits.max_nodes else
@@ -151,6 +179,11 @@ def decide_open_round(state: RoundState, joins: list[Join], limits: JobLimits,
                   f" ({', '.join(sorted(missing))} of the last round did not rejoin within "
                   f"{limits.rejoin_timeout:g}s{gone})" if late else
                   f" after a last call of {limits.last_call:g}s"))
+        took = [m.node_id for m in members if m.node_id in state.spares]
+        if took:
+            gone_members = sorted(set(state.rejoining) - joined)
+            why += (f"; spare node(s) {', '.join(took)} in place of "
+                    f"{', '.join(gone_members) or 'the members gone'}")
         return replace(state, status=CLOSED, members=members, closed_at=now, reason=why), why
     if n < limits.min_nodes and now - clock.opened_seen >= limits.join_timeout:
         joined = sorted(j.node_id for j in joins)
@@ -166,12 +199,13 @@ def decide_open_round(state: RoundState, joins: list[Join], limits: JobLimits,
 def reopen(state: RoundState, reason: str, count_restart: bool, limits: JobLimits,
            now: float, expected: tuple = (),
            cause: RoundCause = RoundCause.FAULT,
-           rejoining: tuple = ()) -> tuple[RoundState, str]:
+           rejoining: tuple = (), spares: tuple = ()) -> tuple[RoundState, str]:
     """The state after a fault or a membership change (``cause``) in ``state``'s round.
 
     ``expected``: the nodes the new round can close as soon as they joined
-    (the old members still alive, plus any waiting to join); ``rejoining``: of
-    them, the old members."""
+    (the old members still alive, plus any waiting to join, plus the spares);
+    ``rejoining``: of them, the old members; ``spares``: the spare nodes that
+    stood by in ``state``'s round."""
     restarts = state.restarts + (1 if count_restart else 0)
     times = limits.window.recent(state.restart_times, now)
     if count_restart and 0 <= limits.max_restarts < restarts:
@@ -190,7 +224,8 @@ def reopen(state: RoundState, reason: str, count_restart: bool, limits: JobLimit
     return RoundState(round=state.round + 1, status=OPEN, restarts=restarts, reason=why,
                       expected=tuple(sorted(expected)), opened_at=now,
                       restart_times=times, cause=cause,
-                      rejoining=tuple(sorted(set(rejoining) & set(expected)))), why
+                      rejoining=tuple(sorted(set(rejoining) & set(expected))),
+                      spares=tuple(sorted(set(spares) & set(expected) - set(rejoining)))), why
 
 
 def master_problem(state: RoundState, joins: dict) -> tuple[RoundCause | None, str]:

@@ -100,6 +100,11 @@ class RoundState:
     # their ranks, join); one whose last-round join key is gone since (its lease
     # expired) is lost and no longer waited for; see protocol.decide_open_round.
     rejoining: tuple = ()
+    # Of ``expected``: the spare nodes that stood by beside the last round's members
+    # (joined it without ranks: rendezvous/round.py); one of them takes the place of a
+    # member lost meanwhile, at the same world size. Lost like a member when its join
+    # key of the last round is gone.
+    spares: tuple = ()
 
     def to_json(self) -> str:
         data = asdict(self)
@@ -108,6 +113,7 @@ class RoundState:
         data["members"] = [asdict(m) for m in self.members]
         data["restart_times"] = list(self.restart_times[-MAX_TIMES:])
         data["rejoining"] = list(self.rejoining)
+        data["spares"] = list(self.spares)
         return json.dumps(data, sort_keys=True)
 
     @classmethod
@@ -129,7 +135,8 @@ class RoundState:
                    reason=f.text(doc, "reason", MAX_REASON, ""),
                    opened_at=f.real(doc, "opened_at", 0.0, _MAX_TIME, 0.0),
                    closed_at=f.real(doc, "closed_at", 0.0, _MAX_TIME, 0.0),
-                   cause=_cause(doc), rejoining=f.idents(doc, "rejoining", MAX_MEMBERS))
+                   cause=_cause(doc), rejoining=f.idents(doc, "rejoining", MAX_MEMBERS),
+                   spares=f.idents(doc, "spares", MAX_MEMBERS))
 
     @classmethod
     def from_json(cls, text: str) -> "RoundState":

@@ -89,6 +89,15 @@ class ClusterRendezvous:
         # join: offered as MASTER_PORT, listening before any rank starts; 0: none, a
         # plain free port is offered (rank 0 hosts the store). On the agent's thread.
         self.hosted_port: Callable[[], int] = lambda: 0
+        # Asked before this node stands by as a spare of a closed round at its max nodes
+        # (False: a quarantined or draining node, which takes no ranks: it withdraws);
+        # told once per round it stands by in (the agent's event, its metrics). Both
+        # on the agent's thread, from next_round.
+        self.may_stand_by: Callable[[], bool] = lambda: True
+        self.on_standby: Callable[[RoundState], None] = lambda state: None
+        self.standing_by = 0                 # the round this node stands by in (0: none)
+        self.was_spare = False               # the last round next_round returned took it
+                                             # from standing by
 
     @property
     def address(self) -> str:
@@ -195,11 +204,42 @@ class ClusterRendezvous:
                     self._ran, self._wanted = result, None
                     self.prev_rank = result.place.group_rank
                     self._forget_old_joins(state.round)
+                    self.was_spare, self.standing_by = bool(self.standing_by), 0
                     return result
-                if len(state.members) < self.limits.max_nodes \
+                if self.node_id not in state.member_ids():
+                    self._not_a_member(state)
+                elif len(state.members) < self.limits.max_nodes \
                         and self.ready_to_join(state):
-                    self._join(state.round + 1)     # waiting: the members see us
+                    self._join(state.round + 1)
             self._view.wait(self._poll, seen)
+
+    def _not_a_member(self, state: RoundState) -> None:
+        """This node runs the job but is not in its closed round: below max nodes it asks
+        to join (once warm: the members restart to let it in); at max it stands by as a
+        spare, its join of that round holding no ranks (see protocol.py)."""
+        self.prev_rank = -1   # its old group rank belongs to others now
+        if len(state.members) < self.limits.max_nodes:
+            if self.ready_to_join(state):
+                self._join(state.round + 1)     # waiting: the members see us
+            return
+        self.ready_to_join(state)               # warms its ranks-to-be meanwhile
+        if not self.may_stand_by():
+            self._withdraw(state.round)
+            return
+        self._join(state.round)
+        self._forget_old_joins(state.round)
+        if self.standing_by != state.round:
+            self.standing_by = state.round
+            self.on_standby(state)
+
+    def _withdraw(self, rnd: int) -> None:
+        if self.standing_by == rnd or rnd in self._joined:
+            try:
+                self._store.delete(self._key("join", rnd, self.node_id))
+            except Exception as exc:  # the lease removes it anyway
+                log.debug("could not withdraw a spare's join: %s", exc)
+            self._joined.pop(rnd, None)
+            self.standing_by = 0
 
     def _replace_unreadable_state(self, revision: int) -> None:
         """The job's state key holds a value this daemon refused and it holds no verified
@@ -287,11 +327,13 @@ class ClusterRendezvous:
                     or state.status != CLOSED:
                 self._wanted = None
                 return state
-            alive = [n for n in state.member_ids() if n in keys.joins.get(state.round, {})]
+            standing = keys.joins.get(state.round, {})
+            alive = [n for n in state.member_ids() if n in standing]
+            spares = [n for n in standing if n not in state.member_ids()]
             waiting = list(keys.joins.get(state.round + 1, {}))
             new, why = reopen(state, reason, count_restart, self.limits, self._clock(),
-                              expected=tuple(set(alive) | set(waiting)), cause=cause,
-                              rejoining=tuple(alive))
+                              expected=tuple(set(alive) | set(waiting) | set(spares)),
+                              cause=cause, rejoining=tuple(alive), spares=tuple(spares))
             if self._cas_state(new, keys.state_revision):
                 log.info("%s: %s", self._where(state.round), why)
                 self._wanted = None

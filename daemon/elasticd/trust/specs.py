@@ -14,7 +14,7 @@ cluster key (trust/clusterkey.py):
 
       {"format": "elasticd-spec/1", "id", "name", "cwd", "uid", "gid", "user",
        "min_nodes", "max_nodes", "nproc_per_node", "max_restarts", "nodes",
-       "created_at", "submitted_on", "inprocess", "gpus_per_node", "cpu_bind",
+       "created_at", "submitted_on", "inprocess", "gpus_per_node", "cpu_bind", "spares",
        "sealed": b64(nonce|ct), "mac": hex}
 
 * ``open``: the other way round, refusing with a typed ``Rejection`` (a
@@ -59,7 +59,8 @@ _NONCE = 12
 CLEAR_FIELDS = ("id", "name", "cwd", "uid", "gid", "user", "min_nodes", "max_nodes",
                 "nproc_per_node", "max_restarts", "max_restarts_per_window", "restart_window",
                 "nodes", "created_at", "submitted_on", "inprocess",
-                "gpus_per_node", "cpu_bind")  # GPUs: gpus/alloc.py
+                "gpus_per_node", "cpu_bind",  # GPUs: gpus/alloc.py
+                "spares")  # spare nodes: rendezvous/round.py
 SECRET_FIELDS = ("command", "env")
 MAX_STORED = 4 << 20   # bytes of a stored spec (control's limits keep a real one far below)
 SIGNED_FIELDS = ("format", *CLEAR_FIELDS, "sealed")

@@ -29,7 +29,7 @@ CANCELLED: JobState
 REJECTED: JobState
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("name", "command", "cwd", "env", "min_nodes", "max_nodes", "nproc_per_node", "max_restarts", "inprocess", "nodes", "max_restarts_per_window", "gpus_per_node", "cpu_bind")
+    __slots__ = ("name", "command", "cwd", "env", "min_nodes", "max_nodes", "nproc_per_node", "max_restarts", "inprocess", "nodes", "max_restarts_per_window", "gpus_per_node", "cpu_bind", "spares")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +50,7 @@ class SubmitRequest(_message.Message):
     MAX_RESTARTS_PER_WINDOW_FIELD_NUMBER: _ClassVar[int]
     GPUS_PER_NODE_FIELD_NUMBER: _ClassVar[int]
     CPU_BIND_FIELD_NUMBER: _ClassVar[int]
+    SPARES_FIELD_NUMBER: _ClassVar[int]
     name: str
     command: _containers.RepeatedScalarFieldContainer[str]
     cwd: str
@@ -63,7 +64,8 @@ class SubmitRequest(_message.Message):
     max_restarts_per_window: int
     gpus_per_node: int
     cpu_bind: str
-    def __init__(self, name: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., cwd: _Optional[str] = ..., env: _Optional[_Mapping[str, str]] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., nproc_per_node: _Optional[int] = ..., max_restarts: _Optional[int] = ..., inprocess: _Optional[bool] = ..., nodes: _Optional[_Iterable[str]] = ..., max_restarts_per_window: _Optional[int] = ..., gpus_per_node: _Optional[int] = ..., cpu_bind: _Optional[str] = ...) -> None: ...
+    spares: int
+    def __init__(self, name: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., cwd: _Optional[str] = ..., env: _Optional[_Mapping[str, str]] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., nproc_per_node: _Optional[int] = ..., max_restarts: _Optional[int] = ..., inprocess: _Optional[bool] = ..., nodes: _Optional[_Iterable[str]] = ..., max_restarts_per_window: _Optional[int] = ..., gpus_per_node: _Optional[int] = ..., cpu_bind: _Optional[str] = ..., spares: _Optional[int] = ...) -> None: ...
 
 class SubmitResponse(_message.Message):
     __slots__ = ("job",)
@@ -183,7 +185,7 @@ class Worker(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., state: _Optional[str] = ..., exit_code: _Optional[int] = ..., node_id: _Optional[str] = ..., gpus: _Optional[_Iterable[int]] = ..., gpu_uuids: _Optional[_Iterable[str]] = ..., cpus: _Optional[str] = ..., start_path: _Optional[str] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("id", "name", "state", "reason", "command", "cwd", "uid", "gid", "user", "min_nodes", "max_nodes", "nproc_per_node", "max_restarts", "restarts", "round", "created_at", "started_at", "finished_at", "exit_code", "last_failure", "workers", "node_id", "seconds_in_state", "inprocess", "restarts_by_layer", "restart_budget", "attempts", "rejected_reason", "hang_timeouts", "straggler", "max_restarts_per_window", "restart_window_seconds", "restarts_in_window", "last_restart_plan", "gpus_per_node", "cpu_bind", "template_state", "template_reason", "template_rss_bytes", "start_path", "start_seconds", "learned_preload", "snapshots")
+    __slots__ = ("id", "name", "state", "reason", "command", "cwd", "uid", "gid", "user", "min_nodes", "max_nodes", "nproc_per_node", "max_restarts", "restarts", "round", "created_at", "started_at", "finished_at", "exit_code", "last_failure", "workers", "node_id", "seconds_in_state", "inprocess", "restarts_by_layer", "restart_budget", "attempts", "rejected_reason", "hang_timeouts", "straggler", "max_restarts_per_window", "restart_window_seconds", "restarts_in_window", "last_restart_plan", "gpus_per_node", "cpu_bind", "spares", "spare_nodes", "template_state", "template_reason", "template_rss_bytes", "start_path", "start_seconds", "learned_preload", "snapshots")
     class SecondsInStateEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -241,6 +243,8 @@ class Job(_message.Message):
     LAST_RESTART_PLAN_FIELD_NUMBER: _ClassVar[int]
     GPUS_PER_NODE_FIELD_NUMBER: _ClassVar[int]
     CPU_BIND_FIELD_NUMBER: _ClassVar[int]
+    SPARES_FIELD_NUMBER: _ClassVar[int]
+    SPARE_NODES_FIELD_NUMBER: _ClassVar[int]
     TEMPLATE_STATE_FIELD_NUMBER: _ClassVar[int]
     TEMPLATE_REASON_FIELD_NUMBER: _ClassVar[int]
     TEMPLATE_RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -284,6 +288,8 @@ class Job(_message.Message):
     last_restart_plan: RestartPlan
     gpus_per_node: int
     cpu_bind: str
+    spares: int
+    spare_nodes: _containers.RepeatedScalarFieldContainer[str]
     template_state: str
     template_reason: str
     template_rss_bytes: int
@@ -291,7 +297,7 @@ class Job(_message.Message):
     start_seconds: float
     learned_preload: _containers.RepeatedScalarFieldContainer[str]
     snapshots: _containers.RepeatedCompositeFieldContainer[NodeSnapshot]
-    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., cwd: _Optional[str] = ..., uid: _Optional[int] = ..., gid: _Optional[int] = ..., user: _Optional[str] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., nproc_per_node: _Optional[int] = ..., max_restarts: _Optional[int] = ..., restarts: _Optional[int] = ..., round: _Optional[int] = ..., created_at: _Optional[float] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., exit_code: _Optional[int] = ..., last_failure: _Optional[_Union[Failure, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., node_id: _Optional[str] = ..., seconds_in_state: _Optional[_Mapping[str, float]] = ..., inprocess: _Optional[bool] = ..., restarts_by_layer: _Optional[_Mapping[str, int]] = ..., restart_budget: _Optional[_Mapping[str, int]] = ..., attempts: _Optional[_Iterable[_Union[RestartAttempt, _Mapping]]] = ..., rejected_reason: _Optional[str] = ..., hang_timeouts: _Optional[_Iterable[_Union[PhaseTimeout, _Mapping]]] = ..., straggler: _Optional[_Union[Straggler, _Mapping]] = ..., max_restarts_per_window: _Optional[int] = ..., restart_window_seconds: _Optional[float] = ..., restarts_in_window: _Optional[int] = ..., last_restart_plan: _Optional[_Union[RestartPlan, _Mapping]] = ..., gpus_per_node: _Optional[int] = ..., cpu_bind: _Optional[str] = ..., template_state: _Optional[str] = ..., template_reason: _Optional[str] = ..., template_rss_bytes: _Optional[int] = ..., start_path: _Optional[str] = ..., start_seconds: _Optional[float] = ..., learned_preload: _Optional[_Iterable[str]] = ..., snapshots: _Optional[_Iterable[_Union[NodeSnapshot, _Mapping]]] = ...) -> None: ...
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., cwd: _Optional[str] = ..., uid: _Optional[int] = ..., gid: _Optional[int] = ..., user: _Optional[str] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., nproc_per_node: _Optional[int] = ..., max_restarts: _Optional[int] = ..., restarts: _Optional[int] = ..., round: _Optional[int] = ..., created_at: _Optional[float] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., exit_code: _Optional[int] = ..., last_failure: _Optional[_Union[Failure, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., node_id: _Optional[str] = ..., seconds_in_state: _Optional[_Mapping[str, float]] = ..., inprocess: _Optional[bool] = ..., restarts_by_layer: _Optional[_Mapping[str, int]] = ..., restart_budget: _Optional[_Mapping[str, int]] = ..., attempts: _Optional[_Iterable[_Union[RestartAttempt, _Mapping]]] = ..., rejected_reason: _Optional[str] = ..., hang_timeouts: _Optional[_Iterable[_Union[PhaseTimeout, _Mapping]]] = ..., straggler: _Optional[_Union[Straggler, _Mapping]] = ..., max_restarts_per_window: _Optional[int] = ..., restart_window_seconds: _Optional[float] = ..., restarts_in_window: _Optional[int] = ..., last_restart_plan: _Optional[_Union[RestartPlan, _Mapping]] = ..., gpus_per_node: _Optional[int] = ..., cpu_bind: _Optional[str] = ..., spares: _Optional[int] = ..., spare_nodes: _Optional[_Iterable[str]] = ..., template_state: _Optional[str] = ..., template_reason: _Optional[str] = ..., template_rss_bytes: _Optional[int] = ..., start_path: _Optional[str] = ..., start_seconds: _Optional[float] = ..., learned_preload: _Optional[_Iterable[str]] = ..., snapshots: _Optional[_Iterable[_Union[NodeSnapshot, _Mapping]]] = ...) -> None: ...
 
 class NodeSnapshot(_message.Message):
     __slots__ = ("node_id", "step", "saved_at", "age_seconds", "bytes", "ranks", "held_bytes", "budget_bytes", "replicas")
@@ -462,7 +468,7 @@ class ListNodesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Node(_message.Message):
-    __slots__ = ("node_id", "state", "host", "address", "slots", "slots_free", "version", "started_at", "heartbeat_age_seconds", "jobs", "lost_at", "lease_ttl_seconds", "problems", "gpus", "gpus_free", "gpu_source", "gpu_health", "devices", "suspect", "quarantine", "idle_templates")
+    __slots__ = ("node_id", "state", "host", "address", "slots", "slots_free", "version", "started_at", "heartbeat_age_seconds", "jobs", "lost_at", "lease_ttl_seconds", "problems", "gpus", "gpus_free", "gpu_source", "gpu_health", "devices", "suspect", "quarantine", "spare_for", "idle_templates")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
@@ -483,6 +489,7 @@ class Node(_message.Message):
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     SUSPECT_FIELD_NUMBER: _ClassVar[int]
     QUARANTINE_FIELD_NUMBER: _ClassVar[int]
+    SPARE_FOR_FIELD_NUMBER: _ClassVar[int]
     IDLE_TEMPLATES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     state: str
@@ -504,8 +511,9 @@ class Node(_message.Message):
     devices: _containers.RepeatedCompositeFieldContainer[NodeGpu]
     suspect: str
     quarantine: _containers.RepeatedScalarFieldContainer[str]
+    spare_for: _containers.RepeatedScalarFieldContainer[str]
     idle_templates: _containers.RepeatedCompositeFieldContainer[IdleTemplate]
-    def __init__(self, node_id: _Optional[str] = ..., state: _Optional[str] = ..., host: _Optional[str] = ..., address: _Optional[str] = ..., slots: _Optional[int] = ..., slots_free: _Optional[int] = ..., version: _Optional[str] = ..., started_at: _Optional[float] = ..., heartbeat_age_seconds: _Optional[float] = ..., jobs: _Optional[_Iterable[str]] = ..., lost_at: _Optional[float] = ..., lease_ttl_seconds: _Optional[float] = ..., problems: _Optional[_Iterable[str]] = ..., gpus: _Optional[int] = ..., gpus_free: _Optional[int] = ..., gpu_source: _Optional[str] = ..., gpu_health: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[NodeGpu, _Mapping]]] = ..., suspect: _Optional[str] = ..., quarantine: _Optional[_Iterable[str]] = ..., idle_templates: _Optional[_Iterable[_Union[IdleTemplate, _Mapping]]] = ...) -> None: ...
+    def __init__(self, node_id: _Optional[str] = ..., state: _Optional[str] = ..., host: _Optional[str] = ..., address: _Optional[str] = ..., slots: _Optional[int] = ..., slots_free: _Optional[int] = ..., version: _Optional[str] = ..., started_at: _Optional[float] = ..., heartbeat_age_seconds: _Optional[float] = ..., jobs: _Optional[_Iterable[str]] = ..., lost_at: _Optional[float] = ..., lease_ttl_seconds: _Optional[float] = ..., problems: _Optional[_Iterable[str]] = ..., gpus: _Optional[int] = ..., gpus_free: _Optional[int] = ..., gpu_source: _Optional[str] = ..., gpu_health: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[NodeGpu, _Mapping]]] = ..., suspect: _Optional[str] = ..., quarantine: _Optional[_Iterable[str]] = ..., spare_for: _Optional[_Iterable[str]] = ..., idle_templates: _Optional[_Iterable[_Union[IdleTemplate, _Mapping]]] = ...) -> None: ...
 
 class IdleTemplate(_message.Message):
     __slots__ = ("uid", "pid", "key", "idle_seconds", "rss_bytes", "origin", "state")
