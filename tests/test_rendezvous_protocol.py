@@ -464,3 +464,74 @@ def test_a_member_field_from_a_newer_release_is_ignored():
     data["members"][0]["future_field"] = 42
     state = RoundState.from_json(json.dumps(data))
     assert state.members == (Member("a", "h", 1, 7, hosted=True),)
+
+
+# ------------------------------------------------------------- spare nodes
+
+PAIR = JobLimits(min_nodes=2, max_nodes=2, max_restarts=3, last_call=2.0, join_timeout=30.0,
+                 rejoin_timeout=1.0)
+
+
+def test_a_newcomer_takes_the_place_of_the_member_gone_and_the_others_keep_theirs():
+    # Round 1 was a, b, c; a (group rank 0) is gone; spare s fills its place.
+    js = joins("c", "b", "s", prev={"b": 1, "c": 2})
+    assert [m.node_id for m in order_members(js)] == ["s", "b", "c"]
+    # a gap in the middle too, and newcomers beyond the gaps follow by id
+    js = joins("a", "c", "y", "x", prev={"a": 0, "c": 2})
+    assert [m.node_id for m in order_members(js)] == ["a", "x", "c", "y"]
+
+
+def test_at_max_no_newcomer_puts_an_old_member_out():
+    # old members at 0 and 3 (places 1, 2 gone), max 2: both old members, no newcomer
+    js = joins("a", "d", "s", prev={"a": 0, "d": 3})
+    assert [m.node_id for m in order_members(js, 2)[:2]] == ["a", "d"]
+
+
+def test_reopen_expects_the_spares_standing_by():
+    state = closed([Member("a", "x", 1, 1), Member("b", "y", 1, 2)])
+    new, _ = reopen(state, "node b lost", False, PAIR, now=10.0, expected=("a", "s"),
+                    rejoining=("a",), spares=("s",))
+    assert new.expected == ("a", "s") and new.rejoining == ("a",) and new.spares == ("s",)
+    assert RoundState.from_json(new.to_json()) == new
+
+
+def test_a_spare_closes_the_round_at_the_same_world_size_in_the_lost_nodes_place():
+    # b (group rank 0) was lost: its join of round 1 is gone; a and spare s joined.
+    state = RoundState(round=2, status=OPEN, expected=("a", "b", "s"), rejoining=("a", "b"),
+                       spares=("s",), opened_at=10.0)
+    new, why = decide_open_round(state, joins("a", "s", prev={"a": 1}), PAIR, RoundClock(),
+                                 10.2, last_round={"a", "s"})
+    assert new is not None and new.status == CLOSED, why
+    assert new.member_ids() == ["s", "a"]
+    assert "spare node(s) s in place of b" in why
+
+
+def test_live_members_rejoin_before_a_spare_takes_a_place():
+    # a worker fault: a and b are alive (their round-1 joins are there); s joined first
+    state = RoundState(round=2, status=OPEN, expected=("a", "b", "s"), rejoining=("a", "b"),
+                       spares=("s",), opened_at=10.0)
+    clock = RoundClock()
+    assert decide_open_round(state, joins("a", "s", prev={"a": 0}), PAIR, clock, 10.0,
+                             last_round={"a", "b", "s"})[0] is None
+    # b rejoins: three nodes for two places, the members keep them, s stands by again
+    new, _ = decide_open_round(state, joins("a", "s", "b", prev={"a": 0, "b": 1}), PAIR,
+                               clock, 10.3, last_round={"a", "b", "s"})
+    assert new.member_ids() == ["a", "b"]
+    # a member that does not rejoin within rejoin_timeout (alive but stuck) is replaced
+    clock = RoundClock()
+    decide_open_round(state, joins("a", "s", prev={"a": 0}), PAIR, clock, 10.0,
+                      last_round={"a", "b", "s"})
+    new, _ = decide_open_round(state, joins("a", "s", prev={"a": 0}), PAIR, clock, 11.0,
+                               last_round={"a", "b", "s"})
+    assert new.member_ids() == ["a", "s"]
+
+
+def test_a_spare_gone_is_not_waited_for():
+    # min 1 of max 2: a rejoined; spare s's join of round 1 is gone (its lease expired)
+    limits = JobLimits(min_nodes=1, max_nodes=2, max_restarts=3, last_call=30.0,
+                       join_timeout=300.0, rejoin_timeout=30.0)
+    state = RoundState(round=2, status=OPEN, expected=("a", "s"), rejoining=("a",),
+                       spares=("s",), opened_at=10.0)
+    new, why = decide_open_round(state, joins("a", prev={"a": 0}), limits, RoundClock(), 10.0,
+                                 last_round={"a"})
+    assert new is not None and new.member_ids() == ["a"], why

@@ -52,6 +52,7 @@ class JoinGate:
         limit = self._cfg.rendezvous.newcomer_warm_timeout  # 0: ask at once
         if self._tpl.on and self._tpl.template.state in (
                 TemplateState.STARTING, TemplateState.READY):
+            self._tpl.note()   # status shows it warm while this node waits (or stands by)
             if limit <= 0:
                 return True
             now = time.monotonic()

@@ -1,0 +1,106 @@
+"""Spare nodes (issue #36), end to end: three real daemons on one real etcd, real torch workers.
+
+A job that needs exactly two nodes and keeps one spare (``--nnodes 2:2
+--spares 1``): the third node stands by without ranks, its worker template
+warm, shown by ``status`` and ``nodes``. A worker fault restarts the job on
+its two members (the spare, joining the round too, is one more node than max
+and stands by again: more live nodes than max never fails a job). A member's
+daemon killed with -9 (its workers die with it) is replaced by the spare at
+once, in the lost node's group rank, at the same world size: the job never
+runs on fewer nodes, and finishes.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from test_multinode import (  # noqa: F401 (etcd, make_cluster: fixtures)
+    LEASE_TTL, check_envs, etcd, events, local_rows, make_cluster, rank_log, running_on,
+    state_moves, status, submit, wait_done, wait_for)
+
+pytestmark = pytest.mark.slow   # a 2-node job trained through two faults: most of a minute
+
+STEPS = 600          # 0.05 s each: the job outlives both faults on a loaded machine
+
+
+def standing_by(d, job: str) -> list[str]:
+    return status(d, job).get("spare_nodes", [])
+
+
+def members(d, job: str) -> set[str]:
+    return {w["node_id"] for w in status(d, job).get("workers", [])
+            if w["state"] == "running"}
+
+
+def test_a_spare_stands_by_and_takes_a_lost_members_place_at_the_same_world_size(
+        make_cluster):
+    c = make_cluster(3)
+    job = submit(c["n1"], "--nnodes", "2:2", "--spares", "1", "--max-restarts", "3",
+                 cmd=c.train_cmd("spare", "--steps", str(STEPS), "--step-time", "0.05",
+                                 "--checkpoint-every", "10", "--log-every", "1000"))
+    running_on(c["n1"], job, 2)
+    spare = wait_for(lambda: standing_by(c["n1"], job), 60, "a node standing by")
+    assert len(spare) == 1, spare
+    spare = spare[0]
+    first = members(c["n1"], job)
+    assert spare not in first and len(first) == 2, (spare, first)
+    st = status(c[spare], job)
+    assert st["spares"] == 1
+    assert "standing by as a spare node" in st["reason"], st["reason"]
+    assert not local_rows(c[spare], job), "a spare runs no ranks"
+    nodes = c["n1"].ctl("nodes").stdout
+    assert f"{job} (spare)" in nodes, nodes
+    # its worker template warms while it stands by: what a takeover starts from
+    wait_for(lambda: status(c[spare], job).get("template_state") == "ready", 90,
+             "the spare's worker template to be ready", interval=0.3)
+
+    # A worker fault: the round after it has three nodes for two places; the members
+    # rejoin first and keep them, the spare stands by again.
+    node_of = {int(e["RANK"]): e["ELASTICD_NODE_ID"] for e in c.envs(job)}
+    wait_for(lambda: "FIRST_STEP" in rank_log(c[node_of[0]], job, 0), 90, "the first step",
+             interval=0.3)
+    victim_rank = 1
+    row = local_rows(c[node_of[victim_rank]], job)[0]
+    os.kill(row["pid"], 9)
+    wait_for(lambda: (status(c["n1"], job)["round"] >= 2 and members(c["n1"], job) == first
+                      and status(c["n1"], job)["state"] == "RUNNING"), 60,
+             "the job running again on its two members", interval=0.3)
+    wait_for(lambda: standing_by(c["n1"], job) == [spare], 30, "the spare standing by again",
+             interval=0.3)
+    assert c.envs(job) and {e["ELASTICD_NODE_ID"] for e in c.envs(job)} == first
+
+    # A member node lost: kill -9 of a member's daemon; asked from another node.
+    envs = c.envs(job)
+    node_of = check_envs(envs, job, nodes=2, nproc=1)
+    lost = max(first)
+    asked = min({"n1", "n2", "n3"} - {lost})
+    lost_rank = next(int(e["GROUP_RANK"]) for e in envs if e["ELASTICD_NODE_ID"] == lost)
+    rnd = int(envs[0]["ELASTICD_ROUND"])
+    wait_for(lambda: "FIRST_STEP" in rank_log(c[node_of[0]], job, 0), 90,
+             "a step of the restarted round", interval=0.3)
+    c.remember_children()
+    t0 = time.monotonic()
+    c[lost].kill()
+    took = wait_for(lambda: [e for e in c.envs(job) if int(e["ELASTICD_ROUND"]) > rnd
+                             and e["ELASTICD_NODE_ID"] == spare], 30 + LEASE_TTL,
+                    "the spare to start ranks")
+    print(f"spare {spare} started group rank {took[0]['GROUP_RANK']} "
+          f"{time.monotonic() - t0:.2f}s after kill -9 of {lost}")
+    final = wait_done(c[asked], job, 150)
+    assert final["state"] == "SUCCEEDED", final
+    envs = c.envs(job)
+    assert {e["ELASTICD_NODE_ID"] for e in envs} == (first - {lost}) | {spare}
+    node_of = check_envs(envs, job, nodes=2, nproc=1)
+    assert int(next(e for e in envs if e["ELASTICD_NODE_ID"] == spare)["GROUP_RANK"]) \
+        == lost_rank, "the spare takes the lost node's group rank; the survivor keeps its own"
+    log = rank_log(c[node_of[0]], job, 0)
+    assert f"done: {STEPS} steps, world size 2, all_reduce check ok" in log, log[-3000:]
+    # never on fewer nodes: every round of the job ran on two
+    moves = state_moves(events(c[asked], job))
+    runs = [why for _, to, why in moves if to == "RUNNING"]
+    assert runs and all("of 2 on 2 node(s)" in why for why in runs), moves
+    said = [e.get("reason", "") for e in events(c[spare], job) if e["kind"] == "spare"]
+    assert any("standing by as a spare node" in s for s in said), said
+    assert any("this spare node takes group rank" in s and lost in s for s in said), said
