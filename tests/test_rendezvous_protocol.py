@@ -535,3 +535,45 @@ def test_a_spare_gone_is_not_waited_for():
     new, why = decide_open_round(state, joins("a", prev={"a": 0}), limits, RoundClock(), 10.0,
                                  last_round={"a"})
     assert new is not None and new.member_ids() == ["a"], why
+
+
+def test_a_job_is_adopted_up_to_its_max_nodes_plus_its_spares():
+    from elasticd.cluster.dispatch import eligible
+    from elasticd.jobs.spec import JobSpec
+    members = (Member("a", "x", 1, 1), Member("b", "y", 1, 2))
+    running = RoundState(round=1, status=CLOSED, members=members)
+    plain = JobSpec(id="j", command=("true",), cwd="/", uid=0, gid=0, max_nodes=2)
+    spared = JobSpec(id="j", command=("true",), cwd="/", uid=0, gid=0, max_nodes=2, spares=1)
+    ok, why = eligible(plain, running, 2, "c", 4, False, 0)
+    assert not ok and "max nodes" in why
+    assert eligible(spared, running, 2, "c", 4, False, 0) == (True, "")
+    # a spare already stands by (its join of the closed round)
+    ok, why = eligible(spared, running, 3, "d", 4, False, 0)
+    assert not ok and "its 1 spare(s)" in why
+    ok, _ = eligible(spared, RoundState(round=1, status=OPEN), 3, "d", 4, False, 0)
+    assert not ok
+    assert eligible(spared, RoundState(round=1, status=OPEN), 2, "c", 4, False, 0)[0]
+
+
+def test_spares_are_checked_alike_in_a_submission_and_in_a_signed_spec():
+    from elasticd.config import ControlSettings
+    from elasticd.control import validation
+    from elasticd.errors import InvalidArgument
+    from elasticd.jobs.spec import JobSpec
+    from elasticd.trust import clusterkey
+    from elasticd.trust.specs import SpecCodec
+    from elasticd.v1 import control_pb2 as pb
+    limits = ControlSettings()
+    got = validation.submit_request(pb.SubmitRequest(command=["true"], cwd="/", spares=2),
+                                    limits)
+    assert got.spares == 2
+    assert validation.submit_request(pb.SubmitRequest(command=["true"], cwd="/"),
+                                     limits).spares is None   # the cluster's default
+    for bad in (-1, limits.max_spares + 1):
+        with pytest.raises(InvalidArgument, match="spares"):
+            validation.submit_request(pb.SubmitRequest(command=["true"], cwd="/", spares=bad),
+                                      limits)
+    codec = SpecCodec(clusterkey.ephemeral(), limits)
+    spec = JobSpec(id="j1", command=("true",), cwd="/", uid=1000, gid=1000, max_nodes=2,
+                   spares=1, submitted_on="n1")
+    assert codec.open("j1", json.dumps(codec.seal(spec))).spares == 1

@@ -87,11 +87,8 @@ class Agent:
                                    self._place.group_spec, self._where)
         rendezvous.ready_to_join = self._join_gate.ready
         # A spare node of the job, at its max nodes, stands by (agent/standby.py).
-        self._standby = Standby(job_id, cfg.daemon.node_id, registry, (
-            lambda: quarantine().drained) if quarantine is not None else None, metrics,
-            self._where)
-        rendezvous.may_stand_by, rendezvous.on_standby = (self._standby.may_stand_by,
-                                                          self._standby.began)
+        self._standby = Standby(job_id, cfg.daemon.node_id, registry, rendezvous, quarantine,
+                                metrics, self._where)
         self._group: WorkerGroup | None = None    # the running attempt's workers
         self._recovery = Recovery(job_id, cfg, registry, metrics)  # the ladder's record
         # What the running attempt did (beats, phases, hangs: agent/attempt.py), for the
@@ -181,8 +178,7 @@ class Agent:
                 self.wake.wait(self._cfg.membership.watch_retry)
                 continue
             self._join_gate.joined()
-            if self._rdzv.was_spare:
-                self._standby.took(result)
+            self._standby.joined(result)
             self._round_state = result.state or self._round_state
             state = self._round_state
             job = self._registry.update(

@@ -17,25 +17,30 @@ from typing import Callable
 
 from ..jobs.registry import JobRegistry
 from ..rendezvous.protocol import Result, RoundState
+from ..rendezvous.round import ClusterRendezvous
 
 log = logging.getLogger("elasticd.agent.loop")  # the agent's lines, as they always were
 
 
 class Standby:
     def __init__(self, job_id: str, node_id: str, registry: JobRegistry,
-                 drained: Callable[[], frozenset] | None, metrics=None,
+                 rendezvous: ClusterRendezvous, quarantine=None, metrics=None,
                  where: Callable[[int], str] = str):
         self.job_id = job_id
         self._node_id = node_id
         self._registry = registry
-        self._drained = drained       # () -> the nodes with a drain mark, or None
+        self._rdzv = rendezvous
+        # () -> cluster/faults.NodeQuarantine (its ``drained``: the nodes with a drain
+        # mark), or None (a standalone daemon)
+        self._quarantine = quarantine
         self._metrics = metrics
         self._where = where
         self._withdrawn = False       # said once while drained
+        rendezvous.may_stand_by, rendezvous.on_standby = self.may_stand_by, self.began
 
     def may_stand_by(self) -> bool:
         """Not while this node carries a drain mark (draining, or quarantined)."""
-        drained = self._drained() if self._drained is not None else frozenset()
+        drained = self._quarantine().drained if self._quarantine is not None else frozenset()
         if self._node_id not in drained:
             self._withdrawn = False
             return True
@@ -56,8 +61,12 @@ class Standby:
         self._say(state.round, why)
         self._gauge(True)
 
-    def took(self, result: Result) -> None:
-        """A round took this node from standing by (after next_round returned it)."""
+    def joined(self, result: Result) -> None:
+        """next_round returned ``result``: said if it took this node from standing by."""
+        if self._rdzv.was_spare:
+            self._took(result)
+
+    def _took(self, result: Result) -> None:
         place = result.place
         last = place.rank_offset + self._nproc() - 1
         state = result.state

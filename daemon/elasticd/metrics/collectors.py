@@ -35,6 +35,7 @@ class JobCollector:
         budget_used = 0.0
         stragglers: list[tuple[str, dict]] = []
         templates: list[int] = []
+        standing = self._metrics.spare_job_ids()   # a spare waits by design: no stall
         for job_id in live:
             try:
                 job = self._jobs.get(job_id)
@@ -42,7 +43,7 @@ class JobCollector:
                 continue
             state = job.state.value
             by_state[state] += 1
-            if job.state in LIVE_STATES:
+            if job.state in LIVE_STATES and job_id not in standing:
                 oldest[state] = max(oldest[state], now - job.state_since)
                 if job.max_restarts > 0:
                     budget_used = max(budget_used, job.restarts / job.max_restarts)

@@ -192,6 +192,10 @@ class Metrics:
             (self._standing.add if standing else self._standing.discard)(job_id)
             self.spare_jobs.set(len(self._standing))
 
+    def spare_job_ids(self) -> frozenset:
+        with self._lock:
+            return frozenset(self._standing)
+
     def spare_taken(self) -> None:
         self.spare_takeovers.inc()
 
