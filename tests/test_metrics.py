@@ -412,3 +412,19 @@ def test_endpoint_can_be_turned_off_and_on():
     finally:
         on.stop()
     assert on.port == 0
+
+
+def test_a_job_a_spare_stands_by_for_counts_as_a_spare_not_as_a_stalled_rendezvous(tmp_path):
+    from elasticd.metrics.collectors import JobCollector
+    registry, m, job = _metrics_on_registry(tmp_path)
+    registry.transition(job, JobState.RENDEZVOUS, "round 1")
+    registry.update(job, state_since=time.time() - 600)   # ten minutes standing by
+    m.registry.register(JobCollector(registry, None, m))
+    m.spare_standing(job, True)
+    assert _value(m, "elasticd_node_spare_jobs") == 1
+    assert _value(m, "elasticd_job_state_max_age_seconds", state="RENDEZVOUS") == 0
+    m.spare_standing(job, False)   # taken: its ranks start
+    m.spare_taken()
+    assert _value(m, "elasticd_node_spare_jobs") == 0
+    assert _value(m, "elasticd_spare_takeovers_total") == 1
+    assert _value(m, "elasticd_job_state_max_age_seconds", state="RENDEZVOUS") >= 600
