@@ -8,6 +8,8 @@ on gloo, one rank per node, ``--nnodes 3:3`` so the world size stays 3, no disk
 checkpoint within reach. n3's buddy (n1, next in the ring) keeps n3's newest grid
 step (snapshot.pin_every); once n4 holds n3's rank, n1 forwards it there, and the
 survivors still hold that grid step in their pin slots: every rank restores it.
+The same with n4 standing by as the job's spare node (issue 36) before n3 is lost:
+it takes n3's ranks at once and restores them the same way.
 """
 from __future__ import annotations
 
@@ -56,6 +58,24 @@ def _weights(d: DaemonProc, job_id: str) -> str:
 
 
 def test_a_lost_nodes_ranks_restore_from_the_buddys_replica_bit_for_bit():
+    _lose_a_node(spare=False)
+
+
+def test_a_spare_takes_the_lost_nodes_ranks_and_restores_them_from_the_buddys_replica():
+    """n4 stands by as the job's spare (``--spares 1``) before n3 is lost: it takes n3's
+    ranks in the next round at once and restores them from n3's replica."""
+    _lose_a_node(spare=True)
+
+
+def _spares(d: DaemonProc, job_id: str) -> list:
+    return list(d.job(job_id).spare_nodes)
+
+
+def _lose_a_node(spare: bool) -> None:
+    # A spare must stand by (its daemon up, the job adopted) before the kill: the
+    # job trains slower so that it is still short of its end then.
+    train = TRAIN if not spare else (*TRAIN[:-1], "0.25")
+    assert TRAIN[-2] == "--step-time"
     with EtcdServer() as etcd:
         prefix = f"/s32lost-{os.getpid()}"
         nodes: dict[str, DaemonProc] = {}
@@ -72,17 +92,24 @@ def test_a_lost_nodes_ranks_restore_from_the_buddys_replica_bit_for_bit():
             n1 = nodes["n1"]
 
             def submit(*args: str) -> str:
-                r = n1.ctl("submit", *args, "--", sys.executable, "-u", *TRAIN)
+                r = n1.ctl("submit", *args, "--", sys.executable, "-u", *train)
                 assert r.returncode == 0, r.stderr
                 return r.stdout.strip()
 
-            hit = submit("--nnodes", "3:3", "--max-restarts", "3")
+            hit = submit("--nnodes", "3:3", "--max-restarts", "3",
+                         *(("--spares", "1") if spare else ()))
             # The same job on one node, three ranks, nothing happening to it.
             calm = submit("--nnodes", "1", "--nproc-per-node", "3", "--nodes", "n2",
                           "--max-restarts", "0")
             t0 = time.monotonic()
-            wait_for(lambda: _logged_step(n1, hit) >= KILL_AFTER, 120,
-                     f"rank 0 of the 3-node job past step {KILL_AFTER}", nodes)
+            kill_after = KILL_AFTER
+            if spare:
+                wait_for(lambda: _logged_step(n1, hit) >= 1, 120, "the first step", nodes)
+                add("n4")
+                wait_for(lambda: _spares(n1, hit) == ["n4"], 60, "n4 standing by", nodes)
+                kill_after = max(PIN + 1, _logged_step(n1, hit))
+            wait_for(lambda: _logged_step(n1, hit) >= kill_after, 120,
+                     f"rank 0 of the 3-node job past step {kill_after}", nodes)
             lost = nodes["n3"]
             lost.kill()
             kill_process_tree_of(worker_pids_under(lost.state_dir))   # its workers die too
@@ -90,8 +117,8 @@ def test_a_lost_nodes_ranks_restore_from_the_buddys_replica_bit_for_bit():
                      "n3's workers gone with it", nodes)
             shutil.rmtree(lost.snapshot_dir, ignore_errors=True)       # its memory is lost
             t1 = time.monotonic()
-            n4 = add("n4")                                             # an empty node in its place
-            print(f"cluster + job to step {KILL_AFTER}: {t1 - t0:.1f} s; n4 up "
+            n4 = nodes["n4"] if spare else add("n4")                  # an empty node in its place
+            print(f"cluster + job to step {kill_after}: {t1 - t0:.1f} s; n4 up "
                   f"{time.monotonic() - t1:.1f} s after the kill")
             for job_id, where in ((hit, n1), (calm, nodes["n2"])):
                 job = n1.wait_job(job_id, timeout=180)
@@ -103,14 +130,14 @@ def test_a_lost_nodes_ranks_restore_from_the_buddys_replica_bit_for_bit():
             attempt, step, source = starts[-1]
             # Every rank went on from a grid step the replica holds, not from scratch.
             assert source == "a snapshot in memory" and int(step) > 0 and int(step) % PIN == 0 \
-                and int(step) <= KILL_AFTER + 10, starts
+                and int(step) <= kill_after + 10, starts
             restored = re.findall(r"^RESTORED rank=2 step=(\d+) source=(\w+) in [\d.]+ s$",
                                   n4.rank_log(hit, 2), re.M)
             assert restored == [(step, "peer")], n4.rank_log(hit, 2)[-2000:]
             assert re.search(r"forwarded to node n4", n1.log()), n1.log()[-3000:]
             assert _weights(n1, hit) == _weights(nodes["n2"], calm)
             took = re.search(r"^RESTORED rank=2 .* in ([\d.]+) s$", n4.rank_log(hit, 2), re.M)
-            print(f"n3 killed after step {KILL_AFTER}+; every rank went on from step {step}, "
+            print(f"n3 killed after step {kill_after}+; every rank went on from step {step}, "
                   f"rank 2 on n4 from n3's replica forwarded by n1, its restore (the wait "
                   f"included) {took.group(1)} s")
         finally:
