@@ -577,3 +577,27 @@ def test_spares_are_checked_alike_in_a_submission_and_in_a_signed_spec():
     spec = JobSpec(id="j1", command=("true",), cwd="/", uid=1000, gid=1000, max_nodes=2,
                    spares=1, submitted_on="n1")
     assert codec.open("j1", json.dumps(codec.seal(spec))).spares == 1
+
+
+def test_a_spec_signed_before_spares_existed_still_opens_and_cannot_gain_them():
+    """A spec an older release sealed has no ``spares`` (its MAC covers the rest): it
+    opens with none; adding the field to it breaks its signature."""
+    import hmac as hmac_mod
+    from hashlib import sha256
+    from elasticd.config import ControlSettings
+    from elasticd.jobs.spec import JobSpec
+    from elasticd.trust import clusterkey
+    from elasticd.trust import specs as specs_mod
+    from elasticd.trust.rejections import RejectReason, SpecRejected
+    keys = clusterkey.ephemeral()
+    codec = specs_mod.SpecCodec(keys, ControlSettings())
+    old = codec.seal(JobSpec(id="j1", command=("true",), cwd="/", uid=1000, gid=1000,
+                             max_nodes=2, submitted_on="n1"))
+    del old["spares"], old["mac"]
+    fields = [f for f in specs_mod.SIGNED_FIELDS if f != "spares"]
+    old["mac"] = hmac_mod.new(keys.mac, specs_mod._MAC_LABEL + specs_mod._canonical(
+        [old[f] for f in fields]), sha256).hexdigest()
+    assert codec.open("j1", json.dumps(old)).spares == 0
+    with pytest.raises(SpecRejected) as refused:
+        codec.open("j1", json.dumps({**old, "spares": 5}))
+    assert refused.value.rejection.reason is RejectReason.BAD_SIGNATURE

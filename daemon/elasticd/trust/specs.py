@@ -19,7 +19,8 @@ cluster key (trust/clusterkey.py):
 
 * ``open``: the other way round, refusing with a typed ``Rejection`` (a
   bounded ``RejectReason``) anything that is not exactly that: unknown or
-  missing fields, a MAC that does not match (any field changed), a spec
+  missing fields (but ``spares``, which a spec sealed before it existed
+  lacks and its MAC does not cover: read as 0), a MAC that does not match (any field changed), a spec
   stored under another job's key (replay), a ciphertext that does not open,
   then the same checks as a local submission (``JobSpec.from_wire``,
   jobs/spec.py), which makes the typed ``JobSpec`` every other module reads.
@@ -65,6 +66,10 @@ SECRET_FIELDS = ("command", "env")
 MAX_STORED = 4 << 20   # bytes of a stored spec (control's limits keep a real one far below)
 SIGNED_FIELDS = ("format", *CLEAR_FIELDS, "sealed")
 _STORED = frozenset(SIGNED_FIELDS) | {"mac"}
+# Fields a spec from an older release lacks (its MAC is over the rest): read as their
+# defaults, so the jobs submitted before an upgrade stay adoptable and shown.
+_ADDED = frozenset({"spares"})
+_DEFAULTS = {"spares": 0}
 
 
 def _canonical(values) -> bytes:
@@ -100,8 +105,8 @@ class SpecCodec:
         return record
 
     def _mac(self, record: dict) -> str:
-        return hmac.new(self._mac_key, _MAC_LABEL + _canonical([record[f] for f in
-                                                                 SIGNED_FIELDS]),
+        signed = [f for f in SIGNED_FIELDS if f in record or f not in _ADDED]
+        return hmac.new(self._mac_key, _MAC_LABEL + _canonical([record[f] for f in signed]),
                         sha256).hexdigest()
 
     # -- reading -------------------------------------------------------------
@@ -119,7 +124,7 @@ class SpecCodec:
             raise reject(RejectReason.UNSIGNED, "the spec carries no signature of the cluster "
                          "key (written by something other than an elasticd daemon of this "
                          "cluster, or by an older one)")
-        if set(record) != _STORED:
+        if set(record) != _STORED and set(record) != _STORED - _ADDED:
             extra, missing = sorted(set(record) - _STORED), sorted(_STORED - set(record))
             raise reject(RejectReason.MALFORMED, f"unexpected fields {extra[:5]}, missing "
                          f"{missing[:5]}")
@@ -140,7 +145,7 @@ class SpecCodec:
             secret = decode(self._aead.decrypt(raw[:_NONCE], raw[_NONCE:],
                                                _AAD_LABEL + job_id.encode()),
                             max_bytes=MAX_STORED)
-            spec = {**{f: record[f] for f in CLEAR_FIELDS},
+            spec = {**_DEFAULTS, **{f: record[f] for f in CLEAR_FIELDS if f in record},
                     **{f: secret[f] for f in SECRET_FIELDS}}
         except (InvalidTag, binascii.Error, ValueError, TypeError, KeyError):
             raise reject(RejectReason.UNDECRYPTABLE, "its secret fields do not decrypt",
