@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 from dataclasses import dataclass
 
 from ..workers import snapshot_format as fmt
@@ -35,7 +34,6 @@ from .messages import is_node_id
 MAX_ORIGINS = 64
 MAX_FILES = 4096
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_SLOT_FILE = re.compile(r"rank(0|[1-9][0-9]{0,8})\.(%s)" % "|".join(fmt.ALL_SLOTS))
 
 
 @dataclass(frozen=True)
@@ -122,7 +120,7 @@ def _from_origin(plan: ForwardPlan, me: str, origin: str, fd: int) -> list[Forwa
     out = []
     with contextlib.suppress(OSError):
         for name in _listed(fd, MAX_FILES):
-            m = _SLOT_FILE.fullmatch(name)
+            m = fmt.SLOT_FILE.fullmatch(name)
             if m is None:
                 continue
             rank = int(m.group(1))

@@ -45,6 +45,9 @@ SLOTS = ("a", "b")           # the pair of saves off the pin grid
 PIN_SLOTS = ("p0", "p1")     # the pair of saves on it
 ALL_SLOTS = SLOTS + PIN_SLOTS
 SLOT_NAME = "rank{rank}.{slot}"
+# fullmatch: a slot file's name (rank, slot); the one pattern the library, the
+# daemon's status reader and the replica forwarder all take a slot file by
+SLOT_FILE = re.compile(r"rank(0|[1-9][0-9]{0,8})\.(%s)" % "|".join(ALL_SLOTS))
 
 # magic, version, state, rank, world_size, step, saved_at_ns, meta_len, data_len, crc32
 _LAYOUT = struct.Struct("<8sIIiiqqQQ")

@@ -17,7 +17,6 @@ snapshot's replica is, as the buddy acknowledged it (replication/pusher.py recor
 from __future__ import annotations
 
 import os
-import re
 import stat
 from dataclasses import dataclass, replace
 
@@ -25,7 +24,6 @@ from . import files as workerfiles
 from . import snapshot_format as fmt
 from ..values import BadValue, decode
 
-SLOT_FILE = re.compile(r"rank(\d{1,9})\.(a|b|p0|p1)\Z")
 
 
 def scan_limit(nproc: int) -> int:
@@ -99,7 +97,7 @@ def read_dir(path: str, uid: int, max_entries: int) -> DirSnapshots | None:
                 if not stat.S_ISREG(st.st_mode):
                     continue
                 held += st.st_blocks * 512
-                m = SLOT_FILE.match(entry.name)
+                m = fmt.SLOT_FILE.fullmatch(entry.name)
                 if m is None:
                     c = fmt.COSTS_FILE.fullmatch(entry.name)
                     got = c and _costs(os.path.join(path, entry.name), uid)
