@@ -381,13 +381,14 @@ def run_elasticd3(run: Run, a, work: str, faults: Faults, etcd) -> None:
 
         def node_fault(rng) -> None:
             live = [d for d in nodes if d is not home and d.proc and d.proc.poll() is None]
-            if a.spares:  # a member (its own word), never a spare: that is what spares are for
-                members = [d for d in live if runs_ranks(d, job_id)]
-                d = rng.choice(members or live)
+            if a.spares:  # a member, never a spare: that is what spares are for
                 try:
                     standing = list(home.job(job_id).spare_nodes)
                 except Exception:  # busy: said as unknown
                     standing = ["?"]
+                members = [d for d in live if d.node_id not in standing
+                           and runs_ranks(d, job_id)]
+                d = rng.choice(members or live)
                 print(f"    node fault at +{time.time() - t0:.1f} s: kill -9 {d.node_id} "
                       f"({'a member' if d in members else 'NO MEMBER FOUND: a live node'}); "
                       f"standing by: {', '.join(standing) or 'none'}", flush=True)
@@ -426,10 +427,11 @@ def run_elasticd3(run: Run, a, work: str, faults: Faults, etcd) -> None:
 
 
 def runs_ranks(d, job_id: str) -> bool:
-    """Whether node ``d`` runs ranks of the job now, by its own daemon's word."""
+    """Whether node ``d`` runs ranks of the job now: its own daemon's worker records, each
+    pid alive (a daemon restarted after kill -9 still lists its dead workers as running)."""
     try:
         return any(w.node_id == d.node_id and w.pid > 0 and w.state == "running"
-                   for w in d.job(job_id).workers)
+                   and psutil.pid_exists(w.pid) for w in d.job(job_id).workers)
     except Exception:  # busy or gone: not a member we can tell
         return False
 
