@@ -71,6 +71,15 @@ Launchers:
                  last call, the setting of torch's that matches ours
 Rank 0 stays on n1 / agent 0 throughout, whose log is read.
 
+``--nodes 3 --spares 1``: one node more, as a spare: 4 daemons (agents), the
+job ``--nnodes 3:3`` (elasticd: ``--spares 1``, the 4th daemon stands by; torchrun:
+the 4th agent waits for a re-rendezvous), the same seeded faults; a node fault
+kills a node that runs ranks (never the spare, never rank 0's), which comes back
+``--node-down`` s later and stands by in its turn. Default launchers elasticd-snap
+and torchrun-c10d-lc2; rank 0 stays on the node the first round gave it (read from
+the daemons), and each node fault and the world sizes rank 0 ran at are printed
+(a spare's point: never below 3).
+
 Printed per launcher: steps without and with faults, goodput, restarts,
 faults injected, the mean time from a kill to the first training step after
 it (the worker's FIRST_STEP line; same clock), and the steps lost to
@@ -107,6 +116,7 @@ LAUNCHERS = ("torchrun", "torchrun-snap", "elasticd", "elasticd-snap")
 LAUNCHERS_MORE = ("elasticd-old",)  # named with --launchers only
 LAUNCHERS3 = ("torchrun-c10d", "torchrun-c10d-lc2", "elasticd", "elasticd-lastcall")
 LAUNCHERS3_MORE = ("elasticd-snap",)  # named with --launchers only
+LAUNCHERS3_SPARE = ("elasticd-snap", "torchrun-c10d-lc2")  # --spares 1's default
 # The rounds of a job across nodes before the 3-node follow-up of issue 22, by
 # settings: rank 0 hosts MASTER_PORT's store (others retry a refused connect), and a
 # round after a fault waits the last call (or the lease) for a member that died.
@@ -336,9 +346,9 @@ def run_elasticd3(run: Run, a, work: str, faults: Faults, etcd) -> None:
     root = tempdir("edg3-")
     prefix = f"/goodput-{os.getpid()}-{time.monotonic_ns()}"
     env = LASTCALL_POLICY if run.launcher == "elasticd-lastcall" else {}
-    nodes = [DaemonProc(os.path.join(root, n), node_id=n, etcd=etcd.url, slots=2,
-                        extra_args=("--etcd-prefix", prefix), env=env)
-             for n in ("n1", "n2", "n3")]
+    nodes = [DaemonProc(os.path.join(root, f"n{i}"), node_id=f"n{i}", etcd=etcd.url,
+                        slots=2, extra_args=("--etcd-prefix", prefix), env=env)
+             for i in range(1, 4 + a.spares)]
     back = NodeBack(a.node_down)
     for d in nodes:
         os.makedirs(d.root, exist_ok=True)
@@ -348,24 +358,42 @@ def run_elasticd3(run: Run, a, work: str, faults: Faults, etcd) -> None:
     try:
         ckpt = os.path.join(work, f"ckpt-{run.launcher}-{int(run.faults)}")
         t0 = time.time()
-        res = n1.ctl("submit", "--nnodes", "2:3", "--max-restarts-per-window", "100", "--",
+        shape = ("--nnodes", "3:3", "--spares", str(a.spares)) if a.spares \
+            else ("--nnodes", "2:3")
+        res = n1.ctl("submit", *shape, "--max-restarts-per-window", "100", "--",
                      sys.executable, "-m", "elasticd.examples.train",
                      *train_args(ckpt, run.launcher),
                      env=torchrun_env())
         if res.returncode != 0:
             raise RuntimeError(f"submit failed: {res.stderr}")
         job_id = res.stdout.strip()
-        log0 = os.path.join(n1.state_dir, "logs", job_id, "rank-0.log")
+        # Rank 0's node, whose log is read and which is never killed: n1, or with spares
+        # whichever node the first round put rank 0 on (the others may stand by first).
+        home = rank0_node(nodes, job_id, t0 + 300) if a.spares else n1
+        log0 = os.path.join(home.state_dir, "logs", job_id, "rank-0.log")
 
         def workers():
             try:
-                job = n1.job(job_id)
-            except Exception:  # n1 busy: try at the next tick
+                job = home.job(job_id)
+            except Exception:  # busy: try at the next tick
                 return []
             return [w.pid for w in job.workers if w.state == "running" and w.pid > 0]
 
         def node_fault(rng) -> None:
-            d = rng.choice([d for d in nodes[1:] if d.proc and d.proc.poll() is None])
+            live = [d for d in nodes if d is not home and d.proc and d.proc.poll() is None]
+            if a.spares:  # a member, never a spare: that is what spares are for
+                try:
+                    standing = list(home.job(job_id).spare_nodes)
+                except Exception:  # busy: said as unknown
+                    standing = ["?"]
+                members = [d for d in live if d.node_id not in standing
+                           and runs_ranks(d, job_id)]
+                d = rng.choice(members or live)
+                print(f"    node fault at +{time.time() - t0:.1f} s: kill -9 {d.node_id} "
+                      f"({'a member' if d in members else 'NO MEMBER FOUND: a live node'}); "
+                      f"standing by: {', '.join(standing) or 'none'}", flush=True)
+            else:
+                d = rng.choice(live)
             own_tree(d.proc.pid)
             d.kill()
             if run.launcher.endswith("-snap"):   # the node's memory goes with it
@@ -374,11 +402,15 @@ def run_elasticd3(run: Run, a, work: str, faults: Faults, etcd) -> None:
 
         faults.drive(run, t0, a.duration, workers, log0, node_fault, back.tick)
         text = read_text(log0)
-        job = n1.job(job_id)
+        if a.spares:  # the point of a spare: the job never runs with fewer nodes
+            sizes = [int(w) for w in re.findall(r"^attempt \d+: world size (\d+)", text, re.M)]
+            print(f"    {run.launcher}: {len(sizes)} attempts, world sizes "
+                  f"{sorted(set(sizes))}, {sum(1 for w in sizes if w < 3)} below 3", flush=True)
+        job = home.job(job_id)
         run.restarts = job.restarts
         if run.faults:
             from elasticd.v1 import control_pb2 as pb
-            evs = n1.events(job_id)
+            evs = home.events(job_id)
             if a.verbose:
                 show_timeline(t0, run, evs, text, pb)
             print(f"  {run.launcher}, per fault:")
@@ -394,6 +426,30 @@ def run_elasticd3(run: Run, a, work: str, faults: Faults, etcd) -> None:
         kill_owned()
 
 
+def runs_ranks(d, job_id: str) -> bool:
+    """Whether node ``d`` runs ranks of the job now: its own daemon's worker records, each
+    pid alive (a daemon restarted after kill -9 still lists its dead workers as running)."""
+    try:
+        return any(w.node_id == d.node_id and w.pid > 0 and w.state == "running"
+                   and psutil.pid_exists(w.pid) for w in d.job(job_id).workers)
+    except Exception:  # busy or gone: not a member we can tell
+        return False
+
+
+def rank0_node(nodes: list, job_id: str, deadline: float):
+    """The node whose daemon runs the job's rank 0 (once the first round started it)."""
+    while time.time() < deadline:
+        for d in nodes:
+            try:
+                if any(w.rank == 0 and w.node_id == d.node_id and w.pid > 0
+                       for w in d.job(job_id).workers):
+                    return d
+            except Exception:  # not answering yet
+                pass
+        time.sleep(0.2)
+    raise TimeoutError("no node ran rank 0 of the job in time")
+
+
 def run_torchrun3(run: Run, a, work: str, faults: Faults, etcd) -> None:
     from etcd_server import free_port
     from common import own, own_tree
@@ -401,14 +457,16 @@ def run_torchrun3(run: Run, a, work: str, faults: Faults, etcd) -> None:
     ckpt = os.path.join(work, f"ckpt-{run.launcher}-{int(run.faults)}")
     port = free_port()
     run_id = f"gp{os.getpid()}{time.monotonic_ns() % 10**8}"
-    cmd = [*torchrun_bin(), "--nnodes", "2:3", "--nproc-per-node", "1", "--rdzv-backend",
+    n = 3 + a.spares   # with spares: --nnodes 3:3, the extra agents wait (torch's spares)
+    cmd = [*torchrun_bin(), "--nnodes", "3:3" if a.spares else "2:3", "--nproc-per-node", "1",
+           "--rdzv-backend",
            "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id,
            "--max-restarts", "100", "--monitor-interval", "0.1",
            *(["--rdzv-conf", "last_call_timeout=2"] if run.launcher.endswith("-lc2") else []),
            "-m", "elasticd.examples.train", *train_args(ckpt)]
     env = dict(torchrun_env(), PYTHONUNBUFFERED="1")
-    agents: list = [None, None, None]
-    logs = [os.path.join(root, f"agent{i}.log") for i in range(3)]
+    agents: list = [None] * n
+    logs = [os.path.join(root, f"agent{i}.log") for i in range(n)]
     back = NodeBack(a.node_down)
 
     def start(i: int) -> None:
@@ -419,7 +477,7 @@ def run_torchrun3(run: Run, a, work: str, faults: Faults, etcd) -> None:
 
     t0 = time.time()
     try:
-        for i in range(3):
+        for i in range(n):
             start(i)
             if i == 0:  # the first agent hosts the c10d store: let it bind
                 deadline = time.monotonic() + 60
@@ -437,11 +495,13 @@ def run_torchrun3(run: Run, a, work: str, faults: Faults, etcd) -> None:
                 return []
 
         def workers():
-            return [pid for i in range(3) if agents[i].poll() is None for pid in trainers(i)]
+            return [pid for i in range(n) if agents[i].poll() is None for pid in trainers(i)]
 
         def node_fault(rng) -> None:
-            # Never agent 0: it hosts the c10d store (without it torchrun cannot go on).
-            i = rng.choice([i for i in (1, 2) if agents[i].poll() is None])
+            # Never agent 0: it hosts the c10d store (without it torchrun cannot go on);
+            # with spares, one that runs ranks (not one waiting).
+            live = [i for i in range(1, n) if agents[i].poll() is None]
+            i = rng.choice(([i for i in live if trainers(i)] or live) if a.spares else live)
             own_tree(agents[i].pid)
             doomed = tree(agents[i].pid)
             kill_procs(doomed)
@@ -500,8 +560,8 @@ def show_timeline(t0: float, run: Run, events, log0: str, pb) -> None:
 
 def report(runs: list[Run], launchers: list[str], a) -> None:
     where = ("1 node" if a.nodes == 1 else
-             f"3 nodes, every {a.node_every}th fault a node's daemon/agent (back after "
-             f"{a.node_down:g} s)")
+             f"3 nodes{spare_words(a)}, every {a.node_every}th fault a node's daemon/agent "
+             f"(back after {a.node_down:g} s)")
     print(f"\n== goodput: {a.duration:g} s per run, a random worker SIGKILLed every "
           f"{a.fault_every:g} s; {where} ==")
     rows = []
@@ -524,6 +584,8 @@ def report(runs: list[Run], launchers: list[str], a) -> None:
     emit_table_rows(rows, good, a)
     if a.nodes == 1:
         goals = (("elasticd-snap", 97, "torchrun"), ("elasticd", 90, "torchrun"))
+    elif a.spares:
+        goals = (("elasticd-snap", 95, "torchrun-c10d"),)
     else:
         goals = (("elasticd", 85, "torchrun-c10d"), ("elasticd-snap", 95, "torchrun-c10d"))
     for ours, goal, theirs in goals:
@@ -534,6 +596,11 @@ def report(runs: list[Run], launchers: list[str], a) -> None:
               f"{'PASS' if good[ours] >= goal else 'MISS'} ({good[ours]:.0f} %"
               + (f"; {theirs} {good[theirs]:.0f} %, {ours} ahead by {lead:.0f} points"
                  if lead is not None else "") + ")")
+
+
+def spare_words(a) -> str:
+    return (f" (+{a.spares} spare: {3 + a.spares} daemons/agents, the job --nnodes 3:3)"
+            if a.spares else "")
 
 
 def emit_table_rows(rows: list, good: dict, a) -> None:
@@ -550,6 +617,13 @@ def emit_table_rows(rows: list, good: dict, a) -> None:
         return ", ".join(f"+{good[ours] - good[x]:.0f} points vs {x}" for x in theirs
                          if x in good)
 
+    if a.nodes == 3 and a.spares:
+        if "elasticd-snap" in good:
+            emit_row("goodput-3nodes-spare",
+                     elasticd=f"**{cell('elasticd-snap')}**, {a.duration:g} s, -snap",
+                     torch=cell("torchrun-c10d"), matched=cell("torchrun-c10d-lc2"),
+                     ratio=ahead("elasticd-snap", "torchrun-c10d", "torchrun-c10d-lc2"))
+        return
     if a.nodes == 3:
         if "elasticd" in good:
             emit_row("goodput-3nodes", elasticd=f"**{cell('elasticd')}**, {a.duration:g} s",
@@ -577,6 +651,10 @@ def main(argv=None) -> int:
                          "instead of a worker (4)")
     ap.add_argument("--node-down", type=float, default=3.0,
                     help="with --nodes 3: seconds before a killed node comes back (3)")
+    ap.add_argument("--spares", type=int, choices=(0, 1), default=0,
+                    help="with --nodes 3: one more node as a spare, the job --nnodes 3:3 "
+                         "(elasticd --spares 1; torchrun's 4th agent waits); node faults "
+                         "kill members only")
     ap.add_argument("--verbose", action="store_true",
                     help="print each elasticd run with faults as a timeline")
     ap.add_argument("--picture", metavar="SVG", default="",
@@ -585,15 +663,18 @@ def main(argv=None) -> int:
     ap.add_argument("--launchers", default=None,
                     help=f"default {','.join(LAUNCHERS)}; also {','.join(LAUNCHERS_MORE)} "
                          f"(3 nodes: {','.join(LAUNCHERS3)}; also "
-                         f"{','.join(LAUNCHERS3_MORE)})")
+                         f"{','.join(LAUNCHERS3_MORE)}; with --spares 1: "
+                         f"{','.join(LAUNCHERS3_SPARE)})")
     a = ap.parse_args(argv)
+    if a.spares and a.nodes != 3:
+        ap.error("--spares needs --nodes 3")
     known = LAUNCHERS + LAUNCHERS_MORE if a.nodes == 1 else LAUNCHERS3 + LAUNCHERS3_MORE
-    default = LAUNCHERS if a.nodes == 1 else LAUNCHERS3
+    default = LAUNCHERS if a.nodes == 1 else LAUNCHERS3_SPARE if a.spares else LAUNCHERS3
     launchers = [L for L in (a.launchers or ",".join(default)).split(",") if L]
     bad = [L for L in launchers if L not in known]
     if bad:
         ap.error(f"unknown launcher(s) {bad}; pick from {known}")
-    print(f"goodput.py --nodes {a.nodes}  {datetime.datetime.now():%Y-%m-%d %H:%M}  "
+    print(f"goodput.py --nodes {a.nodes}{f' --spares {a.spares}' if a.spares else ''}  {datetime.datetime.now():%Y-%m-%d %H:%M}  "
           f"rev {revision()}  {machine()}")
     work = tempdir("goodput-")
     runs = []
@@ -628,7 +709,7 @@ def main(argv=None) -> int:
             etcd.__exit__(None, None, None)
     report(runs, launchers, a)
     if a.picture:
-        where = "1 node, 2 ranks" if a.nodes == 1 else "3 nodes"
+        where = "1 node, 2 ranks" if a.nodes == 1 else "3 nodes" + spare_words(a)
         draw(a.picture, f"goodput.py --nodes {a.nodes} --duration {a.duration:g} --fault-every "
                         f"{a.fault_every:g} --seed {a.seed}; {where}; rev {revision()}",
              [(L, next((r.trace for r in runs if r.launcher == L and not r.faults), None),

@@ -63,6 +63,11 @@ BENCHES = (
         Row("goodput-disk", "the same, a disk checkpoint every 20 steps only"),)),
     Bench("goodput_3nodes", "goodput.py", ("--nodes", "3"), ("--nodes", "3", "--duration", "40"), (
         Row("goodput-3nodes", "goodput on 3 nodes (one etcd), a node killed every 4th fault"),)),
+    Bench("goodput_3nodes_spare", "goodput.py", ("--nodes", "3", "--spares", "1"),
+          ("--nodes", "3", "--spares", "1", "--duration", "40"), (
+        Row("goodput-3nodes-spare", "the same with a spare node (4 nodes, the job `--nnodes 3:3 "
+                                    "--spares 1`), a member killed every 4th fault, "
+                                    "snapshots every step"),)),
     Bench("template_start", "template_start.py", (), ("--reps", "1"), (
         Row("template-submit", "submit → first training step, the template of the user's "
                                "previous job kept (`RUN_NAME` differs per submit)"),
@@ -80,6 +85,9 @@ BENCHES = (
         Row("hang", "rank hung in C → first step after recovery, default settings"),)),
     Bench("node_loss", "node_loss_bench.py", (), ("--reps", "1"), (
         Row("node-loss", "kill -9 of one of 3 nodes → first step on the survivors"),)),
+    Bench("node_loss_spare", "node_loss_bench.py", ("--spares",), ("--spares", "--reps", "1"), (
+        Row("node-loss-spare", "kill -9 of a member of a 2-node job with a spare (3 nodes, "
+                               "`--nnodes 2:2 --spares 1`) → first step at full world size"),)),
     Bench("scale_sim", "scale_sim.py", (), ("--quick",), (
         Row("scale-sim", "N simulated nodes (membership, watches, rendezvous, phase records) "
                          "on one etcd"),)),
