@@ -7,7 +7,7 @@ its two members (the spare, joining the round too, is one more node than max
 and stands by again: more live nodes than max never fails a job). A member's
 daemon killed with -9 (its workers die with it) is replaced by the spare at
 once, in the lost node's group rank, at the same world size: the job never
-runs on fewer nodes, and trains on.
+runs on fewer nodes, and trains on; the lost node, back, stands by in turn.
 """
 from __future__ import annotations
 
@@ -99,6 +99,13 @@ def test_a_spare_stands_by_and_takes_a_lost_members_place_at_the_same_world_size
     wait_for(lambda: "FIRST_STEP" in rank_log(c[node_of[0]], job, 0).partition(began)[2], 60,
              "a training step of the round with the spare", interval=0.3)
     print(f"training again at world size 2 {time.monotonic() - t0:.2f}s after the kill")
+    # The lost node comes back (its daemon restarted on the same state dir): the job has
+    # its max nodes, so it stands by as the spare; none of its old workers shows running.
+    c[lost].start()
+    wait_for(lambda: standing_by(c[asked], job) == [lost], 60, "the node back as the spare",
+             interval=0.3)
+    assert not [w for w in local_rows(c[lost], job) if w["state"] == "running"], \
+        local_rows(c[lost], job)
     assert c[asked].ctl("cancel", job).returncode == 0
     final = wait_done(c[asked], job, 60)
     assert final["state"] == "CANCELLED", final

@@ -62,10 +62,13 @@ class JoinGate:
             said = "ready" if ready else "waiting"
             if said not in self._said:  # once each: waiting, then ready
                 self._said.add(said)
-                why = (("worker template ready; asking to join" if warm else
-                        f"worker template not ready after {limit:g}s; asking to join anyway")
+                # a spare (the running round has its max nodes) stands by, it does not ask
+                ask = "standing by as a spare" if len(state.members) >= \
+                    self._registry.get(self.job_id).max_nodes else "asking to join"
+                why = ((f"worker template ready; {ask}" if warm else
+                        f"worker template not ready after {limit:g}s; {ask} anyway")
                        if ready else
-                       "waiting for the worker template's imports before asking to join")
+                       f"waiting for the worker template's imports before {ask}")
                 log.info("%s: %s", self._where(state.round), why)
                 self._registry.event(self.job_id, "info", f"round {state.round}: {why}")
             return ready

@@ -11,6 +11,7 @@ schedules what was resumed.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Callable
@@ -20,7 +21,7 @@ from ..config import Config
 from ..jobs.registry import JobRecord, JobRegistry
 from ..jobs.restartpolicy import RestartWindow, plan_forgotten
 from ..jobs.spec import JobSpec
-from ..jobs.states import LIVE_STATES, JobState
+from ..jobs.states import LIVE_STATES, JobState, WorkerState
 from ..logsetup import ctx
 from ..rendezvous.round import create_job
 from ..store import StoreError
@@ -50,6 +51,12 @@ class Resumer:
             if killed:
                 log.warning("%s: killed %d worker(s) left by the previous daemon", where,
                             killed)
+            if any(w.state is WorkerState.RUNNING for w in job.workers):
+                # None of them runs now: status must not list them (this node may
+                # come back as a spare while another node holds their ranks).
+                job = self._registry.update(job.id, workers=[
+                    dataclasses.replace(w, state=WorkerState.STOPPED, create_time=0.0)
+                    if w.state is WorkerState.RUNNING else w for w in job.workers])
             keys = self._view.job(job.id)
             state = keys.state if keys else None
             if state is not None and state.final:
