@@ -21,8 +21,10 @@ and goes on a shared machine falls on all of them. Replication's cost is
 "replicated" over "local" of the same rep (goal: under 5 % at the default
 rate): the median and the range over the reps are printed. Throughput is
 both daemons' ``elasticd_replication_bytes{direction="sent"}`` over the
-job's training time. The snapshot root is on /dev/shm. Never asserts a
-timing.
+job's training time. Each run also reports both daemons' own CPU time (not
+their workers') per training step: "replicated" less "local" is what
+replication itself costs the CPUs, against the steps' time on two ranks. The
+snapshot root is on /dev/shm. Never asserts a timing.
 """
 from __future__ import annotations
 
@@ -35,6 +37,8 @@ import statistics
 import sys
 import tempfile
 import time
+
+import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -53,6 +57,12 @@ CONFIGS = (
     ("snapshot, replicated", True, ()),
     ("snapshot, 1 GiB/s", True, (f"snapshot.replication_rate={1 << 30}",)),
 )
+
+
+def daemon_cpu_s(pid: int) -> float:
+    """The daemon's own CPU seconds so far (user and system, its workers' left out)."""
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
 
 
 def run_config(etcd, name: str, snap: bool, settings: tuple, a) -> dict:
@@ -91,7 +101,8 @@ def run_config(etcd, name: str, snap: bool, settings: tuple, a) -> dict:
         sent = sum(float(x) for d in nodes for x in SENT_RE.findall(scrape(d.metrics_port)))
         train_s = mean * a.steps / 1000
         return {"name": name, "mean": mean, "p50": p50, "p90": p90,
-                "sent_mib": sent / (1 << 20), "mib_s": sent / (1 << 20) / train_s}
+                "sent_mib": sent / (1 << 20), "mib_s": sent / (1 << 20) / train_s,
+                "daemon_ms": 1000 * sum(daemon_cpu_s(d.proc.pid) for d in nodes) / a.steps}
     finally:
         for d in nodes:
             if d.proc is not None and d.proc.poll() is None:
@@ -125,7 +136,8 @@ def main(argv=None) -> int:
                     continue
                 print(f"  rep {rep + 1} {name:22s} step {r['mean']:.1f} ms (p50 "
                       f"{r['p50']:.1f}, p90 {r['p90']:.1f}), replicated "
-                      f"{r['sent_mib']:.0f} MiB, {r['mib_s']:.1f} MiB/s, load "
+                      f"{r['sent_mib']:.0f} MiB, {r['mib_s']:.1f} MiB/s, daemons' CPU "
+                      f"{r['daemon_ms']:.1f} ms per step, load "
                       f"{os.getloadavg()[0]:.1f}", flush=True)
                 got[name].append(r)
                 this[name] = r
@@ -139,9 +151,11 @@ def main(argv=None) -> int:
     rows = [[name, len(got[name]), f"{med(name, 'mean'):.1f}",
              f"{min(r['mean'] for r in got[name]):.1f}-{max(r['mean'] for r in got[name]):.1f}",
              f"{med(name, 'p90'):.1f}", f"{med(name, 'sent_mib'):.0f}",
-             f"{med(name, 'mib_s'):.1f}"] for name, _, _ in CONFIGS if got[name]]
+             f"{med(name, 'mib_s'):.1f}", f"{med(name, 'daemon_ms'):.1f}"]
+            for name, _, _ in CONFIGS if got[name]]
     print(table(rows, ["configuration", "runs", "step mean (ms, median)", "range", "p90",
-                       "replicated (MiB)", "MiB/s while training"]))
+                       "replicated (MiB)", "MiB/s while training",
+                       "daemons' CPU (ms per step)"]))
     if costs:
         cost = statistics.median(costs)
         spread = f"{min(costs):+.1f} to {max(costs):+.1f} %"
