@@ -8,13 +8,16 @@ over real sockets (the daemons' end-to-end cases are in test_replication.py).
 * a slot file the receiver wants is sent whole and kept byte for byte; one it holds is
   only offered (never copied out); one whose header changed after the offer is
   ABORTed, leaves the newest replica as it was and nothing behind, and the
-  receiver takes the next one.
+  receiver takes the next one;
+* a replication thread moves itself from the daemon's raised priority to
+  snapshot.replication_nice, never to a higher priority than it has.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
 import socket
+import threading
 import time
 
 import pytest
@@ -23,6 +26,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from elasticd.config.service import SnapshotSettings
 from elasticd.replication import channel as ch
 from elasticd.replication import pusher as pusher_mod
+from elasticd.replication.niceness import lower_this_thread
 from elasticd.replication.pusher import Outgoing, Pusher, PushPlan
 from elasticd.replication.receiver import ReplicaTarget, ReplicationServer
 from elasticd.replication.stats import ReplicationStats
@@ -151,3 +155,20 @@ def test_a_wanted_slot_is_sent_whole_a_held_one_only_offered_a_changed_one_abort
     assert (why, taken) == ("", 1)
     assert open(kept, "rb").read() == open(slot, "rb").read()
 
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: a thread at the daemon's nice -5")
+def test_a_replication_thread_moves_to_its_nice_and_never_up():
+    got = {}
+
+    def thread():
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, -5)          # daemon.nice's default
+        got["moved"] = lower_this_thread(0), os.getpriority(os.PRIO_PROCESS, tid)
+        got["kept"] = lower_this_thread(-10), os.getpriority(os.PRIO_PROCESS, tid)
+
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    t = threading.Thread(target=thread)
+    t.start()
+    t.join()
+    assert got == {"moved": (0, 0), "kept": (0, 0)}
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before

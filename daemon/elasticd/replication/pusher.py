@@ -34,6 +34,7 @@ from ..workers.snapshot_status import Replicated
 from .channel import Channel, ChannelError, Kind, Refusal, client_hello
 from .forwarder import Forward, ForwardPlan, forwards
 from .messages import Offer, Reply
+from .niceness import lower_this_thread
 from .stats import ReplicationStats
 
 log = logging.getLogger("elasticd.replication.pusher")
@@ -166,6 +167,7 @@ class Pusher:
             self._thread.join(timeout)
 
     def _run(self) -> None:
+        lower_this_thread(self._s.replication_nice)
         while not self._stop.wait(self._s.replication_interval):
             if not self._copied:
                 self._buf = None
