@@ -8,7 +8,9 @@ optimizer step does), and with ``--snapshot`` saves the state with
 ``elasticd.snapshot.save`` (synchronous). Rank 0 prints, after the run, the
 time per step of the steps after ``--warmup``:
 
-    STEPTIME mean=<ms> p50=<ms> p90=<ms> steps=<n>
+    STEPTIME mean=<ms> p50=<ms> p90=<ms> steps=<n> cpu=<ms>
+
+(``cpu``: this process's CPU time per step over the same steps, all its threads.)
 """
 from __future__ import annotations
 
@@ -37,6 +39,8 @@ def main(argv=None) -> int:
         from elasticd import snapshot
     took = []
     for step in range(a.steps):
+        if step == a.warmup:
+            cpu0 = time.process_time()
         t = time.perf_counter()
         x = w
         for _ in range(a.matmuls):
@@ -47,11 +51,12 @@ def main(argv=None) -> int:
         if a.snapshot:
             snapshot.save(step, {"state": state, "w": w})
         took.append(time.perf_counter() - t)
+    cpu = (time.process_time() - cpu0) / max(1, a.steps - a.warmup)
     dist.barrier()
     if dist.get_rank() == 0:
         ms = sorted(1000 * t for t in took[a.warmup:])
         print(f"STEPTIME mean={statistics.fmean(ms):.2f} p50={ms[len(ms) // 2]:.2f} "
-              f"p90={ms[int(len(ms) * 0.9)]:.2f} steps={len(ms)}", flush=True)
+              f"p90={ms[int(len(ms) * 0.9)]:.2f} steps={len(ms)} cpu={1000 * cpu:.2f}", flush=True)
     dist.destroy_process_group()
     return 0
 

@@ -225,6 +225,16 @@ class SnapshotSettings:
                                                    "(bytes of a chunk of a slot file); a "
                                                    "larger one drops the connection",
                                           min=4096, max=64 << 20)
+    replication_nice: int = _setting(0, "scheduling priority (nice) of the threads that "
+                                        "copy, seal, send and receive replicas "
+                                        "(replication/niceness.py): 0, training's, so they "
+                                        "do not take the CPU from it at daemon.nice's higher "
+                                        "priority; a value at or below daemon.nice leaves "
+                                        "them at the daemon's. Above 0 they yield to "
+                                        "training, but one preempted while it holds the "
+                                        "interpreter's lock stalls the daemon's other "
+                                        "threads (2.2 s seen at 10 on two busy CPUs)",
+                                     min=-20, max=19)
     replication_max_peers: int = _setting(16, "replication connections served at once; "
                                               "one more is closed at once (counted)",
                                           min=1, max=4096)

@@ -69,9 +69,9 @@ class Kind(enum.IntEnum):
     ABORT = 5   # the file changed while it was read: drop what came
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
+def _recv_into(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from the socket (each read waits at most the socket's timeout)."""
+    got, n = 0, len(view)
     while got < n:
         try:
             k = sock.recv_into(view[got:])
@@ -82,10 +82,15 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
         if not k:
             raise ChannelError(Refusal.CLOSED, "the peer closed the connection")
         got += k
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    _recv_into(sock, memoryview(buf))
     return bytes(buf)
 
 
-def _send(sock: socket.socket, data: bytes) -> None:
+def _send(sock: socket.socket, data) -> None:
     try:
         sock.sendall(data)
     except socket.timeout:
@@ -129,7 +134,13 @@ def _session_key(key: bytes, salt: bytes, transcript: bytes, direction: bytes) -
 
 
 class Channel:
-    """One authenticated, encrypted connection; ``peer`` is the other daemon's node id."""
+    """One authenticated, encrypted connection; ``peer`` is the other daemon's node id.
+
+    A frame is sealed into, and opened from, buffers the channel keeps and grows to
+    the largest frame it has carried: a chunk of a slot file costs one copy into the
+    plaintext buffer and the cipher's own pass, never a fresh allocation per frame
+    (fresh pages for every megabyte cost more CPU than the AES-GCM itself). What
+    ``recv`` returns is a view of such a buffer: valid until the next ``recv``."""
 
     def __init__(self, sock: socket.socket, peer: str, send_key: AESGCM, recv_key: AESGCM,
                  max_frame: int):
@@ -137,19 +148,29 @@ class Channel:
         self._send_key, self._recv_key = send_key, recv_key
         self._sent = self._got = 0
         self.bytes_sent = self.bytes_got = 0
+        self._plain_out = self._sealed = self._sealed_in = self._plain_in = bytearray()
 
-    def send(self, kind: Kind, payload: bytes = b"") -> None:
-        if len(payload) > self.max_frame:
-            raise ValueError(f"a frame of {len(payload)} bytes, over {self.max_frame}")
-        size = 1 + len(payload) + _TAG
-        head = _LEN.pack(size)
-        ct = self._send_key.encrypt(self._sent.to_bytes(12, "big"), bytes([kind]) + payload,
-                                    head)
+    def send(self, kind: Kind, payload=b"") -> None:
+        """Seal and send one frame; ``payload`` is any bytes-like object."""
+        n = len(payload)
+        if n > self.max_frame:
+            raise ValueError(f"a frame of {n} bytes, over {self.max_frame}")
+        size = 1 + n + _TAG
+        if len(self._sealed) < _LEN.size + size:
+            self._plain_out = bytearray(1 + n)
+            self._sealed = bytearray(_LEN.size + size)
+        plain, sealed = memoryview(self._plain_out), memoryview(self._sealed)
+        plain[0] = kind
+        plain[1:1 + n] = payload
+        _LEN.pack_into(sealed, 0, size)
+        self._send_key.encrypt_into(self._sent.to_bytes(12, "big"), plain[:1 + n],
+                                    sealed[:_LEN.size], sealed[_LEN.size:_LEN.size + size])
         self._sent += 1
-        _send(self.sock, head + ct)
-        self.bytes_sent += len(head) + len(ct)
+        _send(self.sock, sealed[:_LEN.size + size])
+        self.bytes_sent += _LEN.size + size
 
-    def recv(self) -> tuple[Kind, bytes]:
+    def recv(self) -> tuple[Kind, memoryview]:
+        """The next frame's kind and payload (a view, valid until the next ``recv``)."""
         head = _recv_exact(self.sock, _LEN.size)
         (size,) = _LEN.unpack(head)
         if size > self.max_frame + 1 + _TAG:
@@ -157,15 +178,19 @@ class Channel:
                                f"{self.max_frame} (snapshot.replication_max_frame)")
         if size < 1 + _TAG:
             raise ChannelError(Refusal.GARBAGE, "a frame too short to be one")
-        ct = _recv_exact(self.sock, size)
+        if len(self._sealed_in) < size:
+            self._sealed_in, self._plain_in = bytearray(size), bytearray(size - _TAG)
+        sealed, plain = memoryview(self._sealed_in)[:size], memoryview(self._plain_in)
+        _recv_into(self.sock, sealed)
         try:
-            plain = self._recv_key.decrypt(self._got.to_bytes(12, "big"), ct, head)
+            self._recv_key.decrypt_into(self._got.to_bytes(12, "big"), sealed, head,
+                                        plain[:size - _TAG])
         except InvalidTag:
             raise ChannelError(Refusal.MAC, "a frame that does not verify") from None
         self._got += 1
         self.bytes_got += len(head) + size
         try:
-            return Kind(plain[0]), plain[1:]
+            return Kind(plain[0]), plain[1:size - _TAG]
         except ValueError:
             raise ChannelError(Refusal.GARBAGE, f"unknown frame kind {plain[0]}") from None
 

@@ -10,9 +10,10 @@ more (a ``PushPlan`` each), reads the headers of this node's ranks' slot files
 every rank here holds a complete snapshot of a step other than the one the buddy
 last acknowledged, sends those slot files (the newest step only, from the pin
 slots when ``pin_every`` is set: the newest grid step; the buddy skips a file it
-has) over the channel (channel.py). A file is copied out whole first and
-its header read again after: a save that began meanwhile makes it an ABORT,
-tried again next time, never a torn replica. Sending is paced to
+has) over the channel (channel.py). A file is offered first and, once the peer
+wants it, copied out whole (into one buffer kept from look to look while there is
+something to send) and its header read again: a save that began meanwhile makes it
+an ABORT, tried again next time, never a torn replica. Sending is paced to
 ``replication_rate`` bytes per second for the node as a whole.
 """
 from __future__ import annotations
@@ -33,6 +34,7 @@ from ..workers.snapshot_status import Replicated
 from .channel import Channel, ChannelError, Kind, Refusal, client_hello
 from .forwarder import Forward, ForwardPlan, forwards
 from .messages import Offer, Reply
+from .niceness import lower_this_thread
 from .stats import ReplicationStats
 
 log = logging.getLogger("elasticd.replication.pusher")
@@ -93,9 +95,12 @@ def newest_common(plan: PushPlan, slots: tuple) -> tuple[int, dict] | None:
     return step, {rank: held[rank][step] for rank in plan.ranks}
 
 
-def copy_slot(path: str, uid: int, header: fmt.Header) -> bytearray | None:
+def copy_slot(path: str, uid: int, header: fmt.Header, buf: bytearray | None = None
+              ) -> memoryview | None:
     """The slot file's bytes (header, meta, data) if it still holds ``header`` after the
-    copy; None when it changed (a save began) or is not the job's user's plain file."""
+    copy; None when it changed (a save began) or is not the job's user's plain file.
+    They are read into ``buf`` when it is large enough (its first bytes are returned),
+    else into a new buffer."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
@@ -104,15 +109,15 @@ def copy_slot(path: str, uid: int, header: fmt.Header) -> bytearray | None:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_uid != uid or st.st_size < header.total_bytes:
             return None
-        data = bytearray(header.total_bytes)
-        view, at = memoryview(data), 0
-        while at < len(data):
-            n = os.preadv(fd, [view[at:]], at)
-            if n <= 0:
+        n = header.total_bytes
+        view, at = memoryview(buf if buf is not None and len(buf) >= n else bytearray(n))[:n], 0
+        while at < n:
+            got = os.preadv(fd, [view[at:]], at)
+            if got <= 0:
                 return None
-            at += n
+            at += got
         again = fmt.parse(os.pread(fd, fmt.HEADER_USED, 0))
-        return data if again == header else None
+        return view if again == header else None
     except (OSError, fmt.BadHeader):
         return None
     finally:
@@ -145,6 +150,11 @@ class Pusher:
         self._pacer = Pacer(settings.replication_rate, self._stop)
         self._acked: dict[tuple[str, str], int] = {}   # (job, buddy) -> step acknowledged
         self._forwarded: set[tuple] = set()            # (job, *Forward.key) acknowledged
+        # A slot is copied out into this buffer, kept while there is something to send at
+        # each look (a fresh one per slot costs more CPU in page faults than the copy
+        # itself) and let go at the first look with nothing to send.
+        self._buf: bytearray | None = None
+        self._copied = False
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -157,7 +167,11 @@ class Pusher:
             self._thread.join(timeout)
 
     def _run(self) -> None:
+        lower_this_thread(self._s.replication_nice)
         while not self._stop.wait(self._s.replication_interval):
+            if not self._copied:
+                self._buf = None
+            self._copied = False
             try:
                 # Forwards first: a rank that took over a lost node's part waits for one.
                 fplans = self._forward_plans()
@@ -271,12 +285,10 @@ class Pusher:
     def _send_file(self, chan: Channel, job_id: str, uid: int, item: Outgoing
                    ) -> tuple[str, bool]:
         """Offer and send one slot file: ('' when the peer holds it now, else why not;
-        whether it took it now)."""
-        data = copy_slot(item.path, uid, item.header)
-        if data is None:
-            return "the slot changed while it was read (a newer save): next time", False
+        whether it took it now). It is copied out only once the peer wants it: a replica
+        forwarded back to the node it came from is, in steady state, only offered."""
         h = item.header
-        offer = Offer(job_id, item.rank, item.slot, h.step, h.saved_at_ns, len(data),
+        offer = Offer(job_id, item.rank, item.slot, h.step, h.saved_at_ns, h.total_bytes,
                       item.origin)
         chan.send(Kind.OFFER, offer.to_bytes())
         reply = self._reply(chan)
@@ -284,9 +296,17 @@ class Pusher:
             return f"refused: {reply.why}", False
         if reply.have:
             return "", False
-        step, view = self._s.replication_max_frame, memoryview(data)
+        if self._buf is None or len(self._buf) < h.total_bytes:
+            self._buf = None              # the old one goes before the new one is made
+            self._buf = bytearray(h.total_bytes)
+        self._copied = True
+        data = copy_slot(item.path, uid, h, self._buf)
+        if data is None:
+            chan.send(Kind.ABORT)
+            return "the slot changed while it was read (a newer save): next time", False
+        step = self._s.replication_max_frame
         for at in range(0, len(data), step):
-            chunk = bytes(view[at:at + step])
+            chunk = data[at:at + step]
             if not self._pacer.take(len(chunk)):
                 chan.send(Kind.ABORT)
                 return "stopping", False

@@ -25,6 +25,7 @@ from ..logsetup import ctx
 from . import replica_files as files
 from .channel import Channel, ChannelError, Kind, Refusal, server_accept
 from .messages import Offer, Reply
+from .niceness import lower_this_thread
 from .stats import ReplicationStats
 
 log = logging.getLogger("elasticd.replication.receiver")
@@ -107,6 +108,7 @@ class ReplicationServer:
 
     def _serve(self, conn: socket.socket) -> None:
         chan: Channel | None = None
+        lower_this_thread(self._s.replication_nice)
         try:
             conn.settimeout(self._s.replication_timeout)
             chan = server_accept(conn, self._key, self._domain, self._me,
