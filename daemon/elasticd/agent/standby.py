@@ -36,6 +36,7 @@ class Standby:
         self._metrics = metrics
         self._where = where
         self._withdrawn = False       # said once while drained
+        self._beside: tuple = ()      # the members of the round it stands by in
         rendezvous.may_stand_by, rendezvous.on_standby = self.may_stand_by, self.began
 
     def may_stand_by(self) -> bool:
@@ -54,6 +55,7 @@ class Standby:
     def began(self, state: RoundState) -> None:
         """This node stands by in ``state``'s closed round (its max nodes)."""
         members = state.member_ids()
+        self._beside = tuple(members)
         why = (f"standing by as a spare node: round {state.round} runs on its max "
                f"{len(members)} node(s) ({', '.join(members)[:300]}); this node takes the "
                "place of one that is lost")
@@ -69,12 +71,10 @@ class Standby:
     def _took(self, result: Result) -> None:
         place = result.place
         last = place.rank_offset + self._nproc() - 1
-        state = result.state
-        replaced = (state.reason.rsplit("in place of ", 1)[-1][:200]
-                    if state is not None and "in place of " in state.reason else "")
+        replaced = sorted(set(self._beside) - set(result.members))
         self._say(place.round, f"this spare node takes group rank {place.group_rank} (ranks "
                                f"{place.rank_offset}..{last} of {place.world_size})"
-                  + (f" in place of {replaced}" if replaced else ""))
+                  + (f" in place of {', '.join(replaced)[:300]}" if replaced else ""))
         self._gauge(False)
         if self._metrics is not None:
             self._metrics.spare_taken()
