@@ -77,7 +77,7 @@ class Standby:
                   + (f" in place of {', '.join(replaced)[:300]}" if replaced else ""))
         self._gauge(False)
         if self._metrics is not None:
-            self._metrics.spare_taken()
+            self._metrics.spare_taken(self.job_id)
 
     def ended(self) -> None:
         self._gauge(False)

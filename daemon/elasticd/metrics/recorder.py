@@ -196,8 +196,13 @@ class Metrics:
         with self._lock:
             return frozenset(self._standing)
 
-    def spare_taken(self) -> None:
+    def spare_taken(self, job_id: str) -> None:
+        """A round took this node from standing by for ``job_id``: counted, and the job's
+        time in RENDEZVOUS (the histogram's) starts now, not when it began to stand by."""
         self.spare_takeovers.inc()
+        with self._lock:
+            if job_id in self._entered_rendezvous:
+                self._entered_rendezvous[job_id] = time.time()
 
     def gpu_health(self, ok: bool) -> None:
         self.gpu_health_checks.labels("ok" if ok else "failed").inc()
