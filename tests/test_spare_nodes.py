@@ -29,6 +29,16 @@ def standing_by(d, job: str) -> list[str]:
     return status(d, job).get("spare_nodes", [])
 
 
+def round_envs(c, job: str, after: int = 0) -> list[dict]:
+    """Both ranks' environments of the job's newest round past ``after``, once both
+    ranks wrote theirs (each writes it as it starts: one may come a moment later)."""
+    def both():
+        envs = c.envs(job)
+        return envs if len(envs) == 2 and int(envs[0]["ELASTICD_ROUND"]) > after else None
+    return wait_for(both, 60, f"both ranks of a round after round {after} started",
+                    interval=0.1)
+
+
 def members(d, job: str) -> set[str]:
     return {w["node_id"] for w in status(d, job).get("workers", [])
             if w["state"] == "running"}
@@ -64,7 +74,7 @@ def test_a_spare_stands_by_and_takes_a_lost_members_place_at_the_same_world_size
 
     # A worker fault: the round after it has three nodes for two places; the members
     # rejoin first and keep them, the spare stands by again.
-    node_of = {int(e["RANK"]): e["ELASTICD_NODE_ID"] for e in c.envs(job)}
+    node_of = {int(e["RANK"]): e["ELASTICD_NODE_ID"] for e in round_envs(c, job)}
     wait_for(lambda: "FIRST_STEP" in rank_log(c[node_of[0]], job, 0), 90, "the first step",
              interval=0.3)
     victim_rank = 1
@@ -75,10 +85,10 @@ def test_a_spare_stands_by_and_takes_a_lost_members_place_at_the_same_world_size
              "the job running again on its two members", interval=0.3)
     wait_for(lambda: standing_by(c["n1"], job) == [spare], 30, "the spare standing by again",
              interval=0.3)
-    assert c.envs(job) and {e["ELASTICD_NODE_ID"] for e in c.envs(job)} == first
+    assert {e["ELASTICD_NODE_ID"] for e in round_envs(c, job, after=1)} == first
 
     # A member node lost: kill -9 of a member's daemon; asked from another node.
-    envs = c.envs(job)
+    envs = round_envs(c, job, after=1)
     node_of = check_envs(envs, job, nodes=2, nproc=1)
     lost = max(first)
     asked = min({"n1", "n2", "n3"} - {lost})
@@ -94,7 +104,7 @@ def test_a_spare_stands_by_and_takes_a_lost_members_place_at_the_same_world_size
                     "the spare to start ranks")
     print(f"spare {spare} started group rank {took[0]['GROUP_RANK']} "
           f"{time.monotonic() - t0:.2f}s after kill -9 of {lost}")
-    envs = c.envs(job)
+    envs = round_envs(c, job, after=rnd)
     assert {e["ELASTICD_NODE_ID"] for e in envs} == (first - {lost}) | {spare}
     node_of = check_envs(envs, job, nodes=2, nproc=1)
     assert int(next(e for e in envs if e["ELASTICD_NODE_ID"] == spare)["GROUP_RANK"]) \
