@@ -8,9 +8,12 @@ user does. What a job across nodes gets after a fault:
   rank of the round starts and every rank connects to it as a client (no
   rank waits out torch's connect retry);
 - a round after a node died does not wait ``rendezvous.last_call`` for it:
-  its members that are alive rejoin at once, a member whose node lease
+  its members that are alive rejoin at once; a member whose daemon is gone
+  (its host refuses a connection to the daemon's port) or whose node lease
   expired is not waited for, and one that did not rejoin within
-  ``rendezvous.rejoin_timeout`` is left out.
+  ``rendezvous.rejoin_timeout`` is left out. The cases for the lease and the
+  timeout turn the probe off (``rendezvous.gone_probe_timeout=0``): a host
+  that is down answers nothing, and then they are what closes the round.
 
 Asserted through what the ranks were given (their environment), which
 process listens on MASTER_PORT, and the decider's record of why each round
@@ -91,7 +94,8 @@ def test_every_round_has_its_master_store_listening_before_its_ranks_start(make_
 def test_a_member_that_does_not_rejoin_is_left_out_after_the_rejoin_timeout(make_cluster):
     # A last call far longer than the test: only the rejoin timeout (1 s by
     # default) can close round 2 without the dead node.
-    c = make_cluster(3, ("--set", "rendezvous.last_call=600"))
+    c = make_cluster(3, ("--set", "rendezvous.last_call=600",
+                         "--set", "rendezvous.gone_probe_timeout=0"))
     job = _training(c, "rj", "2:3", steps=100000)
     c.remember_children()
     c["n3"].kill()  # kill -9: its ranks die with it, its lease lives on for a while
@@ -108,10 +112,30 @@ def test_a_member_whose_lease_expired_is_not_waited_for(make_cluster):
     # closes once n3's lease expires (membership.lease_ttl) and takes its join
     # key of round 1 with it.
     c = make_cluster(3, ("--set", "rendezvous.last_call=600",
-                         "--set", "rendezvous.rejoin_timeout=600"))
+                         "--set", "rendezvous.rejoin_timeout=600",
+                         "--set", "rendezvous.gone_probe_timeout=0"))
     job = _training(c, "lx", "2:3", steps=100000)
     c.remember_children()
     c["n3"].kill()
     line = wait_for(lambda: _closed_line(c, 2), 60, "round 2 to close", interval=0.2)
     assert "round 2 closed with 2 node(s) (every expected node joined; lost: n3)" in line, \
         line
+
+
+@pytest.mark.slow
+def test_a_member_whose_daemon_is_gone_is_not_waited_for_while_its_lease_lives(make_cluster):
+    # Neither the last call, the rejoin timeout nor the lease (60 s) ends within the
+    # test: only the probe of n3's daemon port, refused once it is killed, closes
+    # round 2 without it.
+    c = make_cluster(3, ("--set", "rendezvous.last_call=600",
+                         "--set", "rendezvous.rejoin_timeout=600",
+                         "--set", "membership.lease_ttl=60"))
+    job = _training(c, "gp", "2:3", steps=100000)
+    c.remember_children()
+    c["n3"].kill()
+    line = wait_for(lambda: _closed_line(c, 2), 60, "round 2 to close", interval=0.2)
+    assert "round 2 closed with 2 node(s) (every expected node joined; lost: n3)" in line, \
+        line
+    assert "node n3's daemon is gone (its host refused a connection" in c["n1"].log()
+    wait_for(lambda: len(c.envs(job, 2)) == 2, 60, "round 2's ranks on n1 and n2")
+    check_envs(c.envs(job, 2), job, nodes=2, nproc=1)

@@ -178,6 +178,14 @@ class RendezvousSettings:
              "waited for at all. Above rendezvous.last_call it changes nothing; a member "
              "later than this (ranks slow to stop, e.g. a SIGTERM handler that saves) joins "
              "the next round as a newcomer, one more restart", min=0, max=3600)
+    gone_probe_timeout: float = _setting(
+        0.5, "seconds the node deciding an open round waits for a late member's host to "
+             "answer a connection to that member's daemon (the replication port its node "
+             "record publishes), looking again every tenth of it: a refusal means the daemon "
+             "is gone (killed, crashed) though its lease has not expired, and the round "
+             "stops waiting for it at once instead of after rendezvous.rejoin_timeout; an "
+             "accepted connection or no answer changes nothing (a host that is down answers "
+             "nothing: its lease tells). 0: no probes", min=0, max=60)
     round_stores: bool = _setting(
         True, "on a job across nodes, keep a round store process per job and node (the "
               "job's Python, as its user) whose new TCPStore, listening from the moment the "

@@ -214,9 +214,14 @@ class SnapshotSettings:
                                                "traffic keeps the rest; 1 GiB of state per "
                                                "node is replicated in about 16 s",
                                      min=1 << 16, max=1 << 40)
-    replication_interval: float = _setting(1.0, "seconds between the pusher's looks at this "
+    replication_interval: float = _setting(0.2, "seconds between the pusher's looks at this "
                                                 "node's jobs for a newer snapshot to "
-                                                "replicate", min=0.05, max=3600)
+                                                "replicate (a look reads a few slot "
+                                                "headers): a lost node's ranks restore "
+                                                "about this much older state, plus the "
+                                                "send; the bytes sent stay within "
+                                                "snapshot.replication_rate however often "
+                                                "it looks", min=0.05, max=3600)
     replication_timeout: float = _setting(10.0, "seconds a replication peer may stay "
                                                 "silent (the handshake, a frame, a reply) "
                                                 "before its connection is dropped",

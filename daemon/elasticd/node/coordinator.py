@@ -23,6 +23,7 @@ from ..jobstore import address as jobstore_env
 from ..agent.loop import Agent
 from ..control.auth import Caller, check_access
 from ..control.validation import JobRequest
+from ..cluster.daemon_probe import DaemonProbe
 from ..cluster.faults import NodeQuarantine
 from ..config import Config
 from ..gpus.alloc import GpuLedger, binding_for, needed
@@ -336,11 +337,14 @@ class Coordinator:
                            max_restarts_in_window=job.max_restarts_per_window,
                            restart_window=job.restart_window,
                            rejoin_timeout=r.rejoin_timeout)
-        keeper = self._cluster.keeper
+        keeper, watcher = self._cluster.keeper, self._cluster.watcher
+        probe = DaemonProbe(
+            lambda node: (watcher.snapshot().live.get(node) or {}).get("replication_port", 0),
+            r.gone_probe_timeout)
         return ClusterRendezvous(self._cluster.store, self._view, job.id,
                                  self._cfg.daemon.node_id, self._cluster.address,
                                  job.nproc_per_node, lambda: keeper.lease, limits,
-                                 scale_up=r.scale_up, poll=r.poll)
+                                 scale_up=r.scale_up, poll=r.poll, probe=probe)
 
     def adopt(self, spec: JobSpec) -> JobRecord | None:
         """Take on a job submitted on another node (its spec checked where it was read:

@@ -51,7 +51,7 @@ class ClusterRendezvous:
     def __init__(self, store: Store, view: JobsView, job_id: str, node_id: str, address: str,
                  nproc: int, lease: Callable[[], Lease | None], limits: JobLimits,
                  scale_up: str = "immediate", poll: float = 0.5, clock=time.time,
-                 port: Callable[[], int] = free_port):
+                 port: Callable[[], int] = free_port, probe=None):
         self._store = store
         self._view = view
         self._records = view.records    # seals what we write as the view opens it
@@ -67,6 +67,10 @@ class ClusterRendezvous:
         self._port = port
         self._prefix = job_prefix(job_id)
         self._round_clock = RoundClock()
+        # Whether a late member's daemon is gone though its lease lives (the decider
+        # asks; cluster/daemon_probe.py's DaemonProbe, or None: never asked).
+        self._probe = probe
+        self._probed: tuple[int, set] = (0, set())   # (round, the nodes said gone in it)
         self._joined: dict[int, int] = {}   # round -> revision of our join put
         self._written = 0                    # revision of our last state write
         self.prev_rank = -1
@@ -172,11 +176,15 @@ class ClusterRendezvous:
                 self._join(state.round)
                 joins = list(keys.joins.get(state.round, {}).values())
                 if decider(joins) == self.node_id and not self._view_behind():
+                    last = set(keys.joins.get(state.round - 1, {}))
+                    last -= self._gone(state, keys, {j.node_id for j in joins}, last)
                     new, why = decide_open_round(state, joins, self.limits, self._round_clock,
-                                                 self._clock(),
-                                                 set(keys.joins.get(state.round - 1, {})))
+                                                 self._clock(), last)
                     if new is not None and self._cas_state(new, keys.state_revision):
                         log.info("%s: %s", self._where(state.round), why)
+                    elif new is None and self._probe is not None and self._probe.pending():
+                        self._view.wait(self._probe.look, seen)   # its answer, soon
+                        continue
             elif state.status == CLOSED:
                 joins = keys.joins.get(state.round, {})
                 cause, problem = master_problem(state, joins) \
@@ -201,6 +209,8 @@ class ClusterRendezvous:
                     self._view.wait(self._poll, seen)
                     continue
                 if result is not None:
+                    if self._probe is not None:
+                        self._probe.forget()        # nothing left open while it runs
                     self._ran, self._wanted = result, None
                     self.prev_rank = result.place.group_rank
                     self._forget_old_joins(state.round)
@@ -212,6 +222,28 @@ class ClusterRendezvous:
                         and self.ready_to_join(state):
                     self._join(state.round + 1)
             self._view.wait(self._poll, seen)
+
+    def _gone(self, state: RoundState, keys, joined: set, last: set) -> set:
+        """The nodes the open round waits for whose daemon is gone, though their lease
+        (and their join of the last round under it) lives: their host refused a
+        connection to the daemon's port (cluster/daemon_probe.py). The round then waits
+        for them no more than for a node whose lease expired."""
+        if self._probe is None:
+            return set()
+        if self._probed[0] != state.round:
+            self._probe.forget()
+            self._probed = (state.round, set())
+        before = keys.joins.get(state.round - 1, {})
+        gone = {n for n in (*state.rejoining, *state.spares)
+                if n in last and n not in joined and n in before
+                and self._probe.gone(n, before[n].address)}
+        said = self._probed[1]
+        for node in sorted(gone - said):
+            log.info("%s: node %s's daemon is gone (its host refused a connection to the "
+                     "daemon's port; its lease has not expired yet): not waiting for it to "
+                     "rejoin", self._where(state.round), node)
+        said |= gone
+        return gone
 
     def _not_a_member(self, state: RoundState) -> None:
         """This node runs the job but is not in its closed round: below max nodes it asks

@@ -111,6 +111,11 @@ class ReplicationServer:
         lower_this_thread(self._s.replication_nice)
         try:
             conn.settimeout(self._s.replication_timeout)
+            if _probed(conn):
+                # Closed before its first byte: a peer's probe of whether this daemon
+                # lives (cluster/daemon_probe.py), not a replica and not an attack.
+                log.debug("%s: probed by %s", ctx(node=self._me), _address(conn))
+                return
             chan = server_accept(conn, self._key, self._domain, self._me,
                                  self._s.replication_max_frame)
             while not self._stop.is_set():
@@ -221,3 +226,14 @@ def _address(conn: socket.socket) -> str:
         return str(conn.getpeername()[0])
     except OSError:
         return "?"
+
+
+def _probed(conn: socket.socket) -> bool:
+    """The peer hung up before sending a byte (a liveness probe); waits for the first
+    byte as long as the connection's timeout (a silent peer then fails the hello)."""
+    try:
+        return not conn.recv(1, socket.MSG_PEEK)
+    except (ConnectionResetError, ConnectionAbortedError):
+        return True
+    except OSError:
+        return False
