@@ -35,6 +35,7 @@ from .blame import FailureNotes
 from .decide import Action, Decision, Snapshot, decide
 from .gpu_gate import GpuGate
 from .joining import JoinGate
+from .monitor_wait import MonitorWait
 from .pacing import RestartPacer
 from .placement import Placement
 from .recovery import Recovery
@@ -75,6 +76,7 @@ class Agent:
         self._on_exit = on_exit
         self._metrics = metrics
         self.wake = threading.Event()
+        self._monitor_wait = MonitorWait()   # the monitor's, cut short by a worker's end
         self.shutting_down = False
         self._spares = SparePool()
         # The job's round state as this agent last read it: from the round it joined
@@ -112,6 +114,7 @@ class Agent:
 
     def poke(self) -> None:
         self.wake.set()
+        self._monitor_wait.poke()
 
     def _where(self, rnd: int | None = None) -> str:
         return ctx(job=self.job_id, node=self._cfg.daemon.node_id, round=rnd)
@@ -145,6 +148,7 @@ class Agent:
             self._spares.clear()
             self._standby.ended()
             self._stores.stop()
+            self._monitor_wait.close()
             self._on_exit(self.job_id)
 
     def _loop(self) -> None:
@@ -284,7 +288,8 @@ class Agent:
             self._tpl.note()
             if self._attempt.first_beat is not None and not self._tpl.preload_read:
                 self._tpl.learn_preload(group.spec)
-            self.wake.wait(interval)
+            if not self.wake.is_set():
+                self._monitor_wait.wait(group.exit_fds(), interval)
             self.wake.clear()
 
     def _apply(self, decision: Decision, group: WorkerGroup, result: Result) -> bool:

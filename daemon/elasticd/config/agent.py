@@ -13,8 +13,9 @@ from ..settingfield import setting as _setting  # shared with the in-process set
 
 @dataclass(frozen=True)
 class AgentSettings:
-    monitor_interval: float = _setting(0.05, "seconds between checks of a job's worker processes",
-                                       min=0.005, max=60)
+    monitor_interval: float = _setting(0.05, "seconds between checks of a job's worker "
+                                             "processes (a worker's exit ends the wait at "
+                                             "once: its pidfd)", min=0.005, max=60)
     stop_grace_period: float = _setting(5.0, "seconds workers get after SIGTERM before SIGKILL",
                                         min=0, max=3600)
     default_max_restarts: int = _setting(-1, "restarts a job gets over its whole life when its "

@@ -55,6 +55,13 @@ class ForkedProcess:
             return False
         return not readable
 
+    def exit_fd(self) -> int | None:
+        """What becomes readable when there is news of its end: its pidfd while it
+        lives, then the template's channel, which says how it ended."""
+        if self.returncode is not None:
+            return None
+        return self._pidfd if self._alive() else self._template.news_fd()
+
     def poll(self) -> int | None:
         if self.returncode is None:
             self._template.pump(0)

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 
 from . import inprocess_reports, preload, env as envnames, files as workerfiles
+from .forked import ForkedProcess
 from .snapshot_dirs import ensure_job_dir
 from .rank_files import rank_env, site_env
 from .launch import (  # noqa: F401 (the worker group's public names, from here as before)
@@ -123,6 +124,8 @@ class Worker:
     # from the template when it was not ("" when it was, or none was wanted).
     start_path: str = "cold"
     cold_reason: str = ""
+    # A pidfd of a process not forked from the template (exit_fds), -1: none to be had.
+    pidfd: int | None = None
 
     @property
     def outcome(self) -> int | None:
@@ -168,6 +171,7 @@ class WorkerGroup:
         new = self._spawn(old.local_rank, as_user_kwargs(self.spec.uid, self.spec.gid), spares,
                           extra_env=extra_env, what=f"replacing pid {old.pid} ({why})")
         self.workers[index] = new
+        _drop_pidfd(old)
         return new
 
     def _spawn(self, local_rank: int, user_kwargs: dict, spares: "SparePool | None",
@@ -206,11 +210,34 @@ class WorkerGroup:
         return Worker(rank=rank, local_rank=local_rank, proc=proc, error_file=err,
                       start_path=path, cold_reason="" if path == "template" else cold_reason)
 
+    def exit_fds(self) -> list[int]:
+        """What becomes readable when a live worker ends (for the agent's wait between
+        two looks): a forked rank's pidfd or its template's channel, and a pidfd of each
+        other process (opened once, closed once it is reaped)."""
+        fds = []
+        for w in self.workers:
+            if w.returncode is not None:
+                continue
+            if isinstance(w.proc, ForkedProcess):
+                fd = w.proc.exit_fd()
+            else:
+                if w.pidfd is None:
+                    try:
+                        w.pidfd = os.pidfd_open(w.proc.pid)
+                    except OSError:     # gone, or no pidfds here: the interval it is
+                        w.pidfd = -1
+                fd = w.pidfd if w.pidfd >= 0 else None
+            if fd is not None:
+                fds.append(fd)
+        return fds
+
     def poll(self) -> list[Worker]:
         """Refresh each worker's return code and error report; returns the workers."""
         for w in self.workers:
             if w.returncode is None:
                 w.returncode = w.proc.poll()
+                if w.returncode is not None:
+                    _drop_pidfd(w)
             if w.returncode is None and not w.reported_error:
                 # lstat only: a link or FIFO there is never followed nor opened here.
                 w.reported_error = (workerfiles.regular_size(w.error_file) or 0) > 0
@@ -243,6 +270,12 @@ class WorkerGroup:
                           ctx(job=self.spec.job_id, rank=w.rank), w.pid)
             if w.returncode is None:
                 w.returncode = w.proc.returncode
+
+
+def _drop_pidfd(w: Worker) -> None:
+    if w.pidfd is not None and w.pidfd >= 0:
+        os.close(w.pidfd)
+    w.pidfd = None
 
 
 def _mark_log(spec: GroupSpec, rank: int, what: str) -> None:

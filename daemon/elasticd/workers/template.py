@@ -296,6 +296,10 @@ class WorkerTemplate:
         return proc, ""
 
     # -- the channel -------------------------------------------------------
+    def news_fd(self) -> int | None:
+        """The channel's fd: readable when the template says something (a rank's exit)."""
+        return self._sock.fileno() if self._sock is not None else None
+
     def pump(self, timeout: float, check: bool = True) -> None:
         """Read what the template said (waiting up to ``timeout`` for something)."""
         if self._sock is None:
