@@ -76,7 +76,10 @@ class Agent:
         self._on_exit = on_exit
         self._metrics = metrics
         self.wake = threading.Event()
-        self._monitor_wait = MonitorWait()   # the monitor's, cut short by a worker's end
+        # The monitor's wait, cut short by a worker's end, a poke or a change of the job's
+        # round (a peer's fault: its ranks are stopped at once).
+        self._monitor_wait = MonitorWait()
+        rendezvous.on_change(self._monitor_wait.poke)
         self.shutting_down = False
         self._spares = SparePool()
         # The job's round state as this agent last read it: from the round it joined
@@ -148,6 +151,7 @@ class Agent:
             self._spares.clear()
             self._standby.ended()
             self._stores.stop()
+            self._rdzv.on_change(self._monitor_wait.poke, listen=False)
             self._monitor_wait.close()
             self._on_exit(self.job_id)
 

@@ -147,6 +147,11 @@ class ClusterRendezvous:
         nodes = set(state.member_ids()) | set(state.expected) | set(keys.joins.get(state.round, {}))
         return frozenset(nodes - {self.node_id})
 
+    def on_change(self, fn, listen: bool = True) -> None:
+        """Call ``fn()`` (a wake-up, nothing more) whenever the job's keys change; with
+        ``listen`` False, no more."""
+        (self._view.listen if listen else self._view.unlisten)(self.job_id, fn)
+
     # -- joining -----------------------------------------------------------------
     def next_round(self, stop: threading.Event, store_port: int = 0) -> Result:
         """Join rounds until one that includes this node closes; its result.

@@ -104,6 +104,7 @@ class JobsView:
         self._marks: OrderedDict[str, _Marks] = OrderedDict()
         self.changed = threading.Condition()
         self.revision = 0
+        self._listeners: dict[str, list] = {}   # job id -> what to call on a change of it
         self._follower = Follower(store, prefix, "jobs-watch", retry, self._reset, self._event)
         self.synced = self._follower.synced
 
@@ -143,6 +144,20 @@ class JobsView:
             self.changed.wait_for(
                 lambda: self.revision > after or (stop is not None and stop.is_set()), timeout)
 
+    def listen(self, job_id: str, fn) -> None:
+        """Call ``fn()`` on each change of the job's keys (its phase records aside), on
+        the watch's thread with the view locked: it must only wake someone."""
+        with self.changed:
+            self._listeners.setdefault(job_id, []).append(fn)
+
+    def unlisten(self, job_id: str, fn) -> None:
+        with self.changed:
+            fns = self._listeners.get(job_id, [])
+            if fn in fns:
+                fns.remove(fn)
+            if not fns:
+                self._listeners.pop(job_id, None)
+
     def wake_waiters(self) -> None:
         """Wake every ``wait`` to look at its ``stop`` event again."""
         with self.changed:
@@ -179,6 +194,8 @@ class JobsView:
             parts = ev.key[len(self._prefix) + 1:].split("/")
             if not (len(parts) == 3 and parts[1] == "phases"):
                 self.changed.notify_all()
+                for fn in self._listeners.get(parts[0], ()):
+                    fn()
 
     def _apply(self, key: str, value: str | None, revision: int,
                relisted: bool = False) -> None:
