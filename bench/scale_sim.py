@@ -12,10 +12,13 @@ its own HTTP connections to etcd's v3 JSON gateway, as a daemon has):
   rendezvous   rendezvous/view.py: a JobsView (ONE watch per node of every job's
                keys, as every daemon keeps) and rendezvous/round.py's
                ClusterRendezvous.next_round for the job
-  phases       hangs/phase_board.py: a PhasePublisher per node of the running job,
-               made as agent/attempt.py makes it (PhasePublisher.for_agent),
-               offered a record of 4 training ranks every 0.2 s; each node reads
-               its peers' records (JobPeers.of) once a second
+  phases       rendezvous/phase_watch.py: a PhaseWatch per node, which follows the
+               job the node runs (one scoped watch of that job's phase records, as
+               agent/attempt.py opens it), and hangs/phase_board.py: a
+               PhasePublisher per node of the running job, made as the agent makes
+               it (PhasePublisher.for_agent), offered a record of 4 training ranks
+               every 0.2 s; each node reads its peers' records (JobPeers.of) once a
+               second
 
 The nodes live in --procs worker processes (threads inside: about six per
 node), plus one more process holding the 10 % that is killed with SIGKILL.
@@ -36,7 +39,8 @@ requests/s (every v3 gateway call, watch streams and lease keep-alives
 included) per node, deliveries/s (the events every node's watches received,
 counted at each node's store) in total and per node, the share of the
 expected deliveries that arrived (every watcher should get every write under
-its prefixes: below ~95 % the watchers fall behind), etcd's CPU and the
+its prefixes, a phase record every node of its job: below ~95 % the watchers
+fall behind), etcd's CPU and the
 simulator's CPU in % of one core, and the machine's load. Where the
 simulator's processes use their whole core each (they run Python: one core
 per process at most) while etcd has CPU to spare, the simulator, not etcd,
@@ -79,13 +83,14 @@ RANKS = 4              # training ranks per simulated node
 # ---------------------------------------------------------------- one node
 
 class CountingStore:
-    """A node's store, counting its requests by operation and its watch deliveries by
-    kind of key (nodes, phases, other job keys)."""
+    """A node's store, counting its requests by operation, its phase record writes by
+    job and its watch deliveries by kind of key (nodes, phases, other job keys)."""
 
     def __init__(self, inner):
         self.inner, self.name, self.timeout = inner, inner.name, inner.timeout
         self.ops: Counter = Counter()
         self.delivered: Counter = Counter()
+        self.phase_writes: Counter = Counter()     # job -> puts and deletes of its records
         self.errors = 0          # requests that failed (etcd slow to answer: overload)
         self._lock = threading.Lock()
 
@@ -107,6 +112,19 @@ class CountingStore:
                 raise
         return counted
 
+    def _phase_write(self, key: str) -> None:
+        if key.startswith("/v1/phases/"):
+            with self._lock:
+                self.phase_writes[key.split("/")[3]] += 1
+
+    def put(self, key, value, lease=None):
+        self._phase_write(key)
+        return self.__getattr__("put")(key, value, lease)
+
+    def delete(self, key, prev_revision=None):
+        self._phase_write(key)
+        return self.__getattr__("delete")(key, prev_revision)
+
     def watch(self, prefix, start_revision, stop_event=None, timeout=None):
         self._op("watch")
         for ev in self.inner.watch(prefix, start_revision, stop_event, timeout):
@@ -123,6 +141,7 @@ class SimNode:
 
     def __init__(self, node_id: str, url: str, prefix: str, records, cfg):
         from elasticd.cluster.membership import LeaseKeeper, NodeWatcher
+        from elasticd.rendezvous.phase_watch import PhaseWatch
         from elasticd.rendezvous.view import JobsView
         from elasticd.store import open_store
         m = cfg.membership
@@ -136,8 +155,9 @@ class SimNode:
         self.lost_at: dict[str, float] = {}
         self.watcher.listeners.append(self._seen)
         self.view = JobsView(self.store, records=records, retry=m.watch_retry)
+        self.phases = PhaseWatch(self.store, records=records, retry=m.watch_retry)
         self.started_at = time.time()
-        self.rdzv = self.result = self.publisher = None
+        self.rdzv = self.result = self.publisher = self.job_phases = None
 
     def info(self) -> dict:
         # This host and this process, as a daemon's record says (cluster/node.py): after a
@@ -184,9 +204,12 @@ class SimNode:
         """Start publishing at a random point of one refresh interval: real nodes' jobs
         do not all start on the same tick, and bursts would fool a short window."""
         from elasticd.hangs.phase_board import PhasePublisher
+        self.job_phases = self.phases.for_job(self.rdzv.job_id, self.node_id,
+                                              lambda: self.keeper.lease)
+        self.job_phases.follow()        # as agent/attempt.py: the job this node runs
         self.publisher = PhasePublisher.for_agent(self.rdzv.job_id, self.node_id,
-                                                  self.cfg.agent, self.rdzv.publish_phases,
-                                                  self.rdzv.delete_phases)
+                                                  self.cfg.agent, self.job_phases.publish,
+                                                  self.job_phases.delete)
         threading.Timer(random.uniform(0, self.publisher.refresh), self.publisher.start).start()
 
     def offer(self, t: float) -> None:
@@ -202,13 +225,15 @@ class SimNode:
 
     def read_peers(self) -> None:
         from elasticd.hangs.phase_board import JobPeers
-        JobPeers.of(self.rdzv.peer_phases(), list(self.result.members), self.node_id,
+        JobPeers.of(self.job_phases.peers(), list(self.result.members), self.node_id,
                     self.result.place.round, self.cfg.agent.phase_stale_after, time.monotonic())
 
     def counters(self) -> dict:
         with self.store._lock:
             return {"ops": dict(self.store.ops), "delivered": dict(self.store.delivered),
-                    "errors": self.store.errors, "revision": self.view.revision}
+                    "errors": self.store.errors, "revision": self.view.revision,
+                    "phase_writes": dict(self.store.phase_writes),
+                    "follows": self.phases.following()}
 
 
 # ---------------------------------------------------------------- a worker process
@@ -280,6 +305,7 @@ def worker(conn, node_ids: list, url: str, prefix: str, key: bytes, overrides: d
             for node in nodes:
                 if node.publisher is not None:
                     node.publisher.stop(1.0)
+                node.phases.stop()
                 node.view.request_stop()
                 node.watcher.request_stop()
             stops = [threading.Thread(target=node.keeper.stop) for node in nodes]
@@ -358,11 +384,14 @@ class Sim:
         return [value for _, value in replies]
 
     def counters(self, which=None) -> dict:
-        total = {"ops": Counter(), "delivered": Counter(), "revisions": [], "errors": 0}
+        total = {"ops": Counter(), "delivered": Counter(), "revisions": [], "errors": 0,
+                 "phase_writes": Counter(), "followers": Counter()}
         for got in self.ask("counters", which=which):
             for node in got["nodes"]:
                 total["ops"].update(node["ops"])
                 total["delivered"].update(node["delivered"])
+                total["phase_writes"].update(node["phase_writes"])
+                total["followers"].update(node["follows"])
                 total["revisions"].append(node["revision"])
                 total["errors"] += node["errors"]
         return total
@@ -390,8 +419,13 @@ class Sim:
                for k in c1["delivered"]}
         key_writes = sum(v for k, v in ops.items()
                          if k in ("put", "create", "compare_and_swap", "delete"))
+        phase_writes = {j: (c1["phase_writes"][j] - c0["phase_writes"].get(j, 0)) / span
+                        for j in c1["phase_writes"]}
         delivered = sum(got.values())
-        expected = key_writes * nodes   # every watcher gets every write (both prefixes)
+        # Every watcher gets every write of the node and job keys; a phase record reaches
+        # the nodes that follow its job (of those counted: alive).
+        expected = (key_writes - sum(phase_writes.values())) * nodes \
+            + sum(w * c1["followers"][j] for j, w in phase_writes.items())
         sim = [(b - a) / span * 100 for a, b in zip(scpu0, scpu1)]
         return {"window": name, "n": self.n, "writes": (e1["writes"] - e0["writes"]) / span,
                 "req_node": (e1["requests"] - e0["requests"]) / span / nodes,

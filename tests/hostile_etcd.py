@@ -252,6 +252,7 @@ def hostile_keys(rng: random.Random, job_id: str, rnd: int) -> list[str]:
         keys += [f"/v1/jobs/{job}/spec", f"/v1/jobs/{job}/state",
                  f"/v1/jobs/{job}/join/{r}/{node}", f"/v1/jobs/{job}/done/{r}/{node}",
                  f"/v1/jobs/{job}/workers/{node}", f"/v1/jobs/{job}/phases/{node}",
+                 f"/v1/phases/{job}/{node}", f"/v1/phases/{job}/{node}/x",
                  f"/v1/jobs/{job}/summaries/{node}", f"/v1/jobs/{job}/join/notanint/{node}",
                  f"/v1/events/{job}/{node}/{rng.randint(0, 10**12):012d}"]
     keys += [f"/v1/nodes/{node}", f"/v1/drain/{node}", "/v1/jobs/", f"/v1/jobs/{other}",

@@ -174,7 +174,7 @@ def test_forged_node_records_drain_marks_events_and_phases_are_ignored(pair):
         "job_id": job, "kind": "transition", "from_state": "RUNNING", "to_state": "FAILED",
         "reason": "forged-event", "node_id": "n2", "round": 1, "rank": -1, "restart": 0,
         "time": time.time()}))
-    a.put(f"/v1/jobs/{job}/phases/n2", json.dumps({
+    a.put(f"/v1/phases/{job}/n2", json.dumps({
         "v": 1, "node": "n2", "round": before["n2"][1],
         "ranks": [[1, "checkpoint", 0.0, 1, None]], "learned": []}))
     time.sleep(2.0)   # each watch has seen them by now

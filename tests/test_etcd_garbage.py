@@ -130,7 +130,8 @@ def _fuzz(pair: TrainingPair, count: int, seed: int) -> dict:
     rnd = pair.running(job)["n1"][1]
     a = pair.attacker
     genuine = [kv for kv in (a.get(f"/v1/jobs/{job}/{k}") for k in (
-        "state", f"join/{rnd}/n1", f"join/{rnd}/n2", "workers/n1", "phases/n2")) if kv]
+        "state", f"join/{rnd}/n1", f"join/{rnd}/n2", "workers/n1")) if kv]
+    genuine += [a.get(f"/v1/phases/{job}/n2")]
     genuine += [a.get("/v1/nodes/n1"), a.get("/v1/nodes/n2")]
     genuine = [g for g in genuine if g]
     work = []

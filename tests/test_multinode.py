@@ -84,7 +84,7 @@ class Cluster:
         os.makedirs(self.out)
         self.nodes: dict[str, DaemonProc] = {}
         self._seen: dict[int, float] = {}   # every process the daemons started
-        with concurrent.futures.ThreadPoolExecutor(size) as pool:
+        with concurrent.futures.ThreadPoolExecutor(max(1, size)) as pool:
             list(pool.map(self.add, [f"n{i}" for i in range(1, size + 1)]))
 
     def add(self, node_id: str, extra_args: tuple = ()) -> DaemonProc:

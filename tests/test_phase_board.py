@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import signal
 import threading
+import time
 
 import pytest
 from hypothesis import given, settings
@@ -237,43 +238,74 @@ def test_the_publisher_writes_the_latest_record_at_once_on_a_phase_change_and_de
 # ---------------------------------------------------------------- through the store
 
 def test_records_cross_the_store_and_garbage_from_a_peer_is_ignored_and_counted():
-    from elasticd.rendezvous.round import ClusterRendezvous, create_job
-    from elasticd.rendezvous.protocol import JobLimits
-    from elasticd.rendezvous.view import JobsView
+    from elasticd.rendezvous.phase_watch import PhaseWatch
     from elasticd.store import open_store
     from elasticd.trust.refusals import Refusals
     from elasticd.trust.sealed import Kind, SealedRecords
 
     store = open_store("memory")
     records, refusals = SealedRecords(b"k" * 32, "/elasticd"), Refusals("test")
-    view = JobsView(store, records=records, retry=0.1, refusals=refusals)
-    view.start()
+    watch = PhaseWatch(store, records=records, retry=0.1, refusals=refusals)
+    lease = store.grant_lease(60)
+    n2 = watch.for_job("j1", "n2", lambda: lease)
+    n2.follow()
     try:
-        assert view.synced.wait(10)
-        create_job(store, "j1", {"name": "j1"}, 0.0, records=records)  # keys live with a spec
-        lease = store.grant_lease(60)
-        limits = JobLimits(min_nodes=2, max_nodes=2, max_restarts=1, last_call=0.0,
-                           join_timeout=60.0)
-        n2 = ClusterRendezvous(store, view, "j1", "n2", "10.0.0.2", 1, lambda: lease, limits)
         rec = record("n2", 3, ranks=[RankPhase(1, "checkpoint", 2.0, 100, 0.05)])
-        n2.publish_phases(rec.to_json())
-        wait = lambda pred: [view.wait(0.2) for _ in range(50) if not pred()]  # noqa: E731
-        wait(lambda: view.phases("j1"))
-        assert view.phases("j1")["n2"][0] == rec
+        n2.publish(rec.to_json())
+        wait = lambda pred: [time.sleep(0.02) for _ in range(500) if not pred()]  # noqa: E731
+        wait(lambda: n2.peers())
+        assert n2.peers()["n2"][0] == rec
+        assert watch.phases("j1")["n2"][0] == rec
 
         def sealed(key: str, text: str) -> None:   # as a daemon of the cluster writes it
             store.put(key, records.seal(Kind.PHASES, key, text))
-        store.put("/v1/jobs/j1/phases/n3", "x" * (64 * 1024))             # huge
-        sealed("/v1/jobs/j1/phases/n4", rec.to_json())                    # another node's
-        sealed("/v1/jobs/j1/phases/n5", '{"v":1,"node":"n5","round":1,"ranks":[[0,"train",'
-                                        '1,1,"slow"]],"learned":[]}')     # a bad field
-        store.put("/v1/jobs/j1/phases/n6", rec.to_json().replace("n2", "n6"))  # unsigned
-        wait(lambda: sum(refusals.counts.values()) >= 4)
+        store.put("/v1/phases/j1/n3", "x" * (64 * 1024))             # huge
+        sealed("/v1/phases/j1/n4", rec.to_json())                    # another node's
+        sealed("/v1/phases/j1/n5", '{"v":1,"node":"n5","round":1,"ranks":[[0,"train",'
+                                   '1,1,"slow"]],"learned":[]}')     # a bad field
+        store.put("/v1/phases/j1/n6", rec.to_json().replace("n2", "n6"))  # unsigned
+        sealed("/v1/phases/j1/n7/x", rec.to_json())                  # no daemon's key
+        wait(lambda: sum(refusals.counts.values()) >= 5)
         assert refusals.counts == {("phases", "too_large"): 1, ("phases", "invalid"): 2,
-                                   ("phases", "unsigned"): 1}, refusals.counts
-        assert set(view.phases("j1")) == {"n2"}
-        n2.delete_phases()
-        wait(lambda: not view.phases("j1"))
-        assert view.phases("j1") == {}
+                                   ("phases", "unsigned"): 1, ("phases", "bad_key"): 1}, \
+            refusals.counts
+        assert set(n2.peers()) == {"n2"}
+        n2.delete()
+        wait(lambda: not n2.peers())
+        assert n2.peers() == {}
     finally:
-        view.stop()
+        n2.unfollow()
+    assert watch.following() == []
+
+
+def test_a_job_not_followed_here_is_read_from_the_store_and_a_replay_is_refused():
+    """A job that runs elsewhere: its records are listed on demand, checked the same way;
+    a record older than one this node took of the key is refused, also after unfollow."""
+    from elasticd.rendezvous.phase_watch import PhaseWatch
+    from elasticd.store import open_store
+    from elasticd.trust.refusals import Refusals
+    from elasticd.trust.sealed import SealedRecords
+
+    store = open_store("memory")
+    records, refusals = SealedRecords(b"k" * 32, "/elasticd"), Refusals("test")
+    watch = PhaseWatch(store, records=records, retry=0.1, refusals=refusals)
+    n1 = watch.for_job("j1", "n1", lambda: None)
+    old, new = record("n1", 1), record("n1", 2)
+    n1.publish(old.to_json())
+    replay = store.get("/v1/phases/j1/n1").value
+    n1.publish(new.to_json())
+    assert watch.phases("j1")["n1"][0] == new          # not followed: read now
+    assert watch.phases("j1")["n1"][0] == new          # the same record, read again
+    assert watch.phases("j2") == {} and watch.following() == []
+    n1.follow()
+    try:
+        for _ in range(500):
+            if n1.peers():
+                break
+            time.sleep(0.02)
+        assert n1.peers()["n1"][0] == new
+    finally:
+        n1.unfollow()
+    store.put("/v1/phases/j1/n1", replay)               # an older genuine record put back
+    assert "n1" not in watch.phases("j1")
+    assert refusals.counts == {("phases", "replayed"): 1}, refusals.counts

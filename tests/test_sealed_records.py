@@ -361,7 +361,7 @@ def test_verifying_a_record_costs_microseconds():
     cases = {"join": (Kind.JOIN, "/v1/jobs/j1/join/7/n1", JOIN.to_json()),
              "state (64 nodes)": (Kind.STATE, "/v1/jobs/j1/state",
                                   RoundState(round=7, status=CLOSED, members=members).to_json()),
-             "phases": (Kind.PHASES, "/v1/jobs/j1/phases/n1", json.dumps(
+             "phases": (Kind.PHASES, "/v1/phases/j1/n1", json.dumps(
                  {"v": 1, "node": "n1", "round": 7, "learned": [],
                   "ranks": [[i, "train", 0.5, 1000, 0.01] for i in range(128)]}))}
     out = []

@@ -4,7 +4,9 @@
 when its workers started (for the wait before the next restart:
 restartpolicy.plan_restart), the hang detector (hangs/detector.py) and, for a
 job across nodes, the publisher of this node's phases and step times
-(hangs/phase_board.py), which it stops when the job ends here.
+(hangs/phase_board.py) and the watch of the job's phase records
+(rendezvous/phase_watch.py: only the job's own nodes watch them), both from
+the first look at a running round until the job ends here.
 """
 from __future__ import annotations
 
@@ -16,17 +18,17 @@ from ..hangs.phase_board import JobPeers, PhasePublisher
 from ..jobs.records import Failure
 from ..jobs.registry import JobRegistry
 from ..jobs.restartpolicy import AttemptProgress
+from ..rendezvous.phase_watch import JobPhases
 from ..rendezvous.protocol import Result
-from ..rendezvous.round import ClusterRendezvous
 from ..workers.group import WorkerGroup
 
 
 class AttemptWatch:
-    def __init__(self, job_id: str, cfg: Config, registry: JobRegistry,
-                 rendezvous: ClusterRendezvous, metrics=None):
+    def __init__(self, job_id: str, cfg: Config, registry: JobRegistry, phases: JobPhases,
+                 metrics=None):
         self.job_id = job_id
         self._cfg = cfg
-        self._rdzv = rendezvous
+        self._phases = phases
         self._metrics = metrics
         self._beats = 0
         self.started = time.monotonic()           # when the attempt's workers started
@@ -58,15 +60,16 @@ class AttemptWatch:
             self._progress.check(group)
             return
         a = self._cfg.agent
-        peers = JobPeers.of(self._rdzv.peer_phases(), list(result.members),
+        if self._phase_pub is None:
+            self._phases.follow()
+            self._phase_pub = PhasePublisher.for_agent(
+                self.job_id, self._cfg.daemon.node_id, a, self._phases.publish,
+                self._phases.delete)
+            self._phase_pub.start()
+        peers = JobPeers.of(self._phases.peers(), list(result.members),
                             self._cfg.daemon.node_id, result.place.round, a.phase_stale_after,
                             time.monotonic())
         self._progress.check(group, peers)
-        if self._phase_pub is None:
-            self._phase_pub = PhasePublisher.for_agent(
-                self.job_id, self._cfg.daemon.node_id, a, self._rdzv.publish_phases,
-                self._rdzv.delete_phases)
-            self._phase_pub.start()
         self._phase_pub.offer(self._progress.snapshot(result.place.round))
 
     def forget(self, rank: int) -> None:
@@ -80,3 +83,4 @@ class AttemptWatch:
     def stop(self) -> None:
         if self._phase_pub is not None:
             self._phase_pub.stop()
+            self._phases.unfollow()

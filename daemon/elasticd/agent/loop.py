@@ -63,7 +63,7 @@ class Agent:
     def __init__(self, job_id: str, cfg: Config, registry: JobRegistry,
                  rendezvous: ClusterRendezvous, on_exit: Callable[[str], None], metrics=None,
                  binding: Binding | None = None, health=None, *, templates: TemplatePool,
-                 snapshots: SnapshotBudgets | None = None, quarantine=None):
+                 snapshots: SnapshotBudgets | None = None, quarantine=None, phases):
         self.job_id = job_id
         # The job's GPUs, CPUs and snapshot budget here, the same for every attempt and rank
         # (agent/placement.py); GPU health and quarantine checked before each round (gpu_gate).
@@ -98,7 +98,7 @@ class Agent:
         self._recovery = Recovery(job_id, cfg, registry, metrics)  # the ladder's record
         # What the running attempt did (beats, phases, hangs: agent/attempt.py), for the
         # wait before the next restart and the crash-loop count (agent/pacing.py).
-        self._attempt = AttemptWatch(job_id, cfg, registry, rendezvous, metrics)
+        self._attempt = AttemptWatch(job_id, cfg, registry, phases, metrics)
         self._pacer = RestartPacer(cfg, registry.get(job_id).crash_loop)
         # The spares the next restart takes, started while this attempt runs.
         self._refill = SpareRefill(cfg, self._spares, self._tpl, self._where)

@@ -3,19 +3,20 @@
 A job across nodes has ranks that wait, in a collective, for a rank on another
 node: when that rank is in a checkpoint or a section, their silence is
 explained by a phase no daemon on their node sees. So each node of a round
-publishes one small record per job (``NodePhases``) under the job's keys::
+publishes one small record per job (``NodePhases``), which only the job's
+own nodes watch (rendezvous/phase_watch.py)::
 
-    /v1/jobs/<job>/phases/<node>     this node's ranks: phase, for how long, step
-                                     statistics; and the gaps learned per phase
-                                     (under the node's lease; deleted at the job's
-                                     end on that node)
+    /v1/phases/<job>/<node>     this node's ranks: phase, for how long, step
+                                statistics; and the gaps learned per phase
+                                (under the node's lease; deleted at the job's
+                                end on that node)
 
 Built in one place (``ProgressTracker.snapshot``), serialised in one place
 (``NodePhases.to_json``), read in one place (``NodePhases.from_doc``, called
-where the key enters the daemon: the jobs view, once trust/sealed.py verified
+where the key enters the daemon: the phase watch, once trust/sealed.py verified
 the node's seal and decoded the value). A peer's record is etcd input:
 anything malformed, naming another node or out of range is refused there
-(ValueError), and the view ignores and counts it.
+(ValueError), and the watch ignores and counts it.
 
 ``PhasePublisher`` is the one writer: a thread per job with a stop event. It
 writes what the peers decide on when it changes: at once when a rank's phase
@@ -25,7 +26,8 @@ or more, or what was learned grew (``NodePhases.moved_from``); otherwise only ev
 ``agent.phase_refresh_interval``, which keeps the record fresh for
 ``agent.phase_stale_after`` (a write that fails is tried again each publish
 interval). Every node of a job watches every other's record, so a steady
-record costs etcd one write and N deliveries per refresh, not per second.
+record costs etcd one write and one delivery per node of the job per refresh,
+not per second, and nothing to the cluster's other nodes.
 One key per node per job: the write load grows with the nodes, not the ranks
 or the steps.
 

@@ -1,5 +1,6 @@
 """The gauges read from the live objects at scrape time, so they are never stale: jobs,
-workers and slots; the node lease; the state dir and rank logs; the GPUs; jobs' snapshots.
+workers and slots; the node lease; the phase watches; the state dir and rank logs; the GPUs;
+jobs' snapshots.
 """
 from __future__ import annotations
 
@@ -144,6 +145,21 @@ class LeaseCollector:
         yield CounterMetricFamily("elasticd_node_lease_reregistrations",
                                   "Registrations again after the lease was lost",
                                   value=k.reregistrations)
+
+
+class PhaseWatchCollector:
+    """The watches of the phase records of the jobs this node runs (rendezvous/phase_watch.py)."""
+
+    def __init__(self, watch):
+        self._watch = watch
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        yield GaugeMetricFamily("elasticd_phase_watches",
+                                "Jobs whose phase records this node watches (the jobs across "
+                                "nodes it runs)", value=len(self._watch.following()))
 
 
 class QuarantineCollector:

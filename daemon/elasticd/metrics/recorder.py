@@ -24,9 +24,9 @@ from ..jobs.states import TERMINAL_STATES, JobState
 from ..workers.template import StartPath
 from ..store import Store
 from .collectors import (GpuCollector, JobCollector, LeaseCollector, QuarantineCollector,
-                         ReplicationCollector,
+                         PhaseWatchCollector, ReplicationCollector,
                          SnapshotCollector, StateCollector)
-from .timed_store import STORE_OPERATIONS, TimedStore, store_error_kind
+from .timed_store import STORE_OPERATIONS, WATCHED_KINDS, TimedStore, store_error_kind
 
 # Restart layers, fastest first (DESIGN.md), and what caused a restart.
 LAYERS = tuple(layer.value for layer in Layer)
@@ -91,6 +91,12 @@ class Metrics:
             "elasticd_store_request_errors_total",
             "Failed store requests, by operation and error (unavailable: etcd did not answer)",
             ["operation", "error"], registry=r)
+        self.watch_events = Counter(
+            "elasticd_store_watch_events_total",
+            "Changes this node's watches of the cluster store received, by the kind of key "
+            "(its folder: jobs, phases, nodes, drain, faults, events, other)",
+            ["kind"], registry=r)
+        self._watch_events = {k: self.watch_events.labels(k) for k in WATCHED_KINDS}
         self.lease_refresh_seconds = Histogram(
             "elasticd_node_lease_refresh_duration_seconds",
             "Latency of refreshing this node's lease in the store", registry=r,
@@ -183,6 +189,10 @@ class Metrics:
         """Export this node's faults and quarantine, and the cluster's quarantined nodes."""
         self.registry.register(QuarantineCollector(faults, cluster))
 
+    def attach_phases(self, watch) -> None:
+        """Export the phase watches (rendezvous/phase_watch.py) at scrape time."""
+        self.registry.register(PhaseWatchCollector(watch))
+
     def attach_gpus(self, manager) -> None:
         """Export this node's GPUs, total and free, at scrape time."""
         self.registry.register(GpuCollector(manager))
@@ -206,6 +216,10 @@ class Metrics:
 
     def gpu_health(self, ok: bool) -> None:
         self.gpu_health_checks.labels("ok" if ok else "failed").inc()
+
+    def watch_event(self, kind: str) -> None:
+        """One change a watch received, of a key of ``kind`` (timed_store.WATCHED_KINDS)."""
+        self._watch_events[kind].inc()
 
     def timed_store(self, store: Store) -> "TimedStore":
         """``store``, with every request timed and every error counted."""

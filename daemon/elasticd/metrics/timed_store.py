@@ -2,7 +2,8 @@
 
 The daemon puts it around its store (``Metrics.timed_store``); each request's
 duration goes to ``Metrics.observe_store`` with the error label of
-``store_error_kind``: one value per StoreError kind.
+``store_error_kind``: one value per StoreError kind; each event a watch delivers
+is counted by the kind of its key (``watch_event_kind``).
 """
 from __future__ import annotations
 
@@ -22,6 +23,22 @@ _STORE_ERRORS = ((StoreUnavailable, "unavailable"), (StoreAuthError, "auth"),
                  (KeyExists, "key_exists"), (CompareFailed, "compare_failed"),
                  (LeaseNotFound, "lease_not_found"), (WatchCompacted, "compacted"),
                  (StoreCorrupt, "corrupt"))
+
+
+# The folders of the keys the daemons write: a watch event's label (else "other").
+WATCHED_KINDS = ("jobs", "phases", "nodes", "drain", "faults", "events", "other")
+
+
+def watch_event_kind(key: str) -> str:
+    """The folder of a watched key (/v1/<folder>/...); "phases" for a phase record
+    wherever it lies (/v1/phases/<job>/<node>, or /v1/jobs/<job>/phases/<node> where an
+    older elasticd writes it)."""
+    parts = key.split("/")
+    if len(parts) < 4 or parts[0] or parts[1] != "v1" or parts[2] not in WATCHED_KINDS:
+        return "other"
+    if parts[2] == "jobs" and len(parts) == 6 and parts[4] == "phases":
+        return "phases"
+    return parts[2]
 
 
 def store_error_kind(exc: BaseException) -> str:
@@ -93,7 +110,9 @@ class TimedStore(Store):
               stop_event: threading.Event | None = None,
               timeout: float | None = None) -> Iterator[WatchEvent]:
         try:
-            yield from self.inner.watch(prefix, start_revision, stop_event, timeout)
+            for ev in self.inner.watch(prefix, start_revision, stop_event, timeout):
+                self._metrics.watch_event(watch_event_kind(ev.key))
+                yield ev
         except StoreError as exc:
             self._metrics.store_errors.labels("watch", store_error_kind(exc)).inc()
             raise

@@ -32,6 +32,7 @@ from ..jobs.registry import (
     JobExists, JobNotFound, JobRecord, JobRegistry, NameInUse, NotPersisted, new_job_id,
     spec_bytes)
 from ..logsetup import ctx
+from ..rendezvous.phase_watch import PhaseWatch
 from ..rendezvous.round import ClusterRendezvous, create_job
 from ..rendezvous.protocol import CANCELLED, JobLimits, final_job_state
 from ..jobs.spec import JobSpec
@@ -50,8 +51,14 @@ class Coordinator:
 
     def __init__(self, cfg: Config, registry: JobRegistry, cluster, view, metrics=None,
                  codec=None, policy=None, gpus: GpuLedger | None = None, health=None,
-                 suspicion=None, snapshots: SnapshotBudgets | None = None):
+                 suspicion=None, snapshots: SnapshotBudgets | None = None,
+                 phases: PhaseWatch | None = None):
         self._cfg = cfg
+        # The phase records of the jobs this node runs (rendezvous/phase_watch.py): the
+        # daemon's, or one on the cluster's store for a test that passes none.
+        self.phases = phases or PhaseWatch(cluster.store, records=view.records,
+                                           retry=cfg.membership.watch_retry,
+                                           refusals=view.refusals)
         # The snapshot budgets granted to this node's jobs (workers/snapshot_dirs.py),
         # one each while its agent runs here; None: no snapshot dirs.
         self.snapshots = snapshots
@@ -303,7 +310,9 @@ class Coordinator:
                               on_exit=self._agent_exited, metrics=self._metrics,
                               binding=binding, health=self._health,
                               templates=self.templates, snapshots=self.snapshots,
-                              quarantine=self.quarantine_state)
+                              quarantine=self.quarantine_state,
+                              phases=self.phases.for_job(job.id, self._cfg.daemon.node_id,
+                                                         lambda: self._cluster.keeper.lease))
                 self._agents[job.id] = agent
                 agent.start()
 

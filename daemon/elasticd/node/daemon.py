@@ -45,6 +45,7 @@ from .coordinator import Coordinator
 from ..metrics import Metrics
 from ..rendezvous.protocol import job_prefix
 from ..exposition.endpoint import MetricsEndpoint
+from ..rendezvous.phase_watch import PhaseWatch
 from ..rendezvous.view import JobsView
 from ..sdnotify import Notifier
 from ..store import StoreError
@@ -153,6 +154,11 @@ class Daemon:
         refusals = Refusals(ctx(node=d.node_id), metrics.record_rejected)
         view = JobsView(store, records=records, retry=cfg.membership.watch_retry,
                         open_spec=self.codec.open, refusals=refusals)
+        # The phase records of the jobs this node runs, one scoped watch per job while it
+        # runs here (rendezvous/phase_watch.py); stopped after the agents.
+        phases = PhaseWatch(store, records=records, retry=cfg.membership.watch_retry,
+                            refusals=refusals)
+        stops.callback(phases.stop)
         policy = ClusterPolicy.from_settings(cfg.cluster)
         inventory = _gpu_inventory(cfg)
         suspicion = SuspectTracker(d.node_id, d.suspect_window, d.suspect_jobs)
@@ -166,7 +172,7 @@ class Daemon:
             metrics, nvml=nvml_module() if inventory.source == "nvml" else None)
         manager = Coordinator(cfg, registry, cluster, view, metrics, codec=self.codec,
                              policy=policy, gpus=GpuLedger(inventory), health=health,
-                             suspicion=suspicion, snapshots=self._snapshots)
+                             suspicion=suspicion, snapshots=self._snapshots, phases=phases)
         cluster.capacity_from(manager.capacity, lambda: dict(
             manager.gpu_record(), suspect=suspicion.verdict().reason))
         self.cluster = cluster
@@ -184,6 +190,7 @@ class Daemon:
         metrics.attach(registry, manager)
         metrics.attach_cluster(cluster)  # metrics: the node lease
         metrics.attach_gpus(manager)  # metrics: GPUs free/total, health
+        metrics.attach_phases(phases)  # metrics: the phase records this node's watches got
         if faults is not None:
             metrics.attach_quarantine(faults, cluster)  # metrics: quarantines and their causes
         metrics.attach_snapshots(registry, manager)  # metrics: jobs' snapshots, the budget

@@ -418,18 +418,6 @@ class ClusterRendezvous:
                 why = str(exc)
         log.warning("%s: worker rows not published: %s", self._where(), why)
 
-    # -- phases across nodes (hangs/phase_board.py) ---------------------------------------
-    def publish_phases(self, text: str) -> None:
-        """This node's phase record for the job (its lease: gone with the node)."""
-        self._put(Kind.PHASES, self._key("phases", self.node_id), text, self._lease())
-
-    def delete_phases(self) -> None:
-        self._store.delete(self._key("phases", self.node_id))
-
-    def peer_phases(self) -> dict:
-        """{node: (NodePhases, monotonic time got)} of the job, from the view."""
-        return self._view.phases(self.job_id)
-
 
 def create_job(store: Store, job_id: str, spec: dict, now: float, round: int = 1,
                restarts: int = 0, restart_times: tuple = (), *, records,

@@ -2,12 +2,15 @@
 
 The daemon runs one ``JobsView`` (one watch stream, however many jobs);
 rendezvous participants and the job dispatcher read it and wait on its
-condition instead of polling etcd.
+condition instead of polling etcd. The jobs' phase records are not among
+these keys: they live under their own prefix, which only a job's own nodes
+watch (rendezvous/phase_watch.py); ``/v1/jobs/<job>/phases/<node>``, where
+an older elasticd wrote them, is not read as anything here.
 
 Every value enters through ``records`` (trust/sealed.py: the daemon's
 verifies the cluster key's MAC bound to the key name; the torchrun
 adapter's is plain) and becomes a typed record (rendezvous/records.py,
-hangs/phase_board.py) or is refused: not sealed, moved from another key,
+jobs/records.py) or is refused: not sealed, moved from another key,
 malformed, out of range, or older than what the view holds for that key
 (a round state whose round and status lie before the view's, a node's
 record whose writer's count is not above the last one's). A refused value
@@ -27,11 +30,9 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from ..hangs.phase_board import NodePhases
 from ..jobs.records import WorkerRow
 from ..jobs.summary import RecoverySummary
 from ..fields import is_ident
@@ -41,6 +42,7 @@ from ..trust.sealed import Kind, Reason, Refused
 from ..values import BadValue, decode
 from ..store import EVENT_PUT, Store
 from ..store.follow import Follower
+from .opening import newer, refusing, typed
 from .records import Join, RoundState
 
 log = logging.getLogger("elasticd.rendezvous")
@@ -49,7 +51,17 @@ JOBS = "/v1/jobs"
 SPEC_MAX_BYTES = 1 << 20      # a plain spec (the torchrun adapter's)
 MARKS_KEPT = 10_000           # jobs whose high-water marks outlive their keys
 _KINDS = {("spec", 2): Kind.SPEC, ("state", 2): Kind.STATE, ("join", 4): Kind.JOIN,
-          ("done", 4): Kind.DONE, ("workers", 3): Kind.WORKERS, ("phases", 3): Kind.PHASES}
+          ("done", 4): Kind.DONE, ("workers", 3): Kind.WORKERS}
+# /v1/jobs/<job>/phases/<node>: where an older elasticd wrote its phase records. Not
+# read as anything (they live under their own prefix now: rendezvous/phase_watch.py,
+# watched only by the job's nodes); its lease ends each one.
+def _old_phases(parts: list) -> bool:
+    return len(parts) == 3 and parts[1] == "phases"
+
+
+def _parts(prefix: str, key: str) -> list:
+    """The key's names below ``prefix``: [job, kind, ...]; [] if not below it."""
+    return key[len(prefix) + 1:].split("/") if key.startswith(prefix + "/") else []
 
 
 @dataclass
@@ -62,7 +74,6 @@ class JobKeys:
     workers: dict = field(default_factory=dict)   # node -> its WorkerRows (those that parse)
     summaries: dict = field(default_factory=dict)  # node -> its RecoverySummary, if it parsed
     rejection: Rejection | None = None             # the spec was refused (spec is None)
-    phases: dict = field(default_factory=dict)    # node -> (NodePhases, monotonic time got)
 
     def put_workers(self, node: str, rows: list, summary: dict) -> None:
         """What ``node`` published of its workers, typed where it enters: the rows
@@ -77,7 +88,7 @@ class JobKeys:
     def empty(self) -> bool:
         return self.spec is None and self.state is None and self.rejection is None \
             and not any(self.joins.values()) and not self.workers \
-            and not any(self.done.values()) and not self.phases
+            and not any(self.done.values())
 
 
 @dataclass
@@ -119,12 +130,6 @@ class JobsView:
                            done={r: set(v) for r, v in keys.done.items()},
                            workers=dict(keys.workers), summaries=dict(keys.summaries),
                            rejection=keys.rejection)
-
-    def phases(self, job_id: str) -> dict:
-        """{node: (NodePhases, monotonic time this daemon got it)} of the job."""
-        with self.changed:
-            keys = self._jobs.get(job_id)
-            return dict(keys.phases) if keys is not None else {}
 
     def job_ids(self) -> list[str]:
         with self.changed:
@@ -189,10 +194,7 @@ class JobsView:
         with self.changed:
             self._apply(ev.key, ev.value if ev.type == EVENT_PUT else None, ev.revision)
             self.revision = ev.revision
-            # A phase record (each node, every second, per job) changes no round: the
-            # rendezvous and the dispatcher need not wake for it (the agent reads it).
-            parts = ev.key[len(self._prefix) + 1:].split("/")
-            if not (len(parts) == 3 and parts[1] == "phases"):
+            if not _old_phases(_parts(self._prefix, ev.key)):   # nobody wakes for those
                 self.changed.notify_all()
                 for fn in self._listeners.get(parts[0], ()):
                     fn()
@@ -200,11 +202,11 @@ class JobsView:
     def _apply(self, key: str, value: str | None, revision: int,
                relisted: bool = False) -> None:
         """Fold one key into the view; the caller holds the condition. Never raises."""
-        kind = Kind.KEY
-        try:
-            parts = key[len(self._prefix) + 1:].split("/") \
-                if key.startswith(self._prefix + "/") else []
-            kind = _KINDS.get((parts[1], len(parts)), Kind.KEY) if len(parts) >= 2 else Kind.KEY
+        parts = _parts(self._prefix, key)
+        if _old_phases(parts):
+            return
+        kind = _KINDS.get((parts[1], len(parts)), Kind.KEY) if len(parts) >= 2 else Kind.KEY
+        with refusing(self.refusals, kind, key):
             # A spec under any printable id reaches the spec codec, which refuses an id
             # that is no job id with the same words as a submission (and reports it).
             named = is_ident(parts[0]) if kind is not Kind.SPEC else \
@@ -229,11 +231,6 @@ class JobsView:
                     self._jobs.pop(job_id, None)
                     if job_id in self._marks:
                         self._marks.move_to_end(job_id)
-        except Refused as exc:
-            self.refusals.refused(kind, key, exc.reason, exc.detail)
-        except Exception as exc:  # a bug, or a value nothing above foresaw: this key only
-            self.refusals.refused(kind, key, Reason.ERROR, f"{type(exc).__name__}: {exc}",
-                                  trace=True)
 
     def _delete(self, keys: JobKeys, kind: Kind, parts: list) -> None:
         if kind is Kind.SPEC:
@@ -248,11 +245,9 @@ class JobsView:
                 got.pop(parts[3], None) if kind is Kind.JOIN else got.discard(parts[3])
                 if not got:
                     del table[rnd]
-        elif kind is Kind.WORKERS:
+        else:
             keys.workers.pop(parts[2], None)
             keys.summaries.pop(parts[2], None)
-        else:
-            keys.phases.pop(parts[2], None)
 
     def _put(self, keys: JobKeys, kind: Kind, key: str, parts: list, value: str,
              revision: int, relisted: bool) -> bool:
@@ -262,36 +257,31 @@ class JobsView:
             return self._put_spec(keys, key, job_id, value)
         if kind is Kind.STATE:
             keys.state_revision = revision   # a CAS from the view's revision replaces it
-            state = self._typed(RoundState.from_doc, self.records.open(kind, key, value).doc)
+            state = typed(RoundState.from_doc, self.records.open(kind, key, value).doc)
             marks = self._marks_of(job_id)
             if state.order < marks.order:
                 raise Refused(Reason.REPLAYED, f"round {state.round} {state.status} lies before "
                               f"the round {marks.order[0]} this daemon holds")
             keys.state, marks.order = state, max(marks.order, state.order)
             return True
-        opened = self.records.open(kind, key, value)
         seqs = self._marks_of(job_id).seqs
-        last = seqs.get(key, 0)
-        if opened.seq and opened.seq <= last:
-            if relisted and opened.seq == last and key in self._present:
-                return True        # the record the view holds, listed again
-            raise Refused(Reason.REPLAYED, "its writer's count is not above the last one's")
+        opened, same = newer(self.records, kind, key, value, seqs, key in self._present,
+                             relisted)
+        if same:
+            return True        # the record the view holds, listed again
         node = parts[-1]
         if kind is Kind.JOIN:
-            join = self._typed(Join.from_doc, opened.doc)
+            join = typed(Join.from_doc, opened.doc)
             if join.node_id != node:
                 raise Refused(Reason.INVALID, "the join names another node than its key")
             keys.joins.setdefault(int(parts[2]), {})[node] = join
         elif kind is Kind.DONE:
             keys.done.setdefault(int(parts[2]), set()).add(node)
-        elif kind is Kind.WORKERS:
+        else:
             rows, summary = opened.doc.get("rows"), opened.doc.get("summary", {})
             if not isinstance(rows, list) or not isinstance(summary, dict):
                 raise Refused(Reason.INVALID, "worker rows are not a list with a summary")
             keys.put_workers(node, rows, summary)
-        else:
-            record = self._typed(lambda doc: NodePhases.from_doc(doc, node), opened.doc)
-            keys.phases[node] = (record, time.monotonic())
         if opened.seq:
             seqs[key] = opened.seq
         return True
@@ -309,13 +299,6 @@ class JobsView:
             raise Refused(Reason.of(bad), bad.detail) from None
         keys.spec, keys.rejection = spec, None
         return True
-
-    @staticmethod
-    def _typed(build, doc: dict):
-        try:
-            return build(doc)
-        except (ValueError, TypeError, KeyError) as exc:
-            raise Refused(Reason.INVALID, str(exc)[:200]) from None
 
     def _marks_of(self, job_id: str) -> _Marks:
         marks = self._marks.get(job_id)

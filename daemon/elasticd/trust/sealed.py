@@ -52,7 +52,7 @@ class Kind(str, enum.Enum):
     JOIN = "join"            # /v1/jobs/<job>/join/<round>/<node>
     DONE = "done"            # /v1/jobs/<job>/done/<round>/<node>
     WORKERS = "workers"      # /v1/jobs/<job>/workers/<node>
-    PHASES = "phases"        # /v1/jobs/<job>/phases/<node>
+    PHASES = "phases"        # /v1/phases/<job>/<node>
     NODE = "node"            # /v1/nodes/<node>
     DRAIN = "drain"          # /v1/drain/<node>
     FAULTS = "faults"        # /v1/faults/<node> (cluster/faults.py)

@@ -1,0 +1,92 @@
+"""A job's phase records reach its own nodes and no other: four real daemons on one
+real etcd, job A on n1+n2 and job B on n3+n4 (plain sleeping workers).
+
+Each daemon counts what its store watches receive by the kind of key
+(``elasticd_store_watch_events_total{kind="phases"}``, counted where the watch
+events enter the daemon, whatever watch asked for them). etcd's own history
+says how many changes the phase records of each job had over the test. A node
+of A may have received at most A's changes; had it received B's too (every
+daemon watching every job's keys), it would count more than A's. Each node
+watches the job's records while it runs it (``elasticd_phase_watches``: 1) and
+stops when the job ends there (0).
+
+Before the phase records moved (rendezvous/phase_watch.py), each of them reached
+every daemon through its watch of /v1/jobs: n3 received A's as well as B's.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import re
+
+import pytest
+
+from daemons import free_port, scrape
+from etcd_server import EtcdServer, etcd_binary
+from test_multinode import NO_SPARES, PY, Cluster, status, submit, wait_for
+
+pytestmark = pytest.mark.skipif(etcd_binary() is None, reason="needs an etcd binary")
+
+SLEEP = [PY, "-c", "import time; time.sleep(300)"]
+JOBS = {"A": ("n1", "n2"), "B": ("n3", "n4")}
+
+
+@pytest.fixture(scope="module")
+def quad():
+    with EtcdServer() as etcd:
+        c = Cluster(etcd, 0, NO_SPARES + ("--set", "agent.phase_refresh_interval=1"))
+        ports = {f"n{i}": free_port() for i in range(1, 5)}
+        try:
+            with concurrent.futures.ThreadPoolExecutor(4) as pool:
+                list(pool.map(lambda n: c.add(n, ("--metrics-port", str(ports[n]))), ports))
+            yield c, ports
+        finally:
+            c.close()
+
+
+def metric(port: int, name: str) -> float:
+    """One sample's value from the daemon's scrape (0 if absent)."""
+    m = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", scrape(port), re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+PHASE_EVENTS = 'elasticd_store_watch_events_total{kind="phases"}'
+
+
+def test_a_nodes_watches_get_the_phase_records_of_its_own_job_only(quad):
+    from elasticd.store import open_store
+    c, ports = quad
+    store = open_store("etcd3", [c.etcd.url], prefix=c.prefix)
+    try:
+        _, since = store.list("/v1/phases/")
+        jobs = {name: submit(c[nodes[0]], "--nnodes", "2", "--nodes", ",".join(nodes), cmd=SLEEP)
+                for name, nodes in JOBS.items()}
+        for name, nodes in JOBS.items():
+            for node in nodes:
+                c[node].wait_state(jobs[name], "RUNNING", 90)
+        # Each node watches its job's records and received some (its peer's refreshes).
+        wait_for(lambda: all(metric(p, "elasticd_phase_watches") == 1
+                             and metric(p, PHASE_EVENTS) >= 2 for p in ports.values()),
+                 60, "every node watching its job's phase records and receiving them")
+        # A job that runs elsewhere still shows from a node that does not run it.
+        assert status(c["n4"], jobs["A"])["state"] == "RUNNING"
+        for name, nodes in JOBS.items():
+            c[nodes[0]].ctl("cancel", jobs[name])
+        for name, nodes in JOBS.items():
+            for node in nodes:
+                c[node].wait_state(jobs[name], "CANCELLED", 60)
+        wait_for(lambda: all(metric(p, "elasticd_phase_watches") == 0 for p in ports.values()),
+                 30, "every node's phase watch closed once its job ended there")
+        got = {node: metric(p, PHASE_EVENTS) for node, p in ports.items()}
+        # Every change the phase records of each job had, from etcd's history.
+        changes = {name: 0 for name in JOBS}
+        for ev in store.watch("/v1/phases/", since, timeout=2.0):
+            changes[next(n for n in JOBS if ev.key.startswith(f"/v1/phases/{jobs[n]}/"))] += 1
+    finally:
+        store.close()
+    assert all(n >= 4 for n in changes.values()), changes
+    for name, nodes in JOBS.items():
+        for node in nodes:
+            assert 2 <= got[node] <= changes[name], (
+                f"{node} runs job {name} only: it may receive that job's {changes[name]} "
+                f"phase record changes and no other job's; it received {got[node]:.0f} "
+                f"(all: {got}, changes per job: {changes})")
