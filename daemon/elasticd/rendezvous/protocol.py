@@ -9,7 +9,8 @@ Keys of one job (under the store prefix; ``R`` is a round number)::
     /v1/jobs/<job>/done/<R>/<node>   a node's workers finished round R well (lease)
     /v1/jobs/<job>/workers/<node>    a node's worker rows and recovery summary, for
                                      status on any node (lease)
-    /v1/jobs/<job>/phases/<node>     its ranks' phases (hangs/phase_board.py; lease)
+    /v1/phases/<job>/<node>          its ranks' phases (hangs/phase_board.py; lease),
+                                     watched only by the job's nodes (phase_watch.py)
 
 The records (rendezvous/records.py) are sealed with the cluster key, bound
 to their key (trust/sealed.py); the spec by trust/specs.py. A closed round

@@ -194,9 +194,10 @@ class JobsView:
         with self.changed:
             self._apply(ev.key, ev.value if ev.type == EVENT_PUT else None, ev.revision)
             self.revision = ev.revision
-            if not _old_phases(_parts(self._prefix, ev.key)):   # nobody wakes for those
+            parts = _parts(self._prefix, ev.key)
+            if not _old_phases(parts):   # nobody wakes for those
                 self.changed.notify_all()
-                for fn in self._listeners.get(parts[0], ()):
+                for fn in self._listeners.get(parts[0] if parts else "", ()):
                     fn()
 
     def _apply(self, key: str, value: str | None, revision: int,
