@@ -5,7 +5,7 @@
 
 Issue 33 asks which of etcd's two APIs keeps a thousand nodes' leases for
 less of etcd's CPU. Each simulated node holds one lease (TTL 3 s, as
-``membership.lease_ttl``) and refreshes it every ``--refresh`` seconds (as
+``membership.lease_ttl``; ``--ttl``) and refreshes it every ``--refresh`` seconds (as
 ``membership.refresh_interval``), the nodes spread evenly over the period:
 
   gateway   the daemon's own store, ``Etcd3Store.refresh_lease`` with
@@ -50,7 +50,6 @@ from common import machine, revision  # noqa: E402
 from etcd_server import EtcdServer  # noqa: E402
 from elasticd.store.etcd3 import Etcd3Store  # noqa: E402
 
-TTL = 3
 
 
 class Meter:
@@ -63,6 +62,7 @@ class Meter:
         self.done = self.failed = self.late = 0
         self.latencies: list[float] = []
         self.counting = False
+        self.first_error = ""
 
     @staticmethod
     def _busy(p: psutil.Process) -> float:
@@ -96,10 +96,10 @@ def due(i: int, n: int, period: float, start: float, k: int) -> float:
     return start + period * (k + i / n)
 
 
-def run_store(url: str, n: int, period: float, seconds: float, meter: Meter,
+def run_store(url: str, n: int, period: float, seconds: float, meter: Meter, ttl: int,
               transport: str) -> dict:
     stores = [Etcd3Store([url], timeout=5.0, lease_transport=transport) for _ in range(n)]
-    leases = [s.grant_lease(TTL) for s in stores]
+    leases = [s.grant_lease(ttl) for s in stores]
     stop = threading.Event()
     threads = min(64, n)
     start = time.monotonic() + 0.5
@@ -117,8 +117,9 @@ def run_store(url: str, n: int, period: float, seconds: float, meter: Meter,
                 try:
                     stores[i].refresh_lease(leases[i])
                     ok = True
-                except Exception:
+                except Exception as exc:  # noqa: BLE001 - counted, the first one shown
                     ok = False
+                    meter.first_error = meter.first_error or f"{type(exc).__name__}: {exc}"
                 meter.count(ok, time.monotonic() - t, t - at > period / 2)
             k += 1
 
@@ -139,11 +140,12 @@ def run_store(url: str, n: int, period: float, seconds: float, meter: Meter,
     return result
 
 
-def run_grpc_aio(url: str, n: int, period: float, seconds: float, meter: Meter) -> dict:
+def run_grpc_aio(url: str, n: int, period: float, seconds: float, meter: Meter,
+                 ttl: int) -> dict:
     import grpc
     from elasticd.store.etcdpb import lease_pb2, lease_pb2_grpc
     granter = Etcd3Store([url], timeout=5.0)
-    leases = [granter.grant_lease(TTL) for _ in range(n)]
+    leases = [granter.grant_lease(ttl) for _ in range(n)]
     target = url.split("://", 1)[-1]
     result: dict = {}
 
@@ -196,6 +198,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seconds", type=float, default=10.0, help="measured window per run")
     ap.add_argument("--refresh", type=float, default=1.0,
                     help="seconds between a node's refreshes (membership.refresh_interval)")
+    ap.add_argument("--ttl", type=int, default=3,
+                    help="lease TTL (membership.lease_ttl); longer where the simulator takes "
+                         "more than a TTL to open N stores")
     ap.add_argument("--apis", default="gateway,grpc", help="of gateway, grpc, grpc-aio")
     args = ap.parse_args(argv)
     ns = [int(x) for x in args.nodes.split(",") if x]
@@ -203,22 +208,24 @@ def main(argv=None) -> int:
     if not set(apis) <= {"gateway", "grpc", "grpc-aio"}:
         ap.error(f"--apis: of gateway, grpc, grpc-aio, not {args.apis}")
     print(f"lease_bench: {machine()}; elasticd {revision()}; refresh every {args.refresh:g} s, "
-          f"TTL {TTL} s, {args.seconds:g} s windows", flush=True)
+          f"TTL {args.ttl} s, {args.seconds:g} s windows", flush=True)
     rows = []
     with EtcdServer() as etcd:
         for n in ns:
             for api in apis:
                 meter = Meter(etcd.proc.pid)
-                r = (run_grpc_aio(etcd.url, n, args.refresh, args.seconds, meter)
+                r = (run_grpc_aio(etcd.url, n, args.refresh, args.seconds, meter, args.ttl)
                      if api == "grpc-aio" else
-                     run_store(etcd.url, n, args.refresh, args.seconds, meter, api))
+                     run_store(etcd.url, n, args.refresh, args.seconds, meter, args.ttl, api))
                 r.update(n=n, api=api, want=n / args.refresh, load=os.getloadavg()[0])
                 rows.append(r)
                 print(f"N={n:>5} {api:<9} etcd {r['etcd']:5.1f} % of a core, simulator "
                       f"{r['sim']:5.1f} %, refreshes {r['rate']:7.1f}/s of {r['want']:.0f} due, "
                       f"failed {r['failed']}, late {r['late']}, latency p50 {r['p50']:.1f} ms "
                       f"p99 {r['p99']:.1f} ms, load {r['load']:.1f}", flush=True)
-                time.sleep(TTL + 1)   # what the last run left expires before the next
+                if meter.first_error:
+                    print(f"    first failure: {meter.first_error[:300]}", flush=True)
+                time.sleep(min(args.ttl, 5) + 1)   # what the last run left ends before the next
     print("\n| N | API | etcd CPU | simulator CPU | refreshes/s (due) | failed | late | "
           "p50 / p99 | load |")
     print("|---|---|---|---|---|---|---|---|---|")
