@@ -128,3 +128,25 @@ def test_lease_transport_is_a_validated_setting_the_daemon_passes_on(etcd, tmp_p
             store.refresh_lease(store.grant_lease(5))
         finally:
             store.close()
+
+
+def test_an_endpoint_that_never_answers_is_passed_over_in_the_same_refresh(etcd):
+    """A listener that takes connections and says nothing (a hung host): the stream
+    tries the next endpoint after its share of the timeout, as the gateway does."""
+    import socket
+    with socket.socket() as mute:
+        mute.bind(("127.0.0.1", 0))
+        mute.listen(16)
+        store = grpc_store([f"http://127.0.0.1:{mute.getsockname()[1]}", etcd.url])
+        granter = grpc_store(etcd.endpoints)   # the gateway would wait out the mute one
+        try:
+            lease = granter.grant_lease(5)
+            t0 = time.monotonic()
+            store.refresh_lease(lease)
+            assert time.monotonic() - t0 < TIMEOUT + SLACK
+            store.refresh_lease(lease)          # on the endpoint that answered
+            assert store._keepalive.opened == 2
+            granter.revoke_lease(lease)
+        finally:
+            store.close()
+            granter.close()

@@ -13,8 +13,10 @@ with TTL 0 means the lease has ended: :class:`LeaseNotFound`.  Any other
 failure raises a :class:`StoreError` (StoreUnavailable when etcd did not
 answer, StoreAuthError for TLS trust or credentials) and closes the stream
 and its channel; the next refresh opens them again, on the next endpoint.  A
-connection refused or a stream that broke at once moves on to the next
-endpoint within the same refresh (a keep-alive may be repeated safely).
+new stream that breaks at once (connection refused, a member without a
+leader) or has no connection within its share of the timeout moves on to
+the next endpoint within the same refresh, as the gateway's calls do (a
+keep-alive may be repeated safely).
 """
 from __future__ import annotations
 
@@ -46,10 +48,19 @@ class _Stream:
         # hasleader: a member cut off from its leader ends the stream instead of
         # keeping leases it cannot renew (etcd's clientv3 sets it the same way).
         metadata = [("hasleader", "true")] + ([("token", token)] if token else [])
+        # Whether the channel ever connected: until it does, a refresh may go on to
+        # the next endpoint early (gRPC watches the state only until then).
+        self.connected = threading.Event()
+        self.channel.subscribe(self._state)
         stub = lease_pb2_grpc.LeaseStub(self.channel)
         self._call = stub.LeaseKeepAlive(iter(self._requests.get, None), metadata=metadata)
         self._reader = threading.Thread(target=self._read, name="etcd3-keepalive", daemon=True)
         self._reader.start()
+
+    def _state(self, state: grpc.ChannelConnectivity) -> None:
+        if state is grpc.ChannelConnectivity.READY and not self.connected.is_set():
+            self.connected.set()
+            self.channel.unsubscribe(self._state)
 
     def _read(self) -> None:
         try:
@@ -68,6 +79,8 @@ class _Stream:
 
     def close(self) -> None:
         self._requests.put(None)      # ends the request iterator gRPC's thread reads
+        if not self.connected.is_set():
+            self.channel.unsubscribe(self._state)
         self._call.cancel()
         self.channel.close()
         self._reader.join(timeout=1.0)
@@ -102,8 +115,9 @@ class KeepAliveStream:
                 if self._stream is not None and not self._stream.alive():
                     self._drop(advance=False)
                 fresh = self._stream is None
+                last = tries + 1 >= len(self.endpoints)
                 try:
-                    return self._refresh_once(lease_id, deadline, relogged)
+                    return self._refresh_once(lease_id, deadline, relogged, last)
                 except _Relogin:
                     relogged = True
                 except _TryNext as exc:
@@ -111,15 +125,22 @@ class KeepAliveStream:
                     if tries >= len(self.endpoints) or time.monotonic() >= deadline:
                         raise exc.error from None
 
-    def _refresh_once(self, lease_id: int, deadline: float, relogged: bool) -> int:
+    def _refresh_once(self, lease_id: int, deadline: float, relogged: bool, last: bool) -> int:
         stream = self._open(relogged)
         stream.send(lease_id)
-        try:
-            reply = stream.replies.get(timeout=max(0.0, deadline - time.monotonic()))
-        except queue.Empty:
+        wait = max(0.0, deadline - time.monotonic())
+        if not (last or stream.connected.is_set()):  # leave time to try the others
+            wait = min(wait, max(self.timeout / len(self.endpoints), 0.25))
+        reply = _next(stream.replies, wait)
+        if reply is _NOTHING and stream.connected.is_set():   # connected: wait it out
+            reply = _next(stream.replies, max(0.0, deadline - time.monotonic()))
+        if reply is _NOTHING:
+            connected = stream.connected.is_set()
             self._drop()
-            raise StoreUnavailable(f"etcd at {stream.url} did not answer a lease keep-alive "
-                                   f"within {self.timeout:g}s") from None
+            error = StoreUnavailable(f"etcd at {stream.url} did not answer a lease keep-alive "
+                                     f"within {self.timeout:g}s"
+                                     + ("" if connected else " (no connection)"))
+            raise error if connected else _TryNext(error)
         if isinstance(reply, lease_pb2.LeaseKeepAliveResponse):
             if reply.ID != lease_id:
                 self._drop()
@@ -174,6 +195,17 @@ class KeepAliveStream:
             if self._stream is not None:
                 self._stream.close()
                 self._stream = None
+
+
+_NOTHING = object()
+
+
+def _next(replies: queue.Queue, timeout: float):
+    """The next item of ``replies`` within ``timeout`` seconds, else _NOTHING."""
+    try:
+        return replies.get(timeout=timeout)
+    except queue.Empty:
+        return _NOTHING
 
 
 def _read(path: str) -> bytes:
