@@ -150,3 +150,15 @@ def test_an_endpoint_that_never_answers_is_passed_over_in_the_same_refresh(etcd)
         finally:
             store.close()
             granter.close()
+
+
+def test_the_stream_ignores_proxy_variables_as_the_gateway_client_does(etcd, monkeypatch):
+    for name in ("http_proxy", "https_proxy", "grpc_proxy"):
+        monkeypatch.setenv(name, f"http://127.0.0.1:{free_port()}")   # nothing listens
+    store = grpc_store(etcd.endpoints)
+    try:
+        lease = store.grant_lease(5)
+        store.refresh_lease(lease)
+        store.revoke_lease(lease)
+    finally:
+        store.close()

@@ -41,8 +41,10 @@ class _Stream:
     def __init__(self, url: str, credentials: grpc.ChannelCredentials | None, token: str | None):
         self.url = url
         target = url.split("://", 1)[-1]
-        self.channel = (grpc.secure_channel(target, credentials) if credentials is not None
-                        else grpc.insecure_channel(target))
+        # Straight to etcd, as the gateway client goes: no http_proxy from the environment.
+        options = [("grpc.enable_http_proxy", 0)]
+        self.channel = (grpc.secure_channel(target, credentials, options)
+                        if credentials is not None else grpc.insecure_channel(target, options))
         self.replies: queue.Queue = queue.Queue()
         self._requests: queue.Queue = queue.Queue()
         # hasleader: a member cut off from its leader ends the stream instead of
