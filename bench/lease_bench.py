@@ -1,27 +1,33 @@
-"""Node leases on one etcd: refreshed through its JSON gateway (what elasticd does) or its gRPC stream.
+"""Node leases on one etcd: the daemon's store refreshing over etcd's JSON gateway or its gRPC stream.
 
     python bench/lease_bench.py [--nodes 100,300,1000] [--seconds 10] [--refresh 1.0]
+                                [--apis gateway,grpc,grpc-aio]
 
 Issue 33 asks which of etcd's two APIs keeps a thousand nodes' leases for
 less of etcd's CPU. Each simulated node holds one lease (TTL 3 s, as
-``membership.lease_ttl``) and refreshes it every ``--refresh`` seconds (as
+``membership.lease_ttl``; ``--ttl``) and refreshes it every ``--refresh`` seconds (as
 ``membership.refresh_interval``), the nodes spread evenly over the period:
 
-  gateway   the daemon's own store, ``Etcd3Store.refresh_lease``: one POST
-            to ``/v3/lease/keepalive`` a refresh (the gateway opens an
-            internal gRPC stream for each), a store (its HTTP connection) per
-            node, refreshes made by a pool of threads;
-  grpc      etcd's gRPC Lease service: per node its own channel (HTTP/2
-            connection) and one ``LeaseKeepAlive`` stream kept open, one
-            message a refresh (grpc.aio, one event loop; stubs generated at
-            run time by grpcio-tools from bench/etcd_api/lease.proto).
+  gateway   the daemon's own store, ``Etcd3Store.refresh_lease`` with
+            ``membership.lease_transport = gateway``: one POST to
+            ``/v3/lease/keepalive`` a refresh (the gateway opens an internal
+            gRPC stream for each), a store (its HTTP connection) per node,
+            refreshes made by a pool of threads;
+  grpc      the daemon's own store with ``lease_transport = grpc`` (the
+            default; store/lease_stream.py): per node a store, so one gRPC
+            channel and one ``LeaseKeepAlive`` stream kept open, one message a
+            refresh, made by the same pool of threads;
+  grpc-aio  etcd's gRPC Lease service driven directly, per node its own channel
+            and stream (grpc.aio, one event loop), with the stubs the store
+            uses (daemon/elasticd/store/etcdpb, from protos/): what the stream
+            costs without the store's threads.
 
 Per N and API, after a warm-up of one period, over ``--seconds``: etcd's
 CPU (% of one core, from /proc through psutil), this process's CPU (the
 simulator: where it, not etcd, is the limit), the refreshes done per second
 against those due, the refreshes that failed or came more than half a
 period late, and the refresh latency (p50/p99). Leases are granted through
-the gateway for both (not measured) and revoked after. Never asserts a
+the gateway for all (not measured) and revoked after. Never asserts a
 timing; one real etcd 3.4 (tests/etcd_server.py).
 """
 from __future__ import annotations
@@ -30,9 +36,7 @@ import argparse
 import asyncio
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 
@@ -46,18 +50,6 @@ from common import machine, revision  # noqa: E402
 from etcd_server import EtcdServer  # noqa: E402
 from elasticd.store.etcd3 import Etcd3Store  # noqa: E402
 
-TTL = 3
-
-
-def load_stubs(out: str):
-    """lease_pb2 and lease_pb2_grpc, generated into ``out`` from etcd_api/lease.proto."""
-    subprocess.run([sys.executable, "-m", "grpc_tools.protoc", "-I",
-                    os.path.join(HERE, "etcd_api"), f"--python_out={out}",
-                    f"--grpc_python_out={out}", "lease.proto"], check=True)
-    sys.path.insert(0, out)
-    import lease_pb2
-    import lease_pb2_grpc
-    return lease_pb2, lease_pb2_grpc
 
 
 class Meter:
@@ -70,6 +62,7 @@ class Meter:
         self.done = self.failed = self.late = 0
         self.latencies: list[float] = []
         self.counting = False
+        self.first_error = ""
 
     @staticmethod
     def _busy(p: psutil.Process) -> float:
@@ -103,9 +96,10 @@ def due(i: int, n: int, period: float, start: float, k: int) -> float:
     return start + period * (k + i / n)
 
 
-def run_gateway(url: str, n: int, period: float, seconds: float, meter: Meter) -> dict:
-    stores = [Etcd3Store([url], timeout=5.0) for _ in range(n)]
-    leases = [s.grant_lease(TTL) for s in stores]
+def run_store(url: str, n: int, period: float, seconds: float, meter: Meter, ttl: int,
+              transport: str) -> dict:
+    stores = [Etcd3Store([url], timeout=5.0, lease_transport=transport) for _ in range(n)]
+    leases = [s.grant_lease(ttl) for s in stores]
     stop = threading.Event()
     threads = min(64, n)
     start = time.monotonic() + 0.5
@@ -123,8 +117,9 @@ def run_gateway(url: str, n: int, period: float, seconds: float, meter: Meter) -
                 try:
                     stores[i].refresh_lease(leases[i])
                     ok = True
-                except Exception:
+                except Exception as exc:  # noqa: BLE001 - counted, the first one shown
                     ok = False
+                    meter.first_error = meter.first_error or f"{type(exc).__name__}: {exc}"
                 meter.count(ok, time.monotonic() - t, t - at > period / 2)
             k += 1
 
@@ -141,14 +136,16 @@ def run_gateway(url: str, n: int, period: float, seconds: float, meter: Meter) -
             s.revoke_lease(lease)
         except Exception:
             pass
+        s.close()
     return result
 
 
-def run_grpc(url: str, n: int, period: float, seconds: float, meter: Meter, stubs) -> dict:
+def run_grpc_aio(url: str, n: int, period: float, seconds: float, meter: Meter,
+                 ttl: int) -> dict:
     import grpc
-    lease_pb2, lease_pb2_grpc = stubs
+    from elasticd.store.etcdpb import lease_pb2, lease_pb2_grpc
     granter = Etcd3Store([url], timeout=5.0)
-    leases = [granter.grant_lease(TTL) for _ in range(n)]
+    leases = [granter.grant_lease(ttl) for _ in range(n)]
     target = url.split("://", 1)[-1]
     result: dict = {}
 
@@ -201,35 +198,41 @@ def main(argv=None) -> int:
     ap.add_argument("--seconds", type=float, default=10.0, help="measured window per run")
     ap.add_argument("--refresh", type=float, default=1.0,
                     help="seconds between a node's refreshes (membership.refresh_interval)")
-    ap.add_argument("--apis", default="gateway,grpc")
+    ap.add_argument("--ttl", type=int, default=3,
+                    help="lease TTL (membership.lease_ttl); longer where the simulator takes "
+                         "more than a TTL to open N stores")
+    ap.add_argument("--apis", default="gateway,grpc", help="of gateway, grpc, grpc-aio")
     args = ap.parse_args(argv)
     ns = [int(x) for x in args.nodes.split(",") if x]
     apis = [a for a in args.apis.split(",") if a]
+    if not set(apis) <= {"gateway", "grpc", "grpc-aio"}:
+        ap.error(f"--apis: of gateway, grpc, grpc-aio, not {args.apis}")
     print(f"lease_bench: {machine()}; elasticd {revision()}; refresh every {args.refresh:g} s, "
-          f"TTL {TTL} s, {args.seconds:g} s windows", flush=True)
+          f"TTL {args.ttl} s, {args.seconds:g} s windows", flush=True)
     rows = []
-    with tempfile.TemporaryDirectory() as tmp, EtcdServer() as etcd:
-        stubs = load_stubs(tmp) if "grpc" in apis else None
+    with EtcdServer() as etcd:
         for n in ns:
             for api in apis:
                 meter = Meter(etcd.proc.pid)
-                r = (run_gateway(etcd.url, n, args.refresh, args.seconds, meter) if api ==
-                     "gateway" else run_grpc(etcd.url, n, args.refresh, args.seconds, meter,
-                                             stubs))
+                r = (run_grpc_aio(etcd.url, n, args.refresh, args.seconds, meter, args.ttl)
+                     if api == "grpc-aio" else
+                     run_store(etcd.url, n, args.refresh, args.seconds, meter, args.ttl, api))
                 r.update(n=n, api=api, want=n / args.refresh, load=os.getloadavg()[0])
                 rows.append(r)
-                print(f"N={n:>5} {api:<8} etcd {r['etcd']:5.1f} % of a core, simulator "
+                print(f"N={n:>5} {api:<9} etcd {r['etcd']:5.1f} % of a core, simulator "
                       f"{r['sim']:5.1f} %, refreshes {r['rate']:7.1f}/s of {r['want']:.0f} due, "
                       f"failed {r['failed']}, late {r['late']}, latency p50 {r['p50']:.1f} ms "
                       f"p99 {r['p99']:.1f} ms, load {r['load']:.1f}", flush=True)
-                time.sleep(TTL + 1)   # what the last run left expires before the next
+                if meter.first_error:
+                    print(f"    first failure: {meter.first_error[:300]}", flush=True)
+                time.sleep(min(args.ttl, 5) + 1)   # what the last run left ends before the next
     print("\n| N | API | etcd CPU | simulator CPU | refreshes/s (due) | failed | late | "
-          "p50 / p99 |")
-    print("|---|---|---|---|---|---|---|---|")
+          "p50 / p99 | load |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['n']} | {r['api']} | {r['etcd']:.0f} % | {r['sim']:.0f} % | "
               f"{r['rate']:.0f} ({r['want']:.0f}) | {r['failed']} | {r['late']} | "
-              f"{r['p50']:.1f} / {r['p99']:.1f} ms |")
+              f"{r['p50']:.1f} / {r['p99']:.1f} ms | {r['load']:.1f} |")
     by = {(r["n"], r["api"]): r for r in rows}
     for n in ns:
         g, c = by.get((n, "gateway")), by.get((n, "grpc"))

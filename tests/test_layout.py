@@ -14,7 +14,7 @@ ROOT = os.path.dirname(PKG)
 # (the wiring is node/, above every part).
 TOP = {"__init__", "__main__", "errors", "logsetup", "sdnotify", "statedir", "settingfield",
        "values", "fields"}
-GENERATED = ("v1",)
+GENERATED = ("v1", "etcdpb")
 
 
 def _modules() -> dict[str, tuple[str, bool]]:

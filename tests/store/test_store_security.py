@@ -11,7 +11,7 @@ import pytest
 
 from etcd_server import EtcdServer, make_certs
 from store_watching import replay
-from elasticd.store import StoreAuthError, detect_api, open_store
+from elasticd.store import Lease, StoreAuthError, detect_api, open_store
 
 TIMEOUT = 1.0
 
@@ -54,6 +54,25 @@ def test_wrong_ca_is_a_clear_error_not_a_hang(tls_etcd, certs, kind):
         store.get("/tls/a")
     assert time.monotonic() - t0 < TIMEOUT
     store.close()
+
+
+def test_lease_stream_over_tls_with_client_certificate(tls_etcd, certs):
+    """membership.lease_transport = grpc: the keep-alive stream uses the same CA and
+    client certificate as the gateway, and a wrong CA is a clear error at once."""
+    tls = dict(timeout=TIMEOUT, cert=certs.client_cert, key=certs.client_key,
+               lease_transport="grpc")
+    store = open_store("etcd3", tls_etcd.endpoints, ca_cert=certs.ca, **tls)
+    lease = store.grant_lease(5)
+    store.refresh_lease(lease)
+    store.refresh_lease(lease)
+    store.revoke_lease(lease)
+    store.close()
+    wrong = open_store("etcd3", tls_etcd.endpoints, ca_cert=certs.other_ca, **tls)
+    t0 = time.monotonic()
+    with pytest.raises(StoreAuthError, match="(?i)certificate"):
+        wrong.refresh_lease(Lease(lease.id, 5))
+    assert time.monotonic() - t0 < TIMEOUT
+    wrong.close()
 
 
 def test_detect_api_over_tls(tls_etcd, certs):
@@ -108,3 +127,17 @@ def test_user_password_auth(auth_etcd, kind):
         with pytest.raises(StoreAuthError):
             bad.put("/auth/b", "no")
         bad.close()
+
+
+def test_lease_stream_with_user_password_auth(auth_etcd):
+    """The keep-alive stream carries the gateway's login token (etcd's ``token``
+    metadata; etcd 3.4 does not check it there, later versions may)."""
+    store = open_store("etcd3", auth_etcd.endpoints, timeout=TIMEOUT, username="root",
+                       password="pw", lease_transport="grpc")
+    lease = store.grant_lease(5)
+    store._token = None      # the stream logs in when it opens
+    store.refresh_lease(lease)
+    assert store._token
+    store.refresh_lease(lease)
+    store.revoke_lease(lease)
+    store.close()

@@ -52,7 +52,8 @@ def open_cluster_store(cfg: Config) -> Store:
             return open_store(kind, e.endpoints, prefix=e.prefix, timeout=e.request_timeout,
                               ca_cert=e.ca_cert or None, cert=e.cert or None,
                               key=e.key or None, username=e.username or None,
-                              password=password)
+                              password=password,
+                              lease_transport=cfg.membership.lease_transport)
         except StoreAuthError as exc:
             raise ClusterStartError(f"etcd at {', '.join(e.endpoints)} refused us: {exc} "
                                     "(check etcd.ca_cert, etcd.cert/key, etcd.username)") from None

@@ -142,6 +142,11 @@ class MembershipSettings:
                                  "as lost", min=1, max=3600)
     refresh_interval: float = _setting(1.0, "seconds between lease refreshes", min=0.05,
                                        max=3600)
+    lease_transport: str = _setting("grpc", "how lease refreshes reach etcd's v3 API: grpc (one "
+                                            "keep-alive stream, about half etcd's CPU per "
+                                            "refresh) or gateway (one HTTP POST a refresh to "
+                                            "its JSON gateway); etcd's v2 API ignores it",
+                                    choices=("grpc", "gateway"))
     lost_node_retention: float = _setting(3600.0, "seconds a lost node stays listed by "
                                                   "`elasticctl nodes`", min=0, max=30 * 86400)
     watch_retry: float = _setting(1.0, "seconds before a broken etcd watch is tried again",

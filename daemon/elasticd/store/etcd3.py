@@ -10,7 +10,9 @@ without user/password auth, and its watch blocks with no bound and
 silently stops on a compaction cancel or a dead stream - the parts this
 store must get right.  The gateway is served by every etcd since 3.4 at
 ``/v3/...`` (3.5+ only there), and urllib3 is already installed for
-python-etcd: no new dependency, a few hundred lines.
+python-etcd: no new dependency, a few hundred lines.  Lease refreshes may
+go over etcd's native gRPC keep-alive stream instead (``lease_transport``,
+lease_stream.py: half of etcd's CPU per refresh).
 
 Gateway facts relied on (checked against etcd 3.4.23): keys and values
 are base64, int64 fields JSON strings, zero values left out (a failed
@@ -39,6 +41,8 @@ from typing import Any, Iterator
 import urllib3
 from urllib3.exceptions import ConnectTimeoutError, HTTPError, SSLError
 
+from .etcd3_errors import etcd_error, json_error
+from .lease_stream import KeepAliveStream
 from .base import (
     EVENT_DELETE, EVENT_PUT, KV, CompareFailed, KeyExists, Lease, LeaseNotFound, Store,
     StoreAuthError, StoreCorrupt, StoreError, StoreUnavailable, WatchCompacted, WatchEvent,
@@ -46,13 +50,7 @@ from .base import (
 )
 
 POLL = 0.25  # how often a watch looks at stop_event and its deadline
-
-# gRPC status codes, as the gateway reports them in "code" ("grpc_code" in
-# a stream).  Canceled is what a stream gets when etcd shuts down.
-_TRANSIENT_CODES = {1, 4, 10, 14}  # Canceled, DeadlineExceeded, Aborted, Unavailable
-_TRANSIENT_HTTP = {408, 429, 502, 503, 504}
-_PERMISSION, _OUT_OF_RANGE, _UNAUTHENTICATED = 7, 11, 16
-
+LEASE_TRANSPORTS = ("gateway", "grpc")  # how refresh_lease reaches etcd
 
 def _b64(s: str) -> str:
     return base64.b64encode(s.encode()).decode()
@@ -68,14 +66,6 @@ def _range_end(prefix: str) -> str:
     return base64.b64encode(raw[:-1] + bytes([raw[-1] + 1])).decode()
 
 
-def _json_error(raw: bytes) -> dict:
-    try:
-        err = json.loads(raw)
-    except ValueError:
-        err = None
-    return err if isinstance(err, dict) else {"message": raw[:200].decode("utf-8", "replace")}
-
-
 def _kv(d: dict) -> KV:
     return KV(_unb64(d.get("key")), _unb64(d.get("value")),
               int(d.get("mod_revision", 0)), int(d.get("lease", 0)))
@@ -87,9 +77,13 @@ class Etcd3Store(Store):
     def __init__(self, endpoints: list[str], timeout: float = 5.0, ca_cert: str | None = None,
                  cert: str | None = None, key: str | None = None,
                  username: str | None = None, password: str | None = None,
-                 watch_liveness: float = 5.0, watch_idle: float = 60.0):
+                 watch_liveness: float = 5.0, watch_idle: float = 60.0,
+                 lease_transport: str = "gateway"):
         if not endpoints:
             raise ValueError("etcd3 store needs at least one endpoint")
+        if lease_transport not in LEASE_TRANSPORTS:
+            raise ValueError(f"lease_transport must be one of {LEASE_TRANSPORTS}, "
+                             f"not {lease_transport!r}")
         scheme = "https://" if ca_cert or cert else "http://"
         self.endpoints = [(e if "://" in e else scheme + e).rstrip("/") for e in endpoints]
         self.timeout = timeout
@@ -107,6 +101,8 @@ class Etcd3Store(Store):
             tls.update(cert_file=cert, key_file=key)
         self._pool = urllib3.PoolManager(num_pools=max(4, len(self.endpoints)), maxsize=8,
                                          retries=False, **tls)
+        self._keepalive = None if lease_transport == "gateway" else KeepAliveStream(
+            self.endpoints, timeout, ca_cert=ca_cert, cert=cert, key=key, token=self.auth_token)
 
     # -- HTTP ----------------------------------------------------------------
 
@@ -156,11 +152,11 @@ class Etcd3Store(Store):
             url, resp = self._open(path, body, stream)
             if resp.status == 200:
                 return url, resp
-            err = _json_error(resp.data)
+            err = json_error(resp.data)
             if attempt == 1 and self._auth and "auth token" in str(err.get("message")):
                 self._token = None  # the token expired: log in again, once
                 continue
-            raise self._error(url, path, resp.status, err)
+            raise etcd_error(url, path, resp.status, err)
         raise AssertionError("unreachable")
 
     def call(self, path: str, body: dict) -> dict:
@@ -179,28 +175,15 @@ class Etcd3Store(Store):
         if not isinstance(data, dict):
             raise StoreCorrupt(f"etcd at {url} sent non-JSON for {path}: {text[:200]!r}")
         if "error" in data:
-            raise self._error(url, path, 200, data["error"])
+            raise etcd_error(url, path, 200, data["error"])
         return data.get("result", data)
 
-    def _error(self, url: str, path: str, status: int, err: Any) -> StoreError:
-        if not isinstance(err, dict):
-            err = {"message": str(err)}
-        code = err.get("code", err.get("grpc_code"))
-        status = int(err.get("http_code", status))
-        msg = str(err.get("message") or err.get("error") or "")
-        text = f"etcd at {url} refused {path}: {msg} (HTTP {status}, code {code})"
-        if "lease not found" in msg:
-            return LeaseNotFound(text)
-        if code == _OUT_OF_RANGE or "compacted" in msg:
-            return WatchCompacted(text)
-        if code in _TRANSIENT_CODES or status in _TRANSIENT_HTTP:
-            return StoreUnavailable(text)
-        if (code in (_PERMISSION, _UNAUTHENTICATED) or status in (401, 403)
-                or any(w in msg for w in ("auth", "user name", "permission denied"))):
-            return StoreAuthError(text)
-        if status == 404 and code is None:
-            return StoreCorrupt(f"{url} has no v3 gateway at /v3{path} (etcd older than 3.4?)")
-        return StoreError(text)
+    def auth_token(self, renew: bool = False) -> str | None:
+        """The auth token calls carry (None without user/password auth); logs in
+        first when there is none yet or ``renew`` (etcd refused it)."""
+        if self._auth and (renew or self._token is None):
+            self._authenticate()
+        return self._token
 
     def _authenticate(self) -> None:
         name, password = self._auth
@@ -275,6 +258,9 @@ class Etcd3Store(Store):
         return Lease(int(data["ID"]), int(data["TTL"]))
 
     def refresh_lease(self, lease: Lease) -> None:
+        if self._keepalive is not None:
+            self._keepalive.refresh(lease.id)
+            return
         data = self._call("/lease/keepalive", {"ID": str(lease.id)})
         if int(data.get("TTL", 0)) <= 0:
             raise LeaseNotFound(f"lease {lease.id:x} has ended")
@@ -301,6 +287,8 @@ class Etcd3Store(Store):
 
     def close(self) -> None:
         self._pool.clear()
+        if self._keepalive is not None:
+            self._keepalive.close()
 
     # -- watch ---------------------------------------------------------------
 
@@ -407,7 +395,7 @@ class _WatchStream:
             self.queue.put(("error", StoreCorrupt(f"etcd watch sent non-JSON: {line[:200]!r}")))
             return False
         if "error" in msg:
-            self.queue.put(("error", self._store._error(self._url, "/watch", 200, msg["error"])))
+            self.queue.put(("error", etcd_error(self._url, "/watch", 200, msg["error"])))
             return False
         result = msg.get("result", {})
         if result.get("canceled"):
@@ -420,7 +408,7 @@ class _WatchStream:
                 if "auth token" in reason:  # the token expired: log in, watch again
                     self.queue.put(("relogin", reason))
                     return False
-                exc = self._store._error(self._url, "/watch", 200, {"message": reason})
+                exc = etcd_error(self._url, "/watch", 200, {"message": reason})
             self.queue.put(("error", exc))
             return False
         events = []
