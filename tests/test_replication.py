@@ -29,7 +29,8 @@ from daemons import DaemonProc, cluster_key_path, free_port, real_users, scrape,
 from daemons import wait_logged as wait_for
 from etcd_server import EtcdServer, etcd_binary
 from elasticd.replication import channel as ch
-from elasticd.replication.messages import Offer, Reply
+from elasticd.replication.messages import Ask, Offer, Reply
+from elasticd.workers.snapshot_status import SnapshotRow
 from elasticd.trust import clusterkey
 from elasticd.workers import snapshot_format as fmt
 
@@ -149,6 +150,11 @@ def test_each_nodes_newest_snapshot_is_kept_on_its_buddy_byte_for_byte(pair, use
     status = json.loads(nodes["n1"].ctl("-o", "json", "status", job_id).stdout)
     mine = [s for s in status.get("snapshots", []) if s.get("node_id") == "n1"]
     assert mine and mine[0].get("replicas") == [f"n2 step {GRID}"], status
+    # n2's row too, which n1 asked n2 for over the replication channel.
+    theirs = [s for s in status.get("snapshots", []) if s.get("node_id") == "n2"]
+    assert theirs and theirs[0].get("replicas") == [f"n1 step {GRID}"], status
+    assert int(theirs[0].get("step", -1)) == int(mine[0].get("step", -2)), status
+    assert int(theirs[0].get("ranks", 0)) == 1, status
     # Step 3, newer but off the grid, stays on its node.
     assert newest_slot(os.path.join(nodes["n1"].snapshot_dir, job_id), 0, fmt.SLOTS)[1].step \
         == STEPS - 1
@@ -217,6 +223,33 @@ def test_garbage_a_wrong_key_a_huge_frame_and_silence_are_dropped_and_counted(pa
     with connect() as s:                      # still serving, to a holder of the key
         c = ch.client_hello(s, key, prefix, "n9", "n2", 1 << 20)
         c.close()
+    assert d.proc.poll() is None
+
+
+def test_an_ask_for_a_row_is_answered_only_to_a_key_holder_and_only_of_a_job_there(pair):
+    nodes, job_id = pair
+    d = nodes["n2"]
+    key = clusterkey.load(cluster_key_path()).replication
+    prefix = next(a for a in d.args if a.startswith("/repl-"))
+    before = _refused(d)
+
+    def ask(payload: bytes):
+        with socket.create_connection(("127.0.0.1", _listener_port(d)), timeout=10) as s:
+            c = ch.client_hello(s, key, prefix, "n9", "n2", 1 << 20)
+            c.send(ch.Kind.ASK, payload)
+            try:
+                kind, body = c.recv()
+            except ch.ChannelError:
+                return None
+            return kind, SnapshotRow.from_bytes(bytes(body))
+
+    kind, row = ask(Ask(job_id).to_bytes())
+    assert kind is ch.Kind.ROW and row.ranks == 1 and row.step >= 0, row
+    kind, row = ask(Ask("nosuchjob").to_bytes())     # not here: an empty row
+    assert kind is ch.Kind.ROW and (row.step, row.ranks) == (-1, 0), row
+    assert ask(b'{"job_id": "../../etc"}') is None     # not a job id: dropped, counted
+    wait_for(lambda: _refused(d).get("garbage", 0) > before.get("garbage", 0), 10,
+             "the bad ask counted", nodes)
     assert d.proc.poll() is None
 
 

@@ -240,6 +240,15 @@ class SnapshotSettings:
                                         "interpreter's lock stalls the daemon's other "
                                         "threads (2.2 s seen at 10 on two busy CPUs)",
                                      min=-20, max=19)
+    status_ask_timeout: float = _setting(1.0, "seconds `elasticctl status` (GetJob) waits "
+                                              "for the job's other nodes to answer with "
+                                              "their snapshot rows, over the replication "
+                                              "channel, all asked at once; a node that "
+                                              "has not answered by then is left out of "
+                                              "the answer", min=0.05, max=60)
+    status_ask_max: int = _setting(16, "most other nodes of a job `status` asks for their "
+                                       "snapshot rows (the first in the round's order); 0: "
+                                       "only the answering node's row", min=0, max=1024)
     replication_max_peers: int = _setting(16, "replication connections served at once; "
                                               "one more is closed at once (counted)",
                                           min=1, max=4096)

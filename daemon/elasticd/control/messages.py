@@ -14,7 +14,7 @@ from ..jobs.records import WorkerRow
 from ..jobs.restartpolicy import RestartPlan, RestartWindow
 from ..jobs.states import TERMINAL_STATES
 from ..v1 import control_pb2 as pb
-from ..workers.snapshot_status import DirSnapshots, Replicated
+from ..workers.snapshot_status import SnapshotRow
 
 
 def job_to_proto(job: JobRecord) -> pb.Job:
@@ -85,16 +85,15 @@ def add_worker(msg: pb.Job, w: WorkerRow) -> None:
                     gpu_uuids=w.gpu_uuids, cpus=w.cpus, start_path=w.start_path)
 
 
-def add_snapshot(msg: pb.Job, node_id: str, snap: DirSnapshots, budget: int | None,
-                 now: float, replicated: Replicated | None = None) -> None:
-    """One node's snapshots of the job (workers/snapshot_status.py) into ``snapshots``;
-    ``replicated``: where its newest replica is (replication/pusher.py records it), as
+def add_snapshot(msg: pb.Job, node_id: str, row: SnapshotRow, now: float) -> None:
+    """One node's snapshots of the job (replication/messages.py SnapshotRow: its own, or
+    what another node answered) into ``snapshots``; where its newest replica is, as
     "<node> step <n>"."""
-    msg.snapshots.add(node_id=node_id, step=snap.step, saved_at=snap.saved_at,
-                      age_seconds=snap.age(now), bytes=snap.bytes, ranks=snap.ranks,
-                      held_bytes=snap.held_bytes, budget_bytes=-1 if budget is None else budget,
-                      replicas=[f"{replicated.node_id} step {replicated.step}"]
-                      if replicated is not None else [])
+    msg.snapshots.add(node_id=node_id, step=row.step, saved_at=row.saved_at,
+                      age_seconds=row.age(now), bytes=row.bytes, ranks=row.ranks,
+                      held_bytes=row.held_bytes, budget_bytes=row.budget_bytes,
+                      replicas=[f"{row.replica_node} step {row.replica_step}"]
+                      if row.replica_node else [])
 
 
 def event_to_proto(ev: JobEvent) -> pb.Event:

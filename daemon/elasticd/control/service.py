@@ -28,7 +28,8 @@ from .messages import (
     add_snapshot, add_worker, event_to_proto, job_to_proto, node_to_proto, rejection_to_proto)
 from ..store import StoreError
 from ..jobs.states import TERMINAL_STATES, WorkerState
-from ..workers import snapshot_status, template_ahead
+from ..workers import template_ahead
+from ..workers.snapshot_status import row_of
 from ..v1 import control_pb2 as pb
 from ..v1 import control_pb2_grpc as pb_grpc
 
@@ -57,9 +58,10 @@ def _settled(job: JobRecord) -> bool:
 class ControlServicer(pb_grpc.ControlServicer):
     def __init__(self, cfg: Config, manager, registry: JobRegistry,
                  issuer: TokenIssuer, metrics=None, cluster=None, view=None, endpoint=None,
-                 replication=None):
+                 replication=None, asker=None):
         self._cfg = cfg
         self._replication = replication  # replication/stats.py: where snapshots went
+        self._asker = asker  # replication/asking.py RowAsker: the other nodes' rows
         self._manager = manager
         self._registry = registry
         self._cluster = cluster
@@ -122,19 +124,29 @@ class ControlServicer(pb_grpc.ControlServicer):
         """The job as this node knows it, with the other nodes' workers added, and its
         snapshots here (read from the slot headers: workers/snapshot_status.py)."""
         msg = job_to_proto(job)
+        now, me = time.time(), self._cfg.daemon.node_id
         ledger = getattr(self._manager, "snapshots", None)  # workers/snapshot_dirs.py
-        if ledger is not None:
-            found = snapshot_status.read_dir(ledger.path(job.id), job.uid,
-                                             snapshot_status.scan_limit(job.nproc_per_node))
-            if found is not None:
-                sent = self._replication.of_job(job.id) if self._replication else None
-                add_snapshot(msg, self._cfg.daemon.node_id, found, ledger.granted(job.id),
-                             time.time(), sent)
+        own = row_of(ledger, job, self._replication.of_job(job.id)
+                     if self._replication is not None else None)
+        if own is not None:
+            add_snapshot(msg, me, own, now)
         keys = self._view.job(job.id) if self._view is not None else None
+        for node, row in sorted(self._peer_rows(job, keys).items()):
+            if row.step >= 0 or row.ranks:
+                add_snapshot(msg, node, row, now)
         if keys is not None:
             for row in clusterjobs.worker_rows(keys, skip=self._cfg.daemon.node_id):
                 add_worker(msg, row)
         return msg
+
+    def _peer_rows(self, job: JobRecord, keys) -> dict:
+        """The snapshot rows of the job's other nodes in its round, asked over the
+        replication channel (bounded: replication/asking.py); {} for a job on one node."""
+        state = keys.state if keys is not None else None
+        if self._asker is None or state is None:
+            return {}
+        return self._asker.rows(job.id, [(m.node_id, m.address) for m in state.members
+                                         if m.node_id != self._cfg.daemon.node_id])
 
     def _find(self, key: str, caller) -> tuple[JobRecord, bool]:
         """The job with this id or name, if the caller may see it: (its record

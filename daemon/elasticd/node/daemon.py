@@ -53,6 +53,7 @@ from ..workers import hostname
 from ..workers.snapshot_dirs import SnapshotBudgets, prepare_root
 from ..replication.peers import Peers
 from ..replication.pusher import Pusher
+from ..replication.asking import RowAsker
 from ..replication.receiver import ReplicationServer
 from ..replication.stats import ReplicationStats
 
@@ -235,9 +236,12 @@ class Daemon:
         # A port it cannot have now never stops the daemon: it says so and tries again.
         endpoint = MetricsEndpoint(metrics.registry, cfg.metrics.address, cfg.metrics.port,
                                    cfg.metrics.retry_interval, d.node_id)
+        asker = RowAsker(cfg.snapshot, self.codec.replication_key, cfg.etcd.prefix, d.node_id,
+                         lambda node: (cluster.watcher.snapshot().live.get(node) or {})
+                         .get("replication_port", 0)) if replication is not None else None
         server = ControlServer(cfg, ControlServicer(cfg, manager, registry, issuer, metrics,
-                                                    cluster, view, endpoint, replication),
-                               gid, issuer)
+                                                    cluster, view, endpoint, replication,
+                                                    asker), gid, issuer)
         server.start()
         stops.callback(server.stop, 1.0)
         endpoint.on_change = server.metrics_health
@@ -264,8 +268,9 @@ class Daemon:
         stats = ReplicationStats()
         peers = Peers(d.node_id, manager, registry, view, self.cluster.watcher)
         key = self.codec.replication_key
-        listener = ReplicationServer(cfg.snapshot, key, cfg.etcd.prefix, d.node_id,
-                                     peers.target, stats)
+        listener = ReplicationServer(
+            cfg.snapshot, key, cfg.etcd.prefix, d.node_id, peers.target, stats,
+            rows=lambda job_id: peers.row(job_id, stats))
         listener.start()
         stops.callback(listener.stop)
         self.cluster.replication_port = listener.port

@@ -67,6 +67,8 @@ class Kind(enum.IntEnum):
     CHUNK = 3   # raw bytes of the offered file, in order
     END = 4     # the file is whole (empty payload)
     ABORT = 5   # the file changed while it was read: drop what came
+    ASK = 6     # JSON: a peer asks for this node's snapshot row of a job (messages.Ask)
+    ROW = 7     # JSON: the answer (messages.SnapshotRow)
 
 
 def _recv_into(sock: socket.socket, view: memoryview) -> None:

@@ -83,3 +83,16 @@ class Reply:
         doc = _doc(raw)
         return cls(ok=f.flag(doc, "ok"), have=f.flag(doc, "have", False),
                    why=f.text(doc, "why", MAX_WHY, ""))
+
+
+@dataclass(frozen=True)
+class Ask:
+    """A peer's question: this node's snapshot row of a job (for `status` there)."""
+    job_id: str
+
+    def to_bytes(self) -> bytes:
+        return json.dumps({"job_id": self.job_id}).encode()
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> "Ask":
+        return cls(job_id=f.ident(_doc(raw), "job_id"))

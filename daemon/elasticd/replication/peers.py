@@ -15,6 +15,7 @@ import os
 from ..rendezvous.records import CLOSED
 from .forwarder import ForwardPlan, Holder
 from .pusher import PushPlan, buddy_of
+from ..workers.snapshot_status import SnapshotRow, row_of
 from .receiver import ReplicaTarget
 
 
@@ -30,6 +31,12 @@ class Peers:
             return self._registry.get(job_id)
         except Exception:   # gone since it was listed
             return None
+
+    def row(self, job_id: str, stats) -> "SnapshotRow | None":
+        """This node's snapshot row of a job here, for a peer's status (asking.py)."""
+        job = self._job(job_id)
+        return row_of(self._manager.snapshots, job if job is not None and job.id == job_id
+                      else None, stats.of_job(job_id))
 
     def _rounds(self):
         """(job id, job record, closed round state, live node records) of each job

@@ -24,7 +24,8 @@ from typing import Callable
 from ..logsetup import ctx
 from . import replica_files as files
 from .channel import Channel, ChannelError, Kind, Refusal, server_accept
-from .messages import Offer, Reply
+from ..workers.snapshot_status import SnapshotRow
+from .messages import Ask, Offer, Reply
 from .niceness import lower_this_thread
 from .stats import ReplicationStats
 
@@ -43,9 +44,12 @@ class ReplicaTarget:
 
 class ReplicationServer:
     def __init__(self, settings, key: bytes, domain: str, node_id: str,
-                 target: Callable[[str], ReplicaTarget | None], stats: ReplicationStats):
+                 target: Callable[[str], ReplicaTarget | None], stats: ReplicationStats,
+                 rows: Callable[[str], "SnapshotRow | None"] = lambda job_id: None):
         self._s, self._key, self._domain, self._me = settings, key, domain, node_id
-        self._target, self.stats = target, stats
+        # rows: this node's snapshot row of a job running here (status_rows.py), for a
+        # peer's status (asking.py)
+        self._target, self.stats, self._rows = target, stats, rows
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._serving: set[threading.Thread] = set()
@@ -125,6 +129,9 @@ class ReplicationServer:
                     if exc.why is Refusal.CLOSED:   # the peer is done: a clean end
                         return
                     raise
+                if kind is Kind.ASK:
+                    self._answer(chan, payload)
+                    continue
                 if kind is not Kind.OFFER:
                     raise ChannelError(Refusal.GARBAGE, f"a {kind.name} frame outside a file")
                 self._one_file(chan, payload)
@@ -141,6 +148,16 @@ class ReplicationServer:
             conn.close()
             with self._lock:
                 self._serving.discard(threading.current_thread())
+
+    def _answer(self, chan: Channel, payload: bytes) -> None:
+        """A peer's `status` asks for this node's snapshot row of a job (asking.py): the
+        row, or an empty one (step -1) where the job has none here."""
+        try:
+            ask = Ask.from_bytes(payload)
+        except ValueError as exc:
+            raise ChannelError(Refusal.GARBAGE, f"an ask that does not parse: {exc}") from None
+        row = self._rows(ask.job_id) if self._target(ask.job_id) is not None else None
+        chan.send(Kind.ROW, (row or SnapshotRow()).to_bytes())
 
     def _one_file(self, chan: Channel, payload: bytes) -> None:
         try:

@@ -16,12 +16,14 @@ snapshot's replica is, as the buddy acknowledged it (replication/pusher.py recor
 """
 from __future__ import annotations
 
+import json
 import os
 import stat
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 from . import files as workerfiles
 from . import snapshot_format as fmt
+from .. import fields as f
 from ..values import BadValue, decode
 
 
@@ -149,3 +151,69 @@ def _newest_common(complete: dict, held: int) -> DirSnapshots:
     return DirSnapshots(step=step, saved_at=min(h.saved_at_ns for h in headers) / 1e9,
                         bytes=sum(h.total_bytes for h in headers), ranks=len(complete),
                         held_bytes=held)
+
+
+ROW_MAX = 4096          # bytes of a serialised SnapshotRow
+_MAX = 1 << 62
+
+
+@dataclass(frozen=True)
+class SnapshotRow:
+    """One node's snapshots of a job as `status` shows them: the newest step every rank
+    there holds complete (-1: none), when it was saved (that node's clock), its bytes,
+    the ranks with slot files, what the dir takes, its budget (-1: not granted now) and
+    where its replica went (replica_step -1: none). Built from the slot headers in one
+    place (``of``), serialised in one (``to_bytes``/``from_bytes``)."""
+    step: int = -1
+    saved_at: float = 0.0
+    bytes: int = 0
+    ranks: int = 0
+    held_bytes: int = 0
+    budget_bytes: int = -1
+    replica_node: str = ""
+    replica_step: int = -1
+
+    @classmethod
+    def of(cls, snap, budget: int | None, replicated) -> "SnapshotRow":
+        """From a DirSnapshots (read_dir) and a Replicated (or None)."""
+        return cls(step=snap.step, saved_at=snap.saved_at, bytes=snap.bytes,
+                   ranks=snap.ranks, held_bytes=snap.held_bytes,
+                   budget_bytes=-1 if budget is None else budget,
+                   replica_node=replicated.node_id if replicated is not None else "",
+                   replica_step=replicated.step if replicated is not None else -1)
+
+    def age(self, now: float) -> float:
+        return max(0.0, now - self.saved_at) if self.saved_at else 0.0
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> "SnapshotRow":
+        try:
+            doc = decode(raw, max_bytes=ROW_MAX)
+        except BadValue as exc:
+            raise ValueError(str(exc)) from None
+        node = doc.get("replica_node", "")
+        if node and not f.is_ident(node):
+            raise ValueError("replica_node: not a node id")
+        return cls(step=f.whole(doc, "step", -1, _MAX),
+                   saved_at=f.real(doc, "saved_at", 0.0, float(1 << 40)),
+                   bytes=f.whole(doc, "bytes", 0, _MAX),
+                   ranks=f.whole(doc, "ranks", 0, _MAX),
+                   held_bytes=f.whole(doc, "held_bytes", 0, _MAX),
+                   budget_bytes=f.whole(doc, "budget_bytes", -1, _MAX),
+                   replica_node=node,
+                   replica_step=f.whole(doc, "replica_step", -1, _MAX))
+
+
+def row_of(ledger, job, replicated: Replicated | None) -> SnapshotRow | None:
+    """This node's snapshot row of ``job`` (its record here, or None): ``ledger``,
+    workers/snapshot_dirs.py (None: no snapshots on this node); ``replicated``, where
+    its replica went (replication/stats.py)."""
+    if ledger is None or job is None:
+        return None
+    found = read_dir(ledger.path(job.id), job.uid, scan_limit(job.nproc_per_node))
+    if found is None:
+        return None
+    return SnapshotRow.of(found, ledger.granted(job.id), replicated)
