@@ -50,11 +50,15 @@ class AgentSettings:
                                        "torch imported, to take over at the next restart "
                                        "(only for `python SCRIPT` / `python -m MODULE` jobs)")
     warm_preload: list = _setting(["torch", "torch.distributed", "torch._dynamo",
-                                   "torch.distributed.elastic.multiprocessing.errors"],
+                                   "torch.distributed.elastic.multiprocessing.errors",
+                                   "torch.profiler._cupti_monitor"],
                                   "modules a warm spare or a worker template imports ahead "
                                   "of need (torch._dynamo is what the first optimizer "
-                                  "construction imports; the last, torch elastic's `record`, "
-                                  "which torchrun-style scripts import: 27 ms a start)")
+                                  "construction imports; torch elastic's `record` what "
+                                  "torchrun-style scripts import, 27 ms a start; the last "
+                                  "what the first optimizer zero_grad imports, 10-200 ms "
+                                  "of a forked rank's first step; one this torch lacks is "
+                                  "skipped)")
     warm_spare_delay: float = _setting(3.0, "seconds after workers start before their spares "
                                             "are started (keeps the import off the start-up path)",
                                        min=0, max=3600)
