@@ -64,6 +64,16 @@ def _closed_line(c: Cluster, rnd: int) -> str:
     return lines[-1] if lines else ""
 
 
+def _n3_killed(make_cluster, name: str, *settings: str) -> tuple[Cluster, str, str]:
+    """A 2:3 job on n1..n3 with these settings; n3 killed -9 (its ranks die with it,
+    its lease lives on for a while): (cluster, job, the line saying why round 2 closed)."""
+    c = make_cluster(3, tuple(a for s in settings for a in ("--set", s)))
+    job = _training(c, name, "2:3", steps=100000)
+    c.remember_children()
+    c["n3"].kill()
+    return c, job, wait_for(lambda: _closed_line(c, 2), 60, "round 2 to close", interval=0.2)
+
+
 @pytest.mark.slow
 def test_every_round_has_its_master_store_listening_before_its_ranks_start(make_cluster):
     c = make_cluster(3)  # defaults: worker templates, round stores
@@ -94,12 +104,8 @@ def test_every_round_has_its_master_store_listening_before_its_ranks_start(make_
 def test_a_member_that_does_not_rejoin_is_left_out_after_the_rejoin_timeout(make_cluster):
     # A last call far longer than the test: only the rejoin timeout (1 s by
     # default) can close round 2 without the dead node.
-    c = make_cluster(3, ("--set", "rendezvous.last_call=600",
-                         "--set", "rendezvous.gone_probe_timeout=0"))
-    job = _training(c, "rj", "2:3", steps=100000)
-    c.remember_children()
-    c["n3"].kill()  # kill -9: its ranks die with it, its lease lives on for a while
-    line = wait_for(lambda: _closed_line(c, 2), 60, "round 2 to close", interval=0.2)
+    c, job, line = _n3_killed(make_cluster, "rj", "rendezvous.last_call=600",
+                              "rendezvous.gone_probe_timeout=0")
     assert "round 2 closed with 2 node(s) (n3 of the last round did not rejoin within 1s" \
         in line, line
     wait_for(lambda: len(c.envs(job, 2)) == 2, 60, "round 2's ranks on n1 and n2")
@@ -111,13 +117,8 @@ def test_a_member_whose_lease_expired_is_not_waited_for(make_cluster):
     # Neither the last call nor the rejoin timeout ends within the test: round 2
     # closes once n3's lease expires (membership.lease_ttl) and takes its join
     # key of round 1 with it.
-    c = make_cluster(3, ("--set", "rendezvous.last_call=600",
-                         "--set", "rendezvous.rejoin_timeout=600",
-                         "--set", "rendezvous.gone_probe_timeout=0"))
-    job = _training(c, "lx", "2:3", steps=100000)
-    c.remember_children()
-    c["n3"].kill()
-    line = wait_for(lambda: _closed_line(c, 2), 60, "round 2 to close", interval=0.2)
+    _, _, line = _n3_killed(make_cluster, "lx", "rendezvous.last_call=600",
+                            "rendezvous.rejoin_timeout=600", "rendezvous.gone_probe_timeout=0")
     assert "round 2 closed with 2 node(s) (every expected node joined; lost: n3)" in line, \
         line
 
@@ -127,13 +128,8 @@ def test_a_member_whose_daemon_is_gone_is_not_waited_for_while_its_lease_lives(m
     # Neither the last call, the rejoin timeout nor the lease (60 s) ends within the
     # test: only the probe of n3's daemon port, refused once it is killed, closes
     # round 2 without it.
-    c = make_cluster(3, ("--set", "rendezvous.last_call=600",
-                         "--set", "rendezvous.rejoin_timeout=600",
-                         "--set", "membership.lease_ttl=60"))
-    job = _training(c, "gp", "2:3", steps=100000)
-    c.remember_children()
-    c["n3"].kill()
-    line = wait_for(lambda: _closed_line(c, 2), 60, "round 2 to close", interval=0.2)
+    c, job, line = _n3_killed(make_cluster, "gp", "rendezvous.last_call=600",
+                              "rendezvous.rejoin_timeout=600", "membership.lease_ttl=60")
     assert "round 2 closed with 2 node(s) (every expected node joined; lost: n3)" in line, \
         line
     assert "node n3's daemon is gone (its host refused a connection" in c["n1"].log()
