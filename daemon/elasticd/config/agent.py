@@ -55,10 +55,9 @@ class AgentSettings:
                                   "modules a warm spare or a worker template imports ahead "
                                   "of need (torch._dynamo is what the first optimizer "
                                   "construction imports; torch elastic's `record` what "
-                                  "torchrun-style scripts import, 27 ms a start; the last "
-                                  "what the first optimizer zero_grad imports, 10-200 ms "
-                                  "of a forked rank's first step; one this torch lacks is "
-                                  "skipped)")
+                                  "torchrun-style scripts import; the last what the first "
+                                  "optimizer zero_grad imports, which each forked rank's "
+                                  "first step paid for; one this torch lacks is skipped)")
     warm_spare_delay: float = _setting(3.0, "seconds after workers start before their spares "
                                             "are started (keeps the import off the start-up path)",
                                        min=0, max=3600)
