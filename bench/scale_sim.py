@@ -4,7 +4,10 @@
 
 Each simulated node runs the daemon's own code, nothing else (no torch, no
 workers, no gRPC server), over its OWN etcd client (one Etcd3Store each, so
-its own HTTP connections to etcd's v3 JSON gateway, as a daemon has):
+its own HTTP connections to etcd's v3 JSON gateway, and its lease refreshes
+over membership.lease_transport as open_cluster_store passes it: by default
+its own gRPC channel and keep-alive stream, with gRPC's threads;
+``--lease-transport gateway`` sends them through the gateway instead):
 
   membership   cluster/membership.py: a LeaseKeeper (its node key under a lease,
                refreshed every membership.refresh_interval) and a NodeWatcher (a
@@ -35,13 +38,13 @@ psutil:
                every survivor's NodeWatcher says each of them is lost (median and
                the last), at the lease settings of this tree
 and prints, per window: etcd writes/s (raft proposals committed), etcd gRPC
-requests/s (every v3 gateway call, watch streams and lease keep-alives
-included) per node, deliveries/s (the events every node's watches received,
+requests/s (the messages etcd's gRPC server received: every v3 gateway call,
+each watch created, each lease keep-alive on a stream) per node, deliveries/s (the events every node's watches received,
 counted at each node's store) in total and per node, the share of the
 expected deliveries that arrived (every watcher should get every write under
 its prefixes, a phase record every node of its job: below ~95 % the watchers
 fall behind), etcd's CPU and the
-simulator's CPU in % of one core, and the machine's load. Where the
+simulator's CPU in % of one core, the simulator's threads, and the machine's load. Where the
 simulator's processes use their whole core each (they run Python: one core
 per process at most) while etcd has CPU to spare, the simulator, not etcd,
 is the limit, and the line says so.
@@ -146,8 +149,10 @@ class SimNode:
         from elasticd.store import open_store
         m = cfg.membership
         self.node_id, self.cfg, self.records = node_id, cfg, records
+        # Lease refreshes as open_cluster_store sends them: membership.lease_transport.
         self.store = CountingStore(open_store("etcd3", [url], prefix=prefix,
-                                              timeout=cfg.etcd.request_timeout))
+                                              timeout=cfg.etcd.request_timeout,
+                                              lease_transport=m.lease_transport))
         self.keeper = LeaseKeeper(self.store, node_id, m.lease_ttl, m.refresh_interval,
                                   self.info, records=records)
         self.watcher = NodeWatcher(self.store, node_id, m.lost_node_retention, m.watch_retry,
@@ -343,7 +348,9 @@ def scrape(url: str) -> dict[str, float]:
         text = r.read().decode()
     out = {"requests": 0.0, "writes": 0.0}
     for line in text.splitlines():
-        if line.startswith("grpc_server_started_total{") and "Health" not in line:
+        # Unary calls and stream messages alike: each keep-alive on a lease stream counts
+        # (grpc_server_started_total would count the stream once).
+        if line.startswith("grpc_server_msg_received_total{") and "Health" not in line:
             out["requests"] += float(line.split()[-1])
         elif line.startswith("etcd_server_proposals_committed_total "):
             out["writes"] = float(line.split()[1])
@@ -396,6 +403,14 @@ class Sim:
                 total["errors"] += node["errors"]
         return total
 
+    def threads(self) -> int:
+        def count(p):
+            try:
+                return p.num_threads()
+            except psutil.Error:
+                return 0
+        return sum(count(p) for p in self.sim_procs)
+
     def cpu(self) -> tuple[float, list]:
         def busy(p):
             try:
@@ -433,7 +448,7 @@ class Sim:
                 "delivered": delivered, "per_node": delivered / nodes, "by_kind": got,
                 "kept_up": delivered / expected * 100 if expected else 100.0,
                 "etcd_cpu": (ecpu1 - ecpu0) / span * 100, "sim_cpu": sum(sim),
-                "sim_max": max(sim), "load": os.getloadavg()[0],
+                "sim_max": max(sim), "threads": self.threads(), "load": os.getloadavg()[0],
                 "errors": c1["errors"] - c0["errors"]}
 
     def stop(self) -> None:
@@ -554,6 +569,9 @@ def main(argv=None) -> int:
     ap.add_argument("--job-nodes", type=int, default=0, metavar="S",
                     help="the running window with jobs of S nodes each (N / S jobs, formed "
                          "at once after the N-node rendezvous) instead of the N-node job")
+    ap.add_argument("--lease-transport", choices=("grpc", "gateway"),
+                    help="membership.lease_transport for every simulated node (default: "
+                         "this tree's setting, grpc)")
     ap.add_argument("--quick", action="store_true", help="N = 10, 2 s windows: well under a "
                                                          "minute")
     ap.add_argument("--json", help="write the measurements here too")
@@ -564,10 +582,13 @@ def main(argv=None) -> int:
         print("no etcd binary (install etcd or set ELASTICD_TEST_ETCD)", file=sys.stderr)
         return 2
     overrides = dict(s.split("=", 1) for s in args.set)
+    if args.lease_transport:
+        overrides["membership.lease_transport"] = args.lease_transport
     cfg = sim_config(overrides)
     a, m = cfg.agent, cfg.membership
     print(f"scale simulator: {machine()}; elasticd {revision()}")
-    print(f"settings: lease TTL {m.lease_ttl} s, refresh {m.refresh_interval:g} s; phases "
+    print(f"settings: lease TTL {m.lease_ttl} s, refresh {m.refresh_interval:g} s over "
+          f"{m.lease_transport}; phases "
           f"every {a.phase_publish_interval:g} s"
           + (f", refreshed every {a.phase_refresh_interval:g} s"
              if hasattr(a, "phase_refresh_interval") else "")
@@ -597,11 +618,12 @@ def main(argv=None) -> int:
                          f"{w['by_kind'].get('phases', 0) / max(1, r['n']):.1f}",
                          f"{w['kept_up']:.0f} %", f"{w['etcd_cpu']:.0f} %",
                          f"{w['sim_cpu']:.0f} % (max {w['sim_max']:.0f})",
-                         f"{w['load']:.1f}", w["errors"], verdict(w)])
+                         w["threads"], f"{w['load']:.1f}", w["errors"], verdict(w)])
     print()
     print(table(rows, ["N", "window", "etcd writes/s", "etcd req/node/s", "store calls/node/s",
                        "deliveries/s", "deliveries/node/s", "of them phases/node/s", "kept up",
-                       "etcd CPU", "simulator CPU", "load", "failed calls", "limit"]))
+                       "etcd CPU", "simulator CPU", "simulator threads", "load",
+                       "failed calls", "limit"]))
     print()
     print(table([[r["n"], f"{r['rdzv']:.3f} s", fmt(r["loss_median"]), fmt(r["loss_last"])]
                  for r in runs], ["N", "rendezvous (all N)", "loss seen, median",
