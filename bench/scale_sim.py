@@ -241,6 +241,7 @@ class SimNode:
         with self.store._lock:
             return {"ops": dict(self.store.ops), "delivered": dict(self.store.delivered),
                     "errors": self.store.errors, "revision": self.view.revision,
+                    "lapsed": self.keeper.reregistrations,
                     "phase_writes": dict(self.store.phase_writes),
                     "follows": self.phases.following()}
 
@@ -276,11 +277,19 @@ def worker(conn, node_ids: list, url: str, prefix: str, key: bytes, overrides: d
 
     def handle(cmd: str, arg):
         if cmd == "start":
+            deadline = time.monotonic() + arg      # one limit for all: not one per node
             for node in nodes:
                 node.start()
             for node in nodes:
-                node.view.synced.wait(60)
-                node.watcher.synced.wait(60)
+                node.view.synced.wait(max(0.0, deadline - time.monotonic()))
+                node.watcher.synced.wait(max(0.0, deadline - time.monotonic()))
+            behind = sum(not (n.view.synced.is_set() and n.watcher.synced.is_set())
+                         for n in nodes)
+            if behind:
+                lapsed = sum(n.keeper.reregistrations for n in nodes)
+                raise RuntimeError(f"{behind} of {len(nodes)} nodes' watches not synced "
+                                   f"within {arg:g} s ({lapsed} registrations again after "
+                                   "a lapsed lease)")
             return True
         if cmd == "seen":          # how many live nodes each node sees
             return [len(node.watcher.snapshot().live) for node in nodes]
@@ -396,7 +405,7 @@ class Sim:
 
     def counters(self, which=None) -> dict:
         total = {"ops": Counter(), "delivered": Counter(), "revisions": [], "errors": 0,
-                 "phase_writes": Counter(), "followers": Counter()}
+                 "phase_writes": Counter(), "followers": Counter(), "lapsed": 0}
         for got in self.ask("counters", which=which):
             for node in got["nodes"]:
                 total["ops"].update(node["ops"])
@@ -405,6 +414,7 @@ class Sim:
                 total["followers"].update(node["follows"])
                 total["revisions"].append(node["revision"])
                 total["errors"] += node["errors"]
+                total["lapsed"] += node["lapsed"]
         return total
 
     def threads(self) -> int:
@@ -515,10 +525,10 @@ def run_n(etcd: EtcdServer, n: int, procs: int, seconds: float, overrides: dict,
     out = {"n": n}
     try:
         t0 = time.monotonic()
-        sim.ask("start")
         # Each registration reaches every node's node watch: N x N deliveries to start.
         limit = max(60.0, n * n / 5000)
-        deadline = time.monotonic() + limit
+        sim.ask("start", limit)
+        deadline = t0 + limit
         while not all(min(seen) >= n for seen in sim.ask("seen")):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the nodes did not all see each other within {limit:g} s")
@@ -560,6 +570,7 @@ def run_n(etcd: EtcdServer, n: int, procs: int, seconds: float, overrides: dict,
         out["loss_median"] = median(got)
         out["loss_last"] = max(got) if len(got) == len(seen) else None
         out["after_loss"] = sim.window("after loss", min(seconds, 5.0), alive=survivors)
+        out["lapsed"] = sim.counters(which=survivors)["lapsed"]
     finally:
         sim.stop()
     return out
@@ -614,6 +625,9 @@ def main(argv=None) -> int:
             print(f"\n-- N = {n}", flush=True)
             r = run_n(etcd, n, args.procs, args.seconds, overrides, args.job_nodes, args.full)
             runs.append(r)
+            if args.json:       # each N as it ends: a later N that fails keeps these
+                with open(args.json, "w") as fh:
+                    json.dump(runs, fh, indent=1)
             print(f"   all {n} nodes up and seeing each other in {r['start']:.1f} s; "
                   + (f"rendezvous {r['rdzv']:.3f} s ({'ok' if r['rdzv_ok'] else 'WRONG RANKS'}, "
                      f"{r['rdzv_errors']} failed calls retried); " if r["rdzv"] is not None
@@ -622,7 +636,8 @@ def main(argv=None) -> int:
                      f"{r['jobs_rdzv']:.3f} s ({'ok' if r['jobs_ok'] else 'WRONG RANKS'}); "
                      if 'jobs_rdzv' in r else "")
                   + f"loss of {max(1, n // 10)} seen: median {fmt(r['loss_median'])}, "
-                  f"last {fmt(r['loss_last'])}", flush=True)
+                  f"last {fmt(r['loss_last'])}; survivors' leases lapsed and taken again: "
+                  f"{r['lapsed']}", flush=True)
     rows = []
     for r in runs:
         for w in (r["idle"], r["running"], r["after_loss"]):
