@@ -173,8 +173,11 @@ class SimNode:
                 "pid": os.getpid(), "lease_ttl": self.cfg.membership.lease_ttl, "jobs": []}
 
     def _seen(self, node: str, record) -> None:
+        # A node back (its lease had lapsed under load, it registered again) is no loss.
         if record is None:
             self.lost_at[node] = time.time()
+        else:
+            self.lost_at.pop(node, None)
 
     def start(self) -> None:
         from elasticd.store import StoreUnavailable
