@@ -23,8 +23,10 @@ its own gRPC channel and keep-alive stream, with gRPC's threads;
                every 0.2 s; each node reads its peers' records (JobPeers.of) once a
                second
 
-The nodes live in --procs worker processes (threads inside: about six per
-node), plus one more process holding the 10 % that is killed with SIGKILL.
+The nodes live in --procs worker processes (threads inside: about eight per
+node idle, eleven running, over grpc; on 2 cores the simulator, not etcd, stops
+at about 200 nodes: bench/README.md), plus one more process holding the 10 %
+that is killed with SIGKILL.
 Records are sealed with a cluster key as the daemons' are (trust/sealed.py);
 the job's spec is plain JSON (the spec codec is not simulated).
 
