@@ -4,7 +4,10 @@
 
 Each simulated node runs the daemon's own code, nothing else (no torch, no
 workers, no gRPC server), over its OWN etcd client (one Etcd3Store each, so
-its own HTTP connections to etcd's v3 JSON gateway, as a daemon has):
+its own HTTP connections to etcd's v3 JSON gateway, and its lease refreshes
+over membership.lease_transport as open_cluster_store passes it: by default
+its own gRPC channel and keep-alive stream, with gRPC's threads;
+``--lease-transport gateway`` sends them through the gateway instead):
 
   membership   cluster/membership.py: a LeaseKeeper (its node key under a lease,
                refreshed every membership.refresh_interval) and a NodeWatcher (a
@@ -20,8 +23,10 @@ its own HTTP connections to etcd's v3 JSON gateway, as a daemon has):
                every 0.2 s; each node reads its peers' records (JobPeers.of) once a
                second
 
-The nodes live in --procs worker processes (threads inside: about six per
-node), plus one more process holding the 10 % that is killed with SIGKILL.
+The nodes live in --procs worker processes (threads inside: about eight per
+node idle, eleven running, over grpc; on 2 cores the simulator, not etcd, stops
+at about 200 nodes: bench/README.md), plus one more process holding the 10 %
+that is killed with SIGKILL.
 Records are sealed with a cluster key as the daemons' are (trust/sealed.py);
 the job's spec is plain JSON (the spec codec is not simulated).
 
@@ -35,13 +40,13 @@ psutil:
                every survivor's NodeWatcher says each of them is lost (median and
                the last), at the lease settings of this tree
 and prints, per window: etcd writes/s (raft proposals committed), etcd gRPC
-requests/s (every v3 gateway call, watch streams and lease keep-alives
-included) per node, deliveries/s (the events every node's watches received,
+requests/s (the messages etcd's gRPC server received: every v3 gateway call,
+each watch created, each lease keep-alive on a stream) per node, deliveries/s (the events every node's watches received,
 counted at each node's store) in total and per node, the share of the
 expected deliveries that arrived (every watcher should get every write under
 its prefixes, a phase record every node of its job: below ~95 % the watchers
 fall behind), etcd's CPU and the
-simulator's CPU in % of one core, and the machine's load. Where the
+simulator's CPU in % of one core, the simulator's threads, and the machine's load. Where the
 simulator's processes use their whole core each (they run Python: one core
 per process at most) while etcd has CPU to spare, the simulator, not etcd,
 is the limit, and the line says so.
@@ -146,8 +151,10 @@ class SimNode:
         from elasticd.store import open_store
         m = cfg.membership
         self.node_id, self.cfg, self.records = node_id, cfg, records
+        # Lease refreshes as open_cluster_store sends them: membership.lease_transport.
         self.store = CountingStore(open_store("etcd3", [url], prefix=prefix,
-                                              timeout=cfg.etcd.request_timeout))
+                                              timeout=cfg.etcd.request_timeout,
+                                              lease_transport=m.lease_transport))
         self.keeper = LeaseKeeper(self.store, node_id, m.lease_ttl, m.refresh_interval,
                                   self.info, records=records)
         self.watcher = NodeWatcher(self.store, node_id, m.lost_node_retention, m.watch_retry,
@@ -168,11 +175,18 @@ class SimNode:
                 "pid": os.getpid(), "lease_ttl": self.cfg.membership.lease_ttl, "jobs": []}
 
     def _seen(self, node: str, record) -> None:
+        # A node back (its lease had lapsed under load, it registered again) is no loss.
         if record is None:
             self.lost_at[node] = time.time()
+        else:
+            self.lost_at.pop(node, None)
 
     def start(self) -> None:
-        self.keeper.register()
+        from elasticd.store import StoreUnavailable
+        try:   # as cluster/node.py: etcd slow to answer; the keeper registers later
+            self.keeper.register()
+        except StoreUnavailable:
+            self.keeper.health = "unavailable"
         self.keeper.start()
         self.watcher.start()
         self.view.start()
@@ -232,6 +246,7 @@ class SimNode:
         with self.store._lock:
             return {"ops": dict(self.store.ops), "delivered": dict(self.store.delivered),
                     "errors": self.store.errors, "revision": self.view.revision,
+                    "lapsed": self.keeper.reregistrations,
                     "phase_writes": dict(self.store.phase_writes),
                     "follows": self.phases.following()}
 
@@ -267,11 +282,19 @@ def worker(conn, node_ids: list, url: str, prefix: str, key: bytes, overrides: d
 
     def handle(cmd: str, arg):
         if cmd == "start":
+            deadline = time.monotonic() + arg      # one limit for all: not one per node
             for node in nodes:
                 node.start()
             for node in nodes:
-                node.view.synced.wait(60)
-                node.watcher.synced.wait(60)
+                node.view.synced.wait(max(0.0, deadline - time.monotonic()))
+                node.watcher.synced.wait(max(0.0, deadline - time.monotonic()))
+            behind = sum(not (n.view.synced.is_set() and n.watcher.synced.is_set())
+                         for n in nodes)
+            if behind:
+                lapsed = sum(n.keeper.reregistrations for n in nodes)
+                raise RuntimeError(f"{behind} of {len(nodes)} nodes' watches not synced "
+                                   f"within {arg:g} s ({lapsed} registrations again after "
+                                   "a lapsed lease)")
             return True
         if cmd == "seen":          # how many live nodes each node sees
             return [len(node.watcher.snapshot().live) for node in nodes]
@@ -343,7 +366,9 @@ def scrape(url: str) -> dict[str, float]:
         text = r.read().decode()
     out = {"requests": 0.0, "writes": 0.0}
     for line in text.splitlines():
-        if line.startswith("grpc_server_started_total{") and "Health" not in line:
+        # Unary calls and stream messages alike: each keep-alive on a lease stream counts
+        # (grpc_server_started_total would count the stream once).
+        if line.startswith("grpc_server_msg_received_total{") and "Health" not in line:
             out["requests"] += float(line.split()[-1])
         elif line.startswith("etcd_server_proposals_committed_total "):
             out["writes"] = float(line.split()[1])
@@ -385,7 +410,7 @@ class Sim:
 
     def counters(self, which=None) -> dict:
         total = {"ops": Counter(), "delivered": Counter(), "revisions": [], "errors": 0,
-                 "phase_writes": Counter(), "followers": Counter()}
+                 "phase_writes": Counter(), "followers": Counter(), "lapsed": 0}
         for got in self.ask("counters", which=which):
             for node in got["nodes"]:
                 total["ops"].update(node["ops"])
@@ -394,7 +419,16 @@ class Sim:
                 total["followers"].update(node["follows"])
                 total["revisions"].append(node["revision"])
                 total["errors"] += node["errors"]
+                total["lapsed"] += node["lapsed"]
         return total
+
+    def threads(self) -> int:
+        def count(p):
+            try:
+                return p.num_threads()
+            except psutil.Error:
+                return 0
+        return sum(count(p) for p in self.sim_procs)
 
     def cpu(self) -> tuple[float, list]:
         def busy(p):
@@ -433,7 +467,7 @@ class Sim:
                 "delivered": delivered, "per_node": delivered / nodes, "by_kind": got,
                 "kept_up": delivered / expected * 100 if expected else 100.0,
                 "etcd_cpu": (ecpu1 - ecpu0) / span * 100, "sim_cpu": sum(sim),
-                "sim_max": max(sim), "load": os.getloadavg()[0],
+                "sim_max": max(sim), "threads": self.threads(), "load": os.getloadavg()[0],
                 "errors": c1["errors"] - c0["errors"]}
 
     def stop(self) -> None:
@@ -491,24 +525,28 @@ def form(sim: Sim, jobs: dict) -> dict:
 
 
 def run_n(etcd: EtcdServer, n: int, procs: int, seconds: float, overrides: dict,
-          job_nodes: int = 0) -> dict:
+          job_nodes: int = 0, full: bool = True) -> dict:
     sim = Sim(etcd, n, procs, overrides)
     out = {"n": n}
     try:
         t0 = time.monotonic()
-        sim.ask("start")
-        deadline = time.monotonic() + 60
+        # Each registration reaches every node's node watch: N x N deliveries to start.
+        limit = max(60.0, n * n / 5000)
+        sim.ask("start", limit)
+        deadline = t0 + limit
         while not all(min(seen) >= n for seen in sim.ask("seen")):
             if time.monotonic() > deadline:
-                raise RuntimeError("the nodes did not all see each other within 60 s")
+                raise RuntimeError(f"the nodes did not all see each other within {limit:g} s")
             time.sleep(0.1)
         out["start"] = time.monotonic() - t0
         out["idle"] = sim.window("idle", seconds)
         out["idle_errors"] = sim.counters()["errors"]
 
-        rdzv = form(sim, {None: ("j" + uuid.uuid4().hex[:7], n)})
-        out["rdzv"], out["rdzv_ok"] = rdzv["took"], rdzv["ok"]
-        out["rdzv_errors"] = sim.counters()["errors"] - out["idle_errors"]
+        out["rdzv"], out["rdzv_ok"], out["rdzv_errors"] = None, True, 0
+        if full or not job_nodes:
+            rdzv = form(sim, {None: ("j" + uuid.uuid4().hex[:7], n)})
+            out["rdzv"], out["rdzv_ok"] = rdzv["took"], rdzv["ok"]
+            out["rdzv_errors"] = sim.counters()["errors"] - out["idle_errors"]
         if job_nodes and job_nodes < n:   # the running window: jobs of job_nodes nodes
             jobs = {}
             for k in range(0, n, job_nodes):
@@ -537,6 +575,7 @@ def run_n(etcd: EtcdServer, n: int, procs: int, seconds: float, overrides: dict,
         out["loss_median"] = median(got)
         out["loss_last"] = max(got) if len(got) == len(seen) else None
         out["after_loss"] = sim.window("after loss", min(seconds, 5.0), alive=survivors)
+        out["lapsed"] = sim.counters(which=survivors)["lapsed"]
     finally:
         sim.stop()
     return out
@@ -554,6 +593,13 @@ def main(argv=None) -> int:
     ap.add_argument("--job-nodes", type=int, default=0, metavar="S",
                     help="the running window with jobs of S nodes each (N / S jobs, formed "
                          "at once after the N-node rendezvous) instead of the N-node job")
+    ap.add_argument("--lease-transport", choices=("grpc", "gateway"),
+                    help="membership.lease_transport for every simulated node (default: "
+                         "this tree's setting, grpc)")
+    ap.add_argument("--no-full-job", dest="full", action="store_false",
+                    help="with --job-nodes: skip the N-node job's rendezvous (its joins "
+                         "reach every node: N x N deliveries, minutes for the simulator at "
+                         "N = 1,000 on 2 cores)")
     ap.add_argument("--quick", action="store_true", help="N = 10, 2 s windows: well under a "
                                                          "minute")
     ap.add_argument("--json", help="write the measurements here too")
@@ -564,10 +610,13 @@ def main(argv=None) -> int:
         print("no etcd binary (install etcd or set ELASTICD_TEST_ETCD)", file=sys.stderr)
         return 2
     overrides = dict(s.split("=", 1) for s in args.set)
+    if args.lease_transport:
+        overrides["membership.lease_transport"] = args.lease_transport
     cfg = sim_config(overrides)
     a, m = cfg.agent, cfg.membership
     print(f"scale simulator: {machine()}; elasticd {revision()}")
-    print(f"settings: lease TTL {m.lease_ttl} s, refresh {m.refresh_interval:g} s; phases "
+    print(f"settings: lease TTL {m.lease_ttl} s, refresh {m.refresh_interval:g} s over "
+          f"{m.lease_transport}; phases "
           f"every {a.phase_publish_interval:g} s"
           + (f", refreshed every {a.phase_refresh_interval:g} s"
              if hasattr(a, "phase_refresh_interval") else "")
@@ -579,16 +628,21 @@ def main(argv=None) -> int:
     with EtcdServer() as etcd:
         for n in ns:
             print(f"\n-- N = {n}", flush=True)
-            r = run_n(etcd, n, args.procs, args.seconds, overrides, args.job_nodes)
+            r = run_n(etcd, n, args.procs, args.seconds, overrides, args.job_nodes, args.full)
             runs.append(r)
+            if args.json:       # each N as it ends: a later N that fails keeps these
+                with open(args.json, "w") as fh:
+                    json.dump(runs, fh, indent=1)
             print(f"   all {n} nodes up and seeing each other in {r['start']:.1f} s; "
-                  f"rendezvous {r['rdzv']:.3f} s ({'ok' if r['rdzv_ok'] else 'WRONG RANKS'}, "
-                  f"{r['rdzv_errors']} failed calls retried); "
+                  + (f"rendezvous {r['rdzv']:.3f} s ({'ok' if r['rdzv_ok'] else 'WRONG RANKS'}, "
+                     f"{r['rdzv_errors']} failed calls retried); " if r["rdzv"] is not None
+                     else "N-node rendezvous skipped; ")
                   + (f"{-(-n // args.job_nodes)} jobs of {args.job_nodes} formed at once in "
                      f"{r['jobs_rdzv']:.3f} s ({'ok' if r['jobs_ok'] else 'WRONG RANKS'}); "
                      if 'jobs_rdzv' in r else "")
                   + f"loss of {max(1, n // 10)} seen: median {fmt(r['loss_median'])}, "
-                  f"last {fmt(r['loss_last'])}", flush=True)
+                  f"last {fmt(r['loss_last'])}; survivors' leases lapsed and taken again: "
+                  f"{r['lapsed']}", flush=True)
     rows = []
     for r in runs:
         for w in (r["idle"], r["running"], r["after_loss"]):
@@ -597,13 +651,14 @@ def main(argv=None) -> int:
                          f"{w['by_kind'].get('phases', 0) / max(1, r['n']):.1f}",
                          f"{w['kept_up']:.0f} %", f"{w['etcd_cpu']:.0f} %",
                          f"{w['sim_cpu']:.0f} % (max {w['sim_max']:.0f})",
-                         f"{w['load']:.1f}", w["errors"], verdict(w)])
+                         w["threads"], f"{w['load']:.1f}", w["errors"], verdict(w)])
     print()
     print(table(rows, ["N", "window", "etcd writes/s", "etcd req/node/s", "store calls/node/s",
                        "deliveries/s", "deliveries/node/s", "of them phases/node/s", "kept up",
-                       "etcd CPU", "simulator CPU", "load", "failed calls", "limit"]))
+                       "etcd CPU", "simulator CPU", "simulator threads", "load",
+                       "failed calls", "limit"]))
     print()
-    print(table([[r["n"], f"{r['rdzv']:.3f} s", fmt(r["loss_median"]), fmt(r["loss_last"])]
+    print(table([[r["n"], fmt(r["rdzv"], 3), fmt(r["loss_median"]), fmt(r["loss_last"])]
                  for r in runs], ["N", "rendezvous (all N)", "loss seen, median",
                                   "loss seen, last"]))
     big = runs[-1]
@@ -611,15 +666,15 @@ def main(argv=None) -> int:
     emit_row("scale-sim", elasticd=(
         f"N={big['n']}: {w['writes']:.0f} etcd writes/s, {w['delivered']:.0f} deliveries/s "
         f"({w['per_node']:.0f}/node), etcd {w['etcd_cpu']:.0f} % of a core, rendezvous "
-        f"{big['rdzv']:.2f} s, loss seen {fmt(big['loss_last'])}"))
+        f"{fmt(big['rdzv'])}, loss seen {fmt(big['loss_last'])}"))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(runs, fh, indent=1)
     return 0
 
 
-def fmt(x) -> str:
-    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.2f} s"
+def fmt(x, digits: int = 2) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f} s"
 
 
 if __name__ == "__main__":

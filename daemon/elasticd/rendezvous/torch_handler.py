@@ -177,7 +177,8 @@ class ElasticdRendezvousHandler(RendezvousHandler):
         self._store = open_store({"v3": "etcd3", "v2": "etcd2", "auto": "auto"}[api],
                                  _endpoints(params.endpoint, tls),
                                  prefix=params.get("prefix", DEFAULT_PREFIX),
-                                 timeout=numbers["request_timeout"], **opts)
+                                 timeout=numbers["request_timeout"], lease_transport="grpc",
+                                 **opts)  # refreshes on one keep-alive stream, as the daemon
         self._node_id = f"{socket.gethostname()}-{os.getpid()}-{id(self) & 0xffff:x}"
         self._lease = _LeaseKeeper(self._store, numbers["lease_ttl"])
         self._lease.start()
