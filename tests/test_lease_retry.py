@@ -67,3 +67,36 @@ def test_refreshes_leave_every_interval_however_long_each_takes():
     keeper.tick()
     assert keeper._next_wait(took=0.25) == 0.25       # half a second from the last start
     assert keeper._next_wait(took=1.5) == 0.0         # a hung request was wait enough
+
+
+class ExpiresAfterALook:
+    """A store where a node key expires (its old lease ran out) just after the first
+    look at it."""
+
+    def __init__(self, store):
+        self.store, self.armed = store, True
+
+    def get(self, key):
+        kv = self.store.get(key)
+        if self.armed and kv is not None:
+            self.armed = False
+            self.store.delete(key)
+        return kv
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+def test_our_stale_key_expiring_while_we_register_is_no_other_daemon():
+    import socket
+    store = ExpiresAfterALook(open_store("memory"))
+    # A daemon of this host that no longer runs (pid 1 is no elasticd) left its key.
+    info = {"node_id": "n1", "host": socket.gethostname(), "address": "10.0.0.1",
+            "slots": 1, "version": "t", "pid": 1, "state": "ready"}
+    LeaseKeeper(store.store, "n1", ttl=30, interval=1.0, info=lambda: dict(info),
+                records=PLAIN).register()
+    keeper = LeaseKeeper(store, "n1", ttl=30, interval=1.0, info=lambda: dict(info),
+                         records=PLAIN)
+    keeper.register()           # was: NodeIdInUse "was just taken by another daemon"
+    assert not store.armed and keeper.lease is not None
+    assert store.store.get("/v1/nodes/n1") is not None

@@ -55,6 +55,7 @@ def node_key(node_id: str) -> str:
 _INT32_MAX = 2**31 - 1
 _MAX_JOBS = 100_000
 _MAX_REMEMBERED = 1 << 16    # nodes whose newest record's count is kept
+REGISTER_TRIES = 3            # looks at our key while it changes under a registration
 _RECORD_FIELDS = {"slots": int, "slots_free": int, "pid": int, "started_at": (int, float),
                   "lease_ttl": (int, float),
                   "host": str, "address": str, "version": str,
@@ -137,31 +138,39 @@ class LeaseKeeper:
         key = node_key(self._node_id)
         info = self._info()
         lease = self._store.grant_lease(self._ttl)
-        try:
-            self._store.create(key, self._sealed(info), lease=lease)
-        except KeyExists:
+        # The key may change between a look and a write: our stale key expiring, another
+        # daemon taking it. Look again, a few times; only a live daemon's record refuses.
+        for _ in range(REGISTER_TRIES):
+            try:
+                self._store.create(key, self._sealed(info), lease=lease)
+                break
+            except KeyExists:
+                pass
             current = self._store.get(key)
-            theirs = parse_node(key, current.value, self._records) if current else None
+            if current is None:
+                continue        # it expired meanwhile: create it
+            theirs = parse_node(key, current.value, self._records)
             if theirs is not None and not _is_our_stale_key(theirs):
                 self._store.revoke_lease(lease)
                 raise NodeIdInUse(f"node id {self._node_id!r} is held by a live daemon (host "
                                   f"{theirs.get('host')}, pid {theirs.get('pid')}); "
                                   "give this one another --node-id") from None
-            if current is not None and theirs is None:
+            if theirs is None:
                 # No daemon of this cluster writes a record we cannot vouch for: a
                 # forgery or garbage, take the key over.
                 log.warning("%s: replacing an unreadable record at %s", ctx(node=self._node_id),
                             key)
-            try:  # our own key from before a crash, or it expired meanwhile
-                if current is not None:
-                    self._store.compare_and_swap(key, self._sealed(info), current.revision,
-                                                 lease=lease)
-                else:
-                    self._store.create(key, self._sealed(info), lease=lease)
-            except (CompareFailed, KeyExists):
-                self._store.revoke_lease(lease)
-                raise NodeIdInUse(f"node id {self._node_id!r} was just taken by another "
-                                  "daemon") from None
+            try:  # our own key from before a crash
+                self._store.compare_and_swap(key, self._sealed(info), current.revision,
+                                             lease=lease)
+                break
+            except CompareFailed:
+                continue        # changed since the look: look again
+        else:
+            self._store.revoke_lease(lease)
+            raise NodeIdInUse(f"node id {self._node_id!r} kept changing while this daemon "
+                              f"registered ({REGISTER_TRIES} looks): is another daemon "
+                              "starting with it?")
         self._lease, self._written = lease, info
         self.last_refresh = self._clock()
         self.health = "ok"
