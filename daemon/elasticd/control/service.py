@@ -122,7 +122,8 @@ class ControlServicer(pb_grpc.ControlServicer):
 
     def _with_cluster(self, job: JobRecord) -> pb.Job:
         """The job as this node knows it, with the other nodes' workers added, and its
-        snapshots here (read from the slot headers: workers/snapshot_status.py)."""
+        snapshots: here (read from the slot headers: workers/snapshot_status.py) and on
+        the round's other nodes (asked: replication/asking.py)."""
         msg = job_to_proto(job)
         now, me = time.time(), self._cfg.daemon.node_id
         ledger = getattr(self._manager, "snapshots", None)  # workers/snapshot_dirs.py

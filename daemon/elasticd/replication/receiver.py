@@ -47,8 +47,8 @@ class ReplicationServer:
                  target: Callable[[str], ReplicaTarget | None], stats: ReplicationStats,
                  rows: Callable[[str], "SnapshotRow | None"] = lambda job_id: None):
         self._s, self._key, self._domain, self._me = settings, key, domain, node_id
-        # rows: this node's snapshot row of a job running here (status_rows.py), for a
-        # peer's status (asking.py)
+        # rows: this node's snapshot row of a job running here (peers.py Peers.row), for
+        # a peer's status (asking.py)
         self._target, self.stats, self._rows = target, stats, rows
         self._stop = threading.Event()
         self._lock = threading.Lock()
