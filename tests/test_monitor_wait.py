@@ -65,3 +65,14 @@ def test_exit_fds_hold_a_cold_workers_pidfd_until_it_is_reaped(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_stopped_group_leaves_no_pidfd_open(tmp_path):
+    # A session of its own, as the daemon starts every worker: stop signals the group.
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"],
+                            start_new_session=True)
+    group = WorkerGroup.__new__(WorkerGroup)
+    group.workers = [Worker(rank=0, local_rank=0, proc=proc, error_file=str(tmp_path / "e"))]
+    assert len(group.exit_fds()) == 1
+    group.stop(grace=5)
+    assert group.workers[0].returncode is not None and group.workers[0].pidfd is None

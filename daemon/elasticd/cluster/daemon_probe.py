@@ -53,16 +53,15 @@ class DaemonProbe:
         """True once ``node_id``'s host refused a connection to its daemon's port."""
         if self._timeout <= 0 or not address:
             return False
-        try:
-            port = int(self._port_of(node_id) or 0)
-        except (TypeError, ValueError):
-            port = 0
-        if not 0 < port < 65536:
-            return False
-        key = (node_id, address, port)
+        key = (node_id, address)
         probe = self._probes.get(key)
-        if probe is None:
-            probe = self._probes[key] = self._start(address, port)
+        if probe is None:   # the port is looked up once, when the probe starts
+            try:
+                port = int(self._port_of(node_id) or 0)
+            except (TypeError, ValueError):
+                port = 0
+            probe = self._probes[key] = self._start(address, port) if 0 < port < 65536 \
+                else _Probe(None, self._clock(), False)
         if probe.gone is None:
             self._look(probe)
         return bool(probe.gone)

@@ -103,6 +103,10 @@ class Cluster:
         self._drain_follower = Follower(store, DRAIN, "drain-watch", m.watch_retry,
                                         self._drain_reset, self._drain_event)
 
+    def daemon_port(self, node_id: str) -> int:
+        """The replication port ``node_id``'s live node record publishes (0: none)."""
+        return (self.watcher.snapshot().live.get(node_id) or {}).get("replication_port", 0)
+
     def capacity_from(self, slots_info, gpu_info=None) -> None:
         """Where this node's record reads its free slots and its jobs: ``() ->
         (slots_free, [job ids])``, the job manager's (made after the cluster,

@@ -347,16 +347,11 @@ class Coordinator:
                            restart_window=job.restart_window,
                            rejoin_timeout=r.rejoin_timeout)
         keeper = self._cluster.keeper
-        probe = DaemonProbe(self._daemon_port_of, r.gone_probe_timeout)
+        probe = DaemonProbe(lambda node: self._cluster.daemon_port(node), r.gone_probe_timeout)
         return ClusterRendezvous(self._cluster.store, self._view, job.id,
                                  self._cfg.daemon.node_id, self._cluster.address,
                                  job.nproc_per_node, lambda: keeper.lease, limits,
                                  scale_up=r.scale_up, poll=r.poll, probe=probe)
-
-    def _daemon_port_of(self, node_id: str) -> int:
-        """The replication port ``node_id``'s live node record publishes (0: none)."""
-        record = self._cluster.watcher.snapshot().live.get(node_id) or {}
-        return record.get("replication_port", 0)
 
     def adopt(self, spec: JobSpec) -> JobRecord | None:
         """Take on a job submitted on another node (its spec checked where it was read:

@@ -237,8 +237,7 @@ class Daemon:
         endpoint = MetricsEndpoint(metrics.registry, cfg.metrics.address, cfg.metrics.port,
                                    cfg.metrics.retry_interval, d.node_id)
         asker = RowAsker(cfg.snapshot, self.codec.replication_key, cfg.etcd.prefix, d.node_id,
-                         lambda node: (cluster.watcher.snapshot().live.get(node) or {})
-                         .get("replication_port", 0)) if replication is not None else None
+                         cluster.daemon_port) if replication is not None else None
         server = ControlServer(cfg, ControlServicer(cfg, manager, registry, issuer, metrics,
                                                     cluster, view, endpoint, replication,
                                                     asker), gid, issuer)

@@ -271,6 +271,7 @@ class WorkerGroup:
                           ctx(job=self.spec.job_id, rank=w.rank), w.pid)
             if w.returncode is None:
                 w.returncode = w.proc.returncode
+            _drop_pidfd(w)
 
 
 def _wait_readable(fds: list[int], timeout: float) -> None:
