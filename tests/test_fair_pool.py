@@ -120,25 +120,58 @@ def test_a_caller_starts_at_most_its_rate_and_another_is_not_slowed():
     pool.shutdown()
 
 
-def test_a_call_past_its_callers_queue_limit_runs_at_once_marked_to_refuse_itself():
+def test_a_call_past_its_callers_queue_limit_waits_its_turn_marked_to_refuse_itself():
+    """Refusals are paced like the rest: a call that finds three waiting (the limit) is
+    marked, and runs after them, not at once (a flood answered at once would be asked
+    again at once, as fast as gRPC's serving thread could take it)."""
     release = threading.Event()
     marked: list = []
+    order: list = []
 
-    def keyed(key, fn):
-        fn.key = key
-        return fn
+    def keyed(key, name, fn=None):
+        def run():
+            order.append(name)
+            return fn() if fn else name
+        run.key, run.name = key, name
+        return run
     pool = FairExecutor(2, per_key=1, max_queued=3, key_of=lambda fn: fn.key,
                         mark=lambda fn, waiting: marked.append((fn.name, waiting)))
     started = threading.Event()
-    first = pool.submit(keyed(1, lambda: started.set() or release.wait(10)))  # its one running
+    first = pool.submit(keyed(1, "first", lambda: started.set() or release.wait(10)))
     assert started.wait(10)
-    queued = [pool.submit(keyed(1, lambda: "queued")) for _ in range(3)]
-    over = keyed(1, lambda: "over")
-    over.name = "over"
-    assert pool.submit(over).result(10) == "over"    # at once, though three wait
-    assert marked == [("over", 3)] and not any(f.done() for f in queued)
+    queued = [pool.submit(keyed(1, f"q{i}")) for i in range(3)]
+    over = pool.submit(keyed(1, "over"))
+    time.sleep(0.2)
+    assert not over.done() and marked == []     # waits behind its caller's running call
     release.set()
-    assert [f.result(10) for f in queued] == ["queued"] * 3 and first.result(10)
+    assert over.result(10) == "over" and marked == [("over", 3)]
+    assert [f.result(10) for f in queued] == ["q0", "q1", "q2"] and first.result(10)
+    assert order == ["first", "q0", "q1", "q2", "over"]
+    pool.shutdown()
+
+
+def test_calls_past_a_queue_limit_never_go_ahead_of_another_callers_call():
+    """With one thread busy: caller 1 at its queue limit sends 50 more (each to be
+    refused), then caller 2 sends one: it runs in the next round, not after the 50."""
+    release = threading.Event()
+    order: list = []
+
+    def call(key, name, block=False):
+        def run():
+            if block:
+                release.wait(10)
+            order.append(name)
+        run.key = key
+        return run
+    pool = FairExecutor(1, max_queued=2, key_of=lambda fn: fn.key, mark=lambda fn, n: None)
+    first = pool.submit(call(1, "a", block=True))
+    futures_ = [pool.submit(call(1, f"q{i}")) for i in range(2)]
+    futures_ += [pool.submit(call(1, f"over{i}")) for i in range(50)]
+    theirs = pool.submit(call(2, "b"))
+    release.set()
+    for f in [first, *futures_, theirs]:
+        f.result(10)
+    assert order.index("b") <= 3 and len(order) == 54, order[:6]
     pool.shutdown()
 
 

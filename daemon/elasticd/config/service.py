@@ -66,9 +66,10 @@ class LimitsSettings:
                                                 "cannot take every other user's share of the "
                                                 "daemon", min=1, max=1_000_000)
     calls_queued_per_user: int = _setting(1024, "calls of one uid that may wait for their turn "
-                                               "(over limits.call_rate_per_user); one more is "
-                                               "refused at once: what a flood holds of the "
-                                               "daemon's memory stays bounded",
+                                               "(over limits.call_rate_per_user); one that "
+                                               "comes past them is refused in its turn, so a "
+                                               "flood is answered, served or refused, no "
+                                               "faster than that rate",
                                           min=1, max=1_000_000)
     jobs_per_user: int = _setting(100, "unfinished jobs one uid may hold on this node",
                                   min=1, max=1_000_000)

@@ -36,7 +36,6 @@ from .auth import TOKEN_METADATA_KEY, AuthError, TokenIssuer
 _CALLER: contextvars.ContextVar[int | None] = contextvars.ContextVar("elasticd_caller",
                                                                     default=None)
 _OVER: contextvars.ContextVar[int] = contextvars.ContextVar("elasticd_over_queue", default=0)
-_OUT_OF_TURN = object()   # the key of a call run at once, to be refused (see submit)
 
 
 class CallerTag(grpc.ServerInterceptor):
@@ -72,7 +71,7 @@ def mark_over(fn: Callable, waiting: int) -> None:
 
 def over_queue() -> int:
     """In a call: how many of its caller's calls were queued when it came, if that was
-    over the queue limit (it is to be refused at once); else 0."""
+    over the queue limit (it is to refuse itself); else 0."""
     return _OVER.get()
 
 
@@ -83,13 +82,15 @@ class FairExecutor(futures.Executor):
     Each caller also has at most ``per_key`` calls running at once, and starts at
     most ``rate`` calls a second (a burst of ``rate`` after a pause): its other
     calls wait in its queue, costing little meanwhile. A call that comes while
-    its caller has ``max_queued`` waiting already runs at once, out of turn,
-    after ``mark(fn, waiting)``: the call then refuses itself (``over_queue``),
-    so what one caller has waiting stays bounded. The rate is what keeps a
-    flood from taking the whole daemon: every call also costs gRPC's one serving
-    thread its work, in the order calls arrive; a caller whose calls are answered
-    at once (refused by a cap, say) would otherwise ask again as fast as that
-    thread can take them, and another caller's call would wait behind them all.
+    its caller has ``max_queued`` waiting already waits its turn as well, and
+    runs after ``mark(fn, waiting)``: the call then refuses itself
+    (``over_queue``) instead of doing its work. The rate is what keeps a flood
+    from taking the whole daemon: every call also costs gRPC's one serving
+    thread its work, in the order calls arrive; a caller whose calls are
+    answered at once (refused by a cap, say) would otherwise ask again as fast
+    as that thread can take them, and another caller's call would wait behind
+    them all. So refusals are paced with the rest: a caller gets no answer,
+    served or refused, faster than its rate.
     """
 
     def __init__(self, max_workers: int, per_key: int | None = None,
@@ -109,7 +110,6 @@ class FairExecutor(futures.Executor):
         self._cond = threading.Condition()
         self._queues: dict[Hashable, collections.deque] = {}
         self._turns: collections.deque = collections.deque()  # callers that may start one
-        self._out_of_turn: collections.deque = collections.deque()  # calls over max_queued
         self._later: list = []        # heap of (when, n, caller): out of tokens until then
         self._n = itertools.count()
         self._waiting: set = set()    # callers in _turns or _later
@@ -130,10 +130,10 @@ class FairExecutor(futures.Executor):
                 raise RuntimeError("cannot schedule new futures after shutdown")
             queue = self._queues.setdefault(key, collections.deque())
             if self._max_queued is not None and len(queue) >= self._max_queued:
-                self._out_of_turn.append((future, fn, args, kwargs, len(queue)))
+                queue.append((future, fn, args, kwargs, len(queue)))  # to refuse itself
             else:
                 queue.append((future, fn, args, kwargs))
-                self._offer(key)
+            self._offer(key)
             if len(self._threads) < self._max and \
                     len(self._threads) - self._busy < self._startable():
                 thread = threading.Thread(target=self._work, daemon=True,
@@ -154,7 +154,7 @@ class FairExecutor(futures.Executor):
 
     def _startable(self) -> int:
         """How many calls could start now, tokens aside (under the lock)."""
-        return len(self._out_of_turn) + sum(
+        return sum(
             min(len(self._queues[key]), self._per_key - self._running.get(key, 0))
             for key in self._turns)
 
@@ -175,9 +175,6 @@ class FairExecutor(futures.Executor):
         one; None once shut down and nothing may start."""
         with self._cond:
             while True:
-                if self._out_of_turn:
-                    self._busy += 1
-                    return _OUT_OF_TURN, self._out_of_turn.popleft()
                 now = self._clock()
                 while self._later and self._later[0][0] <= now:
                     self._turns.append(heapq.heappop(self._later)[2])
@@ -188,7 +185,7 @@ class FairExecutor(futures.Executor):
                         heapq.heappush(self._later, (now + wait, next(self._n), key))
                         continue
                     break
-                if self._shutdown and not self._later and not self._out_of_turn:
+                if self._shutdown and not self._later:
                     return None
                 self._cond.wait(self._later[0][0] - now if self._later else None)
             self._waiting.discard(key)
@@ -204,8 +201,6 @@ class FairExecutor(futures.Executor):
     def _done(self, key: Hashable) -> None:
         with self._cond:
             self._busy -= 1
-            if key is _OUT_OF_TURN:
-                return
             running = self._running.pop(key) - 1
             if running:
                 self._running[key] = running
@@ -236,11 +231,10 @@ class FairExecutor(futures.Executor):
         with self._cond:
             self._shutdown = True
             if cancel_futures:
-                for queue in (*self._queues.values(), self._out_of_turn):
+                for queue in self._queues.values():
                     for future, *_ in queue:
                         future.cancel()
                 self._queues.clear()
-                self._out_of_turn.clear()
                 self._turns.clear()
                 self._later.clear()
                 self._waiting.clear()
