@@ -17,7 +17,9 @@ from elasticd.v1 import control_pb2 as pb
 PY = sys.executable
 
 # Trains with an optimizer (every step beats, see hangs/detector.py), then rank 1
-# SIGKILLs itself after ``STEPS`` steps, on each of the first ``FAULTS`` attempts.
+# SIGKILLs itself after ``STEPS`` steps, on each of the first ``FAULTS`` attempts. Run
+# as a script, as users' jobs are, so each restart forks from the job's worker template
+# (a ``-c`` command always starts cold: seconds of imports per rank and attempt).
 KILLED_AFTER_PROGRESS = textwrap.dedent("""
     import os, sys, time
     import torch, torch.distributed as dist
@@ -41,6 +43,14 @@ KILLED_AFTER_PROGRESS = textwrap.dedent("""
 """)
 
 DIES_AT_START = [PY, "-c", "import sys; sys.exit(1)"]
+
+
+@pytest.fixture
+def killed_after_progress(tmp_path) -> str:
+    path = tmp_path / "killed_after_progress.py"
+    path.write_text(KILLED_AFTER_PROGRESS)
+    path.chmod(0o644)
+    return str(path)
 
 
 def submit(d, *args: str) -> str:
@@ -71,10 +81,11 @@ def gaps_to_next_round(d, job_id: str) -> list[float]:
 
 
 @pytest.mark.slow
-def test_worker_killed_after_progress_restarts_at_once_every_time(daemon_factory):
+def test_worker_killed_after_progress_restarts_at_once_every_time(daemon_factory,
+                                                                killed_after_progress):
     d = daemon_factory().start()
     job_id = submit(d, "--nproc-per-node", "2", "--max-restarts-per-window", "20", "--",
-                    PY, "-c", KILLED_AFTER_PROGRESS, "10", "12", "0.05")
+                    PY, killed_after_progress, "10", "12", "0.05")
     job = d.wait_job(job_id, timeout=420)
     assert job.state == pb.SUCCEEDED, (job.reason, d.log()[-3000:])
     plans = restarting(d, job_id)
@@ -133,12 +144,13 @@ def test_job_that_dies_at_start_fails_when_its_lifetime_budget_ends(daemon_facto
 
 
 @pytest.mark.slow
-def test_window_budget_keeps_a_job_failing_now_and_then_alive(daemon_factory):
+def test_window_budget_keeps_a_job_failing_now_and_then_alive(daemon_factory,
+                                                            killed_after_progress):
     # A window of 6 s allowing 2: faults about 4 s apart never spend it, five of them
     # in all; a job failing continuously (above) ends within its first window.
     d = daemon_factory(env={"ELASTICD_AGENT_RESTART_WINDOW": "6"}).start()
     job_id = submit(d, "--nproc-per-node", "2", "--max-restarts-per-window", "2", "--",
-                    PY, "-c", KILLED_AFTER_PROGRESS, "5", "40", "0.1")
+                    PY, killed_after_progress, "5", "40", "0.1")
     job = d.wait_job(job_id, timeout=300)
     assert job.state == pb.SUCCEEDED, job.reason
     assert job.restarts == 5
