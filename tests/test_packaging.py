@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from built_deb import built_deb
 from daemons import short_tmpdir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,11 +44,9 @@ def deb(tmp_path_factory) -> Path:
         pytest.skip("needs dpkg-deb (Debian's dpkg) to build the .deb")
     if run(SYSTEM_PYTHON, "-c", "import ensurepip, venv", check=False).returncode != 0:
         pytest.skip(f"needs {SYSTEM_PYTHON} with venv (Debian package python3-venv)")
-    out = tmp_path_factory.mktemp("deb")
-    proc = run("bash", ROOT / "packaging" / "build-deb.sh", out, timeout=300)
-    path = Path(proc.stdout.strip().splitlines()[-1])
+    path = built_deb(tmp_path_factory)
     arch = run("dpkg", "--print-architecture").stdout.strip()
-    assert path == out / f"elasticd_{VERSION}_{arch}.deb"
+    assert path.name == f"elasticd_{VERSION}_{arch}.deb" and path.is_file()
     return path
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 import systemd_tree
+from built_deb import built_deb
 from etcd_server import EtcdServer, etcd_binary
 
 pytestmark = [pytest.mark.slow, pytest.mark.root]
@@ -89,11 +90,7 @@ def deb(tmp_path_factory) -> Path:
     if subprocess.run([SYSTEM_PYTHON, "-c", "import ensurepip, venv"],
                       capture_output=True).returncode != 0:
         pytest.skip(f"needs {SYSTEM_PYTHON} with venv (Debian package python3-venv)")
-    out = tmp_path_factory.mktemp("deb")
-    proc = subprocess.run(["bash", str(ROOT / "packaging" / "build-deb.sh"), str(out)],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr
-    return Path(proc.stdout.strip().splitlines()[-1])
+    return built_deb(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
