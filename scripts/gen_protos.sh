@@ -11,4 +11,4 @@ if [ -z "${PYTHON:-}" ]; then
 fi
 "$PYTHON" -m grpc_tools.protoc -Iprotos --python_out="$out" --pyi_out="$out" \
   --grpc_python_out="$out" protos/elasticd/v1/control.proto \
-  protos/elasticd/store/etcdpb/lease.proto
+  protos/elasticd/store/etcdpb/lease.proto protos/elasticd/store/etcdpb/watch.proto

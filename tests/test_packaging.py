@@ -239,7 +239,8 @@ def test_wheel_builds_and_carries_the_generated_protos(tmp_path):
         entry_points = whl.read(f"elasticd-{VERSION}.dist-info/entry_points.txt").decode()
     for proto in ("control_pb2.py", "control_pb2_grpc.py", "control_pb2.pyi"):
         assert f"elasticd/v1/{proto}" in names
-    for proto in ("lease_pb2.py", "lease_pb2_grpc.py", "lease_pb2.pyi"):
+    for proto in ("lease_pb2.py", "lease_pb2_grpc.py", "lease_pb2.pyi",
+                  "watch_pb2.py", "watch_pb2_grpc.py", "watch_pb2.pyi"):
         assert f"elasticd/store/etcdpb/{proto}" in names
     assert "elasticctl/cli.py" in names and "elasticd/examples/train.py" in names
     assert "elasticd = elasticd.node.cli:main" in entry_points

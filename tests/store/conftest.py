@@ -18,9 +18,10 @@ for _path in (_HERE, os.path.dirname(_HERE)):
 
 from etcd_server import EtcdServer, etcd_binary  # noqa: E402
 
+from store_backends import BACKENDS, open_backend  # noqa: E402
+
 from elasticd.store import open_store  # noqa: E402
 
-BACKENDS = ["memory", "etcd2", "etcd3"]
 needs_etcd = pytest.mark.skipif(etcd_binary() is None, reason="no etcd binary")
 
 
@@ -45,7 +46,7 @@ def store(kind, request):
         s = open_store("memory")
     else:
         server = request.getfixturevalue("etcd")
-        s = open_store(kind, server.endpoints, timeout=2.0)
+        s = open_backend(kind, server.endpoints, timeout=2.0)
     yield s
     s.close()
 

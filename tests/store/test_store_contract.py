@@ -28,7 +28,7 @@ def wait_gone(store, key, within: float) -> float:
 
 
 def expired(kind: str) -> str:
-    return EVENT_DELETE if kind == "etcd3" else EVENT_EXPIRE
+    return EVENT_DELETE if kind.startswith("etcd3") else EVENT_EXPIRE
 
 
 # -- keys and values ---------------------------------------------------------
@@ -263,10 +263,11 @@ def compact_history(store, kind, etcd, prefix):
 
 
 def test_watch_from_compacted_revision_asks_for_relist(kind, request, prefix):
-    from elasticd.store import MemoryStore, WatchCompacted, open_store
+    from elasticd.store import MemoryStore, WatchCompacted
+    from store_backends import open_backend
 
     etcd = None if kind == "memory" else request.getfixturevalue("etcd")
-    store = MemoryStore(history=10) if kind == "memory" else open_store(kind, etcd.endpoints)
+    store = MemoryStore(history=10) if kind == "memory" else open_backend(kind, etcd.endpoints)
     first = store.put(f"{prefix}/c/a", "1")
     compact_history(store, kind, etcd, prefix)
     with pytest.raises(WatchCompacted):

@@ -37,6 +37,9 @@ def retrying(fn, attempts=4, backoff=0.1):
 
 
 def make(kind, endpoints, timeout=TIMEOUT):
+    if kind == "etcd3-grpc":  # watches on etcd's gRPC Watch stream (watch_stream.py)
+        return Etcd3Store(endpoints, timeout=timeout, watch_liveness=1.0,
+                          watch_transport="grpc")
     cls = Etcd2Store if kind == "etcd2" else Etcd3Store
     return cls(endpoints, timeout=timeout, watch_liveness=1.0)
 
@@ -57,7 +60,7 @@ def calls(store, lease):
     }
 
 
-@pytest.mark.parametrize("kind", ["etcd2", "etcd3"])
+@pytest.mark.parametrize("kind", ["etcd2", "etcd3", "etcd3-grpc"])
 @pytest.mark.parametrize("how", ["stop", "kill", "freeze"])
 def test_outage_fails_fast_then_recovers(etcd, kind, how):
     with EtcdServer() as server:
@@ -114,7 +117,7 @@ def test_outage_fails_fast_then_recovers(etcd, kind, how):
         store.close()
 
 
-@pytest.mark.parametrize("kind", ["etcd2", "etcd3"])
+@pytest.mark.parametrize("kind", ["etcd2", "etcd3", "etcd3-grpc"])
 def test_failover_to_next_endpoint(etcd, kind):
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens: refused
     store = make(kind, [dead, etcd.url])
@@ -159,13 +162,13 @@ def test_etcd2_on_a_server_without_v2_says_so(etcd):
         store.close()
 
 
-@pytest.mark.parametrize("kind", ["etcd2", "etcd3"])
+@pytest.mark.parametrize("kind", ["etcd2", "etcd3", "etcd3-grpc"])
 def test_non_utf8_bytes_from_a_foreign_writer(etcd, kind):
     import base64
     import json
     import urllib.request
 
-    if kind == "etcd3":
+    if kind.startswith("etcd3"):
         body = {"key": base64.b64encode(b"/foreign/bin").decode(),
                 "value": base64.b64encode(b"\xff\xfe{\x00").decode()}
         req = urllib.request.Request(etcd.url + "/v3/kv/put", method="POST",
@@ -184,7 +187,7 @@ def test_non_utf8_bytes_from_a_foreign_writer(etcd, kind):
     store.close()
 
 
-@pytest.mark.parametrize("kind", ["etcd2", "etcd3"])
+@pytest.mark.parametrize("kind", ["etcd2", "etcd3", "etcd3-grpc"])
 def test_leader_loss_in_a_cluster_keeps_leases_and_watches(etcd, kind):
     with EtcdCluster(3) as cluster:
         store = make(kind, cluster.endpoints)

@@ -10,6 +10,7 @@ import urllib.request
 import pytest
 
 from etcd_server import EtcdServer, make_certs
+from store_backends import open_backend
 from store_watching import replay
 from elasticd.store import Lease, StoreAuthError, detect_api, open_store
 
@@ -75,6 +76,24 @@ def test_lease_stream_over_tls_with_client_certificate(tls_etcd, certs):
     wrong.close()
 
 
+def test_watch_stream_over_tls_with_client_certificate(tls_etcd, certs):
+    """membership.watch_transport = grpc: the Watch stream uses the same CA and client
+    certificate as the gateway, and a wrong CA is a clear error at once."""
+    tls = dict(timeout=TIMEOUT, cert=certs.client_cert, key=certs.client_key,
+               watch_transport="grpc")
+    store = open_store("etcd3", tls_etcd.endpoints, ca_cert=certs.ca, **tls)
+    rev = store.put("/tlsw/a", "1")
+    assert [(e.key, e.value) for e in replay(store, "/tlsw", rev - 1, count=1)] == [
+        ("/tlsw/a", "1")]
+    store.close()
+    wrong = open_store("etcd3", tls_etcd.endpoints, ca_cert=certs.other_ca, **tls)
+    t0 = time.monotonic()
+    with pytest.raises(StoreAuthError, match="(?i)certificate"):
+        list(wrong.watch("/tlsw", rev - 1, timeout=TIMEOUT))
+    assert time.monotonic() - t0 < TIMEOUT
+    wrong.close()
+
+
 def test_detect_api_over_tls(tls_etcd, certs):
     assert detect_api(tls_etcd.endpoints, TIMEOUT, ca_cert=certs.ca, cert=certs.client_cert,
                       key=certs.client_key) == "v3"
@@ -108,22 +127,24 @@ def auth_etcd(etcd):
         yield server
 
 
-@pytest.mark.parametrize("kind", ["etcd2", "etcd3"])
+@pytest.mark.parametrize("kind", ["etcd2", "etcd3", "etcd3-grpc"])
 def test_user_password_auth(auth_etcd, kind):
-    store = open_store(kind, auth_etcd.endpoints, timeout=TIMEOUT,
-                       username="root", password="pw")
+    """etcd3-grpc: the watch goes on etcd's gRPC Watch stream with the login token as
+    its ``token`` metadata; an expired token is logged in again there too."""
+    store = open_backend(kind, auth_etcd.endpoints, timeout=TIMEOUT,
+                         username="root", password="pw")
     store.put("/auth/a", "1")
     assert store.get("/auth/a").value == "1"
-    if kind == "etcd3":
+    if kind.startswith("etcd3"):
         time.sleep(1.2)  # the token expired: the store logs in again by itself
     events = replay(store, "/auth", 0, count=1)
     assert [(e.key, e.value) for e in events] == [("/auth/a", "1")]
-    if kind == "etcd3":
+    if kind.startswith("etcd3"):
         store._token = "expired.1"  # the same for plain calls, without the wait
     assert store.list("/auth")[0][0].value == "1"
     store.close()
     for creds in ({"username": "root", "password": "wrong"}, {}):
-        bad = open_store(kind, auth_etcd.endpoints, timeout=TIMEOUT, **creds)
+        bad = open_backend(kind, auth_etcd.endpoints, timeout=TIMEOUT, **creds)
         with pytest.raises(StoreAuthError):
             bad.put("/auth/b", "no")
         bad.close()

@@ -53,7 +53,8 @@ def open_cluster_store(cfg: Config) -> Store:
                               ca_cert=e.ca_cert or None, cert=e.cert or None,
                               key=e.key or None, username=e.username or None,
                               password=password,
-                              lease_transport=cfg.membership.lease_transport)
+                              lease_transport=cfg.membership.lease_transport,
+                              watch_transport=cfg.membership.watch_transport)
         except StoreAuthError as exc:
             raise ClusterStartError(f"etcd at {', '.join(e.endpoints)} refused us: {exc} "
                                     "(check etcd.ca_cert, etcd.cert/key, etcd.username)") from None

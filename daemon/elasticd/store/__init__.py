@@ -75,11 +75,13 @@ def detect_api(endpoints: list[str], timeout: float = 2.0, *, ca_cert: str | Non
 def open_store(kind: str, endpoints: list[str] | tuple = (), *, prefix: str = "",
                timeout: float = 2.0, ca_cert: str | None = None, cert: str | None = None,
                key: str | None = None, username: str | None = None,
-               password: str | None = None, lease_transport: str = "gateway") -> Store:
+               password: str | None = None, lease_transport: str = "gateway",
+               watch_transport: str = "gateway") -> Store:
     """The store ``kind`` names (see the module doc).  Makes no request
     except for ``auto``, which asks the server which API it has.
-    ``lease_transport`` (etcd3 only): how lease refreshes reach etcd, ``gateway``
-    or ``grpc`` (etcd3.py, lease_stream.py)."""
+    ``lease_transport`` and ``watch_transport`` (etcd3 only): how lease refreshes and
+    watches reach etcd, ``gateway`` or ``grpc`` (etcd3.py, lease_stream.py,
+    watch_stream.py)."""
     if kind not in KINDS:
         raise ValueError(f"store kind must be one of {sorted(KINDS)}, not {kind!r}")
     kind = KINDS[kind]
@@ -97,7 +99,7 @@ def open_store(kind: str, endpoints: list[str] | tuple = (), *, prefix: str = ""
     else:
         from .etcd3 import Etcd3Store
         store = Etcd3Store(list(endpoints), timeout=timeout, lease_transport=lease_transport,
-                           **opts)
+                           watch_transport=watch_transport, **opts)
     if prefix and prefix != "/":
         store = PrefixedStore(store, prefix)
     return store

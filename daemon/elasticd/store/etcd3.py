@@ -42,7 +42,8 @@ import urllib3
 from urllib3.exceptions import ConnectTimeoutError, HTTPError, SSLError
 
 from .etcd3_errors import etcd_error, json_error
-from .lease_stream import KeepAliveStream
+from .lease_stream import KeepAliveStream, credentials
+from .watch_stream import GrpcWatchStream, WatchChannels
 from .base import (
     EVENT_DELETE, EVENT_PUT, KV, CompareFailed, KeyExists, Lease, LeaseNotFound, Store,
     StoreAuthError, StoreCorrupt, StoreError, StoreUnavailable, WatchCompacted, WatchEvent,
@@ -51,6 +52,7 @@ from .base import (
 
 POLL = 0.25  # how often a watch looks at stop_event and its deadline
 LEASE_TRANSPORTS = ("gateway", "grpc")  # how refresh_lease reaches etcd
+WATCH_TRANSPORTS = ("gateway", "grpc")  # how watch reaches etcd
 
 def _b64(s: str) -> str:
     return base64.b64encode(s.encode()).decode()
@@ -61,9 +63,13 @@ def _unb64(s: str | None) -> str:
     return base64.b64decode(s or "").decode("utf-8", "replace")
 
 
-def _range_end(prefix: str) -> str:
+def _range_end_bytes(prefix: str) -> bytes:
     raw = prefix.encode()
-    return base64.b64encode(raw[:-1] + bytes([raw[-1] + 1])).decode()
+    return raw[:-1] + bytes([raw[-1] + 1])
+
+
+def _range_end(prefix: str) -> str:
+    return base64.b64encode(_range_end_bytes(prefix)).decode()
 
 
 def _kv(d: dict) -> KV:
@@ -78,12 +84,15 @@ class Etcd3Store(Store):
                  cert: str | None = None, key: str | None = None,
                  username: str | None = None, password: str | None = None,
                  watch_liveness: float = 5.0, watch_idle: float = 60.0,
-                 lease_transport: str = "gateway"):
+                 lease_transport: str = "gateway", watch_transport: str = "gateway"):
         if not endpoints:
             raise ValueError("etcd3 store needs at least one endpoint")
         if lease_transport not in LEASE_TRANSPORTS:
             raise ValueError(f"lease_transport must be one of {LEASE_TRANSPORTS}, "
                              f"not {lease_transport!r}")
+        if watch_transport not in WATCH_TRANSPORTS:
+            raise ValueError(f"watch_transport must be one of {WATCH_TRANSPORTS}, "
+                             f"not {watch_transport!r}")
         scheme = "https://" if ca_cert or cert else "http://"
         self.endpoints = [(e if "://" in e else scheme + e).rstrip("/") for e in endpoints]
         self.timeout = timeout
@@ -103,6 +112,8 @@ class Etcd3Store(Store):
                                          retries=False, **tls)
         self._keepalive = None if lease_transport == "gateway" else KeepAliveStream(
             self.endpoints, timeout, ca_cert=ca_cert, cert=cert, key=key, token=self.auth_token)
+        self._watch_channels = None if watch_transport == "gateway" else WatchChannels(
+            lambda: credentials(ca_cert, cert, key))
 
     # -- HTTP ----------------------------------------------------------------
 
@@ -289,6 +300,8 @@ class Etcd3Store(Store):
         self._pool.clear()
         if self._keepalive is not None:
             self._keepalive.close()
+        if self._watch_channels is not None:
+            self._watch_channels.close()
 
     # -- watch ---------------------------------------------------------------
 
@@ -307,7 +320,7 @@ class Etcd3Store(Store):
         after, broken, relogged, first = start_revision, 0, False, True
         while not done():
             try:
-                stream = _WatchStream(self, prefix, after)
+                stream = self._open_watch(prefix, after)
             except StoreUnavailable:
                 broken += 1
                 if first or broken > len(self.endpoints):
@@ -337,6 +350,8 @@ class Etcd3Store(Store):
                     break  # a new stream from `after`, on another member if need be
             finally:
                 stream.close()
+            if kind in ("end", "error") and isinstance(stream, GrpcWatchStream):
+                self._watch_broke(stream)
             if kind == "relogin":
                 if relogged or not self._auth:
                     raise StoreAuthError(f"etcd refused the watch on {prefix}: {payload}")
@@ -348,6 +363,25 @@ class Etcd3Store(Store):
                         f"etcd watch streams on {prefix} keep ending at once")
             else:
                 broken = 0
+
+
+    def _open_watch(self, prefix: str, after: int):
+        """A stream of the prefix's events from ``after + 1``: over etcd's gRPC Watch
+        when watch_transport is grpc, else over the gateway."""
+        if self._watch_channels is None:
+            return _WatchStream(self, prefix, after)
+        url = self.endpoints[self._current]
+        return GrpcWatchStream(self._watch_channels.get(url), url, prefix,
+                               _range_end_bytes(prefix), after, self.auth_token())
+
+    def _watch_broke(self, stream: GrpcWatchStream) -> None:
+        """A gRPC watch stream ended or failed: one that etcd never answered moves the
+        store on to the next endpoint (as the gateway's calls do when one refuses) and
+        its channel is made again; a stream that ran is opened again where it was."""
+        if not stream.heard.is_set():
+            self._watch_channels.drop(stream.url)
+            if self.endpoints[self._current] == stream.url:
+                self._current = (self._current + 1) % len(self.endpoints)
 
 
 class _WatchStream:

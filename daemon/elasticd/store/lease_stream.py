@@ -178,9 +178,7 @@ class KeepAliveStream:
 
     def _credentials(self) -> grpc.ChannelCredentials:
         """Read at each new channel, so renewed certificates are taken up."""
-        pem = [_read(path) if path else None for path in self._tls]
-        return grpc.ssl_channel_credentials(root_certificates=pem[0], certificate_chain=pem[1],
-                                            private_key=pem[2])
+        return credentials(*self._tls)
 
     def _drop(self, advance: bool = True) -> None:
         """Close the stream and its channel; the next refresh opens them again, on the
@@ -208,6 +206,14 @@ def _next(replies: queue.Queue, timeout: float):
         return replies.get(timeout=timeout)
     except queue.Empty:
         return _NOTHING
+
+
+def credentials(ca_cert: str | None, cert: str | None,
+                key: str | None) -> grpc.ChannelCredentials:
+    """TLS credentials for a gRPC channel to etcd, from the store's PEM files (read now)."""
+    pem = [_read(path) if path else None for path in (ca_cert, cert, key)]
+    return grpc.ssl_channel_credentials(root_certificates=pem[0], certificate_chain=pem[1],
+                                        private_key=pem[2])
 
 
 def _read(path: str) -> bytes:

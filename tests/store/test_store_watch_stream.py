@@ -1,0 +1,107 @@
+"""Watches over etcd's gRPC Watch stream (membership.watch_transport = grpc; store/watch_stream.py).
+
+The store contract, outage, failover, TLS and auth cases run on this transport
+too (backend ``etcd3-grpc``, tests/store/store_backends.py); these are what only
+it has: one channel for all of a store's watches, the setting, and a member that
+takes connections and never answers. Real etcd 3.4.
+"""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+
+from store_watching import replay
+
+from elasticd import config
+from elasticd.cluster.node import open_cluster_store
+from elasticd.store.etcd3 import Etcd3Store
+from elasticd.store.follow import Follower
+
+TIMEOUT = 2.0
+
+
+def test_every_watch_of_a_store_rides_one_channel_and_gets_every_event(etcd):
+    store = Etcd3Store(etcd.endpoints, timeout=TIMEOUT, watch_transport="grpc")
+    writer = Etcd3Store(etcd.endpoints, timeout=TIMEOUT)
+    try:
+        _, rev = writer.list("/one")
+        prefixes = [f"/one/p{i}" for i in range(5)]
+        for i, p in enumerate(prefixes):
+            writer.put(f"{p}/k", str(i))
+        got = [replay(store, p, rev, count=1) for p in prefixes]
+        assert [[(e.key, e.value) for e in g] for g in got] == [
+            [(f"{p}/k", str(i))] for i, p in enumerate(prefixes)]
+        assert len(store._watch_channels._channels) == 1
+    finally:
+        writer.delete_prefix("/one")
+        store.close()
+        writer.close()
+
+
+class _StreamToTheFirst(Etcd3Store):
+    """The worst case: the first list goes to the live member, the stream after it to
+    the first endpoint (a member that hung since)."""
+    unlucky = True
+
+    def list(self, prefix):
+        got = super().list(prefix)
+        if self.unlucky:
+            self.unlucky, self._current = False, 0
+        return got
+
+
+def test_a_member_that_takes_connections_and_never_answers_is_passed_over(etcd):
+    """A hung host: the watch's liveness check (through the gateway, which moves on)
+    ends the stream that waits for it, and the follower's next stream goes to the live
+    member; the events since are all delivered."""
+    with socket.socket() as mute:
+        mute.bind(("127.0.0.1", 0))
+        mute.listen(16)
+        store = _StreamToTheFirst([f"http://127.0.0.1:{mute.getsockname()[1]}", etcd.url],
+                                  timeout=TIMEOUT, watch_liveness=1.0, watch_transport="grpc")
+        writer = Etcd3Store(etcd.endpoints, timeout=TIMEOUT)
+        seen, arrived = [], threading.Event()
+
+        def on_event(ev):
+            seen.append((ev.key, ev.value))
+            arrived.set()
+        follower = Follower(store, "/mute", "test-watch", 0.2, lambda kvs, rev: None,
+                            on_event)
+        try:
+            follower.start()
+            assert follower.synced.wait(3 * TIMEOUT)   # its list went to the live member
+            t0 = time.monotonic()
+            writer.put("/mute/a", "1")
+            assert arrived.wait(1.0 + 4 * TIMEOUT), "no event within the liveness + timeouts"
+            assert seen == [("/mute/a", "1")] and not store.unlucky
+            assert time.monotonic() - t0 < 1.0 + 4 * TIMEOUT
+        finally:
+            follower.stop()
+            writer.delete_prefix("/mute")
+            store.close()
+            writer.close()
+
+
+def test_watch_transport_is_a_validated_setting_the_daemon_passes_on(etcd, tmp_path):
+    empty = tmp_path / "empty.toml"
+    empty.write_text("")
+    assert config.load(str(empty), env={}).membership.watch_transport == "grpc"
+    with pytest.raises(config.ConfigError, match="membership.watch_transport"):
+        config.load(str(empty), env={"ELASTICD_MEMBERSHIP_WATCH_TRANSPORT": "udp"})
+    with pytest.raises(ValueError, match="watch_transport"):
+        Etcd3Store(etcd.endpoints, watch_transport="udp")
+    for transport in ("grpc", "gateway"):
+        cfg = config.load(str(empty), env={}, overrides={
+            "etcd.endpoints": etcd.endpoints, "etcd.api": "v3",
+            "membership.watch_transport": transport})
+        store = open_cluster_store(cfg)
+        try:
+            assert (store.inner._watch_channels is not None) == (transport == "grpc")
+            rev = store.put("/wt/a", transport)
+            assert [e.value for e in replay(store, "/wt", rev - 1, count=1)] == [transport]
+        finally:
+            store.delete_prefix("/wt")
+            store.close()
