@@ -5,9 +5,11 @@
 Each simulated node runs the daemon's own code, nothing else (no torch, no
 workers, no gRPC server), over its OWN etcd client (one Etcd3Store each, so
 its own HTTP connections to etcd's v3 JSON gateway, and its lease refreshes
-over membership.lease_transport as open_cluster_store passes it: by default
-its own gRPC channel and keep-alive stream, with gRPC's threads;
-``--lease-transport gateway`` sends them through the gateway instead):
+and watches over membership.lease_transport and membership.watch_transport
+as open_cluster_store passes them: by default its own gRPC channels, a
+keep-alive stream and a Watch stream a prefix, with gRPC's threads;
+``--lease-transport gateway`` / ``--watch-transport gateway`` send them
+through the gateway instead):
 
   membership   cluster/membership.py: a LeaseKeeper (its node key under a lease,
                refreshed every membership.refresh_interval) and a NodeWatcher (a
@@ -151,10 +153,11 @@ class SimNode:
         from elasticd.store import open_store
         m = cfg.membership
         self.node_id, self.cfg, self.records = node_id, cfg, records
-        # Lease refreshes as open_cluster_store sends them: membership.lease_transport.
+        # Lease refreshes and watches as open_cluster_store sends them: membership.*_transport.
         self.store = CountingStore(open_store("etcd3", [url], prefix=prefix,
                                               timeout=cfg.etcd.request_timeout,
-                                              lease_transport=m.lease_transport))
+                                              lease_transport=m.lease_transport,
+                                              watch_transport=m.watch_transport))
         self.keeper = LeaseKeeper(self.store, node_id, m.lease_ttl, m.refresh_interval,
                                   self.info, records=records)
         self.watcher = NodeWatcher(self.store, node_id, m.lost_node_retention, m.watch_retry,
@@ -596,6 +599,9 @@ def main(argv=None) -> int:
     ap.add_argument("--lease-transport", choices=("grpc", "gateway"),
                     help="membership.lease_transport for every simulated node (default: "
                          "this tree's setting, grpc)")
+    ap.add_argument("--watch-transport", choices=("grpc", "gateway"),
+                    help="membership.watch_transport for every simulated node (default: "
+                         "this tree's setting, grpc)")
     ap.add_argument("--no-full-job", dest="full", action="store_false",
                     help="with --job-nodes: skip the N-node job's rendezvous (its joins "
                          "reach every node: N x N deliveries, minutes for the simulator at "
@@ -612,11 +618,13 @@ def main(argv=None) -> int:
     overrides = dict(s.split("=", 1) for s in args.set)
     if args.lease_transport:
         overrides["membership.lease_transport"] = args.lease_transport
+    if args.watch_transport:
+        overrides["membership.watch_transport"] = args.watch_transport
     cfg = sim_config(overrides)
     a, m = cfg.agent, cfg.membership
     print(f"scale simulator: {machine()}; elasticd {revision()}")
     print(f"settings: lease TTL {m.lease_ttl} s, refresh {m.refresh_interval:g} s over "
-          f"{m.lease_transport}; phases "
+          f"{m.lease_transport}, watches over {m.watch_transport}; phases "
           f"every {a.phase_publish_interval:g} s"
           + (f", refreshed every {a.phase_refresh_interval:g} s"
              if hasattr(a, "phase_refresh_interval") else "")
