@@ -149,8 +149,8 @@ class MembershipSettings:
                                     choices=("grpc", "gateway"))
     watch_transport: str = _setting("grpc", "how the daemon's watches reach etcd's v3 API: "
                                             "grpc (one Watch stream a prefix, all on one "
-                                            "connection: about half etcd's CPU a delivered "
-                                            "event) or gateway (one HTTP stream a prefix "
+                                            "connection: about a quarter of etcd's CPU a "
+                                            "delivered event) or gateway (one HTTP stream a prefix "
                                             "from its JSON gateway); etcd's v2 API ignores "
                                             "it", choices=("grpc", "gateway"))
     lost_node_retention: float = _setting(3600.0, "seconds a lost node stays listed by "
