@@ -21,13 +21,9 @@ from elasticd.control.fairpool import CallerTag, FairExecutor, caller_of
 from elasticd.control.streamgate import CallGate
 
 
-def test_one_callers_queue_never_goes_ahead_of_anothers_call():
-    """With one thread busy: 50 calls of uid 1 queued, then one of uid 2; uid 2's
-    runs second, not 51st."""
-    release = threading.Event()
-    order: list = []
-    pool = FairExecutor(1, key_of=lambda fn: fn.key)
-
+def recorder(order: list, release: threading.Event):
+    """``call(key, name, block)``: a call of caller ``key`` that appends ``name`` to
+    ``order`` when it runs (after ``release`` is set, if ``block``)."""
     def call(key, name, block=False):
         def run():
             if block:
@@ -35,7 +31,16 @@ def test_one_callers_queue_never_goes_ahead_of_anothers_call():
             order.append(name)
         run.key = key
         return run
+    return call
 
+
+def test_one_callers_queue_never_goes_ahead_of_anothers_call():
+    """With one thread busy: 50 calls of uid 1 queued, then one of uid 2; uid 2's
+    runs second, not 51st."""
+    release = threading.Event()
+    order: list = []
+    pool = FairExecutor(1, key_of=lambda fn: fn.key)
+    call = recorder(order, release)
     first = pool.submit(call(1, "a0", block=True))
     rest = [pool.submit(call(1, f"a{i}")) for i in range(1, 50)]
     theirs = pool.submit(call(2, "b"))
@@ -155,14 +160,7 @@ def test_calls_past_a_queue_limit_never_go_ahead_of_another_callers_call():
     refused), then caller 2 sends one: it runs in the next round, not after the 50."""
     release = threading.Event()
     order: list = []
-
-    def call(key, name, block=False):
-        def run():
-            if block:
-                release.wait(10)
-            order.append(name)
-        run.key = key
-        return run
+    call = recorder(order, release)
     pool = FairExecutor(1, max_queued=2, key_of=lambda fn: fn.key, mark=lambda fn, n: None)
     first = pool.submit(call(1, "a", block=True))
     futures_ = [pool.submit(call(1, f"q{i}")) for i in range(2)]
