@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from store_watching import replay
+from store_watching import Watcher, replay
 
 from elasticd import config
 from elasticd.cluster.node import open_cluster_store
@@ -37,6 +37,31 @@ def test_every_watch_of_a_store_rides_one_channel_and_gets_every_event(etcd):
         assert len(store._watch_channels._channels) == 1
     finally:
         writer.delete_prefix("/one")
+        store.close()
+        writer.close()
+
+
+def test_a_channel_closed_under_a_watch_is_made_again_and_nothing_is_lost(etcd):
+    """A stream that etcd never answered drops its channel; another watch of the same
+    store may hold that channel at that moment, about to open a stream on it, or be
+    reading a stream on it (CI saw ``Channel closed!`` escape as a ValueError). Both
+    open a new channel and go on from their last revision."""
+    store = Etcd3Store(etcd.endpoints, timeout=TIMEOUT, watch_transport="grpc")
+    writer = Etcd3Store(etcd.endpoints, timeout=TIMEOUT)
+    try:
+        _, rev = writer.list("/closed")
+        running = Watcher(store, "/closed/a", rev)
+        writer.put("/closed/a/1", "1")
+        assert [e.value for e in running.wait_for(1)] == ["1"]
+        store._watch_channels.get(etcd.url).close()   # closed, still the one held
+        writer.put("/closed/a/2", "2")
+        writer.put("/closed/b/1", "b")
+        assert [e.value for e in running.wait_for(2)] == ["1", "2"]
+        assert running.error is None
+        assert [e.value for e in replay(store, "/closed/b", rev, count=1)] == ["b"]
+        running.close()
+    finally:
+        writer.delete_prefix("/closed")
         store.close()
         writer.close()
 

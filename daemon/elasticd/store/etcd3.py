@@ -43,7 +43,7 @@ from urllib3.exceptions import ConnectTimeoutError, HTTPError, SSLError
 
 from .etcd3_errors import etcd_error, json_error
 from .lease_stream import KeepAliveStream, credentials
-from .watch_stream import GrpcWatchStream, WatchChannels
+from .watch_stream import ChannelClosed, GrpcWatchStream, WatchChannels
 from .base import (
     EVENT_DELETE, EVENT_PUT, KV, CompareFailed, KeyExists, Lease, LeaseNotFound, Store,
     StoreAuthError, StoreCorrupt, StoreError, StoreUnavailable, WatchCompacted, WatchEvent,
@@ -370,16 +370,22 @@ class Etcd3Store(Store):
         when watch_transport is grpc, else over the gateway."""
         if self._watch_channels is None:
             return _WatchStream(self, prefix, after)
-        url = self.endpoints[self._current]
-        return GrpcWatchStream(self._watch_channels.get(url), url, prefix,
-                               _range_end_bytes(prefix), after, self.auth_token())
+        url, token = self.endpoints[self._current], self.auth_token()
+        for _ in range(2):
+            channel = self._watch_channels.get(url)
+            try:
+                return GrpcWatchStream(channel, url, prefix, _range_end_bytes(prefix), after,
+                                       token)
+            except ChannelClosed:   # another watch of this store dropped it just now
+                self._watch_channels.drop(url, channel)
+        raise StoreUnavailable(f"etcd watch channel to {url} keeps closing")
 
     def _watch_broke(self, stream: GrpcWatchStream) -> None:
         """A gRPC watch stream ended or failed: one that etcd never answered moves the
         store on to the next endpoint (as the gateway's calls do when one refuses) and
         its channel is made again; a stream that ran is opened again where it was."""
         if not stream.heard.is_set():
-            self._watch_channels.drop(stream.url)
+            self._watch_channels.drop(stream.url, stream.channel)
             if self.endpoints[self._current] == stream.url:
                 self._current = (self._current + 1) % len(self.endpoints)
 

@@ -23,7 +23,9 @@ from typing import Callable
 
 import grpc
 
-from .base import EVENT_DELETE, EVENT_PUT, StoreError, WatchCompacted, WatchEvent, tls_error
+from .base import (
+    EVENT_DELETE, EVENT_PUT, StoreError, StoreUnavailable, WatchCompacted, WatchEvent, tls_error,
+)
 from .etcd3_errors import etcd_error
 from .etcdpb import watch_pb2, watch_pb2_grpc
 
@@ -73,12 +75,14 @@ class WatchChannels:
                 self._channels[url] = channel
             return channel
 
-    def drop(self, url: str) -> None:
-        """Close ``url``'s channel (its connection broke): the next stream opens a new one."""
+    def drop(self, url: str, channel: grpc.Channel) -> None:
+        """Close ``channel``, ``url``'s (its connection broke): the next stream opens a new
+        one. A channel another stream dropped and replaced already is left alone."""
         with self._lock:
-            channel = self._channels.pop(url, None)
-        if channel is not None:
-            channel.close()
+            if self._channels.get(url) is not channel:
+                return
+            del self._channels[url]
+        channel.close()
 
     def close(self) -> None:
         with self._lock:
@@ -87,13 +91,19 @@ class WatchChannels:
             channel.close()
 
 
+class ChannelClosed(Exception):
+    """The channel was closed (another stream on it dropped it) before the stream began."""
+
+
 class GrpcWatchStream:
     """One Watch stream on ``channel`` for the keys under ``prefix``, from revision
-    ``after + 1``; read by its own thread into ``queue`` (see the module's doc)."""
+    ``after + 1``; read by its own thread into ``queue`` (see the module's doc).
+    ChannelClosed if ``channel`` was closed meanwhile."""
 
     def __init__(self, channel: grpc.Channel, url: str, prefix: str, range_end: bytes,
                  after: int, token: str | None):
         self.url = url
+        self.channel = channel
         self.queue: queue.Queue = queue.Queue()
         self.heard = threading.Event()     # etcd answered (created, or any message)
         self._closed = False
@@ -103,8 +113,11 @@ class GrpcWatchStream:
         # hasleader: a member cut off from its leader ends the stream instead of
         # keeping it open with nothing to say (etcd's clientv3 sets it the same way).
         metadata = [("hasleader", "true")] + ([("token", token)] if token else [])
-        self._call = watch_pb2_grpc.WatchStub(channel).Watch(iter(self._requests.get, None),
-                                                              metadata=metadata)
+        try:
+            self._call = watch_pb2_grpc.WatchStub(channel).Watch(
+                iter(self._requests.get, None), metadata=metadata)
+        except ValueError as exc:   # grpc: "Cannot invoke RPC: Channel closed!"
+            raise ChannelClosed(str(exc)) from None
         self._thread = threading.Thread(target=self._read, name="etcd3-watch-grpc",
                                         daemon=True)
         self._thread.start()
@@ -119,6 +132,10 @@ class GrpcWatchStream:
         except grpc.RpcError as exc:
             if not self._closed:
                 self.queue.put(self._failure(exc))
+        except ValueError as exc:   # its channel closed under it (another stream's drop)
+            if not self._closed:
+                self.queue.put(("error", StoreUnavailable(
+                    f"etcd watch stream from {self.url} ended: {exc}")))
         except Exception as exc:  # noqa: BLE001 - any read failure ends the stream
             if not self._closed:
                 self.queue.put(("error", StoreError(
