@@ -106,27 +106,6 @@ def pytest_configure(config):
     if why:
         pytest.exit(f"elasticd tests cannot run here: {why}", returncode=4)
 
-# Files whose cases take minutes each (the slow suite's longest, from CI's
-# durations): they start first, so the suite does not end with one worker busy on
-# them while the others sit idle. The rest follow, the files with the most cases
-# first (pyproject.toml runs xdist with --no-loadscope-reorder, keeping this order).
-LONG_FILES = ("test_gpu_check.py", "test_first_hour.py", "test_restart_backoff.py",
-              "test_hang_acceptance.py", "test_partitions.py", "test_multinode.py",
-              "test_hang_multinode.py", "test_round_recovery.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    counts: dict[str, int] = {}
-    for item in items:
-        counts[item.path.name] = counts.get(item.path.name, 0) + 1
-
-    def rank(item):
-        name = item.path.name
-        long_ = LONG_FILES.index(name) if name in LONG_FILES else len(LONG_FILES)
-        return (long_, -counts[name], str(item.path))
-    items.sort(key=rank)  # stable: a file's cases keep their order
-
-
 # The tests run with the project virtualenv's python (scripts/test.sh): put
 # its bin/ first on PATH, as activating it would, so commands installed with
 # the project (torchrun, elasticd, elasticctl) are the venv's own.
