@@ -91,6 +91,11 @@ BENCHES = (
     Bench("scale_sim", "scale_sim.py", (), ("--quick",), (
         Row("scale-sim", "N simulated nodes (membership, watches, rendezvous, phase records) "
                          "on one etcd"),)),
+    Bench("watch", "watch_bench.py", ("--watchers", "50", "--writes", "50"),
+          ("--watchers", "50", "--writes", "50", "--seconds", "4"), (
+        Row("watch-delivery", "a watch event delivered to each of N nodes by one etcd: its CPU "
+                              "per delivery, the daemon's gRPC Watch stream against etcd's "
+                              "JSON gateway (the daemon's own store, both)"),)),
     Bench("rendezvous", "rendezvous_bench.py", ("--n", "64"), ("--n", "16"), (
         Row("rendezvous", "rendezvous of N participants on one etcd"),)),
     Bench("membership", "membership_bench.py", (), ("--trials", "3", "--seconds", "5"), (

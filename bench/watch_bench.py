@@ -21,7 +21,8 @@ Per watcher count and transport, after a warm-up second, over ``--seconds``:
 etcd's CPU (% of one core, from /proc through psutil) and its CPU per
 delivery, this process's CPU (the simulator), the deliveries received
 against those due, and the delivery latency (write -> watcher, p50/p99).
-Never asserts a timing; one real etcd 3.4 (tests/etcd_server.py).
+Prints one BENCH-ROW (bench/rows.py) for the largest count where both ran; never
+asserts a timing; one real etcd 3.4 (tests/etcd_server.py).
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
 from common import machine, revision  # noqa: E402
+from rows import emit_row  # noqa: E402
 from etcd_server import EtcdServer  # noqa: E402
 from elasticd.store.etcd3 import Etcd3Store  # noqa: E402
 
@@ -156,11 +158,20 @@ def main(argv=None) -> int:
               f"{r['sim']:.0f} % | {r['got']} ({r['due']}) | {r['p50']:.1f} / {r['p99']:.1f} ms "
               f"| {r['load']:.1f} |")
     by = {(r["n"], r["transport"]): r for r in rows}
+    both = []
     for n in ns:
         g, c = by.get((n, "gateway")), by.get((n, "grpc"))
         if g and c and c["etcd_us"] > 0:
+            both.append((n, g, c))
             print(f"watchers={n}: etcd CPU a delivery, gateway / grpc: "
                   f"{g['etcd_us'] / c['etcd_us']:.1f}x")
+    if both:
+        n, g, c = both[-1]
+        emit_row("watch-delivery",
+                 elasticd=f"{c['etcd_us']:.0f} us over gRPC, {g['etcd_us']:.0f} us over the "
+                          f"gateway ({n} watchers; {c['got']} and {g['got']} deliveries of "
+                          f"{c['due']} and {g['due']})",
+                 ratio=f"{g['etcd_us'] / c['etcd_us']:.1f}x less etcd CPU over gRPC")
     return 0
 
 
