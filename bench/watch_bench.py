@@ -1,4 +1,4 @@
-"""Watches on one etcd: the daemon's store watching over etcd's JSON gateway or its gRPC Watch stream.
+"""Watches on one etcd: the daemon's store watching over the JSON gateway or the gRPC Watch stream.
 
     python bench/watch_bench.py [--watchers 50,200] [--writes 200] [--seconds 10]
                                 [--bytes 1024] [--transports gateway,grpc]

@@ -150,9 +150,9 @@ class MembershipSettings:
     watch_transport: str = _setting("grpc", "how the daemon's watches reach etcd's v3 API: "
                                             "grpc (one Watch stream a prefix, all on one "
                                             "connection: about a quarter of etcd's CPU a "
-                                            "delivered event) or gateway (one HTTP stream a prefix "
-                                            "from its JSON gateway); etcd's v2 API ignores "
-                                            "it", choices=("grpc", "gateway"))
+                                            "delivered event) or gateway (one HTTP stream "
+                                            "a prefix from its JSON gateway); etcd's v2 "
+                                            "API ignores it", choices=("grpc", "gateway"))
     lost_node_retention: float = _setting(3600.0, "seconds a lost node stays listed by "
                                                   "`elasticctl nodes`", min=0, max=30 * 86400)
     watch_retry: float = _setting(1.0, "seconds before a broken etcd watch is tried again",

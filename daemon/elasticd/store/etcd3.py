@@ -364,7 +364,6 @@ class Etcd3Store(Store):
             else:
                 broken = 0
 
-
     def _open_watch(self, prefix: str, after: int):
         """A stream of the prefix's events from ``after + 1``: over etcd's gRPC Watch
         when watch_transport is grpc, else over the gateway."""
