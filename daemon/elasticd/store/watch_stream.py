@@ -147,7 +147,7 @@ class GrpcWatchStream:
             return "error", tls_error(self.url, RuntimeError(details))
         error = etcd_error(self.url, "the watch stream", None,
                            {"code": exc.code().value[0], "message": details})
-        if "auth token" in details or "invalid auth token" in details:
+        if "auth token" in details:   # expired or invalid: log in, watch again
             return "relogin", details
         return "error", error
 
