@@ -106,6 +106,28 @@ def pytest_configure(config):
     if why:
         pytest.exit(f"elasticd tests cannot run here: {why}", returncode=4)
 
+# The slow suite's two longest cases, minutes each even alone (the GPU check's dry run,
+# the README's commands on a bare Debian): their files start first, so the suite does
+# not end with one worker on them while the others sit idle. xdist would send them
+# last (files with the most cases first); the other files keep that order here
+# (pyproject.toml runs xdist with --no-loadscope-reorder, keeping this one). Putting
+# the heavy multi-node files first too was tried: started together, their cases ran
+# longer, and the default suite with them.
+LONG_FILES = ("test_gpu_check.py", "test_first_hour.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    counts: dict[str, int] = {}
+    for item in items:
+        counts[item.path.name] = counts.get(item.path.name, 0) + 1
+
+    def rank(item):
+        name = item.path.name
+        long_ = LONG_FILES.index(name) if name in LONG_FILES else len(LONG_FILES)
+        return (long_, -counts[name], str(item.path))
+    items.sort(key=rank)  # stable: a file's cases keep their order
+
+
 # The tests run with the project virtualenv's python (scripts/test.sh): put
 # its bin/ first on PATH, as activating it would, so commands installed with
 # the project (torchrun, elasticd, elasticctl) are the venv's own.
