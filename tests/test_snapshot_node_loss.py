@@ -31,6 +31,7 @@ pytestmark = [pytest.mark.skipif(etcd_binary() is None, reason="needs an etcd bi
               pytest.mark.slow]   # a node lost and replaced mid-training: ~40 s
 
 STEPS = 60
+SPARE_STEPS = 200       # with a spare: it must stand by while the job still trains
 PIN = 10                # snapshot.pin_every here
 KILL_AFTER = 30         # steps rank 0 has logged when n3 is killed
 TRAIN = ("-m", "elasticd.examples.train", "--steps", str(STEPS), "--snapshot-every", "1",
@@ -72,10 +73,14 @@ def _spares(d: DaemonProc, job_id: str) -> list:
 
 
 def _lose_a_node(spare: bool) -> None:
-    # A spare must stand by (its daemon up, the job adopted) before the kill: the
-    # job trains slower so that it is still short of its end then.
+    # A spare must stand by (its daemon up, the job adopted, its worker template
+    # ready) before the kill: the job trains slower and longer so that it is still
+    # short of its end then. At 60 steps of 0.25 s a loaded CI ran the job to its end
+    # (31 s) while n4's template imported torch (17 s, after its daemon's start).
     train = TRAIN if not spare else (*TRAIN[:-1], "0.25")
-    assert TRAIN[-2] == "--step-time"
+    if spare:
+        train = tuple(str(SPARE_STEPS) if a == str(STEPS) else a for a in train)
+    assert TRAIN[-2] == "--step-time" and TRAIN[2:4] == ("--steps", str(STEPS))
     with EtcdServer() as etcd:
         prefix = f"/s32lost-{os.getpid()}"
         nodes: dict[str, DaemonProc] = {}
