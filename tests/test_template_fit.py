@@ -16,7 +16,9 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 
+import psutil
 import pytest
 
 from daemons import short_tmpdir
@@ -232,6 +234,51 @@ def test_templates_started_ahead_are_capped_per_user_and_dropped_after_the_idle_
     wait_for(lambda: not idle_templates(node, b), 60, "the template to be dropped")
     assert "idle for" in node.log() and "agent.template_idle_timeout" in node.log()
     assert not os.path.exists(f"/proc/{pid}")
+
+
+def test_a_template_still_importing_never_holds_a_jobs_cancel(daemon_factory, users, work):
+    # The preload takes two minutes and the ready timeout is longer: only a cancel ends
+    # a wait for it. (Before: a job that found an idle template importing waited for its
+    # imports before doing anything, deaf to a cancel; after a daemon's crash, a rejoining
+    # node waited so for the template it restored, while its job ended elsewhere.)
+    node = start_node(daemon_factory, "agent.template_ready_timeout=600",
+                      "agent.template_idle_per_user=2", preload="h34slow")
+    b = users[1]
+    cwd, out = work
+
+    def submit(*env: str) -> str:
+        extra = [a for kv in env for a in ("--env", kv)]
+        r = node.ctl("-o", "json", "submit", "--nproc-per-node", "2", *extra, "--", PY,
+                     os.path.join(cwd, "train.py"), "x", out, cwd=cwd, user=b.creds)
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)["id"]
+
+    def cancelled_at_once(job_id: str) -> None:
+        t0 = time.monotonic()
+        r = node.ctl("cancel", job_id, user=b.creds)
+        assert r.returncode == 0, r.stderr
+        assert state(node.wait_job(job_id, timeout=60)) == "CANCELLED"
+        assert time.monotonic() - t0 < 30, "the cancel waited for the template's imports"
+
+    # Importing under the job's very environment: taken at once, waited for in its round.
+    ahead = json.loads(warm(node, b, work, "--nproc-per-node", "2", "--env",
+                            "RUN_NAME=exp1").stdout)
+    job_id = submit("RUN_NAME=exp1")
+    (said,) = wait_for(lambda: reused(node, job_id), 30, "the importing template taken")
+    assert f"pid {ahead['pid']}" in said and "still importing" in said
+    node.wait_state(job_id, "RENDEZVOUS", timeout=30)
+    cancelled_at_once(job_id)
+    assert not os.listdir(out)  # no rank ever ran
+    # Importing under another environment: waited for first (its reads decide), until
+    # the cancel.
+    other = json.loads(warm(node, b, work, "--nproc-per-node", "2", "--env",
+                            "RUN_NAME=exp1").stdout)
+    job_id = submit("RUN_NAME=exp2")
+    wait_for(lambda: f"waiting for idle worker template pid {other['pid']}'s imports"
+             in node.log(), 30, "the wait for the importing template")
+    cancelled_at_once(job_id)
+    assert not reused(node, job_id) and not os.listdir(out)
+    assert _alive(psutil.Process(other["pid"]))  # back in the pool, still importing
 
 
 def test_template_warm_takes_submits_options_and_command():

@@ -125,7 +125,7 @@ class Agent:
     # -- the loop ------------------------------------------------------------
     def _run(self) -> None:
         try:
-            self._tpl.start(self._place.node_spec)
+            self._tpl.start(self._place.node_spec, self.wake)
             self._stores.start_round_stores(self._place.node_spec, self.wake)
             self._loop()
         except Exception as exc:
@@ -213,6 +213,8 @@ class Agent:
                 # ends the wait: the monitor then acts on it).
                 self._tpl.template.ready(stop=self.wake)
                 self._tpl.note()
+                if self.wake.is_set():  # a cancel, a shutdown, the job's end: no ranks
+                    continue
             group = self._group = WorkerGroup(
                 spec, self._tpl.template if self._cfg.agent.worker_template else None)
             started_warm = self._spares.ready() > 0 or self._tpl.template.ready(0)

@@ -11,6 +11,7 @@ template is ready.
 """
 from __future__ import annotations
 
+import threading
 from typing import Callable
 
 from ..config import Config
@@ -42,14 +43,18 @@ class JobTemplate:
     def on(self) -> bool:
         return self._cfg.agent.worker_template
 
-    def start(self, node_spec: Callable[[JobRecord], GroupSpec]) -> None:
+    def start(self, node_spec: Callable[[JobRecord], GroupSpec],
+              stop: threading.Event | None = None) -> None:
         """The job's template as soon as the job is here, ready for its first start: an
-        idle one of this user's with an equal key (workers/template_pool.py), or a new one."""
+        idle one of this user's with an equal key (workers/template_pool.py), or a new one.
+        A set ``stop`` (a cancel, the job's end elsewhere) cuts short a wait for an idle
+        one's imports."""
         job = self._registry.get(self.job_id)
         if not self.on or job.state in TERMINAL_STATES:
             return
         got = self._pool.acquire(self.job_id, node_spec(job),
-                                 learned=job.learned_preload[:self._cfg.agent.template_preload_max])
+                                 learned=job.learned_preload[:self._cfg.agent.template_preload_max],
+                                 stop=stop)
         self.template = got.template
         if got.reused:
             t = got.template

@@ -375,10 +375,13 @@ class Coordinator:
         return rec
 
     def end_from_cluster(self, job_id: str, state) -> None:
-        """A job waiting here ended elsewhere: record how."""
+        """A job waiting here ended elsewhere: record how (one with an agent here: the
+        agent is woken to see it, from any wait it is in)."""
         with self._lock:
-            if job_id in self._agents:
-                return  # its agent sees it itself
+            agent = self._agents.get(job_id)
+            if agent is not None:
+                agent.poke()
+                return
             job = self._registry.get(job_id)
             if job.state in TERMINAL_STATES:
                 return

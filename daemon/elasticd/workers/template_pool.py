@@ -20,8 +20,11 @@ job's now) was made of is written to the state dir whenever that changes
 (workers/template_saved.py); workers/template_ahead.py starts the recent ones
 again at the daemon's next start, after a clean stop or a crash, and one
 ahead of a user's first job on request (``elasticctl template warm``), each
-idle in the pool from then on. A job that finds one still importing waits
-for it (its reads are known once it is ready), as it would for its own.
+idle in the pool from then on. A job that finds one still importing under
+its very environment takes it at once (it fits whatever its imports read) and
+waits for it after its round is joined, as for its own; one importing under
+another environment is waited for first (its reads are known once it is
+ready), a wait the job's cancel or end cuts short.
 
 Threads: the pool's own thread (one owner, a stop event, bounded waits)
 starts every template's process (``spawn``), so that each template's
@@ -68,10 +71,11 @@ class Acquired:
 
     def sentence(self) -> str:
         how, t = _HOW.get(self.origin, ""), self.template
+        gain = ("still importing, started before the job came"
+                if t.state is TemplateState.STARTING else "no import after the submit")
         return "" if not self.reused else (
             f"worker template reused from the pool (idle {self.idle_seconds:.0f} s, pid "
-            f"{t.pid}, key {t.key.digest}{', ' + how if how else ''}): no import after the "
-            "submit")
+            f"{t.pid}, key {t.key.digest}{', ' + how if how else ''}): {gain}")
 
 
 @dataclass(frozen=True)
@@ -127,6 +131,16 @@ class _Spawn:
 
 
 
+class _AnySet:
+    """Set when any of its events is (None: never): one stop for ``WorkerTemplate.ready``."""
+
+    def __init__(self, *events: threading.Event | None):
+        self._events = [e for e in events if e is not None]
+
+    def is_set(self) -> bool:
+        return any(e.is_set() for e in self._events)
+
+
 class TemplatePool:
     def __init__(self, cfg):
         self._cfg = cfg
@@ -146,13 +160,18 @@ class TemplatePool:
         return ctx(job=job, node=self._cfg.daemon.node_id)
 
     # -- for the agents ------------------------------------------------------
-    def acquire(self, job_id: str, spec: workers.GroupSpec, learned=()) -> Acquired:
+    def acquire(self, job_id: str, spec: workers.GroupSpec, learned=(),
+                stop: threading.Event | None = None) -> Acquired:
         """The template for ``spec``'s job: an idle one it fits, else a new one, starting
-        (its state says how it went; OFF: the command takes none)."""
+        (its state says how it went; OFF: the command takes none, or ``stop`` was set,
+        by a cancel or the job's end, while it waited for an idle one's imports)."""
         a = self._agent
         key = TemplateKey.of(spec, a.warm_preload, learned, a.template_key_env)
         env = template_env(spec)
-        got = self._reuse(job_id, key, env) if key is not None else None
+        got = self._reuse(job_id, key, env, stop) if key is not None else None
+        if got is None and stop is not None and stop.is_set():
+            return Acquired(WorkerTemplate(job_id, self._cfg.daemon.node_id,
+                                           a.template_ready_timeout, a.template_fork_timeout))
         if got is None:
             t = WorkerTemplate(job_id, self._cfg.daemon.node_id, a.template_ready_timeout,
                                a.template_fork_timeout)
@@ -165,7 +184,8 @@ class TemplatePool:
             self.save()
         return got
 
-    def _reuse(self, job_id: str, key: TemplateKey, env: dict) -> Acquired | None:
+    def _reuse(self, job_id: str, key: TemplateKey, env: dict,
+               stop: threading.Event | None) -> Acquired | None:
         """An idle template ``key`` and ``env`` fit, taken out of the pool, or None."""
         passed: list[_Entry] = []  # importing when taken; then what they read differed
         try:
@@ -174,8 +194,22 @@ class TemplatePool:
                 if e is None:
                     return None
                 t = e.template
+                if t.state is TemplateState.STARTING and t.env == env:
+                    # Importing under the job's very environment: it fits whatever its
+                    # imports read. Taken at once; the agent waits for it (as for its
+                    # own) only after its round is joined, where a cancel, a peer's word
+                    # or the job's end still reach it.
+                    return self._taken(job_id, e)
                 if t.state is TemplateState.STARTING:
-                    t.ready(stop=self._stop)  # what its imports read is known once ready
+                    # What its imports read is known once it is ready; a cancel or the
+                    # job's end (``stop``) cuts the wait short: it goes back, idle.
+                    log.info("%s: waiting for idle worker template pid %d's imports (%s, "
+                             "another environment) to know whether the job may take it",
+                             self._where(job_id), t.pid, _HOW.get(e.origin, "a job's"))
+                    t.ready(stop=_AnySet(self._stop, stop))
+                    if t.state is TemplateState.STARTING:
+                        passed.append(e)
+                        return None
                 if not t.settle(0):
                     self._end(e, f"it died while idle: {t.reason or t.state.value}")
                     continue
@@ -183,16 +217,21 @@ class TemplatePool:
                     self._passed(job_id, t)
                     passed.append(e)
                     continue
-                t.job_id = job_id
-                with self._lock:
-                    self.reuses += 1
-                got = Acquired(t, True, time.monotonic() - e.since, e.origin)
-                log.info("%s: %s", self._where(job_id), got.sentence())
-                return got
+                return self._taken(job_id, e)
         finally:
             with self._lock:
                 for e in passed:
                     bisect.insort(self._idle, e, key=_since)
+
+    def _taken(self, job_id: str, e: _Entry) -> Acquired:
+        """``e``'s template, out of the pool, now ``job_id``'s."""
+        t = e.template
+        t.job_id = job_id
+        with self._lock:
+            self.reuses += 1
+        got = Acquired(t, True, time.monotonic() - e.since, e.origin)
+        log.info("%s: %s", self._where(job_id), got.sentence())
+        return got
 
     def release(self, template: WorkerTemplate | None, keep: bool = True) -> str:
         """The template of a job that ended here: kept idle for the user's next job that
