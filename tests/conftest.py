@@ -8,11 +8,13 @@ not resolve (torch's workers would retry it for minutes).
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import stat
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -126,6 +128,31 @@ def pytest_collection_modifyitems(config, items):
         long_ = LONG_FILES.index(name) if name in LONG_FILES else len(LONG_FILES)
         return (long_, -counts[name], str(item.path))
     items.sort(key=rank)  # stable: a file's cases keep their order
+
+
+# ELASTICD_TEST_CPU_LOG=DIR: each case's wall time and the CPU it and every process it
+# reaped used (the daemons it stopped, with their workers), one JSON line per case in
+# DIR/cpu-WORKER.jsonl: where the suite's time goes on a machine of few cores
+# (scripts/test_cpu.py sums it up).
+_CPU_LOG = os.environ.get("ELASTICD_TEST_CPU_LOG", "")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if not _CPU_LOG:
+        yield
+        return
+    t0, c0 = time.monotonic(), os.times()
+    yield
+    t1, c1 = time.monotonic(), os.times()
+    cpu = sum(getattr(c1, f) - getattr(c0, f)
+              for f in ("user", "system", "children_user", "children_system"))
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    os.makedirs(_CPU_LOG, exist_ok=True)
+    with open(os.path.join(_CPU_LOG, f"cpu-{worker}.jsonl"), "a") as fh:
+        fh.write(json.dumps({"id": item.nodeid, "wall": round(t1 - t0, 2),
+                             "cpu": round(cpu, 2), "start": round(time.time() - (t1 - t0), 1),
+                             "worker": worker}) + "\n")
 
 
 # The tests run with the project virtualenv's python (scripts/test.sh): put
