@@ -42,7 +42,8 @@ import urllib3
 from urllib3.exceptions import ConnectTimeoutError, HTTPError, SSLError
 
 from .etcd3_errors import etcd_error, json_error
-from .lease_stream import KeepAliveStream, credentials
+from .etcd_grpc import credentials
+from .lease_stream import KeepAliveStream
 from .watch_stream import ChannelClosed, GrpcWatchStream, WatchChannels
 from .base import (
     EVENT_DELETE, EVENT_PUT, KV, CompareFailed, KeyExists, Lease, LeaseNotFound, Store,

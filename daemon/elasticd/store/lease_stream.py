@@ -30,6 +30,7 @@ import grpc
 from .base import (
     LeaseNotFound, StoreAuthError, StoreCorrupt, StoreError, StoreUnavailable, tls_error,
 )
+from . import etcd_grpc
 from .etcd3_errors import etcd_error
 from .etcdpb import lease_pb2, lease_pb2_grpc
 
@@ -40,11 +41,7 @@ class _Stream:
 
     def __init__(self, url: str, credentials: grpc.ChannelCredentials | None, token: str | None):
         self.url = url
-        target = url.split("://", 1)[-1]
-        # Straight to etcd, as the gateway client goes: no http_proxy from the environment.
-        options = [("grpc.enable_http_proxy", 0)]
-        self.channel = (grpc.secure_channel(target, credentials, options)
-                        if credentials is not None else grpc.insecure_channel(target, options))
+        self.channel = etcd_grpc.channel(url, credentials)
         self.replies: queue.Queue = queue.Queue()
         self._requests: queue.Queue = queue.Queue()
         # hasleader: a member cut off from its leader ends the stream instead of
@@ -178,7 +175,7 @@ class KeepAliveStream:
 
     def _credentials(self) -> grpc.ChannelCredentials:
         """Read at each new channel, so renewed certificates are taken up."""
-        return credentials(*self._tls)
+        return etcd_grpc.credentials(*self._tls)
 
     def _drop(self, advance: bool = True) -> None:
         """Close the stream and its channel; the next refresh opens them again, on the
@@ -206,22 +203,6 @@ def _next(replies: queue.Queue, timeout: float):
         return replies.get(timeout=timeout)
     except queue.Empty:
         return _NOTHING
-
-
-def credentials(ca_cert: str | None, cert: str | None,
-                key: str | None) -> grpc.ChannelCredentials:
-    """TLS credentials for a gRPC channel to etcd, from the store's PEM files (read now)."""
-    pem = [_read(path) if path else None for path in (ca_cert, cert, key)]
-    return grpc.ssl_channel_credentials(root_certificates=pem[0], certificate_chain=pem[1],
-                                        private_key=pem[2])
-
-
-def _read(path: str) -> bytes:
-    try:
-        with open(path, "rb") as fh:
-            return fh.read()
-    except OSError as exc:
-        raise StoreAuthError(f"cannot read etcd's TLS file {path}: {exc}") from None
 
 
 class _Relogin(Exception):

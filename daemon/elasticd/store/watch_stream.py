@@ -26,6 +26,7 @@ import grpc
 from .base import (
     EVENT_DELETE, EVENT_PUT, StoreError, StoreUnavailable, WatchCompacted, WatchEvent, tls_error,
 )
+from . import etcd_grpc
 from .etcd3_errors import etcd_error
 from .etcdpb import watch_pb2, watch_pb2_grpc
 
@@ -60,18 +61,14 @@ class WatchChannels:
         with self._lock:
             channel = self._channels.get(url)
             if channel is None:
-                target = url.split("://", 1)[-1]
-                # Straight to etcd, as the gateway client goes: no http_proxy.
-                options = [("grpc.enable_http_proxy", 0),
-                           ("grpc.max_receive_message_length", MAX_MESSAGE),
-                           ("grpc.keepalive_time_ms", KEEPALIVE_MS),
-                           ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
-                           ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
-                           ("grpc.min_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
-                           ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1])]
-                channel = (grpc.secure_channel(target, self._credentials(), options)
-                           if url.startswith("https://")
-                           else grpc.insecure_channel(target, options))
+                channel = etcd_grpc.channel(
+                    url, self._credentials() if url.startswith("https://") else None,
+                    (("grpc.max_receive_message_length", MAX_MESSAGE),
+                     ("grpc.keepalive_time_ms", KEEPALIVE_MS),
+                     ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+                     ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
+                     ("grpc.min_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
+                     ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1])))
                 self._channels[url] = channel
             return channel
 
