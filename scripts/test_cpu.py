@@ -31,19 +31,22 @@ def main() -> int:
     if not rows:
         print(f"no cases recorded under {a.dir}")
         return 1
-    files: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0])
+    files: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0, 0, 0.0])
     for r in rows:
         f = files[r["id"].split("::")[0]]
         f[0] += r["cpu"]
         f[1] += r["wall"]
         f[2] += 1
+        f[3] += r.get("ctl_calls", 0)
+        f[4] += r.get("ctl_cpu", 0.0)
     cpu, wall = sum(r["cpu"] for r in rows), sum(r["wall"] for r in rows)
+    ctl = sum(r.get("ctl_cpu", 0.0) for r in rows)
     span = max(r["start"] + r["wall"] for r in rows) - min(r["start"] for r in rows)
-    print(f"{len(rows)} cases: {cpu:.0f} s CPU, {wall:.0f} s of case wall time, "
-          f"{span:.0f} s from the first start to the last end")
-    print(f"\n{'CPU s':>8} {'wall s':>8} {'cases':>5}  file")
-    for name, (c, w, n) in sorted(files.items(), key=lambda kv: -kv[1][0])[:a.top]:
-        print(f"{c:8.1f} {w:8.1f} {n:5d}  {name}")
+    print(f"{len(rows)} cases: {cpu:.0f} s CPU ({ctl:.0f} s of it elasticctl runs), "
+          f"{wall:.0f} s of case wall time, {span:.0f} s from the first start to the last end")
+    print(f"\n{'CPU s':>8} {'wall s':>8} {'cases':>5} {'ctl':>5} {'ctl s':>6}  file")
+    for name, (c, w, n, k, kc) in sorted(files.items(), key=lambda kv: -kv[1][0])[:a.top]:
+        print(f"{c:8.1f} {w:8.1f} {n:5d} {k:5d} {kc:6.1f}  {name}")
     print(f"\n{'CPU s':>8} {'wall s':>8}  case")
     for r in sorted(rows, key=lambda r: -r["cpu"])[:a.top]:
         print(f"{r['cpu']:8.1f} {r['wall']:8.1f}  {r['id']}")

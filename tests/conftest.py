@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from daemons import REPO, DaemonProc, short_tmpdir
+from daemons import CTL_CALLS, REPO, DaemonProc, short_tmpdir
 from elasticd.workers import hostname
 
 # A pid of 0 or less names the caller's own process group (or every process):
@@ -131,7 +131,8 @@ def pytest_collection_modifyitems(config, items):
 
 
 # ELASTICD_TEST_CPU_LOG=DIR: each case's wall time and the CPU it and every process it
-# reaped used (the daemons it stopped, with their workers), one JSON line per case in
+# reaped used (the daemons it stopped, with their workers; and of that, its elasticctl
+# runs through DaemonProc.ctl: count and CPU), one JSON line per case in
 # DIR/cpu-WORKER.jsonl: where the suite's time goes on a machine of few cores
 # (scripts/test_cpu.py sums it up).
 _CPU_LOG = os.environ.get("ELASTICD_TEST_CPU_LOG", "")
@@ -142,7 +143,7 @@ def pytest_runtest_protocol(item, nextitem):
     if not _CPU_LOG:
         yield
         return
-    t0, c0 = time.monotonic(), os.times()
+    t0, c0, ctl0 = time.monotonic(), os.times(), list(CTL_CALLS)
     yield
     t1, c1 = time.monotonic(), os.times()
     cpu = sum(getattr(c1, f) - getattr(c0, f)
@@ -152,7 +153,8 @@ def pytest_runtest_protocol(item, nextitem):
     with open(os.path.join(_CPU_LOG, f"cpu-{worker}.jsonl"), "a") as fh:
         fh.write(json.dumps({"id": item.nodeid, "wall": round(t1 - t0, 2),
                              "cpu": round(cpu, 2), "start": round(time.time() - (t1 - t0), 1),
-                             "worker": worker}) + "\n")
+                             "worker": worker, "ctl_calls": CTL_CALLS[0] - ctl0[0],
+                             "ctl_cpu": round(CTL_CALLS[1] - ctl0[1], 2)}) + "\n")
 
 
 # The tests run with the project virtualenv's python (scripts/test.sh): put

@@ -12,6 +12,7 @@ import contextlib
 import grp
 import os
 import pwd
+import resource
 import shutil
 import signal
 import socket
@@ -28,6 +29,9 @@ from elasticctl.client import Client
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}
+# elasticctl runs by DaemonProc.ctl in this process: [calls, CPU seconds they took]
+# (tests/conftest.py's ELASTICD_TEST_CPU_LOG records them per case).
+CTL_CALLS = [0, 0.0]
 
 
 class DaemonProc:
@@ -117,8 +121,15 @@ class DaemonProc:
             uid, gid, groups = user
             cmd = [sys.executable, os.path.join(REPO, "tests", "run_as.py"), str(uid), str(gid),
                    ",".join(map(str, groups)), "--", "--socket", self.socket, *args]
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                              cwd=cwd or self.root, env=dict(os.environ, **(env or {})))
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        try:
+            return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                                  cwd=cwd or self.root, env=dict(os.environ, **(env or {})))
+        finally:
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)
+            CTL_CALLS[0] += 1
+            CTL_CALLS[1] += (after.ru_utime + after.ru_stime) - (before.ru_utime
+                                                                 + before.ru_stime)
 
     def submit(self, *command: str, nproc: int = 1, max_restarts: int = -1,
                name: str = "", cwd: str | None = None, env: dict | None = None) -> str:
