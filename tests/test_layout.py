@@ -11,9 +11,10 @@ PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                    "daemon", "elasticd")
 ROOT = os.path.dirname(PKG)
 # The modules that stay at the top: what every part shares, and ``python -m elasticd``
-# (the wiring is node/, above every part).
+# (the wiring is node/, above every part); socket_paths is shared with elasticctl, which
+# must not pay for the config package's imports at every run.
 TOP = {"__init__", "__main__", "errors", "logsetup", "sdnotify", "statedir", "settingfield",
-       "values", "fields"}
+       "values", "fields", "socket_paths"}
 GENERATED = ("v1", "etcdpb")
 
 

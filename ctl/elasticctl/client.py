@@ -21,7 +21,7 @@ from typing import Any, Iterator
 
 import grpc
 
-from elasticd import config
+from elasticd.socket_paths import default_socket_path
 from elasticd.v1 import control_pb2_grpc
 
 TOKEN_METADATA_KEY = "elasticd-token"
@@ -71,7 +71,7 @@ def resolve_socket(explicit: str | None = None) -> str:
     env = os.environ.get("ELASTICD_SOCKET")
     if env:
         return os.path.abspath(env)
-    default = config.default_socket_path()
+    default = default_socket_path()
     if not os.path.lexists(default) and os.path.exists(SYSTEM_SOCKET) and \
             "ELASTICD_DAEMON_SOCKET" not in os.environ:
         return SYSTEM_SOCKET

@@ -10,6 +10,7 @@ import socket
 import tomllib
 from typing import Any, Mapping
 
+from ..socket_paths import default_paths, default_socket_path  # noqa: F401 (re-exported)
 from .model import SECTIONS, Config
 from .rules import check_relations
 
@@ -78,26 +79,6 @@ def _check_field(section: str, f: dataclasses.Field, value: Any, errors: list[st
             errors.append(f"{where}: must be {op} {lo}, got {value!r}")
         elif hi is not None and value > hi:
             errors.append(f"{where}: must be <= {hi}, got {value!r}")
-
-
-def default_paths(uid: int) -> tuple[str, str]:
-    """(socket, state dir) by default. Not root: $XDG_RUNTIME_DIR/elasticd/control.sock,
-    else (no runtime dir, as under ``su``) the socket in the state dir under the
-    user's home; never a shared directory such as /tmp, where anyone could
-    create the path first."""
-    if uid == 0:
-        return "/run/elasticd/control.sock", "/var/lib/elasticd"
-    state_home = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
-    state = os.path.join(state_home, "elasticd")
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    sock = (os.path.join(runtime, "elasticd", "control.sock") if runtime
-            else os.path.join(state, "control.sock"))
-    return sock, state
-
-
-def default_socket_path() -> str:
-    """Where a client looks for the control socket when told nothing."""
-    return os.environ.get("ELASTICD_DAEMON_SOCKET") or default_paths(os.geteuid())[0]
 
 
 def load(path: str | None = None, env: Mapping[str, str] | None = None,
