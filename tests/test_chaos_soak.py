@@ -154,4 +154,4 @@ def test_chaos_soak_short(netcluster):
 @pytest.mark.slow
 def test_chaos_soak_long(netcluster):
     c = netcluster(hosts=4)
-    soak(c, seconds=90, steps=400, nodes=(2, 4), seed=_seed())
+    soak(c, seconds=60, steps=400, nodes=(2, 4), seed=_seed())

@@ -180,7 +180,7 @@ def test_fuzz_soak(etcd):
     p = TrainingPair(etcd.url)
     try:
         p.job = p.start_training()
-        _fuzz_case(p, int(os.environ.get("ED29_FUZZ_VALUES", "20000")),
+        _fuzz_case(p, int(os.environ.get("ED29_FUZZ_VALUES", "6000")),
                    int(os.environ.get("ED29_FUZZ_SEED", str(random.randrange(1 << 30)))))
     finally:
         p.close()
