@@ -130,7 +130,6 @@ class _Spawn:
         self.done.set()
 
 
-
 class _AnySet:
     """Set when any of its events is (None: never): one stop for ``WorkerTemplate.ready``."""
 
