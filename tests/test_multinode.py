@@ -29,6 +29,7 @@ import psutil
 import pytest
 
 from daemons import DaemonProc, short_tmpdir
+from elasticd.v1 import control_pb2 as pb
 from etcd_server import EtcdServer, etcd_binary
 
 pytestmark = pytest.mark.skipif(etcd_binary() is None, reason="needs an etcd binary")
@@ -253,10 +254,21 @@ def running_on(d: DaemonProc, job_id: str, nodes: int, timeout: float = 90) -> d
     """Wait until the job runs with workers on ``nodes`` nodes (as ``d`` sees it)."""
     last = {}
 
-    def ready():
-        st = last["st"] = status(d, job_id)
+    def running(st: dict) -> bool:
         live = {w["node_id"] for w in st.get("workers", []) if w["state"] == "running"}
-        return st if st["state"] == "RUNNING" and len(live) == nodes else None
+        return st["state"] == "RUNNING" and len(live) == nodes
+
+    def ready():
+        # Polled over the daemon's socket (an elasticctl run costs a third of a second
+        # of CPU); once it holds, `elasticctl status` says it too, and is the answer.
+        job = d.job(job_id)
+        last["st"] = {"state": pb.JobState.Name(job.state), "reason": job.reason,
+                      "workers": [{"node_id": w.node_id, "rank": w.rank, "state": w.state}
+                                  for w in job.workers]}
+        if not running(last["st"]):
+            return None
+        st = last["st"] = status(d, job_id)
+        return st if running(st) else None
     try:
         return wait_for(ready, timeout, f"job {job_id} running on {nodes} nodes", interval=0.3)
     except AssertionError as exc:
