@@ -29,6 +29,7 @@ import psutil
 import pytest
 
 from daemons import DaemonProc, short_tmpdir
+from elasticctl.output import job_dict
 from elasticd.v1 import control_pb2 as pb
 from etcd_server import EtcdServer, etcd_binary
 
@@ -189,6 +190,13 @@ def submit(d: DaemonProc, *args: str, cmd: list[str]) -> str:
 
 def status(d: DaemonProc, job_id: str) -> dict:
     return json.loads(ctl_ok(d, "-o", "json", "status", job_id).stdout)
+
+
+def polled(d: DaemonProc, job_id: str) -> dict:
+    """What ``status`` says, read over the daemon's socket in this process and made by
+    elasticctl's own ``job_dict``: for the looks a wait repeats (an elasticctl run costs
+    a third of a second of CPU); what a case asserts last, ``status`` asks elasticctl."""
+    return job_dict(d.job(job_id))
 
 
 def events(d: DaemonProc, job_id: str) -> list[dict]:

@@ -17,8 +17,8 @@ import time
 import pytest
 
 from test_multinode import (  # noqa: F401 (etcd, make_cluster: fixtures)
-    LEASE_TTL, check_envs, etcd, events, local_rows, make_cluster, rank_log, running_on,
-    state_moves, status, submit, wait_done, wait_for)
+    LEASE_TTL, check_envs, etcd, events, local_rows, make_cluster, polled, rank_log,
+    running_on, state_moves, status, submit, wait_done, wait_for)
 
 pytestmark = pytest.mark.slow   # a 2-node job trained through two faults: most of a minute
 
@@ -26,7 +26,7 @@ STEPS = 100_000      # trains until cancelled, through both faults
 
 
 def standing_by(d, job: str) -> list[str]:
-    return status(d, job).get("spare_nodes", [])
+    return polled(d, job).get("spare_nodes", [])
 
 
 def round_envs(c, job: str, after: int = 0) -> list[dict]:
@@ -40,7 +40,7 @@ def round_envs(c, job: str, after: int = 0) -> list[dict]:
 
 
 def members(d, job: str) -> set[str]:
-    return {w["node_id"] for w in status(d, job).get("workers", [])
+    return {w["node_id"] for w in polled(d, job).get("workers", [])
             if w["state"] == "running"}
 
 
@@ -69,7 +69,7 @@ def test_a_spare_stands_by_and_takes_a_lost_members_place_at_the_same_world_size
     nodes = c["n1"].ctl("nodes").stdout
     assert f"{job} (spare)" in nodes, nodes
     # its worker template warms while it stands by: what a takeover starts from
-    wait_for(lambda: status(c[spare], job).get("template_state") == "ready", 90,
+    wait_for(lambda: polled(c[spare], job).get("template_state") == "ready", 90,
              "the spare's worker template to be ready", interval=0.3)
 
     # A worker fault: the round after it has three nodes for two places; the members
@@ -80,8 +80,8 @@ def test_a_spare_stands_by_and_takes_a_lost_members_place_at_the_same_world_size
     victim_rank = 1
     row = local_rows(c[node_of[victim_rank]], job)[0]
     os.kill(row["pid"], 9)
-    wait_for(lambda: (status(c[member], job)["round"] >= 2 and members(c[member], job) == first
-                      and status(c[member], job)["state"] == "RUNNING"), 60,
+    wait_for(lambda: (polled(c[member], job)["round"] >= 2 and members(c[member], job) == first
+                      and polled(c[member], job)["state"] == "RUNNING"), 60,
              "the job running again on its two members", interval=0.3)
     wait_for(lambda: standing_by(c["n1"], job) == [spare], 30, "the spare standing by again",
              interval=0.3)
