@@ -168,13 +168,11 @@ class TemplatePool:
         key = TemplateKey.of(spec, a.warm_preload, learned, a.template_key_env)
         env = template_env(spec)
         got = self._reuse(job_id, key, env, stop) if key is not None else None
-        if got is None and stop is not None and stop.is_set():
-            return Acquired(WorkerTemplate(job_id, self._cfg.daemon.node_id,
-                                           a.template_ready_timeout, a.template_fork_timeout))
         if got is None:
             t = WorkerTemplate(job_id, self._cfg.daemon.node_id, a.template_ready_timeout,
                                a.template_fork_timeout)
-            t.start(spec, key, env, spawn=self.spawn)
+            if stop is None or not stop.is_set():  # set: OFF, none is started
+                t.start(spec, key, env, spawn=self.spawn)
             got = Acquired(t)
         if got.template.state in (TemplateState.STARTING, TemplateState.READY):
             with self._lock:
