@@ -22,6 +22,7 @@ closed (its log line), never through timings.
 from __future__ import annotations
 
 import os
+import re
 import signal
 
 import psutil
@@ -46,16 +47,20 @@ def _training(c: Cluster, name: str, nnodes: str, steps: int) -> str:
     return job
 
 
-def _listener(port: int) -> str:
-    """The command line of the process listening on ``port`` here ('' if none)."""
+def _listener(port: int) -> int:
+    """The pid of the process listening on ``port`` here (0 if none)."""
     for conn in psutil.net_connections("tcp"):
         if conn.laddr and conn.laddr.port == port and conn.status == psutil.CONN_LISTEN \
                 and conn.pid:
-            try:
-                return " ".join(psutil.Process(conn.pid).cmdline())
-            except psutil.Error:
-                return ""
-    return ""
+            return conn.pid
+    return 0
+
+
+def _round_store_servers(c: Cluster, node: str) -> dict[int, int]:
+    """{server pid: worker template pid} of the round store servers ``node`` forked."""
+    found = re.findall(r"round store server pid (\d+) forked from worker template pid (\d+)",
+                       c[node].log())
+    return {int(server): int(tpl) for server, tpl in found}
 
 
 def _closed_line(c: Cluster, rnd: int) -> str:
@@ -92,7 +97,11 @@ def test_every_round_has_its_master_store_listening_before_its_ranks_start(make_
     assert port != int(first[0]["MASTER_PORT"])
     # It is n1's round store that serves it, not rank 0 (which would have bound it
     # only once it ran): it listened from n1's join, before the round even closed.
-    assert "jobstore/round_server.py" in _listener(port), _listener(port)
+    # The server was forked from n1's worker template (no second torch import).
+    servers = _round_store_servers(c, "n1")
+    listener = _listener(port)
+    assert listener in servers, (listener, servers)
+    assert psutil.Process(listener).ppid() == servers[listener]
     final = wait_done(c["n1"], job, 180)
     assert final["state"] == "SUCCEEDED", final
     assert final["restarts"] == 1

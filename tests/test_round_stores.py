@@ -18,8 +18,11 @@ import threading
 import psutil
 
 from elasticd.jobstore.round_host import RoundStoreHost, worker_env
+from elasticd.workers.forked import ForkedProcess
 from elasticd.workers.group import GroupSpec
 from elasticd.workers.round_place import RoundPlace
+from elasticd.workers.template import TemplateState, WorkerTemplate
+from elasticd.workers.template_key import TemplateKey, template_env
 
 CLIENT = r"""
 import datetime, sys
@@ -39,6 +42,16 @@ def spec(tmp_path, command=(sys.executable, "-m", "train")) -> GroupSpec:
                      max_restarts=-1, place=RoundPlace.before_any_round(1),
                      log_dir=str(tmp_path / "logs"), run_dir=str(tmp_path / "run"),
                      node_id="n1")
+
+
+def template(tmp_path, preload=("torch", "torch.distributed")) -> WorkerTemplate:
+    """A real worker template for ``spec``'s job (``python -m train``), starting."""
+    (tmp_path / "train.py").write_text("")
+    s = spec(tmp_path)
+    t = WorkerTemplate("j1", "n1", ready_timeout=120)
+    t.start(s, TemplateKey.of(s, preload), template_env(s))
+    assert t.state is TemplateState.STARTING, t.reason
+    return t
 
 
 def listening(port: int) -> bool:
@@ -120,6 +133,82 @@ def test_a_wake_ends_the_first_wait_without_giving_up(tmp_path):
         assert host.new_port() > 0  # the next join waits and gets one
     finally:
         host.stop()
+
+
+def test_the_server_is_forked_from_the_jobs_template_once_it_is_ready(tmp_path):
+    # No second interpreter importing torch: the template has it imported already.
+    tpl = template(tmp_path)
+    host = RoundStoreHost("j1", "n1", timeout=120)
+    try:
+        host.start(spec(tmp_path), bind="127.0.0.1", template=lambda: tpl)
+        assert host.reason == "" and host._proc is None   # the template still imports
+        first = host.new_port()                  # waits for the template, then forks
+        assert tpl.state is TemplateState.READY
+        assert isinstance(host._proc, ForkedProcess), host._proc
+        server = psutil.Process(host._proc.pid)
+        assert server.ppid() == tpl.pid
+        assert server.username() == psutil.Process().username()
+        assert os.getsid(server.pid) == server.pid      # a session of its own, as a rank
+        assert first and listening(first)
+        client(tmp_path, first, "set", "round-1")
+        assert client(tmp_path, first, "get") == "round-1"
+        second = host.new_port()
+        assert second and second != first and listening(second)
+        ports = [host.new_port() for _ in range(4)]    # the 4 newest are served
+        assert not listening(first) and not listening(second)
+        assert all(listening(p) for p in ports)
+    finally:
+        host.stop()
+    # Ended with the job: the template reaps it and says so, and has no child left,
+    # so it may serve the user's next job (template_pool: settle).
+    assert tpl.settle(30)
+    assert not any(listening(p) for p in ports)
+    assert host.new_port() == 0
+    tpl.stop()
+
+
+def test_a_ready_template_forks_the_server_at_once(tmp_path):
+    tpl = template(tmp_path)
+    assert tpl.ready(120)
+    host = RoundStoreHost("j1", "n1", timeout=120)
+    try:
+        host.start(spec(tmp_path), bind="127.0.0.1", template=lambda: tpl)
+        assert isinstance(host._proc, ForkedProcess)
+        assert listening(host.new_port())
+    finally:
+        host.stop()
+        tpl.stop()
+
+
+def test_a_template_that_cannot_be_used_gets_a_server_of_its_own(tmp_path):
+    # Its preload fails the template's start (not the server's): the server is
+    # spawned with the job's Python instead, and still serves.
+    tpl = template(tmp_path)
+    tpl._fail("killed for the test")
+    host = RoundStoreHost("j1", "n1", timeout=120)
+    try:
+        host.start(spec(tmp_path), bind="127.0.0.1", template=lambda: tpl)
+        assert isinstance(host._proc, subprocess.Popen)
+        port = host.new_port()
+        assert port and listening(port)
+    finally:
+        host.stop()
+
+
+def test_a_wake_ends_the_wait_for_the_template_without_giving_up(tmp_path):
+    tpl = template(tmp_path)
+    host = RoundStoreHost("j1", "n1", timeout=120)
+    try:
+        host.start(spec(tmp_path), bind="127.0.0.1", template=lambda: tpl)
+        stop = threading.Event()
+        stop.set()
+        assert host.new_port(stop=stop) == 0
+        assert host.reason == "" and host._proc is None
+        assert listening(host.new_port())        # the next join waits and gets one
+        assert isinstance(host._proc, ForkedProcess)
+    finally:
+        host.stop()
+        tpl.stop()
 
 
 def test_ranks_are_told_whether_the_round_store_hosts_master_port():

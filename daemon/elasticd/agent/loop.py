@@ -126,7 +126,8 @@ class Agent:
     def _run(self) -> None:
         try:
             self._tpl.start(self._place.node_spec, self.wake)
-            self._stores.start_round_stores(self._place.node_spec, self.wake)
+            self._stores.start_round_stores(self._place.node_spec, self.wake,
+                                            lambda: self._tpl.template if self._tpl.on else None)
             self._loop()
         except Exception as exc:
             log.exception("%s: agent crashed", self._where())
@@ -144,13 +145,13 @@ class Agent:
                 log.exception("%s: could not record agent crash", self._where())
         finally:
             self._attempt.stop()
+            self._stores.stop()   # a round store server forked from the template first
             try:
                 self._tpl.release(keep=not self.shutting_down)
             except Exception:
                 log.exception("%s: could not record the template's end", self._where())
             self._spares.clear()
             self._standby.ended()
-            self._stores.stop()
             self._rdzv.on_change(self._monitor_wait.poke, listen=False)
             self._monitor_wait.close()
             self._on_exit(self.job_id)

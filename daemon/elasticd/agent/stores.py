@@ -21,6 +21,7 @@ from ..rendezvous.protocol import Result
 from ..rendezvous.round import ClusterRendezvous
 from ..workers import env as envnames
 from ..workers.group import GroupSpec, SpawnError
+from ..workers.template import WorkerTemplate
 
 # Where a job on one node has its stores (its job store, rank 0's): no other host needs them.
 LOOPBACK = "127.0.0.1"
@@ -39,14 +40,16 @@ class JobStores:
         self._secret = jobstore_env.new_secret()
 
     def start_round_stores(self, node_spec: Callable[[JobRecord], GroupSpec],
-                           stop: threading.Event) -> None:
+                           stop: threading.Event,
+                           template: Callable[[], WorkerTemplate | None]) -> None:
         """A job across nodes: this node's round store server (jobstore/round_host.py),
-        asked for a new store at each join (not waiting for its imports)."""
+        asked for a new store at each join (not waiting for its imports), forked from
+        the job's worker template (``template()``: the agent's now) once it is ready."""
         job = self._registry.get(self.job_id)
         if not self._cfg.rendezvous.round_stores or job.max_nodes <= 1 or job.inprocess \
                 or job.state in TERMINAL_STATES:
             return
-        self._round_stores.start(node_spec(job), bind=self._rdzv.address)
+        self._round_stores.start(node_spec(job), bind=self._rdzv.address, template=template)
         if self._round_stores.reason:
             self._registry.event(self.job_id, "info", f"no round stores on this node: "
                                  f"{self._round_stores.reason}; rank 0 hosts its round's store")
@@ -91,5 +94,7 @@ class JobStores:
                                                     jobstore_env.SECRET: secret})
 
     def stop(self) -> None:
+        """Before the job's template goes back to the pool: a round store server forked
+        from it is one of its children."""
         self._store_host.stop()
         self._round_stores.stop()

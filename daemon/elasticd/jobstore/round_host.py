@@ -1,33 +1,46 @@
 """This node's stores for the rounds it joins (``jobstore/round_server.py``), daemon side.
 
-``RoundStoreHost`` starts the server with the job's Python, as the job's
-user (the spawn path of the workers), as soon as the job is here. The first
-``new_port()`` waits for the server's torch import (READY; at most
-``rendezvous.round_store_timeout``, or until the agent is woken: a cancel,
-a shutdown; the worker template imports at the same time, and the first
-round's ranks wait for it anyway); every call answers a port whose store
-listens already, or 0 when there is none. The
-rendezvous offers that port as this node's MASTER_PORT (``Join.port``,
-``hosted``); a round whose first member's port is hosted has its ranks
-connect to it as clients (``TORCHELASTIC_USE_AGENT_STORE=True``, see
-``worker_env``). Any failure (not a Python command, the server died, no
-answer in ``rendezvous.round_store_timeout``) stops the server: the node
-offers a plain free port from then on, rank 0 hosting the store as before.
+``RoundStoreHost`` runs the server as the job's user, forked from the job's
+worker template (workers/template.py ``fork_helper``: torch is imported
+there already, so the server costs no second interpreter and torch import,
+~2.6 s of CPU and its memory per node and job): at once when the template
+is ready, else at the first ``new_port()``, which waits for the template's
+imports (at most ``rendezvous.round_store_timeout``, or until the agent is
+woken: a cancel, a shutdown; the first round's ranks wait for the template
+anyway). Without a usable template (``agent.worker_template`` off, the
+template failed or refuses to fork) it starts the server with the job's
+Python (the spawn path of the workers) and the first ``new_port()`` waits
+for its torch import (READY). Every call answers a port whose store
+listens already, or 0 when there is none. The rendezvous offers that port
+as this node's MASTER_PORT (``Join.port``, ``hosted``); a round whose first
+member's port is hosted has its ranks connect to it as clients
+(``TORCHELASTIC_USE_AGENT_STORE=True``, see ``worker_env``). Any failure
+(not a Python command, the server died, no answer in
+``rendezvous.round_store_timeout``) stops the server: the node offers a
+plain free port from then on, rank 0 hosting the store as before. A server
+forked from the template is one of its children: ``stop`` it before the
+template goes back to the pool.
 
-Owned by the job's agent thread (every call comes from it); no locks.
+Owned by the job's agent thread (every call comes from it, as for the
+template); no locks.
 """
 from __future__ import annotations
 
 import logging
 import os
 import select
+import signal
+import socket
 import subprocess
 import time
+from typing import Callable
 
 from ..logsetup import ctx
 from ..workers import env as envnames
+from ..workers.forked import ForkedProcess
 from ..workers.group import (
     GroupSpec, SpawnError, base_env, end_helper, prepare_dirs, start_job_process, warm_args)
+from ..workers.template import TemplateState, WorkerTemplate
 
 log = logging.getLogger("elasticd.jobstore.round_host")
 
@@ -48,29 +61,90 @@ class RoundStoreHost:
         self._job_id = job_id
         self._node_id = node_id
         self._timeout = timeout
-        self._proc: subprocess.Popen | None = None
+        self._proc: subprocess.Popen | ForkedProcess | None = None
+        self._chan: socket.socket | None = None   # a forked server's stdin and stdout
+        self._spec: GroupSpec | None = None
+        self._bind = ""
+        self._template: Callable[[], WorkerTemplate | None] | None = None
         self._buf = b""
         self.ready = False
         self.reason = ""          # why there is none (empty while it starts or serves)
 
-    def start(self, spec: GroupSpec, bind: str) -> None:
-        """Start the server (not waiting for it); ``bind``: the one address it listens on."""
+    def start(self, spec: GroupSpec, bind: str,
+              template: Callable[[], WorkerTemplate | None] | None = None) -> None:
+        """Start the server (not waiting for it); ``bind``: the one address it listens on;
+        ``template``: the job's worker template now (the agent's may be replaced), to
+        fork the server from once it is ready."""
         self.stop()
         self.reason = ""
         if warm_args(spec.command) is None:
             self.reason = "the job's command is not `python SCRIPT` or `python -m MODULE`"
             return
+        self._spec, self._bind, self._template = spec, bind, template
+        tpl = template() if template is not None else None
+        if tpl is not None and tpl.state in (TemplateState.STARTING, TemplateState.READY):
+            if tpl.ready(0):
+                self._fork(tpl)
+            return                # forked at the first new_port, once the template is ready
+        self._spawn()
+
+    def _argv(self) -> list[str]:
+        return [ROUND_SERVER, "--host", self._bind]
+
+    def _log_path(self) -> str:
+        return os.path.join(self._spec.log_dir, "roundstore.log")
+
+    def _spawn(self) -> None:
+        """The server as a process of its own, with the job's Python (it imports torch)."""
+        spec = self._spec
         try:
             prepare_dirs(spec)
-            self._proc = start_job_process(
-                spec, [spec.command[0], ROUND_SERVER, "--host", bind], base_env(spec),
-                os.path.join(spec.log_dir, "roundstore.log"), pipes=True)
+            self._proc = start_job_process(spec, [spec.command[0], *self._argv()],
+                                           base_env(spec), self._log_path(), pipes=True)
         except SpawnError as exc:
             self.reason = str(exc)
+
+    def _fork(self, tpl: WorkerTemplate) -> None:
+        """The server forked from the ready template; spawned when that fails."""
+        try:
+            prepare_dirs(self._spec)
+        except SpawnError as exc:
+            self.reason = str(exc)
+            return
+        proc, chan, why = tpl.fork_helper(self._spec, self._argv(), base_env(self._spec),
+                                          self._log_path())
+        if proc is None:
+            log.info("%s: round store server not forked from the worker template (%s): "
+                     "started on its own", ctx(job=self._job_id, node=self._node_id), why)
+            self._spawn()
+            return
+        self._proc, self._chan = proc, chan
+        log.info("%s: round store server pid %d forked from worker template pid %d",
+                 ctx(job=self._job_id, node=self._node_id), proc.pid, tpl.pid)
+
+    def _await_template(self, stop) -> bool:
+        """Before the first store: fork the server once the template is ready (or spawn
+        it when the template is unusable); False when ``stop`` ended the wait first."""
+        tpl = self._template() if self._template is not None else None
+        if tpl is not None and tpl.state is TemplateState.STARTING:
+            tpl.ready(self._timeout, stop)
+            if tpl.state is TemplateState.STARTING:
+                if stop is not None and stop.is_set():
+                    return False  # woken (cancel, shutdown): this join goes without
+                self._spawn()     # its ready timeout is longer than ours: not waited more
+                return True
+        if tpl is not None and tpl.ready(0):
+            self._fork(tpl)
+        else:
+            self._spawn()
+        return True
 
     def new_port(self, stop=None) -> int:
         """A new store's port, listening already; 0 when there is none (failed: then
         never again, see ``reason``; or ``stop`` was set while it still imported)."""
+        if self._proc is None and self._spec is not None and not self.reason:
+            if not self._await_template(stop):
+                return 0
         if self._proc is None:
             return 0
         if not self.ready:
@@ -87,8 +161,11 @@ class RoundStoreHost:
                 return self._give_up(f"round store server said {line[:80]!r}")
             self.ready = True
         try:
-            self._proc.stdin.write(b"NEW\n")
-            self._proc.stdin.flush()
+            if self._chan is not None:
+                self._chan.sendall(b"NEW\n")
+            else:
+                self._proc.stdin.write(b"NEW\n")
+                self._proc.stdin.flush()
         except (BrokenPipeError, OSError, ValueError):
             return self._give_up("round store server gone")
         line = self._read_line(self._timeout)
@@ -112,7 +189,7 @@ class RoundStoreHost:
 
     def _read_line(self, timeout: float) -> str | None:
         """One line from the server within ``timeout`` seconds; None if none (or EOF)."""
-        fd = self._proc.stdout.fileno()
+        fd = self._chan.fileno() if self._chan is not None else self._proc.stdout.fileno()
         while b"\n" not in self._buf:
             ready, _, _ = select.select([fd], [], [], timeout)
             if not ready:
@@ -135,5 +212,10 @@ class RoundStoreHost:
 
     def stop(self) -> None:
         proc, self._proc, self._buf, self.ready = self._proc, None, b"", False
-        if proc is not None:
+        chan, self._chan, self._spec = self._chan, None, None
+        if chan is not None:
+            chan.close()
+        if isinstance(proc, ForkedProcess):
+            proc.signal_group(signal.SIGKILL)  # the template reaps it and says so
+        elif proc is not None:
             end_helper(proc)

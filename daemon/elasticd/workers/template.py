@@ -248,20 +248,44 @@ class WorkerTemplate:
                 (f": {self.reason}" if self.reason else "")
         if entry_part(args) != entry_part(self._boot_args):
             return None, "the command differs from the template's"
+        with workers.open_log(workers.log_file_path(spec.log_dir, rank)) as logf:
+            return self._fork({"env": env, "cwd": spec.cwd, "args": args}, [logf.fileno()])
+
+    def fork_helper(self, spec: workers.GroupSpec, args: list, env: dict, log_path: str) \
+            -> tuple[ForkedProcess | None, socket.socket | None, str]:
+        """A process of the job that is no rank, forked from the template: ``args``
+        (what follows the interpreter: one of elasticd's own files, not the job's
+        entry) run as a rank would be, its stdin and stdout the returned socket,
+        its stderr ``log_path``. (None, None, why not) when it cannot be forked.
+        It counts among the template's children: end it before ``settle``."""
+        if not self.ready(0):
+            return None, None, f"worker template {self.state.value}" + \
+                (f": {self.reason}" if self.reason else "")
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            with workers.open_log(log_path) as logf:
+                proc, why = self._fork({"env": env, "cwd": spec.cwd, "args": args,
+                                        "helper": True}, [logf.fileno(), theirs.fileno()])
+        finally:
+            theirs.close()
+        if proc is None:
+            ours.close()
+            return None, None, why
+        return proc, ours, ""
+
+    def _fork(self, request: dict, fds: list) -> tuple[ForkedProcess | None, str]:
+        """Send one fork request with ``fds`` and wait for its reply."""
         self._next_id += 1
         rid = self._next_id
-        body = json.dumps({"op": "fork", "id": rid, "env": env, "cwd": spec.cwd,
-                           "args": args}).encode()
+        body = json.dumps({"op": "fork", "id": rid, **request}).encode()
         try:
-            with workers.open_log(workers.log_file_path(spec.log_dir, rank)) as logf:
-                self._sock.setblocking(True)
-                self._sock.settimeout(self._fork_timeout)
-                try:
-                    socket.send_fds(self._sock, [len(body).to_bytes(4, "big")],
-                                    [logf.fileno()])
-                    self._sock.sendall(body)
-                finally:
-                    self._sock.setblocking(False)
+            self._sock.setblocking(True)
+            self._sock.settimeout(self._fork_timeout)
+            try:
+                socket.send_fds(self._sock, [len(body).to_bytes(4, "big")], fds)
+                self._sock.sendall(body)
+            finally:
+                self._sock.setblocking(False)
         except OSError as exc:
             self._fail(f"its channel broke: {exc}")
             return None, f"worker template {self.reason}"

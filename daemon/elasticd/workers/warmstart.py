@@ -162,15 +162,16 @@ def _user_frames_only(hook):
     return excepthook
 
 
-def _become(assignment: dict, boot_args: list) -> None:
+def _become(assignment: dict, boot_args: list, keep_stdin: bool = False) -> None:
     sys.excepthook = _user_frames_only(sys.excepthook)
     os.environ.clear()
     os.environ.update(assignment["env"])
     _restore_blas_threads()
     os.chdir(assignment["cwd"])
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)  # workers get /dev/null on stdin, as when spawned directly
-    os.close(devnull)
+    if not keep_stdin:
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)  # workers get /dev/null on stdin, as when spawned directly
+        os.close(devnull)
     args = list(assignment["args"])  # what follows the interpreter on the command line
     if args != boot_args:  # not the command this spare was started for: its entry
         if sys.path and sys.path[0] == entry_path(boot_args):
@@ -190,7 +191,10 @@ def _become(assignment: dict, boot_args: list) -> None:
 #
 # Requests, daemon -> template: a 4-byte big-endian length, then that many bytes of JSON.
 # A "fork" request carries the rank's log as one SCM_RIGHTS descriptor sent with its
-# length header. Replies and news, template -> daemon: one JSON object per line:
+# length header; one with "helper" set (a process of the job that is no rank, running one
+# of elasticd's own files: the round store server) carries a second, a socket that becomes
+# the child's stdin and stdout (its log then takes stderr only).
+# Replies and news, template -> daemon: one JSON object per line:
 # {"ready": ..., "env_read": [NAME, ...] or "*"} once after the preload
 # (_record_env_reads), {"id": N, "pid": P} or {"id": N, "refused": WHY} per fork
 # request, and {"exit": PID, "status": WAITSTATUS} for each child the template reaped.
@@ -263,7 +267,7 @@ def _send(sock, message: dict) -> None:
 def _read_request(sock):
     """(request dict, received fds) or (None, []) at EOF."""
     import socket
-    head, fds, _, _ = socket.recv_fds(sock, 4, 1)
+    head, fds, _, _ = socket.recv_fds(sock, 4, 2)  # the log, and a helper's channel
     while head and len(head) < 4:
         more = sock.recv(4 - len(head))
         if not more:
@@ -295,8 +299,9 @@ def _reap(sock) -> None:
 
 
 def _serve(fd: int, env_read="*"):
-    """Serve the daemon until it asks for a rank; returns (request, log fd) in the
-    forked child, exits in the template when the daemon hangs up."""
+    """Serve the daemon until it asks for a rank; returns (request, log fd, template
+    pid, the helper's channel fd or -1) in the forked child, exits in the template when
+    the daemon hangs up."""
     import select
     import signal
     import socket
@@ -323,7 +328,10 @@ def _serve(fd: int, env_read="*"):
         if request is None:  # the daemon hung up: the job ended (the ranks die with us)
             os._exit(0)
         log_fd = fds[0] if fds else -1
-        why = _fork_unsafe() or ("" if log_fd >= 0 else "no log descriptor came with it")
+        helper = bool(request.get("helper"))
+        chan_fd = fds[1] if helper and len(fds) > 1 else -1
+        why = _fork_unsafe() or ("" if log_fd >= 0 else "no log descriptor came with it") \
+            or ("" if chan_fd >= 0 or not helper else "no channel came with the helper")
         if why:
             _send(sock, {"id": request.get("id"), "refused": why})
             _close(fds)
@@ -336,8 +344,8 @@ def _serve(fd: int, env_read="*"):
             # The rank: nothing of the template's service may stay with it.
             signal.set_wakeup_fd(-1)
             signal.signal(signal.SIGCHLD, old_chld)
-            _close([wake_r, wake_w, sock.detach()] + fds[1:])
-            return request, log_fd, template_pid
+            _close([wake_r, wake_w, sock.detach()] + fds[2 if helper else 1:])
+            return request, log_fd, template_pid, chan_fd
         _close(fds)
         _send(sock, {"id": request.get("id"), "pid": pid})
 
@@ -350,8 +358,10 @@ def _close(fds) -> None:
             pass
 
 
-def _become_rank(request: dict, log_fd: int, template_pid: int, boot_args: list) -> None:
-    """In the forked child: become the rank as a cold start would be, then run it."""
+def _become_rank(request: dict, log_fd: int, template_pid: int, boot_args: list,
+                 chan_fd: int = -1) -> None:
+    """In the forked child: become the rank as a cold start would be, then run it (a
+    helper: its stdin and stdout the channel ``chan_fd``, its stderr the log)."""
     import ctypes
     import ctypes.util
     import signal
@@ -361,13 +371,18 @@ def _become_rank(request: dict, log_fd: int, template_pid: int, boot_args: list)
     if os.getppid() != template_pid:  # the template died before that took effect
         os._exit(1)
     signal.pthread_sigmask(signal.SIG_SETMASK, [])  # stdin: /dev/null in _become
-    os.dup2(log_fd, 1)
+    if chan_fd >= 0:
+        os.dup2(chan_fd, 0)
+        os.dup2(chan_fd, 1)
+        os.close(chan_fd)
+    else:
+        os.dup2(log_fd, 1)
     os.dup2(log_fd, 2)
     os.close(log_fd)
     beats = sys.modules.get("elasticd_heartbeat")
     if beats is not None and hasattr(beats, "become_new_process"):
         beats.become_new_process()  # the template imported it: this is a rank of its own
-    _become(request, boot_args)
+    _become(request, boot_args, keep_stdin=chan_fd >= 0)
 
 
 def _preload_learned(timeout: float = 60.0) -> None:
@@ -428,8 +443,8 @@ def template_main(fd: int, boot_args: list) -> None:
     else:
         sys.stderr.write("elasticd worker template: the job's script is not there\n")
         sys.exit(2)
-    request, log_fd, template_pid = _serve(fd, env_read)
-    _become_rank(request, log_fd, template_pid, boot_args)
+    request, log_fd, template_pid, chan_fd = _serve(fd, env_read)
+    _become_rank(request, log_fd, template_pid, boot_args, chan_fd)
 
 
 def main() -> None:
