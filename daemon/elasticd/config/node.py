@@ -198,15 +198,17 @@ class RendezvousSettings:
              "accepted connection or no answer changes nothing (a host that is down answers "
              "nothing: its lease tells). 0: no probes", min=0, max=60)
     round_stores: bool = _setting(
-        True, "on a job across nodes, keep a round store process per job and node (the "
-              "job's Python, as its user) whose new TCPStore, listening from the moment the "
+        True, "on a job across nodes, keep a round store process per job and node (forked "
+              "from the job's worker template, else the job's Python; as its user) whose new "
+              "TCPStore, listening from the moment the "
               "node joins a round, is its MASTER_PORT offer: ranks of other nodes never wait "
               "for rank 0 to bind (torch retries a refused connect 0.25-0.75 s later); the "
               "ranks get TORCHELASTIC_USE_AGENT_STORE=True, as under torchrun. Off, or not a "
               "`python SCRIPT`/`-m MODULE` command: rank 0 hosts the store")
     round_store_timeout: float = _setting(
-        30.0, "seconds a node's round store process may take to import torch (the node's "
-              "first join of a job waits for it, while the worker template imports too) or "
-              "to open a new store at a join; past it the node stops using round stores for "
+        30.0, "seconds the node's first join of a job waits for its round store process: "
+              "for the worker template's imports to fork it from (past it, one is started "
+              "with the job's Python) or its own torch import; and seconds it may take to "
+              "open a new store at a join; past it the node stops using round stores for "
               "the job", min=0, exclusive_min=True, max=600)
 
