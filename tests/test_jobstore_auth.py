@@ -18,11 +18,11 @@ import json
 import os
 import re
 
-import psutil
 import pytest
 
 from elasticd.v1 import control_pb2 as pb
 from test_local_trust import (PY, _PYTHONPATH, _listening, _log, _secret_of, everything_shown,
+                              job_store_process,
                               real_users, status, submit_as, submitted, wait_for)
 from test_local_trust import node  # noqa: F401 (a fixture: the same root daemon)
 
@@ -97,10 +97,8 @@ def test_a_user_who_reads_the_job_store_cannot_forge_or_replay_its_records(node,
         node, victim, "--inprocess", "--nproc-per-node", "2", "--max-restarts", "0", "--",
         PY, "-m", "elasticd.examples.train_inprocess", "--steps", "600", "--step-time", "0.05",
         "--crash-at-step", "25", "--checkpoint-every", "10", "--log-every", "20", cwd=work))
-    store = wait_for(lambda: [p for p in psutil.process_iter(["cmdline", "uids"])
-                              if "jobstore/server.py" in " ".join(p.info["cmdline"] or [])
-                              and p.info["uids"] and p.info["uids"].real == victim.uid],
-                     120, "the victim's job store")[0]
+    store = wait_for(lambda: job_store_process(node, job_id, victim.uid), 120,
+                     "the victim's job store")
     port = wait_for(lambda: _listening(store.pid), 60, "the job store listening")[0][1]
     script = os.path.join(node.root, "attack.py")
     with open(script, "w") as fh:

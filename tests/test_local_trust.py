@@ -340,6 +340,26 @@ print("planted", n)
 """
 
 
+def job_store_process(node, job_id: str, uid: int) -> "psutil.Process | None":
+    """The job's store process (jobstore/server.py: forked from the job's worker template,
+    or started on its own): the process of ``uid`` that listens on the port the daemon's
+    log names for the job's store; None until there is one."""
+    ports = re.findall(rf"job={re.escape(job_id)}\b.*job store for in-process restart on "
+                       r"\S+:(\d+)", node.log())
+    if not ports:
+        return None
+    for conn in psutil.net_connections("tcp"):
+        if conn.laddr and conn.laddr.port == int(ports[-1]) and conn.pid \
+                and conn.status == psutil.CONN_LISTEN:
+            try:
+                proc = psutil.Process(conn.pid)
+                if proc.uids().real == uid:
+                    return proc
+            except psutil.Error:
+                pass
+    return None
+
+
 def _listening(pid: int) -> list[tuple[str, int]]:
     out = subprocess.run(["ss", "-Hltnp"], capture_output=True, text=True, check=True).stdout
     found = []
@@ -359,10 +379,8 @@ def test_the_job_store_listens_on_loopback_and_another_user_cannot_fail_the_job(
         node, alice, "--inprocess", "--nproc-per-node", "2", "--max-restarts", "0", "--",
         PY, "-m", "elasticd.examples.train_inprocess", "--steps", "1200", "--step-time", "0.05",
         "--log-every", "20", cwd=work))
-    store = wait_for(lambda: [p for p in psutil.process_iter(["cmdline", "uids"])
-                              if "jobstore/server.py" in " ".join(p.info["cmdline"] or [])
-                              and p.info["uids"] and p.info["uids"].real == alice.uid],
-                     120, "alice's job store")[0]
+    store = wait_for(lambda: job_store_process(node, job_id, alice.uid), 120,
+                     "alice's job store")
     addrs = wait_for(lambda: _listening(store.pid), 60, "the job store listening")
     assert [host for host, _ in addrs] == ["127.0.0.1"], addrs
     port = addrs[0][1]

@@ -5,7 +5,9 @@ first are refused and torch tries again 0.25-0.75 s later, at every restart
 of a job across nodes (issue 22, 3-node goodput). Each node of such a job
 keeps a round store process (real: the job's Python, torch's TCPStore) that
 opens a fresh store whenever the node joins a round; here the process on its
-own, driven as the agent drives it.
+own, driven as the agent drives it, forked from the job's worker template (or
+started on its own without one); and the in-process job store
+(jobstore/host.py), forked the same way.
 """
 from __future__ import annotations
 
@@ -17,8 +19,8 @@ import threading
 
 import psutil
 
+from elasticd.jobstore.host import JobStoreHost
 from elasticd.jobstore.round_host import RoundStoreHost, worker_env
-from elasticd.workers.forked import ForkedProcess
 from elasticd.workers.group import GroupSpec
 from elasticd.workers.round_place import RoundPlace
 from elasticd.workers.template import TemplateState, WorkerTemplate
@@ -83,7 +85,7 @@ def test_each_join_gets_a_fresh_store_that_listens_at_once(tmp_path):
         client(tmp_path, second, "set", "round-2")
         assert client(tmp_path, first, "get") == "round-1"  # the last round's is untouched
         assert client(tmp_path, second, "get") == "round-2"
-        pid = host._proc.pid
+        pid = host.pid
         assert psutil.Process(pid).username() == psutil.Process().username()
     finally:
         host.stop()
@@ -129,7 +131,7 @@ def test_a_wake_ends_the_first_wait_without_giving_up(tmp_path):
         stop = threading.Event()
         stop.set()                  # a cancel or a shutdown woke the agent
         assert host.new_port(stop=stop) == 0
-        assert host.reason == "" and host._proc is not None
+        assert host.reason == "" and host.pid
         assert host.new_port() > 0  # the next join waits and gets one
     finally:
         host.stop()
@@ -141,11 +143,11 @@ def test_the_server_is_forked_from_the_jobs_template_once_it_is_ready(tmp_path):
     host = RoundStoreHost("j1", "n1", timeout=120)
     try:
         host.start(spec(tmp_path), bind="127.0.0.1", template=lambda: tpl)
-        assert host.reason == "" and host._proc is None   # the template still imports
+        assert host.reason == "" and host.pid == 0   # the template still imports
         first = host.new_port()                  # waits for the template, then forks
         assert tpl.state is TemplateState.READY
-        assert isinstance(host._proc, ForkedProcess), host._proc
-        server = psutil.Process(host._proc.pid)
+        assert host.forked_from == tpl.pid
+        server = psutil.Process(host.pid)
         assert server.ppid() == tpl.pid
         assert server.username() == psutil.Process().username()
         assert os.getsid(server.pid) == server.pid      # a session of its own, as a rank
@@ -173,7 +175,7 @@ def test_a_ready_template_forks_the_server_at_once(tmp_path):
     host = RoundStoreHost("j1", "n1", timeout=120)
     try:
         host.start(spec(tmp_path), bind="127.0.0.1", template=lambda: tpl)
-        assert isinstance(host._proc, ForkedProcess)
+        assert host.forked_from == tpl.pid
         assert listening(host.new_port())
     finally:
         host.stop()
@@ -188,7 +190,7 @@ def test_a_template_that_cannot_be_used_gets_a_server_of_its_own(tmp_path):
     host = RoundStoreHost("j1", "n1", timeout=120)
     try:
         host.start(spec(tmp_path), bind="127.0.0.1", template=lambda: tpl)
-        assert isinstance(host._proc, subprocess.Popen)
+        assert host.pid and host.forked_from == 0
         port = host.new_port()
         assert port and listening(port)
     finally:
@@ -203,9 +205,36 @@ def test_a_wake_ends_the_wait_for_the_template_without_giving_up(tmp_path):
         stop = threading.Event()
         stop.set()
         assert host.new_port(stop=stop) == 0
-        assert host.reason == "" and host._proc is None
+        assert host.reason == "" and host.pid == 0
         assert listening(host.new_port())        # the next join waits and gets one
-        assert isinstance(host._proc, ForkedProcess)
+        assert host.forked_from == tpl.pid
+    finally:
+        host.stop()
+        tpl.stop()
+
+
+def test_the_in_process_job_store_is_forked_from_the_template_too(tmp_path):
+    tpl = template(tmp_path)
+    host = JobStoreHost()
+    try:
+        addr, port = host.ensure(spec(tmp_path), bind="127.0.0.1", advertise="127.0.0.1",
+                                 timeout=120, template=tpl)   # waits for the template
+        assert addr == "127.0.0.1" and listening(port)
+        assert host.forked_from == tpl.pid
+        client(tmp_path, port, "set", "kept")
+        assert host.ensure(spec(tmp_path), "127.0.0.1", "127.0.0.1", 120, tpl) == (addr, port)
+        assert client(tmp_path, port, "get") == "kept"
+        host.stop()
+        assert not listening(port)
+        assert tpl.settle(30)   # its child is gone and reported: back to the pool it may go
+        # Another template still importing, and a wake: no store, no error.
+        woken = threading.Event()
+        woken.set()
+        (tmp_path / "other").mkdir()
+        other = template(tmp_path / "other")
+        assert host.ensure(spec(tmp_path / "other"), "127.0.0.1", "127.0.0.1", 120, other,
+                           stop=woken) is None
+        other.stop()
     finally:
         host.stop()
         tpl.stop()

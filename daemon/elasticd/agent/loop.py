@@ -171,8 +171,11 @@ class Agent:
                 self._registry.transition(self.job_id, JobState.RENDEZVOUS,
                                           f"joining round {self._next_round_number(job)}")
             self.wake.clear()
-            store_port = self._stores.start_job_store(job, self._place.node_spec) \
-                if job.inprocess else 0
+            store_port = self._stores.start_job_store(
+                job, self._place.node_spec, self._tpl.template if self._tpl.on else None,
+                self.wake) if job.inprocess else 0
+            if store_port is None:  # woken while the template imported: look again
+                continue
             try:
                 if not self._gpu_gate.healthy(self.wake):
                     continue

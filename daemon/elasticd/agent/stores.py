@@ -56,20 +56,25 @@ class JobStores:
         self._rdzv.hosted_port = lambda: self._round_stores.new_port(stop=stop)
 
     def start_job_store(self, job: JobRecord,
-                        node_spec: Callable[[JobRecord, str], GroupSpec]) -> int:
+                        node_spec: Callable[[JobRecord, str], GroupSpec],
+                        template: WorkerTemplate | None,
+                        stop: threading.Event) -> int | None:
         """For --inprocess jobs: this node's job store, up before it joins a round; its port.
 
         Every node hosts one; the ranks of a round share the first member's
-        (rendezvous Result.store_addr), which outlives any rank. 0 when it
-        cannot start: the job then restarts processes only.
+        (rendezvous Result.store_addr), which outlives any rank. It is forked
+        from the job's worker ``template`` (waited for while it imports) when
+        it can be. 0 when it cannot start: the job then restarts processes
+        only; None when ``stop`` (the agent's wake) ended the wait first.
         """
         address = LOOPBACK if job.max_nodes <= 1 else self._rdzv.address
         local = address.startswith("127.") or address in ("localhost", "::1")
         spec = node_spec(job, address)
         try:
-            _, port = self._store_host.ensure(spec, bind=LOOPBACK if local else address,
-                                              advertise=address, timeout=120.0)
-            return port
+            got = self._store_host.ensure(spec, bind=LOOPBACK if local else address,
+                                          advertise=address, timeout=120.0,
+                                          template=template, stop=stop)
+            return got[1] if got is not None else None
         except SpawnError as exc:
             self._registry.event(job.id, "info", f"no in-process restart on this node: {exc}")
             return 0

@@ -1,21 +1,24 @@
 """The per-job store for in-process restart, hosted outside the ranks.
 
 ``elasticctl submit --inprocess`` jobs get a ``jobstore/server.py`` process (a
-torch TCPStore, started with the job's own Python as the job's user, in its
-own process group, dying with the daemon) for as long as the job runs on
-this node. Its address reaches the workers as ELASTICD_STORE_ADDR/PORT,
-where ``elasticd.inprocess.Wrapper`` coordinates its restarts through it.
+torch TCPStore, as the job's user, in its own session, dying with the
+daemon) for as long as the job runs on this node: forked from the job's
+worker template once it is ready (no second torch import), else started
+with the job's own Python (jobstore/helper.py). Its address reaches the
+workers as ELASTICD_STORE_ADDR/PORT, where ``elasticd.inprocess.Wrapper``
+coordinates its restarts through it. A template that dies takes the store
+with it (and the ranks: a process restart); the next round gets a new one.
 """
 from __future__ import annotations
 
 import logging
 import os
-import select
-import subprocess
+import time
 
 from ..logsetup import ctx
-from ..workers.group import (
-    GroupSpec, SpawnError, base_env, end_helper, prepare_dirs, start_job_process, warm_args)
+from ..workers.group import GroupSpec, SpawnError, warm_args
+from ..workers.template import TemplateState, WorkerTemplate
+from .helper import JobHelper
 
 log = logging.getLogger("elasticd.jobstore.host")
 
@@ -24,39 +27,65 @@ JOBSTORE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "server.py")
 
 class JobStoreHost:
     def __init__(self) -> None:
-        self._proc: subprocess.Popen | None = None
+        self._store = JobHelper()
         self.address: tuple[str, int] | None = None
 
-    def ensure(self, spec: GroupSpec, bind: str, advertise: str,
-               timeout: float) -> tuple[str, int]:
-        """The running store's (addr, port), starting it if need be.
+    @property
+    def forked_from(self) -> int:
+        """The pid of the worker template it was forked from (0: spawned, or none)."""
+        return self._store.template_pid
+
+    def ensure(self, spec: GroupSpec, bind: str, advertise: str, timeout: float,
+               template: WorkerTemplate | None = None, stop=None) -> tuple[str, int] | None:
+        """The running store's (addr, port), starting it if need be; None when ``stop``
+        (a threading.Event: a cancel, a shutdown) was set before it could answer.
 
         ``bind``: the one address it listens on (loopback for a single node,
         this node's address when ranks on other nodes use it); ``advertise``:
-        the address the ranks are told. Its errors go to ``<job logs>/jobstore.log``.
+        the address the ranks are told; ``template``: the job's worker template,
+        waited for while it imports (at most ``timeout``) and forked from.
+        Its errors go to ``<job logs>/jobstore.log``.
         """
-        if self._proc is not None and self._proc.poll() is None and self.address:
+        if self._store.running and self.address:
             return self.address
         self.stop()
         if warm_args(spec.command) is None:
             raise SpawnError("in-process restart needs a `python SCRIPT` or `python -m MODULE` "
                              "command (the store host runs with the job's Python)")
-        prepare_dirs(spec)
-        proc = start_job_process(
-            spec, [spec.command[0], JOBSTORE, "--host", bind, "--advertise", advertise],
-            base_env(spec), os.path.join(spec.log_dir, "jobstore.log"), pipes=True)
-        self._proc = proc
-        ready, _, _ = select.select([proc.stdout], [], [], timeout)
-        line = proc.stdout.readline().decode(errors="replace").split() if ready else []
-        if len(line) != 3 or line[0] != "ELASTICD_STORE":
+        if template is not None and template.state is TemplateState.STARTING:
+            template.ready(timeout, stop)
+            if template.state is TemplateState.STARTING and stop is not None and stop.is_set():
+                return None
+        deadline = time.monotonic() + timeout
+        args = [JOBSTORE, "--host", bind, "--advertise", advertise]
+        log_path = os.path.join(spec.log_dir, "jobstore.log")
+        why = self._store.fork(template, spec, args, log_path) \
+            if template is not None and template.ready(0) else "no worker template ready"
+        if why:
+            self._store.spawn(spec, args, log_path)
+        line = None
+        while line is None and self._store.exit_code() is None:
+            left = deadline - time.monotonic()
+            if left <= 0 or (stop is not None and stop.is_set()):
+                break
+            line = self._store.read_line(min(0.1, left))
+        words = (line or "").split()
+        if len(words) != 3 or words[0] != "ELASTICD_STORE" or not words[2].isdigit():
             self.stop()
-            raise SpawnError(f"the job store did not start within {timeout:g}s")
-        self.address = (line[1], int(line[2]))
-        log.info("%s: job store for in-process restart on %s:%d",
-                 ctx(job=spec.job_id, node=spec.node_id), *self.address)
+            if line is None and stop is not None and stop.is_set():
+                return None
+            code = self._store.exit_code()
+            raise SpawnError(f"the job store exited ({code}); see jobstore.log"
+                             if code is not None and line is None else
+                             f"the job store said {line[:80]!r}" if line is not None else
+                             f"the job store did not start within {timeout:g}s")
+        self.address = (words[1], int(words[2]))
+        log.info("%s: job store for in-process restart on %s:%d (%s)",
+                 ctx(job=spec.job_id, node=spec.node_id), *self.address,
+                 f"forked from worker template pid {self.forked_from}" if not why
+                 else f"started on its own: {why}")
         return self.address
 
     def stop(self) -> None:
-        proc, self._proc, self.address = self._proc, None, None
-        if proc is not None:
-            end_helper(proc)
+        self._store.stop()
+        self.address = None

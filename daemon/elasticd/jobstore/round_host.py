@@ -17,9 +17,8 @@ member's port is hosted has its ranks connect to it as clients
 (``TORCHELASTIC_USE_AGENT_STORE=True``, see ``worker_env``). Any failure
 (not a Python command, the server died, no answer in
 ``rendezvous.round_store_timeout``) stops the server: the node offers a
-plain free port from then on, rank 0 hosting the store as before. A server
-forked from the template is one of its children: ``stop`` it before the
-template goes back to the pool.
+plain free port from then on, rank 0 hosting the store as before. The
+process and its channel: jobstore/helper.py.
 
 Owned by the job's agent thread (every call comes from it, as for the
 template); no locks.
@@ -28,26 +27,20 @@ from __future__ import annotations
 
 import logging
 import os
-import select
-import signal
-import socket
-import subprocess
 import time
 from typing import Callable
 
 from ..logsetup import ctx
 from ..workers import env as envnames
-from ..workers.forked import ForkedProcess
-from ..workers.group import (
-    GroupSpec, SpawnError, base_env, end_helper, prepare_dirs, start_job_process, warm_args)
+from ..workers.group import GroupSpec, SpawnError, warm_args
 from ..workers.template import TemplateState, WorkerTemplate
+from .helper import JobHelper
 
 log = logging.getLogger("elasticd.jobstore.round_host")
 
 ROUND_SERVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "round_server.py")
 READY = "ELASTICD_ROUND_STORE READY"
 PORT = "ELASTICD_ROUND_STORE PORT"
-_LINE_MAX = 200
 
 
 def worker_env(hosted: bool) -> dict[str, str]:
@@ -61,14 +54,22 @@ class RoundStoreHost:
         self._job_id = job_id
         self._node_id = node_id
         self._timeout = timeout
-        self._proc: subprocess.Popen | ForkedProcess | None = None
-        self._chan: socket.socket | None = None   # a forked server's stdin and stdout
+        self._server = JobHelper()
         self._spec: GroupSpec | None = None
         self._bind = ""
         self._template: Callable[[], WorkerTemplate | None] | None = None
-        self._buf = b""
         self.ready = False
         self.reason = ""          # why there is none (empty while it starts or serves)
+
+    @property
+    def pid(self) -> int:
+        """The server's pid (0: none)."""
+        return self._server.pid
+
+    @property
+    def forked_from(self) -> int:
+        """The pid of the worker template it was forked from (0: spawned, or none)."""
+        return self._server.template_pid
 
     def start(self, spec: GroupSpec, bind: str,
               template: Callable[[], WorkerTemplate | None] | None = None) -> None:
@@ -88,7 +89,7 @@ class RoundStoreHost:
             return                # forked at the first new_port, once the template is ready
         self._spawn()
 
-    def _argv(self) -> list[str]:
+    def _args(self) -> list[str]:
         return [ROUND_SERVER, "--host", self._bind]
 
     def _log_path(self) -> str:
@@ -96,31 +97,25 @@ class RoundStoreHost:
 
     def _spawn(self) -> None:
         """The server as a process of its own, with the job's Python (it imports torch)."""
-        spec = self._spec
         try:
-            prepare_dirs(spec)
-            self._proc = start_job_process(spec, [spec.command[0], *self._argv()],
-                                           base_env(spec), self._log_path(), pipes=True)
+            self._server.spawn(self._spec, self._args(), self._log_path())
         except SpawnError as exc:
             self.reason = str(exc)
 
     def _fork(self, tpl: WorkerTemplate) -> None:
         """The server forked from the ready template; spawned when that fails."""
         try:
-            prepare_dirs(self._spec)
+            why = self._server.fork(tpl, self._spec, self._args(), self._log_path())
         except SpawnError as exc:
             self.reason = str(exc)
             return
-        proc, chan, why = tpl.fork_helper(self._spec, self._argv(), base_env(self._spec),
-                                          self._log_path())
-        if proc is None:
+        if why:
             log.info("%s: round store server not forked from the worker template (%s): "
                      "started on its own", ctx(job=self._job_id, node=self._node_id), why)
             self._spawn()
             return
-        self._proc, self._chan = proc, chan
         log.info("%s: round store server pid %d forked from worker template pid %d",
-                 ctx(job=self._job_id, node=self._node_id), proc.pid, tpl.pid)
+                 ctx(job=self._job_id, node=self._node_id), self._server.pid, tpl.pid)
 
     def _await_template(self, stop) -> bool:
         """Before the first store: fork the server once the template is ready (or spawn
@@ -142,16 +137,16 @@ class RoundStoreHost:
     def new_port(self, stop=None) -> int:
         """A new store's port, listening already; 0 when there is none (failed: then
         never again, see ``reason``; or ``stop`` was set while it still imported)."""
-        if self._proc is None and self._spec is not None and not self.reason:
+        if not self._server.started and self._spec is not None and not self.reason:
             if not self._await_template(stop):
                 return 0
-        if self._proc is None:
+        if not self._server.started:
             return 0
         if not self.ready:
             line = self._wait_ready(stop)
-            if line is None and self._proc.poll() is not None:
-                return self._give_up(f"round store server exited ({self._proc.returncode}); "
-                                     "see roundstore.log")
+            if line is None and self._server.exit_code() is not None:
+                return self._give_up(f"round store server exited "
+                                     f"({self._server.exit_code()}); see roundstore.log")
             if line is None and stop is not None and stop.is_set():
                 return 0          # woken (cancel, shutdown): this join goes without
             if line is None:
@@ -160,15 +155,9 @@ class RoundStoreHost:
             if line != READY:
                 return self._give_up(f"round store server said {line[:80]!r}")
             self.ready = True
-        try:
-            if self._chan is not None:
-                self._chan.sendall(b"NEW\n")
-            else:
-                self._proc.stdin.write(b"NEW\n")
-                self._proc.stdin.flush()
-        except (BrokenPipeError, OSError, ValueError):
+        if not self._server.send(b"NEW\n"):
             return self._give_up("round store server gone")
-        line = self._read_line(self._timeout)
+        line = self._server.read_line(self._timeout)
         parts = (line or "").rsplit(" ", 1)
         if line is None or parts[0] != PORT or not parts[1].isdigit() \
                 or not 0 < int(parts[1]) < 65536:
@@ -182,26 +171,10 @@ class RoundStoreHost:
         deadline = time.monotonic() + self._timeout
         while True:
             left = deadline - time.monotonic()
-            line = self._read_line(max(0.0, min(0.1, left)))
-            if line is not None or left <= 0 or self._proc.poll() is not None \
+            line = self._server.read_line(max(0.0, min(0.1, left)))
+            if line is not None or left <= 0 or self._server.exit_code() is not None \
                     or (stop is not None and stop.is_set()):
                 return line
-
-    def _read_line(self, timeout: float) -> str | None:
-        """One line from the server within ``timeout`` seconds; None if none (or EOF)."""
-        fd = self._chan.fileno() if self._chan is not None else self._proc.stdout.fileno()
-        while b"\n" not in self._buf:
-            ready, _, _ = select.select([fd], [], [], timeout)
-            if not ready:
-                return None
-            chunk = os.read(fd, 4096)
-            if not chunk:
-                return None
-            self._buf += chunk
-            if len(self._buf) > _LINE_MAX:
-                return "<line too long>"
-        line, self._buf = self._buf.split(b"\n", 1)
-        return line.decode(errors="replace").strip()
 
     def _give_up(self, why: str) -> int:
         self.stop()
@@ -211,11 +184,5 @@ class RoundStoreHost:
         return 0
 
     def stop(self) -> None:
-        proc, self._proc, self._buf, self.ready = self._proc, None, b"", False
-        chan, self._chan, self._spec = self._chan, None, None
-        if chan is not None:
-            chan.close()
-        if isinstance(proc, ForkedProcess):
-            proc.signal_group(signal.SIGKILL)  # the template reaps it and says so
-        elif proc is not None:
-            end_helper(proc)
+        self._server.stop()
+        self._spec, self.ready = None, False
