@@ -17,13 +17,11 @@ of the job goes through ``JobRegistry.transition``.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
 from typing import Callable
 
-from ..jobstore import round_host
 from ..config import Config
 from ..gpus.alloc import Binding
 from ..jobs.registry import JobRecord, JobRegistry
@@ -42,7 +40,7 @@ from .recovery import Recovery
 from .refill import SpareRefill
 from .replace import RankReplacer
 from .standby import Standby
-from .stores import LOOPBACK, JobStores
+from .stores import JobStores
 from .template import JobTemplate
 from ..rendezvous.round import ClusterRendezvous, RendezvousStopped, RoundFinal
 from ..rendezvous.protocol import (
@@ -50,7 +48,6 @@ from ..rendezvous.protocol import (
 from ..rendezvous.status import CURRENT
 from ..jobs.states import TERMINAL_STATES, JobState
 from ..store import StoreError
-from ..workers.template import TemplateState
 from ..workers.template_pool import TemplatePool
 from ..workers.group import SpawnError, WorkerGroup
 from ..workers.snapshot_dirs import SnapshotBudgets
@@ -126,8 +123,7 @@ class Agent:
     def _run(self) -> None:
         try:
             self._tpl.start(self._place.node_spec, self.wake)
-            self._stores.start_round_stores(self._place.node_spec, self.wake,
-                                            lambda: self._tpl.template if self._tpl.on else None)
+            self._stores.start_round_stores(self._place.node_spec, self.wake, self._tpl.current)
             self._loop()
         except Exception as exc:
             log.exception("%s: agent crashed", self._where())
@@ -172,8 +168,8 @@ class Agent:
                                           f"joining round {self._next_round_number(job)}")
             self.wake.clear()
             store_port = self._stores.start_job_store(
-                job, self._place.node_spec, self._tpl.template if self._tpl.on else None,
-                self.wake) if job.inprocess else 0
+                job, self._place.node_spec, self._tpl.current(), self.wake) \
+                if job.inprocess else 0
             if store_port is None:  # woken while the template imported: look again
                 continue
             try:
@@ -197,28 +193,11 @@ class Agent:
                 self.job_id, round=result.place.round,
                 **({"restarts": state.restarts, "restart_times": list(state.restart_times)}
                    if state else {}))
-            if job.max_nodes <= 1:  # one node: its stores listen on loopback alone
-                result = dataclasses.replace(
-                    result, place=dataclasses.replace(result.place, master_addr=LOOPBACK),
-                    store_addr=LOOPBACK if result.store_addr else "")
-            spec = self._stores.with_job_store(
-                job, self._place.group_spec(job, result.place), result)
-            if result.master_hosted:  # a round store listens on MASTER_PORT already
-                spec = dataclasses.replace(spec, extra_env={
-                    **spec.extra_env, **round_host.worker_env(True)})
+            result, spec = self._stores.round_spec(job, result, self._place.group_spec)
             # In-process restart is on where with_job_store gave the ranks a store.
             self._recovery.start_attempt(job, job.inprocess and bool(result.store_port))
-            if self._tpl.template.revivable():  # it died with its ranks: a new one for them
-                self._registry.event(self.job_id, "template", "starting a new worker "
-                                     f"template: {self._tpl.template.reason}")
-                self._tpl.start(self._place.node_spec)
-            if self._tpl.template.state is TemplateState.STARTING:
-                # A first start waits for its imports (bounded; a cancel or a shutdown
-                # ends the wait: the monitor then acts on it).
-                self._tpl.template.ready(stop=self.wake)
-                self._tpl.note()
-                if self.wake.is_set():  # a cancel, a shutdown, the job's end: no ranks
-                    continue
+            if not self._tpl.ready_for_round(self._place.node_spec, self.wake):
+                continue  # woken (a cancel, a shutdown, the job's end): no ranks
             group = self._group = WorkerGroup(
                 spec, self._tpl.template if self._cfg.agent.worker_template else None)
             started_warm = self._spares.ready() > 0 or self._tpl.template.ready(0)

@@ -21,6 +21,7 @@ from ..rendezvous.protocol import Result
 from ..rendezvous.round import ClusterRendezvous
 from ..workers import env as envnames
 from ..workers.group import GroupSpec, SpawnError
+from ..workers.round_place import RoundPlace
 from ..workers.template import WorkerTemplate
 
 # Where a job on one node has its stores (its job store, rank 0's): no other host needs them.
@@ -78,6 +79,22 @@ class JobStores:
         except SpawnError as exc:
             self._registry.event(job.id, "info", f"no in-process restart on this node: {exc}")
             return 0
+
+    def round_spec(self, job: JobRecord, result: Result,
+                   group_spec: Callable[[JobRecord, RoundPlace], GroupSpec]) \
+            -> tuple[Result, GroupSpec]:
+        """The round as this node's ranks see it, and their group's spec: a job on one
+        node keeps its stores on loopback; the ranks are told of the job store and of
+        a round store that hosts MASTER_PORT."""
+        if job.max_nodes <= 1:  # one node: its stores listen on loopback alone
+            result = dataclasses.replace(
+                result, place=dataclasses.replace(result.place, master_addr=LOOPBACK),
+                store_addr=LOOPBACK if result.store_addr else "")
+        spec = self.with_job_store(job, group_spec(job, result.place), result)
+        if result.master_hosted:  # a round store listens on MASTER_PORT already
+            spec = dataclasses.replace(spec, extra_env={
+                **spec.extra_env, **round_host.worker_env(True)})
+        return result, spec
 
     def with_job_store(self, job: JobRecord, spec: GroupSpec, rdzv: Result) -> GroupSpec:
         """For --inprocess jobs: the store the round's wrappers coordinate through."""

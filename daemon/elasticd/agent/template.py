@@ -67,6 +67,26 @@ class JobTemplate:
             return
         self.note()
 
+    def current(self) -> WorkerTemplate | None:
+        """The job's template now (a revived one replaces the last), None when off."""
+        return self.template if self.on else None
+
+    def ready_for_round(self, node_spec: Callable[[JobRecord], GroupSpec],
+                        wake: threading.Event) -> bool:
+        """Before a round's ranks start: a new template if the last died after serving
+        ranks (it took them with it), and a wait for one still importing (bounded by its
+        ready timeout); False when ``wake`` (a cancel, a shutdown, the job's end) ended
+        the wait: then no ranks start."""
+        if self.template.revivable():
+            self._registry.event(self.job_id, "template", "starting a new worker "
+                                 f"template: {self.template.reason}")
+            self.start(node_spec)
+        if self.template.state is TemplateState.STARTING:
+            self.template.ready(stop=wake)
+            self.note()
+            return not wake.is_set()
+        return True
+
     def release(self, keep: bool) -> None:
         """The job ended here (or the daemon stops: not ``keep``): its template back to
         the pool, kept idle for the user's next job or stopped (workers/template_pool.py)."""
