@@ -183,8 +183,8 @@ def test_a_ready_template_forks_the_server_at_once(tmp_path):
 
 
 def test_a_template_that_cannot_be_used_gets_a_server_of_its_own(tmp_path):
-    # Its preload fails the template's start (not the server's): the server is
-    # spawned with the job's Python instead, and still serves.
+    # The template became unusable (here failed by hand: as when it dies, cannot be
+    # made or refuses to fork): the server is spawned with the job's Python instead.
     tpl = template(tmp_path)
     tpl._fail("killed for the test")
     host = RoundStoreHost("j1", "n1", timeout=120)
@@ -235,6 +235,9 @@ def test_the_in_process_job_store_is_forked_from_the_template_too(tmp_path):
         assert host.ensure(spec(tmp_path / "other"), "127.0.0.1", "127.0.0.1", 120, other,
                            stop=woken) is None
         other.stop()
+        # No template (agent.worker_template off): a store of its own, with the job's Python.
+        _, port = host.ensure(spec(tmp_path), "127.0.0.1", "127.0.0.1", 120, None)
+        assert listening(port) and host.forked_from == 0
     finally:
         host.stop()
         tpl.stop()

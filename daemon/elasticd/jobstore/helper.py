@@ -21,10 +21,11 @@ import select
 import signal
 import socket
 import subprocess
+import time
 
 from ..workers.forked import ForkedProcess
 from ..workers.group import GroupSpec, base_env, end_helper, prepare_dirs, start_job_process
-from ..workers.template import WorkerTemplate
+from ..workers.template import TemplateState, WorkerTemplate
 
 _LINE_MAX = 200
 _STOP_WAIT = 5.0   # seconds a forked helper's SIGKILL is waited for (its template reports it)
@@ -53,6 +54,24 @@ class JobHelper:
     def exit_code(self) -> int | None:
         """Its exit code once it exited (None while it runs or was never started)."""
         return self._proc.poll() if self._proc is not None else None
+
+    def launch(self, template: WorkerTemplate | None, spec: GroupSpec, args: list,
+               log_path: str, wait: float, stop=None) -> str | None:
+        """Start it: forked from ``template`` once ready (one still importing is waited
+        for up to ``wait`` seconds; a set ``stop``, a threading.Event, ends the wait),
+        else spawned with the job's Python. "" when it was forked, else why not (it was
+        spawned); None when ``stop`` ended the wait (nothing started). Raises
+        SpawnError when it cannot be started at all."""
+        if template is not None and template.state is TemplateState.STARTING:
+            template.ready(wait, stop)
+            if template.state is TemplateState.STARTING and stop is not None \
+                    and stop.is_set():
+                return None
+        why = self.fork(template, spec, args, log_path) \
+            if template is not None and template.ready(0) else "no worker template ready"
+        if why:
+            self.spawn(spec, args, log_path)
+        return why
 
     def fork(self, template: WorkerTemplate, spec: GroupSpec, args: list,
              log_path: str) -> str:
@@ -106,6 +125,17 @@ class JobHelper:
                 return "<line too long>"
         line, self._buf = self._buf.split(b"\n", 1)
         return line.decode(errors="replace").strip()
+
+    def wait_line(self, timeout: float, stop=None) -> str | None:
+        """Its next line (``read_line``), waited for in slices up to ``timeout`` seconds:
+        None when it did not come (it exited, the time ran out, or ``stop`` was set)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            line = self.read_line(max(0.0, min(0.1, left)))
+            if line is not None or left <= 0 or self.exit_code() is not None \
+                    or (stop is not None and stop.is_set()):
+                return line
 
     def stop(self) -> None:
         """End it (its process group, SIGKILL) and wait for it: a spawned one is reaped

@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 
 from ..logsetup import ctx
 from ..workers.group import GroupSpec, SpawnError, warm_args
-from ..workers.template import TemplateState, WorkerTemplate
+from ..workers.template import WorkerTemplate
 from .helper import JobHelper
 
 log = logging.getLogger("elasticd.jobstore.host")
@@ -52,29 +51,18 @@ class JobStoreHost:
         if warm_args(spec.command) is None:
             raise SpawnError("in-process restart needs a `python SCRIPT` or `python -m MODULE` "
                              "command (the store host runs with the job's Python)")
-        if template is not None and template.state is TemplateState.STARTING:
-            template.ready(timeout, stop)
-            if template.state is TemplateState.STARTING and stop is not None and stop.is_set():
-                return None
-        deadline = time.monotonic() + timeout
-        args = [JOBSTORE, "--host", bind, "--advertise", advertise]
-        log_path = os.path.join(spec.log_dir, "jobstore.log")
-        why = self._store.fork(template, spec, args, log_path) \
-            if template is not None and template.ready(0) else "no worker template ready"
-        if why:
-            self._store.spawn(spec, args, log_path)
-        line = None
-        while line is None and self._store.exit_code() is None:
-            left = deadline - time.monotonic()
-            if left <= 0 or (stop is not None and stop.is_set()):
-                break
-            line = self._store.read_line(min(0.1, left))
+        why = self._store.launch(template, spec, [JOBSTORE, "--host", bind, "--advertise",
+                                                  advertise],
+                                 os.path.join(spec.log_dir, "jobstore.log"), timeout, stop)
+        if why is None:
+            return None
+        line = self._store.wait_line(timeout, stop)
         words = (line or "").split()
         if len(words) != 3 or words[0] != "ELASTICD_STORE" or not words[2].isdigit():
+            code = self._store.exit_code()
             self.stop()
             if line is None and stop is not None and stop.is_set():
                 return None
-            code = self._store.exit_code()
             raise SpawnError(f"the job store exited ({code}); see jobstore.log"
                              if code is not None and line is None else
                              f"the job store said {line[:80]!r}" if line is not None else

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from typing import Callable
 
 from ..logsetup import ctx
@@ -83,67 +82,41 @@ class RoundStoreHost:
             return
         self._spec, self._bind, self._template = spec, bind, template
         tpl = template() if template is not None else None
-        if tpl is not None and tpl.state in (TemplateState.STARTING, TemplateState.READY):
-            if tpl.ready(0):
-                self._fork(tpl)
-            return                # forked at the first new_port, once the template is ready
-        self._spawn()
+        if tpl is None or tpl.state is not TemplateState.STARTING:
+            self._launch(tpl, None)   # forked from a ready one, else spawned: now
+        # else forked at the first new_port, once the template is ready
 
-    def _args(self) -> list[str]:
-        return [ROUND_SERVER, "--host", self._bind]
-
-    def _log_path(self) -> str:
-        return os.path.join(self._spec.log_dir, "roundstore.log")
-
-    def _spawn(self) -> None:
-        """The server as a process of its own, with the job's Python (it imports torch)."""
+    def _launch(self, tpl: WorkerTemplate | None, stop) -> bool:
+        """Start the server (jobstore/helper.py ``launch``: forked from ``tpl`` once it is
+        ready, at most ``rendezvous.round_store_timeout`` later, else spawned); False
+        when ``stop`` ended the wait for the template first."""
         try:
-            self._server.spawn(self._spec, self._args(), self._log_path())
+            why = self._server.launch(tpl, self._spec, [ROUND_SERVER, "--host", self._bind],
+                                      os.path.join(self._spec.log_dir, "roundstore.log"),
+                                      self._timeout, stop)
         except SpawnError as exc:
             self.reason = str(exc)
-
-    def _fork(self, tpl: WorkerTemplate) -> None:
-        """The server forked from the ready template; spawned when that fails."""
-        try:
-            why = self._server.fork(tpl, self._spec, self._args(), self._log_path())
-        except SpawnError as exc:
-            self.reason = str(exc)
-            return
-        if why:
+            return True
+        where = ctx(job=self._job_id, node=self._node_id)
+        if why == "":
+            log.info("%s: round store server pid %d forked from worker template pid %d",
+                     where, self._server.pid, self._server.template_pid)
+        elif why is not None and tpl is not None:
             log.info("%s: round store server not forked from the worker template (%s): "
-                     "started on its own", ctx(job=self._job_id, node=self._node_id), why)
-            self._spawn()
-            return
-        log.info("%s: round store server pid %d forked from worker template pid %d",
-                 ctx(job=self._job_id, node=self._node_id), self._server.pid, tpl.pid)
-
-    def _await_template(self, stop) -> bool:
-        """Before the first store: fork the server once the template is ready (or spawn
-        it when the template is unusable); False when ``stop`` ended the wait first."""
-        tpl = self._template() if self._template is not None else None
-        if tpl is not None and tpl.state is TemplateState.STARTING:
-            tpl.ready(self._timeout, stop)
-            if tpl.state is TemplateState.STARTING:
-                if stop is not None and stop.is_set():
-                    return False  # woken (cancel, shutdown): this join goes without
-                self._spawn()     # its ready timeout is longer than ours: not waited more
-                return True
-        if tpl is not None and tpl.ready(0):
-            self._fork(tpl)
-        else:
-            self._spawn()
-        return True
+                     "started on its own", where, why)
+        return why is not None
 
     def new_port(self, stop=None) -> int:
         """A new store's port, listening already; 0 when there is none (failed: then
         never again, see ``reason``; or ``stop`` was set while it still imported)."""
         if not self._server.started and self._spec is not None and not self.reason:
-            if not self._await_template(stop):
-                return 0
+            if not self._launch(self._template() if self._template is not None else None,
+                                stop):
+                return 0          # woken (cancel, shutdown): this join goes without
         if not self._server.started:
             return 0
         if not self.ready:
-            line = self._wait_ready(stop)
+            line = self._server.wait_line(self._timeout, stop)
             if line is None and self._server.exit_code() is not None:
                 return self._give_up(f"round store server exited "
                                      f"({self._server.exit_code()}); see roundstore.log")
@@ -165,16 +138,6 @@ class RoundStoreHost:
                                  f"{self._timeout:g}s" if line is None
                                  else f"round store server said {line[:80]!r}")
         return int(parts[1])
-
-    def _wait_ready(self, stop) -> str | None:
-        """The server's first line, waited for in slices (``stop`` ends the wait)."""
-        deadline = time.monotonic() + self._timeout
-        while True:
-            left = deadline - time.monotonic()
-            line = self._server.read_line(max(0.0, min(0.1, left)))
-            if line is not None or left <= 0 or self._server.exit_code() is not None \
-                    or (stop is not None and stop.is_set()):
-                return line
 
     def _give_up(self, why: str) -> int:
         self.stop()
