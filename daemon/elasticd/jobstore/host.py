@@ -58,7 +58,9 @@ class JobStoreHost:
             return None
         line = self._store.wait_line(timeout, stop)
         words = (line or "").split()
-        if len(words) != 3 or words[0] != "ELASTICD_STORE" or not words[2].isdigit():
+        # It runs as the job's user: what it says is checked (the address is ours).
+        if len(words) != 3 or words[0] != "ELASTICD_STORE" or words[1] != (advertise or bind) \
+                or not words[2].isdigit() or not 0 < int(words[2]) < 65536:
             code = self._store.exit_code()
             self.stop()
             if line is None and stop is not None and stop.is_set():
