@@ -67,31 +67,24 @@ class JobHelper:
             if template.state is TemplateState.STARTING and stop is not None \
                     and stop.is_set():
                 return None
-        why = self.fork(template, spec, args, log_path) \
-            if template is not None and template.ready(0) else "no worker template ready"
-        if why:
-            self.spawn(spec, args, log_path)
-        return why
-
-    def fork(self, template: WorkerTemplate, spec: GroupSpec, args: list,
-             log_path: str) -> str:
-        """``args`` (one of elasticd's files and its arguments) forked from the ready
-        ``template``; "" when it was, else why not (nothing started). Raises SpawnError
-        when the job's directories cannot be made (as ``spawn`` does)."""
         self.stop()
         prepare_dirs(spec)
+        why = self._fork(template, spec, args, log_path) \
+            if template is not None and template.ready(0) else "no worker template ready"
+        if why:
+            self._proc = start_job_process(spec, [spec.command[0], *args], base_env(spec),
+                                           log_path, pipes=True)
+        return why
+
+    def _fork(self, template: WorkerTemplate, spec: GroupSpec, args: list,
+              log_path: str) -> str:
+        """``args`` (one of elasticd's files and its arguments) forked from the ready
+        ``template``; "" when it was, else why not (nothing started)."""
         proc, chan, why = template.fork_helper(spec, args, base_env(spec), log_path)
         if proc is None:
             return why
         self._proc, self._chan, self.template_pid = proc, chan, template.pid
         return ""
-
-    def spawn(self, spec: GroupSpec, args: list, log_path: str) -> None:
-        """``args`` run by the job's Python, a process of its own; raises SpawnError."""
-        self.stop()
-        prepare_dirs(spec)
-        self._proc = start_job_process(spec, [spec.command[0], *args], base_env(spec),
-                                       log_path, pipes=True)
 
     def send(self, data: bytes) -> bool:
         """Write ``data`` to its stdin; False when it is gone."""

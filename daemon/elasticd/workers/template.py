@@ -244,8 +244,7 @@ class WorkerTemplate:
             -> tuple[ForkedProcess | None, str]:
         """A rank forked from the template, or (None, why not) for a cold start."""
         if not self.ready(0):
-            return None, f"worker template {self.state.value}" + \
-                (f": {self.reason}" if self.reason else "")
+            return None, self._unready()
         if entry_part(args) != entry_part(self._boot_args):
             return None, "the command differs from the template's"
         with workers.open_log(workers.log_file_path(spec.log_dir, rank)) as logf:
@@ -259,8 +258,7 @@ class WorkerTemplate:
         its stderr ``log_path``. (None, None, why not) when it cannot be forked.
         It counts among the template's children: end it before ``settle``."""
         if not self.ready(0):
-            return None, None, f"worker template {self.state.value}" + \
-                (f": {self.reason}" if self.reason else "")
+            return None, None, self._unready()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             with workers.open_log(log_path) as logf:
@@ -272,6 +270,11 @@ class WorkerTemplate:
             ours.close()
             return None, None, why
         return proc, ours, ""
+
+    def _unready(self) -> str:
+        """Why it forks nothing now: its state, and the reason when there is one."""
+        return f"worker template {self.state.value}" + (f": {self.reason}" if self.reason
+                                                         else "")
 
     def _fork(self, request: dict, fds: list) -> tuple[ForkedProcess | None, str]:
         """Send one fork request with ``fds`` and wait for its reply."""

@@ -192,8 +192,8 @@ def _become(assignment: dict, boot_args: list, keep_stdin: bool = False) -> None
 # Requests, daemon -> template: a 4-byte big-endian length, then that many bytes of JSON.
 # A "fork" request carries the rank's log as one SCM_RIGHTS descriptor sent with its
 # length header; one with "helper" set (a process of the job that is no rank, running one
-# of elasticd's own files: the round store server) carries a second, a socket that becomes
-# the child's stdin and stdout (its log then takes stderr only).
+# of elasticd's own files: the round store server, the job store) carries a second, a
+# socket that becomes the child's stdin and stdout (its log then takes stderr only).
 # Replies and news, template -> daemon: one JSON object per line:
 # {"ready": ..., "env_read": [NAME, ...] or "*"} once after the preload
 # (_record_env_reads), {"id": N, "pid": P} or {"id": N, "refused": WHY} per fork
@@ -370,8 +370,8 @@ def _become_rank(request: dict, log_fd: int, template_pid: int, boot_args: list,
     libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: dies with the template
     if os.getppid() != template_pid:  # the template died before that took effect
         os._exit(1)
-    signal.pthread_sigmask(signal.SIG_SETMASK, [])  # stdin: /dev/null in _become
-    if chan_fd >= 0:
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+    if chan_fd >= 0:  # a helper; a rank's stdin is /dev/null (_become)
         os.dup2(chan_fd, 0)
         os.dup2(chan_fd, 1)
         os.close(chan_fd)
