@@ -254,8 +254,13 @@ def hostile_keys(rng: random.Random, job_id: str, rnd: int) -> list[str]:
                  f"/v1/jobs/{job}/workers/{node}", f"/v1/jobs/{job}/phases/{node}",
                  f"/v1/phases/{job}/{node}", f"/v1/phases/{job}/{node}/x",
                  f"/v1/jobs/{job}/summaries/{node}", f"/v1/jobs/{job}/join/notanint/{node}",
-                 f"/v1/events/{job}/{node}/{rng.randint(0, 10**12):012d}"]
+                 f"/v1/events/{job}/{node}/{rng.randint(0, 10**12):012d}",
+                 f"/v1/rounds/{job}/state", f"/v1/rounds/{job}/spec",
+                 f"/v1/rounds/{job}/join/{r}/{node}", f"/v1/rounds/{job}/done/{r}/{node}",
+                 f"/v1/rounds/{job}/workers/{node}", f"/v1/rounds/{job}/join/notanint/{node}",
+                 f"/v1/rounds/{job}/" + "k" * rng.choice((10, 3000))]
     keys += [f"/v1/nodes/{node}", f"/v1/drain/{node}", "/v1/jobs/", f"/v1/jobs/{other}",
+             "/v1/rounds/", f"/v1/rounds/{job_id}",
              f"/v1/jobs/{other}/" + "k" * rng.choice((10, 3000)), "/v1/nodes/",
              f"/v1/events/{other}", f"/v1/drain/{node}/deeper"]
     return keys

@@ -57,12 +57,13 @@ def pair(etcd):
 
 @pytest.mark.parametrize("key,value", [
     ("/v1/jobs/x/state", DEEP),
-    ("/v1/jobs/y/join/1/n9", '{"node_id": "n9", "address": "10.0.0.9", "nproc": 1e999, '
-                             '"port": 1}'),
+    ("/v1/rounds/{job}/join/1/n9", '{"node_id": "n9", "address": "10.0.0.9", '
+                                   '"nproc": 1e999, "port": 1}'),
     ("/v1/jobs/z/spec", DEEP),
 ], ids=["deep-state", "huge-nproc-join", "deep-spec"])
 def test_one_bad_job_key_stalls_no_job(pair, key, value):
     job = pair.job
+    key = key.format(job=job)         # a join reaches the nodes of its own job only
     before = pair.running(job)
     pair.attacker.put(key, value)
     steady(pair, job, before, 2.0)
@@ -129,8 +130,9 @@ def _fuzz(pair: TrainingPair, count: int, seed: int) -> dict:
     job = pair.job
     rnd = pair.running(job)["n1"][1]
     a = pair.attacker
-    genuine = [kv for kv in (a.get(f"/v1/jobs/{job}/{k}") for k in (
+    genuine = [kv for kv in (a.get(f"/v1/rounds/{job}/{k}") for k in (
         "state", f"join/{rnd}/n1", f"join/{rnd}/n2", "workers/n1")) if kv]
+    genuine += [a.get(f"/v1/jobs/{job}/state")]
     genuine += [a.get(f"/v1/phases/{job}/n2")]
     genuine += [a.get("/v1/nodes/n1"), a.get("/v1/nodes/n2")]
     genuine = [g for g in genuine if g]

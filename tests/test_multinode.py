@@ -839,10 +839,10 @@ def test_an_agent_crash_ends_the_job_cluster_wide(tmp_short, monkeypatch):
         rec = node.submit(PY, "-c", "import time; time.sleep(30)")
         final = node.wait_end(rec.id)
         assert final.state.value == "FAILED" and "injected bug" in final.reason
-        key = f"/v1/jobs/{rec.id}/state"
-        state = RoundState.from_doc(node.codec.records.open(
-            Kind.STATE, key, node.store.get(key).value).doc)
-        assert state.final, f"the store still says {state.status}: other nodes never hear of it"
+        for key in (f"/v1/rounds/{rec.id}/state", f"/v1/jobs/{rec.id}/state"):  # and its copy
+            state = RoundState.from_doc(node.codec.records.open(
+                Kind.STATE, key, node.store.get(key).value).doc)
+            assert state.final, f"{key} still says {state.status}: other nodes never hear of it"
     finally:
         node.close()
 
@@ -862,15 +862,15 @@ def test_a_round_costs_one_join_write_per_node_and_one_close(etcd):
     prefix, job_id = f"/cost-{uuid.uuid4().hex[:8]}", "cost1"
     limits = JobLimits(min_nodes=n, max_nodes=n, max_restarts=0, last_call=0.0,
                        join_timeout=600.0)
-    counts = {"join": 0, "cas": 0}
+    counts = {"join": 0, "cas": 0, "copy": 0}
     lock = threading.Lock()
     stores, views, parts = [], [], []
 
     def counting(fn, what):
         def call(key, *a, **kw):
             if what == "cas" or "/join/" in key:
-                with lock:
-                    counts[what] += 1
+                with lock:     # the round's CAS, or its copy in the job list
+                    counts["copy" if key.startswith("/v1/jobs/") else what] += 1
             return fn(key, *a, **kw)
         return call
 
@@ -900,7 +900,7 @@ def test_a_round_costs_one_join_write_per_node_and_one_close(etcd):
             stop.set()
             pool.shutdown(wait=True)
         assert sorted(r.place.group_rank for r in results) == list(range(n))
-        assert counts == {"join": n, "cas": 1}, counts
+        assert counts == {"join": n, "cas": 1, "copy": 1}, counts
     finally:
         stop.set()
         for v in views:

@@ -1,5 +1,5 @@
-"""A job's phase records reach its own nodes and no other: four real daemons on one
-real etcd, job A on n1+n2 and job B on n3+n4 (plain sleeping workers).
+"""A job's rounds and phase records reach its own nodes and no other: four real
+daemons on one real etcd, job A on n1+n2 and job B on n3+n4 (plain sleeping workers).
 
 Each daemon counts what its store watches receive by the kind of key
 (``elasticd_store_watch_events_total{kind="phases"}``, counted where the watch
@@ -10,8 +10,17 @@ daemon watching every job's keys), it would count more than A's. Each node
 watches the job's records while it runs it (``elasticd_phase_watches``: 1) and
 stops when the job ends there (0).
 
+The same for a job's rounds (its state, joins, done marks and worker rows under
+/v1/rounds/<job>/, rendezvous/view.py): counted as ``kind="rounds"``, a node may
+have received its own job's changes there and none of the other's.
+
 Before the phase records moved (rendezvous/phase_watch.py), each of them reached
-every daemon through its watch of /v1/jobs: n3 received A's as well as B's.
+every daemon through its watch of /v1/jobs: n3 received A's as well as B's; so
+did every join and worker row before the rounds moved out of the job list.
+
+A job submitted on a node that runs none of it (n3 submits C for n1+n2) is adopted
+by the nodes it names, shown from n3 (its workers read from its rounds on demand)
+and cancelled from there.
 """
 from __future__ import annotations
 
@@ -50,6 +59,15 @@ def metric(port: int, name: str) -> float:
 
 
 PHASE_EVENTS = 'elasticd_store_watch_events_total{kind="phases"}'
+ROUND_EVENTS = 'elasticd_store_watch_events_total{kind="rounds"}'
+
+
+def changes_since(store, folder: str, since: int, jobs: dict) -> dict:
+    """Every change the keys of each job had under /v1/<folder>/, from etcd's history."""
+    changes = {name: 0 for name in jobs}
+    for ev in store.watch(f"/v1/{folder}/", since, timeout=2.0):
+        changes[next(n for n in jobs if ev.key.startswith(f"/v1/{folder}/{jobs[n]}/"))] += 1
+    return changes
 
 
 def test_a_nodes_watches_get_the_phase_records_of_its_own_job_only(quad):
@@ -77,16 +95,37 @@ def test_a_nodes_watches_get_the_phase_records_of_its_own_job_only(quad):
         wait_for(lambda: all(metric(p, "elasticd_phase_watches") == 0 for p in ports.values()),
                  30, "every node's phase watch closed once its job ended there")
         got = {node: metric(p, PHASE_EVENTS) for node, p in ports.items()}
-        # Every change the phase records of each job had, from etcd's history.
-        changes = {name: 0 for name in JOBS}
-        for ev in store.watch("/v1/phases/", since, timeout=2.0):
-            changes[next(n for n in JOBS if ev.key.startswith(f"/v1/phases/{jobs[n]}/"))] += 1
+        rounds = {node: metric(p, ROUND_EVENTS) for node, p in ports.items()}
+        changes = changes_since(store, "phases", since, jobs)
+        round_changes = changes_since(store, "rounds", since, jobs)
     finally:
         store.close()
     assert all(n >= 4 for n in changes.values()), changes
+    assert all(n >= 4 for n in round_changes.values()), round_changes
     for name, nodes in JOBS.items():
         for node in nodes:
             assert 2 <= got[node] <= changes[name], (
                 f"{node} runs job {name} only: it may receive that job's {changes[name]} "
                 f"phase record changes and no other job's; it received {got[node]:.0f} "
                 f"(all: {got}, changes per job: {changes})")
+            assert 2 <= rounds[node] <= round_changes[name], (
+                f"{node} runs job {name} only: it may receive that job's "
+                f"{round_changes[name]} changes of its rounds and no other job's; it "
+                f"received {rounds[node]:.0f} (all: {rounds}, per job: {round_changes})")
+
+
+def test_a_job_submitted_where_none_of_it_runs_is_adopted_shown_and_cancelled_there(quad):
+    c, ports = quad
+    job = submit(c["n3"], "--nnodes", "2", "--nodes", "n1,n2", cmd=SLEEP)
+    for node in ("n1", "n2"):
+        c[node].wait_state(job, "RUNNING", 90)
+    before = metric(ports["n3"], ROUND_EVENTS)
+    shown = wait_for(lambda: (st := status(c["n3"], job))["state"] == "RUNNING"
+                     and len(st["workers"]) == 2 and st, 30,
+                     "n3 showing the job running with both nodes' workers")
+    assert {w["node_id"] for w in shown["workers"]} == {"n1", "n2"}, shown
+    assert metric(ports["n3"], ROUND_EVENTS) == before, "n3 received rounds of a job it " \
+        "does not run"
+    c["n3"].ctl("cancel", job)
+    for node in ("n1", "n2", "n3"):
+        c[node].wait_state(job, "CANCELLED", 60)

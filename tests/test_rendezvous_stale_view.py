@@ -45,6 +45,19 @@ class CutOff:
     def job(self, job_id: str):
         return self._snapshot.get(job_id) if self.cut else self.view.job(job_id)
 
+    def follow(self, job_id: str) -> None:
+        self.view.follow(job_id)
+
+    def unfollow(self, job_id: str) -> None:
+        self.view.unfollow(job_id)
+
+    def caught_up(self, job_id: str, revision: int) -> bool:
+        # cut off, its view holds what it wrote before (nothing it writes gets through)
+        return True if self.cut else self.view.caught_up(job_id, revision)
+
+    def listed_state(self, job_id: str):
+        return (None, 0) if self.cut else self.view.listed_state(job_id)
+
     def wait(self, timeout: float, seen=None, stop=None) -> None:
         if self.cut:
             time.sleep(min(timeout, 0.05))

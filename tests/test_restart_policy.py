@@ -176,7 +176,7 @@ def test_the_window_is_counted_cluster_wide_whichever_node_restarts(tmp_path):
     view.start()
     limits = JobLimits(min_nodes=2, max_nodes=2, max_restarts=-1, last_call=0.0,
                        join_timeout=30.0, max_restarts_in_window=2, restart_window=3600.0)
-    key = "/v1/jobs/w1/state"
+    key = "/v1/rounds/w1/state"
     try:
         create_job(store, "w1", {"id": "w1", "nodes": []}, time.time(), records=PLAIN)
         nodes = {n: ClusterRendezvous(store, view, "w1", n, "127.0.0.1", 1, lambda: None,
@@ -190,7 +190,7 @@ def test_the_window_is_counted_cluster_wide_whichever_node_restarts(tmp_path):
             rev = store.compare_and_swap(key, replace(state, status=CLOSED,
                                                       members=members).to_json(), kv.revision)
             deadline = time.monotonic() + 10
-            while view.revision < rev and time.monotonic() < deadline:
+            while not view.reached(key, rev) and time.monotonic() < deadline:
                 view.wait(0.1)
             return Result(RoundPlace(round=state.round, group_rank=0, group_world_size=2,
                                      world_size=2, rank_offset=0, master_addr="127.0.0.1",

@@ -45,13 +45,20 @@ def refused(records, kind, key, value) -> Reason:
 
 def test_a_sealed_record_opens_under_its_own_key_only():
     r = sealer()
-    key = "/v1/jobs/j1/join/3/n1"
+    key = "/v1/rounds/j1/join/3/n1"
     value = r.seal(Kind.JOIN, key, JOIN.to_json())
     opened = r.open(Kind.JOIN, key, value)
     assert Join.from_doc(opened.doc) == JOIN and opened.seq > 0
-    for other in ("/v1/jobs/j2/join/3/n1", "/v1/jobs/j1/join/4/n1", "/v1/jobs/j1/join/3/n2",
-                  "/v1/jobs/j1/done/3/n1", "/v1/jobs/j1/join/3/n1x"):
+    for other in ("/v1/rounds/j2/join/3/n1", "/v1/rounds/j1/join/4/n1",
+                  "/v1/rounds/j1/join/3/n2", "/v1/rounds/j1/done/3/n1",
+                  "/v1/rounds/j1/join/3/n1x", "/v1/jobs/j1/join/3/n1"):
         assert refused(r, Kind.JOIN, other, value) is Reason.BAD_MAC, other
+    # The job list's copy of a round state is no round state, nor the other way round.
+    state = RoundState(round=4, status=CLOSED).to_json()
+    assert refused(r, Kind.STATE, "/v1/rounds/j1/state",
+                   r.seal(Kind.STATE, "/v1/jobs/j1/state", state)) is Reason.BAD_MAC
+    assert refused(r, Kind.STATE, "/v1/jobs/j1/state",
+                   r.seal(Kind.STATE, "/v1/rounds/j1/state", state)) is Reason.BAD_MAC
     assert refused(sealer("/other"), Kind.JOIN, key, value) is Reason.BAD_MAC
     assert refused(sealer(key=clusterkey.derive(b"x" * 32).records), Kind.JOIN, key,
                    value) is Reason.BAD_MAC
@@ -80,13 +87,13 @@ def test_every_change_to_a_sealed_record_breaks_it():
 
 def test_size_is_checked_before_any_hashing_and_the_writer_keeps_to_it():
     r = sealer()
-    key = "/v1/jobs/j1/join/1/n1"
+    key = "/v1/rounds/j1/join/1/n1"
     big = "e1.1." + "0" * 64 + "." + "x" * (MAX_BODY[Kind.JOIN] + 1)
     assert refused(r, Kind.JOIN, key, big) is Reason.TOO_LARGE
     with pytest.raises(ValueError):
         r.seal(Kind.JOIN, key, json.dumps({"node_id": "n1", "pad": "x" * MAX_BODY[Kind.JOIN]}))
     with pytest.raises(ValueError):
-        r.seal(Kind.JOIN, "/v1/jobs/j1/join/1/n\0", JOIN.to_json())
+        r.seal(Kind.JOIN, "/v1/rounds/j1/join/1/n\0", JOIN.to_json())
 
 
 def test_a_sealed_body_is_still_decoded_safely():
@@ -179,7 +186,7 @@ def test_a_round_whose_first_member_did_not_join_it_is_not_run_but_replaced(seal
     next round instead of connecting to an address no join vouches for."""
     records, store, view = sealed_view
     create_job(store, "j1", {"id": "j1", "nodes": []}, time.time(), records=records)
-    key = "/v1/jobs/j1/state"
+    key = "/v1/rounds/j1/state"
     closed = RoundState(round=1, status=CLOSED, members=(
         Member("n0", "10.0.0.9", 1, 29500), Member("n2", "10.0.0.2", 1, 29501)))
     store.compare_and_swap(key, records.seal(Kind.STATE, key, closed.to_json()),
@@ -190,16 +197,17 @@ def test_a_round_whose_first_member_did_not_join_it_is_not_run_but_replaced(seal
 
 
 def test_a_job_whose_state_an_older_daemon_wrote_opens_a_new_sealed_round(sealed_view):
-    """After an upgrade the round state in etcd is the old version's, unsigned: the
-    resumed job does not wait for it forever but opens a new round over it."""
+    """After an upgrade the round state in etcd is the old version's, unsigned, and
+    where it kept it (the job list; its rounds hold none): the resumed job does not
+    wait for one forever but opens a new round in its rounds."""
     records, store, view = sealed_view
     store.create("/v1/jobs/j1/spec", json.dumps({"id": "j1"}))
     store.create("/v1/jobs/j1/state", RoundState(round=7, status=CLOSED, members=(
         Member("n1", "10.0.0.1", 1, 29500),)).to_json())       # unsigned: refused
     got = alone_in_a_round(store, view, "n1", max_nodes=1)
     assert got is not None and got.place.round == 1 and got.members == ("n1",)
-    assert records.open(Kind.STATE, "/v1/jobs/j1/state",
-                        store.get("/v1/jobs/j1/state").value).doc["status"] == CLOSED
+    assert records.open(Kind.STATE, "/v1/rounds/j1/state",
+                        store.get("/v1/rounds/j1/state").value).doc["status"] == CLOSED
 
 
 # ---------------------------------------------------------------- the view
@@ -214,19 +222,20 @@ class Cluster:
         self.view = JobsView(self.store, records=self.records, retry=0.1,
                              refusals=self.refusals)
         self.view.start()
+        self.view.follow("j1")      # as j1's rendezvous on a node that runs it
         assert self.view.synced.wait(10)
 
     def put(self, kind: Kind, key: str, body: str) -> int:
-        return self.settle(self.store.put(key, self.records.seal(kind, key, body)))
+        return self.settle(key, self.store.put(key, self.records.seal(kind, key, body)))
 
     def raw(self, key: str, value: str) -> int:
-        return self.settle(self.store.put(key, value))
+        return self.settle(key, self.store.put(key, value))
 
-    def settle(self, revision: int) -> int:
+    def settle(self, key: str, revision: int) -> int:
         deadline = time.monotonic() + 10
-        while self.view.revision < revision and time.monotonic() < deadline:
+        while not self.view.reached(key, revision) and time.monotonic() < deadline:
             self.view.wait(0.1)
-        assert self.view.revision >= revision
+        assert self.view.reached(key, revision)
         return revision
 
     def close(self):
@@ -245,7 +254,7 @@ def state(rnd: int, status: str = CLOSED) -> str:
 
 
 def test_a_refused_value_changes_nothing_but_a_cas_replaces_it(cl):
-    key = "/v1/jobs/j1/state"
+    key = "/v1/rounds/j1/state"
     good = cl.put(Kind.STATE, key, state(3))
     cl.raw(key, "[" * 50000)
     cl.raw(key, json.dumps({"round": 9, "status": "closed", "members": []}))
@@ -255,12 +264,12 @@ def test_a_refused_value_changes_nothing_but_a_cas_replaces_it(cl):
     # The next move of the job replaces the bad value from the revision the view holds.
     cl.store.compare_and_swap(key, cl.records.seal(Kind.STATE, key, state(4, OPEN)),
                               keys.state_revision)
-    cl.settle(cl.store.get(key).revision)
+    cl.settle(key, cl.store.get(key).revision)
     assert cl.view.job("j1").state.round == 4
 
 
 def test_an_older_round_put_back_is_refused(cl):
-    key = "/v1/jobs/j1/state"
+    key = "/v1/rounds/j1/state"
     old = cl.records.seal(Kind.STATE, key, state(3))
     cl.raw(key, old)
     cl.put(Kind.STATE, key, state(4, OPEN))
@@ -275,8 +284,8 @@ def test_an_older_round_put_back_is_refused(cl):
 
 
 def test_a_nodes_older_record_put_back_is_refused_also_after_a_delete(cl):
-    key = "/v1/jobs/j1/join/1/n1"
-    cl.put(Kind.STATE, "/v1/jobs/j1/state", state(1, OPEN))
+    key = "/v1/rounds/j1/join/1/n1"
+    cl.put(Kind.STATE, "/v1/rounds/j1/state", state(1, OPEN))
     first = cl.records.seal(Kind.JOIN, key, JOIN.to_json())
     cl.raw(key, first)
     cl.put(Kind.JOIN, key, json.dumps({**json.loads(JOIN.to_json()), "port": 29600}))
@@ -289,9 +298,9 @@ def test_a_nodes_older_record_put_back_is_refused_also_after_a_delete(cl):
 
 
 def test_records_naming_another_node_or_unknown_keys_are_refused(cl):
-    cl.put(Kind.STATE, "/v1/jobs/j1/state", state(1, OPEN))
-    cl.put(Kind.JOIN, "/v1/jobs/j1/join/1/n2", JOIN.to_json())     # names n1
-    cl.put(Kind.JOIN, "/v1/jobs/j1/join/x/n1", JOIN.to_json())
+    cl.put(Kind.STATE, "/v1/rounds/j1/state", state(1, OPEN))
+    cl.put(Kind.JOIN, "/v1/rounds/j1/join/1/n2", JOIN.to_json())     # names n1
+    cl.put(Kind.JOIN, "/v1/rounds/j1/join/x/n1", JOIN.to_json())
     cl.raw("/v1/jobs/j1/summaries/n1", "{}")
     cl.raw("/v1/jobs/" + "k" * 3000, "{}")
     assert cl.view.job("j1").joins == {}
@@ -303,14 +312,15 @@ def test_records_naming_another_node_or_unknown_keys_are_refused(cl):
 def test_a_relist_keeps_verified_values_and_drops_deleted_keys(cl):
     """What the view holds after etcd compacted its history: the list, but a value that
     does not verify there keeps the verified one."""
-    key = "/v1/jobs/j1/state"
+    key = "/v1/rounds/j1/state"
     cl.put(Kind.STATE, key, state(2))
-    cl.put(Kind.JOIN, "/v1/jobs/j1/join/2/n1", JOIN.to_json())
-    cl.put(Kind.WORKERS, "/v1/jobs/j1/workers/n1", json.dumps({"rows": [], "summary": {}}))
-    kvs, rev = cl.store.list("/v1/jobs")
+    cl.put(Kind.JOIN, "/v1/rounds/j1/join/2/n1", JOIN.to_json())
+    cl.put(Kind.WORKERS, "/v1/rounds/j1/workers/n1", json.dumps({"rows": [], "summary": {}}))
+    kvs, rev = cl.store.list("/v1/rounds/j1")
     garbage = [kv._replace(value="[" * 50000) if kv.key == key else kv for kv in kvs
                if "/workers/" not in kv.key]
-    cl.view._reset(garbage, rev)     # as the follower calls it after a fresh list
+    # as j1's rounds watch calls it after a fresh list
+    cl.view._reset_job(cl.view._followed["j1"], "j1", garbage, rev)
     keys = cl.view.job("j1")
     assert keys.state.round == 2 and keys.joins[2]["n1"] == JOIN and keys.workers == {}
     assert cl.refusals.counts.get(("join", "replayed"), 0) == 0   # listed again: the same
@@ -358,8 +368,8 @@ def test_verifying_a_record_costs_microseconds():
     r = sealer()
     members = tuple(Member(f"node{i:03d}", f"10.0.{i // 250}.{i % 250}", 8, 29500 + i)
                     for i in range(64))
-    cases = {"join": (Kind.JOIN, "/v1/jobs/j1/join/7/n1", JOIN.to_json()),
-             "state (64 nodes)": (Kind.STATE, "/v1/jobs/j1/state",
+    cases = {"join": (Kind.JOIN, "/v1/rounds/j1/join/7/n1", JOIN.to_json()),
+             "state (64 nodes)": (Kind.STATE, "/v1/rounds/j1/state",
                                   RoundState(round=7, status=CLOSED, members=members).to_json()),
              "phases": (Kind.PHASES, "/v1/phases/j1/n1", json.dumps(
                  {"v": 1, "node": "n1", "round": 7, "learned": [],

@@ -79,7 +79,7 @@ def test_two_torchrun_agents_train_and_recover_from_a_crash(etcd, tmp_path):
     assert "world size 2" in text
     # The finished run left nothing in etcd: the same --rdzv-id may run again.
     with open_store("etcd3", [etcd.url], prefix=DEFAULT_PREFIX) as store:
-        left, _ = store.list("/v1/jobs/")
+        left = store.list("/v1/jobs/")[0] + store.list("/v1/rounds/")[0]
     assert [kv.key for kv in left] == [], left
 
 
@@ -111,4 +111,4 @@ def test_workers_see_the_signals_torchrun_handles(etcd, tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert out.read_text().strip() == "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
     with open_store("etcd3", [etcd.url], prefix=DEFAULT_PREFIX) as store:
-        assert store.list("/v1/jobs/")[0] == []
+        assert store.list("/v1/jobs/")[0] == store.list("/v1/rounds/")[0] == []

@@ -148,7 +148,7 @@ class Agent:
                 log.exception("%s: could not record the template's end", self._where())
             self._spares.clear()
             self._standby.ended()
-            self._rdzv.on_change(self._monitor_wait.poke, listen=False)
+            self._rdzv.close()    # its listener, its watch of the job's rounds
             self._monitor_wait.close()
             self._on_exit(self.job_id)
 

@@ -1,9 +1,12 @@
 """Which cluster jobs this node takes on.
 
-Every daemon watches the job list (rendezvous.view.JobsView). The
-dispatcher adopts a job submitted on another node when this node may and
-can run it: not draining, named by the job (or the job names no nodes),
-enough free slots, and the job's round not already at its max nodes. It
+Every daemon watches the job list (rendezvous.view.JobsView): each job's
+spec and a copy of its round state, not its joins. The dispatcher adopts a
+job submitted on another node when this node may and can run it: not
+draining, named by the job (or the job names no nodes), enough free slots,
+and the job's round not already at its max nodes (counted from its joins,
+read from the job's rounds only once the rest says yes; a round found full
+is not read again for ``FULL_KEPT`` intervals unless its state changes). It
 also ends the local record of a job that ended elsewhere while it waited
 here. ``eligible()`` decides without I/O.
 
@@ -29,6 +32,8 @@ from ..rendezvous.protocol import CLOSED, OPEN
 from ..store import StoreError
 
 log = logging.getLogger("elasticd.cluster.dispatch")
+
+FULL_KEPT = 5      # dispatch intervals a job's round read full is not read again
 
 
 def eligible(spec: JobSpec, state, joined: int, node_id: str, free_slots: int, draining: bool,
@@ -75,6 +80,7 @@ class Dispatcher:
         self._policy = policy
         self._metrics = metrics
         self._reported: dict[str, Rejection] = {}   # job id -> what was reported
+        self._full: dict[str, tuple] = {}   # job id -> (state order, until): its round full
         self._view = view
         self._registry = registry
         self._manager = manager
@@ -138,11 +144,18 @@ class Dispatcher:
             total_gpus = self._manager.gpus.total
             gpus_free = self._manager.gpus_free() - sum(
                 n for n in map(self._manager.gpus_needed, waiting) if n <= total_gpus)
-            joined = len(set(keys.joins.get(keys.state.round, {})) | set(keys.state.member_ids()))
             hold = (self._cfg.daemon.suspect_adopt_delay if self._suspicion is not None
                     and self._suspicion.verdict().suspect else 0.0)
-            ok, why = eligible(keys.spec, keys.state, joined, me, free, draining, os.geteuid(),
-                               gpus_free, total_gpus, hold, time.time())
+
+            def judge(keys):
+                joined = len(set(keys.joins.get(keys.state.round, {}))
+                             | set(keys.state.member_ids()))
+                return eligible(keys.spec, keys.state, joined, me, free, draining,
+                                os.geteuid(), gpus_free, total_gpus, hold, time.time())
+            ok, why = judge(keys)
+            if ok and not keys.detailed:   # the list's copy: how many joined, from its rounds
+                keys = self._rounds_of(job_id, keys)
+                ok, why = judge(keys) if keys is not None else (False, "its round is full")
             if not ok:
                 log.debug("%s: not joining: %s", ctx(job=job_id, node=me), why)
                 continue
@@ -154,6 +167,27 @@ class Dispatcher:
                 known = {j.id: j for j in self._registry.list()}
                 done.append(f"adopted job {job_id}")
         return done
+
+    def _rounds_of(self, job_id: str, keys):
+        """The job's keys with its round's joins, read from its rounds (this node does not
+        follow them); None while a read found the round full at the same state copy,
+        for up to ``FULL_KEPT`` dispatch intervals (no read per node and tick)."""
+        order = keys.state.order
+        full = self._full.get(job_id)
+        if full is not None and full[0] == order and time.monotonic() < full[1]:
+            return None
+        fresh = self._view.job(job_id, fresh=True)
+        if fresh is None or fresh.state is None or not fresh.detailed:
+            return None
+        joined = len(set(fresh.joins.get(fresh.state.round, {})) | set(fresh.state.member_ids()))
+        if joined >= fresh.spec.max_nodes + fresh.spec.spares if isinstance(
+                fresh.spec, JobSpec) else False:
+            self._full[job_id] = (order, time.monotonic() + FULL_KEPT * self._interval)
+            while len(self._full) > 10_000:
+                self._full.pop(next(iter(self._full)))
+        else:
+            self._full.pop(job_id, None)
+        return fresh
 
     def _refusal(self, job_id: str, spec: JobSpec) -> Rejection | None:
         if self._policy is None:

@@ -4,7 +4,9 @@ A cluster job has a local record (jobs/registry.py) only on the nodes that adopt
 it. Any other node still answers ``status``, ``wait`` and ``events`` for it
 from the job's keys in the ``JobsView`` (see rendezvous/protocol.py): the
 spec (what, whose, submitted where), the round state (round, restarts,
-open/closed/final and why) and the worker rows each running node publishes.
+open/closed/final and why) and the worker rows each running node publishes
+(its rounds, which such a node does not watch: read when asked,
+``JobsView.job(id, fresh=True)``).
 Each running node also publishes a summary of its recovery (restarts per
 layer, the budgets, its last failure with a traceback excerpt, its latest
 ladder attempts: ``JobRecord.recovery_summary``), which ``recovery_of``
@@ -87,10 +89,15 @@ def spares_of(keys: JobKeys) -> list[str]:
 
 
 def spare_roles(view) -> dict[str, list[str]]:
-    """{node: [jobs it stands by for]} over every job in ``view`` (rendezvous/view.py)."""
+    """{node: [jobs it stands by for]} over every job in ``view`` (rendezvous/view.py):
+    a closed round's from its joins, read from its rounds where this node does not
+    follow them."""
     roles: dict[str, list[str]] = {}
     for job_id in view.job_ids():
         keys = view.job(job_id)
+        if keys is not None and keys.state is not None and keys.state.status == CLOSED \
+                and not keys.detailed:
+            keys = view.job(job_id, fresh=True)
         for node in spares_of(keys) if keys is not None else ():
             roles.setdefault(node, []).append(job_id)
     return roles

@@ -131,7 +131,7 @@ class ControlServicer(pb_grpc.ControlServicer):
                      if self._replication is not None else None)
         if own is not None:
             add_snapshot(msg, me, own, now)
-        keys = self._view.job(job.id) if self._view is not None else None
+        keys = self._view.job(job.id, fresh=True) if self._view is not None else None
         for node, row in sorted(self._peer_rows(job, keys).items()):
             if row.step >= 0 or row.ranks:
                 add_snapshot(msg, node, row, now)
@@ -167,6 +167,11 @@ class ControlServicer(pb_grpc.ControlServicer):
             local, ambiguous = None, exc
         if local is not None and (local.id == key or local.live):
             check_access(local, caller)
+            if local.live and local.nodes and self._cfg.daemon.node_id not in local.nodes:
+                # submitted here for other nodes: what runs is theirs, in the cluster
+                remote = self._remote(local.id, caller)
+                if remote is not None:
+                    return remote, False
             return local, True
         if ambiguous is not None and ambiguous.live:
             raise errors.FailedPrecondition(str(ambiguous))
@@ -206,13 +211,14 @@ class ControlServicer(pb_grpc.ControlServicer):
         if found is None or (found[0] != key and self._owner(found[0]) != caller.uid
                              and not caller.is_root):
             return None  # another user's name: as if nobody had it
-        return clusterjobs.record_from_keys(found[1], time.time())
+        keys = self._view.job(found[0], fresh=True) or found[1]   # its rows, its joins
+        return clusterjobs.record_from_keys(keys, time.time())
 
     def _refresh(self, job: JobRecord, here: bool) -> JobRecord:
         """The job's record now: from the registry, or from the cluster's keys."""
         if here:
             return self._registry.get(job.id)
-        keys = self._view.job(job.id)
+        keys = self._view.job(job.id, fresh=True)
         return (clusterjobs.record_from_keys(keys, time.time()) if keys else None) or job
 
     def _wait_until(self, job: JobRecord, here: bool, done, timeout: float | None, gone=None):
@@ -240,7 +246,7 @@ class ControlServicer(pb_grpc.ControlServicer):
         if rejected is not None:
             return rejection_to_proto(rejected, self._cfg.daemon.node_id)
         msg = self._with_cluster(job) if here else job_to_proto(job)
-        keys = self._view.job(job.id) if self._view is not None else None
+        keys = self._view.job(job.id, fresh=True) if self._view is not None else None
         if keys is not None:
             msg.spare_nodes.extend(clusterjobs.spares_of(keys))
         return self._fit(msg)
@@ -282,7 +288,7 @@ class ControlServicer(pb_grpc.ControlServicer):
     def Logs(self, request, context, caller):
         job, here = self._find(request.id, caller)
         if not here:
-            keys = self._view.job(job.id)
+            keys = self._view.job(job.id, fresh=True)
             nodes = clusterjobs.nodes_of(keys) if keys else []
             raise errors.FailedPrecondition(
                 f"job {job.id} does not run on this node; its logs are on the nodes that run "
@@ -316,7 +322,7 @@ class ControlServicer(pb_grpc.ControlServicer):
 
     def _rank_elsewhere(self, job_id: str, rank: int) -> str:
         """The node (and address) where a rank last ran, if not this one."""
-        keys = self._view.job(job_id) if self._view is not None else None
+        keys = self._view.job(job_id, fresh=True) if self._view is not None else None
         if keys is None:
             return ""
         me = self._cfg.daemon.node_id

@@ -280,11 +280,14 @@ class Coordinator:
         self._finish_cancelled(job, f"cancelled by {caller.user} on {self._cfg.daemon.node_id}")
 
     def _finish_cancelled(self, job: JobRecord, reason: str) -> None:
+        rdzv = self._rendezvous_for(job)
         try:
-            self._rendezvous_for(job).finish(CANCELLED, reason)
+            rdzv.finish(CANCELLED, reason)
         except StoreError as exc:
             raise errors.FailedPrecondition(f"etcd unavailable, job not cancelled: {exc}") \
                 from None
+        finally:
+            rdzv.close()
 
     # -- scheduling ----------------------------------------------------------
     def schedule(self) -> None:
@@ -351,7 +354,8 @@ class Coordinator:
         return ClusterRendezvous(self._cluster.store, self._view, job.id,
                                  self._cfg.daemon.node_id, self._cluster.address,
                                  job.nproc_per_node, lambda: keeper.lease, limits,
-                                 scale_up=r.scale_up, poll=r.poll, probe=probe)
+                                 scale_up=r.scale_up, poll=r.poll, probe=probe,
+                                 sync_timeout=2 * self._cfg.etcd.request_timeout)
 
     def adopt(self, spec: JobSpec) -> JobRecord | None:
         """Take on a job submitted on another node (its spec checked where it was read:

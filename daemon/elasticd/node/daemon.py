@@ -43,7 +43,7 @@ from ..cluster.quarantine import FaultMemory
 from ..cluster.suspicion import MAX_REMEMBERED as SUSPECT_REMEMBERED, SuspectTracker
 from .coordinator import Coordinator
 from ..metrics import Metrics
-from ..rendezvous.protocol import job_prefix
+from ..rendezvous.round import forget_job
 from ..exposition.endpoint import MetricsEndpoint
 from ..rendezvous.phase_watch import PhaseWatch
 from ..rendezvous.view import JobsView
@@ -227,7 +227,7 @@ class Daemon:
         # its in-memory store is this node's alone, and nothing else ends them).
         forget = events.forget_job if events is not None else None
         if d.standalone:
-            forget = lambda job_id: store.delete_prefix(job_prefix(job_id))  # noqa: E731
+            forget = lambda job_id: forget_job(store, job_id)  # noqa: E731
         retirer = Retirer(cfg, registry, keeper, manager.active_jobs, forget)
         manager.agent_exit_listeners.append(retirer.wake)
         retirer.start()

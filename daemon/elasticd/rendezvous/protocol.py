@@ -1,17 +1,27 @@
 """The cluster rendezvous protocol: its keys and its decisions, no I/O.
 
-Keys of one job (under the store prefix; ``R`` is a round number)::
+Keys of one job (under the store prefix; ``R`` is a round number). The job
+list, which every daemon watches (rendezvous/view.py)::
 
     /v1/jobs/<job>/spec              what to run (written once, at submit)
-    /v1/jobs/<job>/state             the round state: one JSON record, changed only
+    /v1/jobs/<job>/state             a copy of the round state, written after each
+                                     change of it (never older than what it holds):
+                                     what other nodes adopt by and answer status from
+
+The job's rounds, which only the nodes that run it watch::
+
+    /v1/rounds/<job>/state           the round state: one JSON record, changed only
                                      by compare-and-swap
-    /v1/jobs/<job>/join/<R>/<node>   a node's wish to be in round R (its node lease)
-    /v1/jobs/<job>/done/<R>/<node>   a node's workers finished round R well (lease)
-    /v1/jobs/<job>/workers/<node>    a node's worker rows and recovery summary, for
-                                     status on any node (lease)
+    /v1/rounds/<job>/join/<R>/<node> a node's wish to be in round R (its node lease)
+    /v1/rounds/<job>/done/<R>/<node> a node's workers finished round R well (lease)
+    /v1/rounds/<job>/workers/<node>  a node's worker rows and recovery summary, for
+                                     status on any node (lease; read on demand
+                                     elsewhere)
     /v1/phases/<job>/<node>          its ranks' phases (hangs/phase_board.py; lease),
                                      watched only by the job's nodes (phase_watch.py)
 
+So a join, a done mark or a node's rows reach the job's own nodes only; every
+node gets a job's spec once and its state copy once per change of round.
 The records (rendezvous/records.py) are sealed with the cluster key, bound
 to their key (trust/sealed.py); the spec by trust/specs.py. A closed round
 names its members, but the address and ports its ranks connect to come
@@ -52,7 +62,8 @@ from .records import (CANCELLED, CLOSED, FAILED, FINAL, OPEN, SUCCEEDED, Join, M
 
 __all__ = ["CANCELLED", "CLOSED", "FAILED", "FINAL", "OPEN", "SUCCEEDED", "Join", "Member",
            "RoundCause", "RoundState", "JobLimits", "RoundClock", "Result", "final_job_state",
-           "job_prefix", "order_members", "decider", "lost_rejoiners", "decide_open_round",
+           "job_prefix", "rounds_prefix", "order_members", "decider", "lost_rejoiners",
+           "decide_open_round",
            "reopen", "result_for", "master_problem"]
 
 _JOB_STATE_OF_FINAL = {SUCCEEDED: JobState.SUCCEEDED, CANCELLED: JobState.CANCELLED}
@@ -65,7 +76,13 @@ def final_job_state(status: str) -> JobState:
 
 
 def job_prefix(job_id: str) -> str:
+    """The job's keys in the job list (its spec, its state's copy)."""
     return f"/v1/jobs/{job_id}"
+
+
+def rounds_prefix(job_id: str) -> str:
+    """The job's rounds: its state, joins, done marks and worker rows."""
+    return f"/v1/rounds/{job_id}"
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,9 @@ closing it when this node is the decider); ``reopen`` asks for a new round
 after a fault; ``status`` tells the agent, each monitor tick, whether its
 round still stands. Every write is this node's own key, or a
 compare-and-swap of the state, sealed as the view reads it (``view.records``:
-trust/sealed.py, bound to the key name). A closed round runs only if its
+trust/sealed.py, bound to the key name), then the job list's copy of the state
+(``_list_copy``: what other nodes adopt by and answer status from). It follows
+the job's rounds in the view from its making until ``close``. A closed round runs only if its
 first member's own join of it vouches for the address and ports its ranks
 connect to (``protocol.master_problem``); otherwise this node asks for the
 next round instead.
@@ -23,12 +25,12 @@ from typing import Callable
 from ..logsetup import ctx
 from ..jobs.records import WorkerRow
 from ..jobs.summary import RecoverySummary
-from ..store import CompareFailed, KeyExists, Lease, Store
+from ..store import CompareFailed, KeyExists, Lease, Store, StoreError, StoreUnavailable
 from ..trust.sealed import Kind
 from .ports import free_port
 from .protocol import (
     CLOSED, FINAL, OPEN, Join, JobLimits, Result, RoundCause, RoundClock, RoundState,
-    decide_open_round, decider, job_prefix, master_problem, reopen, result_for)
+    decide_open_round, decider, job_prefix, master_problem, reopen, result_for, rounds_prefix)
 from .status import CURRENT, RoundStatus, StatusKind
 from .view import JobsView
 
@@ -51,7 +53,7 @@ class ClusterRendezvous:
     def __init__(self, store: Store, view: JobsView, job_id: str, node_id: str, address: str,
                  nproc: int, lease: Callable[[], Lease | None], limits: JobLimits,
                  scale_up: str = "immediate", poll: float = 0.5, clock=time.time,
-                 port: Callable[[], int] = free_port, probe=None):
+                 port: Callable[[], int] = free_port, probe=None, sync_timeout: float = 10.0):
         self._store = store
         self._view = view
         self._records = view.records    # seals what we write as the view opens it
@@ -63,9 +65,11 @@ class ClusterRendezvous:
         self.limits = limits
         self._scale_up = scale_up
         self._poll = poll
+        self._sync_timeout = sync_timeout    # for the view's first list of the job's rounds
         self._clock = clock
         self._port = port
-        self._prefix = job_prefix(job_id)
+        self._prefix = rounds_prefix(job_id)
+        self._copy_key = f"{job_prefix(job_id)}/state"
         self._round_clock = RoundClock()
         # Whether a late member's daemon is gone though its lease lives (the decider
         # asks; cluster/daemon_probe.py's DaemonProbe, or None: never asked).
@@ -102,6 +106,15 @@ class ClusterRendezvous:
         self.standing_by = 0                 # the round this node stands by in (0: none)
         self.was_spare = False               # the last round next_round returned took it
                                              # from standing by
+        self._listening: list = []
+        view.follow(job_id)                  # the job's rounds, until close()
+
+    def close(self) -> None:
+        """No more of this job here: stop listening and following its rounds."""
+        for fn in self._listening:
+            self._view.unlisten(self.job_id, fn)
+        self._listening = []
+        self._view.unfollow(self.job_id)
 
     @property
     def address(self) -> str:
@@ -123,13 +136,60 @@ class ClusterRendezvous:
         try:
             self._written = max(self._written, self._store.compare_and_swap(
                 key, self._records.seal(Kind.STATE, key, new.to_json()), revision))
-            return True
         except CompareFailed:
             return False
+        self._list_copy(new)
+        return True
+
+    def _list_copy(self, state: RoundState) -> None:
+        """The job list's copy of ``state`` (``/v1/jobs/<job>/state``), unless the copy
+        there is as new; best effort: a first member whose view shows an older copy
+        writes it again (``status``)."""
+        key = self._copy_key
+        sealed = self._records.seal(Kind.STATE, key, state.to_json())
+        try:
+            for _ in range(3):
+                kv = self._store.get(key)
+                if kv is None:
+                    try:
+                        self._store.create(key, sealed)
+                        return
+                    except KeyExists:
+                        continue
+                try:
+                    held = RoundState.from_doc(self._records.open(Kind.STATE, key,
+                                                                  kv.value).doc)
+                    if held.order >= state.order:
+                        return
+                except Exception:     # not a verified state: ours replaces it
+                    pass
+                try:
+                    self._store.compare_and_swap(key, sealed, kv.revision)
+                    return
+                except CompareFailed:
+                    continue
+        except StoreError as exc:
+            log.debug("%s: the job list's copy of round %d %s not written: %s",
+                      self._where(state.round), state.round, state.status, exc)
+
+    def _rounds_read(self) -> None:
+        """Wait, up to ``sync_timeout``, for the view to list the job's rounds (a node
+        that does not run the job has just begun to follow them); StoreUnavailable if
+        it has not by then."""
+        deadline = time.monotonic() + self._sync_timeout
+        while True:
+            seen = self._view.revision
+            if self._view.caught_up(self.job_id, 0):
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise StoreUnavailable(f"the rounds of job {self.job_id} were not read from "
+                                       f"etcd within {self._sync_timeout:g}s")
+            self._view.wait(min(left, self._poll), seen)
 
     def _view_behind(self) -> bool:
         """Our last write is not in the view yet: deciding now would act on old news."""
-        return self._view.revision < self._written
+        return not self._view.caught_up(self.job_id, self._written)
 
     def final_state(self) -> RoundState | None:
         """The job's round state if it ended (as the view last saw it), else None."""
@@ -150,7 +210,13 @@ class ClusterRendezvous:
     def on_change(self, fn, listen: bool = True) -> None:
         """Call ``fn()`` (a wake-up, nothing more) whenever the job's keys change; with
         ``listen`` False, no more."""
-        (self._view.listen if listen else self._view.unlisten)(self.job_id, fn)
+        if listen:
+            self._listening.append(fn)
+            self._view.listen(self.job_id, fn)
+        else:
+            if fn in self._listening:
+                self._listening.remove(fn)
+            self._view.unlisten(self.job_id, fn)
 
     # -- joining -----------------------------------------------------------------
     def next_round(self, stop: threading.Event, store_port: int = 0) -> Result:
@@ -165,7 +231,8 @@ class ClusterRendezvous:
             keys = self._view.job(self.job_id)
             state = keys.state if keys else None
             if state is None:
-                if keys is not None and keys.state_revision:
+                if keys is not None and (keys.state_revision or keys.spec is not None
+                                         and self._view.caught_up(self.job_id, 0)):
                     self._replace_unreadable_state(keys.state_revision)
                 self._view.wait(self._poll, seen)
                 continue
@@ -281,10 +348,16 @@ class ClusterRendezvous:
     def _replace_unreadable_state(self, revision: int) -> None:
         """The job's state key holds a value this daemon refused and it holds no verified
         state (an older elasticd's unsigned one after an upgrade, or garbage met by a
-        daemon that just started): open a new round over it, sealed, so the job goes on.
+        daemon that just started), or (``revision`` 0) the job is listed but its rounds
+        hold no state (an older elasticd kept it in the job list): open a new round over
+        it, sealed, so the job goes on; unless the list's copy says the job ended.
         Daemons that hold a later verified round ignore this one; they then see this
         node lost from their round and open the next, which every node takes."""
-        rnd = (self._ran.place.round if self._ran is not None else 0) + 1
+        listed, _ = self._view.listed_state(self.job_id)
+        if not revision and listed is not None and listed.final:
+            raise RoundFinal(listed)
+        rnd = max(self._ran.place.round if self._ran is not None else 0,
+                  listed.round if listed is not None else 0) + 1
         new = RoundState(round=rnd, status=OPEN, opened_at=self._clock(),
                          reason=f"round {rnd} opened: the job's round state in etcd did "
                                 "not verify (written by an older elasticd, or by someone "
@@ -295,7 +368,7 @@ class ClusterRendezvous:
     def _join(self, rnd: int) -> None:
         """Write our join key for a round once; again only if it vanished (lease lapsed)."""
         if rnd in self._joined:
-            if self._view.revision < self._joined[rnd]:
+            if not self._view.caught_up(self.job_id, self._joined[rnd]):
                 return  # the view has not caught up with our own put yet
             keys = self._view.job(self.job_id)
             if keys and self.node_id in keys.joins.get(rnd, {}):
@@ -324,6 +397,10 @@ class ClusterRendezvous:
         state = keys.state if keys else None
         if state is None:
             return RoundStatus(StatusKind.SUPERSEDED, "the job's round state is gone")
+        if state.members and state.members[0].node_id == self.node_id:
+            listed, _ = self._view.listed_state(self.job_id)
+            if listed is None or listed.order < state.order:
+                self._list_copy(state)     # its writer could not: the list shows older
         return dataclasses.replace(self._judge(result, keys, state), state=state)
 
     def _judge(self, result: Result, keys, state: RoundState) -> RoundStatus:
@@ -380,6 +457,7 @@ class ClusterRendezvous:
     def finish(self, status: str, reason: str) -> None:
         """Move the job to a final state (first writer wins)."""
         assert status in FINAL
+        self._rounds_read()
         while True:
             seen = self._view.revision
             keys = self._view.job(self.job_id)
@@ -423,7 +501,7 @@ def create_job(store: Store, job_id: str, spec: dict, now: float, round: int = 1
                restarts: int = 0, restart_times: tuple = (), *, records,
                expected: tuple = ()) -> None:
     """Write a new job's spec (sealed already, or plain for the torchrun adapter) and
-    its first, open round, sealed with ``records`` (trust/sealed.py); ``expected``:
+    its first, open round (its state and the job list's copy), sealed with ``records`` (trust/sealed.py); ``expected``:
     the nodes the job names (the round closes once all of them joined)."""
     prefix = job_prefix(job_id)
     try:
@@ -434,5 +512,15 @@ def create_job(store: Store, job_id: str, spec: dict, now: float, round: int = 1
                        restart_times=tuple(restart_times),
                        expected=tuple(sorted(expected)),
                        reason="submitted")
+    # The round state first: a node that adopts the job by the list's copy finds it.
+    # Put, not created: the job id is ours now, whatever an older job of it left.
+    key = f"{rounds_prefix(job_id)}/state"
+    store.put(key, records.seal(Kind.STATE, key, first.to_json()))
     key = f"{prefix}/state"
-    store.create(key, records.seal(Kind.STATE, key, first.to_json()))
+    store.put(key, records.seal(Kind.STATE, key, first.to_json()))
+
+
+def forget_job(store: Store, job_id: str) -> None:
+    """Remove every key of the job: its rounds, then its place in the job list."""
+    store.delete_prefix(rounds_prefix(job_id) + "/")
+    store.delete_prefix(job_prefix(job_id) + "/")

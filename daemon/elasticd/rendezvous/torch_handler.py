@@ -42,8 +42,8 @@ from torch.distributed.elastic.rendezvous.api import (RendezvousConnectionError,
 from ..store import LeaseNotFound, StoreError, open_store
 from ..trust.sealed import PLAIN
 from ..workers import hostname
-from .round import ClusterRendezvous, RendezvousStopped, RoundFinal, create_job
-from .protocol import CANCELLED, FINAL, JobLimits, Result, job_prefix
+from .round import ClusterRendezvous, RendezvousStopped, RoundFinal, create_job, forget_job
+from .protocol import CANCELLED, FINAL, JobLimits, Result, rounds_prefix
 from .status import StatusKind
 from .view import JobsView
 
@@ -288,14 +288,14 @@ class ElasticdRendezvousHandler(RendezvousHandler):
         return True
 
     def _forget_run(self) -> None:
-        """Remove the run's spec and state once no agent's keys are left under it. Each
+        """Remove the run's keys once no agent's are left under its rounds but the state. Each
         agent looks after revoking its own lease, so the one that revoked last sees none
         and removes them (a crashed agent's keys go with its lease's TTL)."""
-        prefix = job_prefix(self._run_id)
+        rounds = rounds_prefix(self._run_id)
         try:
-            left, _ = self._store.list(prefix + "/")
-            if all(kv.key in (f"{prefix}/spec", f"{prefix}/state") for kv in left):
-                self._store.delete_prefix(prefix + "/")
+            left, _ = self._store.list(rounds + "/")
+            if all(kv.key == f"{rounds}/state" for kv in left):
+                forget_job(self._store, self._run_id)
         except StoreError as exc:
             log.warning("cannot remove the finished run %s from etcd: %s", self._run_id, exc)
 

@@ -1,11 +1,27 @@
-"""One watch over every job's keys, kept as an in-memory view.
+"""The jobs as this daemon sees them: the job list everywhere, a job's rounds where it runs.
 
-The daemon runs one ``JobsView`` (one watch stream, however many jobs);
-rendezvous participants and the job dispatcher read it and wait on its
-condition instead of polling etcd. The jobs' phase records are not among
-these keys: they live under their own prefix, which only a job's own nodes
-watch (rendezvous/phase_watch.py); ``/v1/jobs/<job>/phases/<node>``, where
-an older elasticd wrote them, is not read as anything here.
+Two key spaces (rendezvous/protocol.py lists the keys):
+
+* the job list, ``/v1/jobs/<job>/{spec,state}``: each job's spec (written once)
+  and a copy of its round state (written after each change of it). Every
+  daemon watches it with one watch (``start``/``stop``): what a node may adopt,
+  and what it answers about a job that runs elsewhere. Only spec-level changes
+  reach every node: a submission, and a job's round opening, closing or ending.
+* a job's rounds, ``/v1/rounds/<job>/...``: its round state (the one a round's
+  compare-and-swap moves), the nodes' joins, done marks and worker rows. Only
+  the nodes that run the job watch them (``follow``/``unfollow``: one watch per
+  job, from the job's ``ClusterRendezvous``), so a join reaches the job's own
+  nodes and no other: what etcd sends a node grows with the jobs it runs, not
+  with the cluster. ``job(id, fresh=True)`` of a job this node does not follow
+  lists its rounds once, for whoever asks about a job that runs elsewhere.
+
+``job(id)`` merges them: the spec from the list; for a followed job, its
+rounds as its watch holds them (the state None until the watch has listed
+them: a round is never decided on the list's copy); otherwise the list's copy
+of the state, without joins or rows (``JobKeys.detailed`` False). The jobs'
+phase records are in neither (rendezvous/phase_watch.py); the keys an older
+elasticd wrote below ``/v1/jobs/<job>/`` (join, done, workers, phases) are not
+read as anything.
 
 Every value enters through ``records`` (trust/sealed.py: the daemon's
 verifies the cluster key's MAC bound to the key name; the torchrun
@@ -18,13 +34,17 @@ is counted and logged once (trust/refusals.py) and changes nothing: the
 key keeps its last verified value in the view (a round state's revision
 does move on, so the next compare-and-swap replaces the bad value). A
 deleted key is gone from the view. Whatever goes wrong with one key is a
-refusal of that key, never an exception out of the watch.
+refusal of that key, never an exception out of a watch.
 
 A spec goes through ``open_spec(job_id, text)``. The daemon's verifies,
 decrypts and checks it (trust/specs.SpecCodec.open); a spec it refuses is
 kept as ``JobKeys.rejection`` (``spec`` stays None) unless a verified spec
 is held, so nothing reads it as a job and the dispatcher can report it.
 The torchrun adapter's specs are plain JSON (``plain_spec``).
+
+``revision`` counts the changes the view took (any watch); ``wait`` wakes on
+the next one. ``caught_up(job, r)`` says whether the job's rounds watch has
+reached etcd revision ``r`` (a write of this node's own is in the view).
 """
 from __future__ import annotations
 
@@ -40,23 +60,23 @@ from ..trust.refusals import Refusals
 from ..trust.rejections import Rejection, SpecRejected
 from ..trust.sealed import Kind, Reason, Refused
 from ..values import BadValue, decode
-from ..store import EVENT_PUT, Store
+from ..store import EVENT_PUT, Store, StoreError
 from ..store.follow import Follower
 from .opening import newer, refusing, typed
 from .records import Join, RoundState
 
 log = logging.getLogger("elasticd.rendezvous")
 
-JOBS = "/v1/jobs"
+JOBS = "/v1/jobs"             # the job list: spec and a copy of the round state
+ROUNDS = "/v1/rounds"         # a job's rounds: watched by its own nodes
 SPEC_MAX_BYTES = 1 << 20      # a plain spec (the torchrun adapter's)
 MARKS_KEPT = 10_000           # jobs whose high-water marks outlive their keys
-_KINDS = {("spec", 2): Kind.SPEC, ("state", 2): Kind.STATE, ("join", 4): Kind.JOIN,
-          ("done", 4): Kind.DONE, ("workers", 3): Kind.WORKERS}
-# /v1/jobs/<job>/phases/<node>: where an older elasticd wrote its phase records. Not
-# read as anything (they live under their own prefix now: rendezvous/phase_watch.py,
-# watched only by the job's nodes); its lease ends each one.
-def _old_phases(parts: list) -> bool:
-    return len(parts) == 3 and parts[1] == "phases"
+_LIST_KINDS = {("spec", 2): Kind.SPEC, ("state", 2): Kind.STATE}
+_ROUND_KINDS = {("state", 2): Kind.STATE, ("join", 4): Kind.JOIN, ("done", 4): Kind.DONE,
+                ("workers", 3): Kind.WORKERS}
+# Below /v1/jobs/<job>/, where an older elasticd kept a job's joins, done marks, worker
+# rows and phase records: not read as anything (their writers' leases end them).
+_OLD = frozenset({("join", 4), ("done", 4), ("workers", 3), ("phases", 3)})
 
 
 def _parts(prefix: str, key: str) -> list:
@@ -74,6 +94,9 @@ class JobKeys:
     workers: dict = field(default_factory=dict)   # node -> its WorkerRows (those that parse)
     summaries: dict = field(default_factory=dict)  # node -> its RecoverySummary, if it parsed
     rejection: Rejection | None = None             # the spec was refused (spec is None)
+    # False: the job list's copy only (state, no joins, done marks or rows): a job
+    # this node does not follow, not read fresh (JobsView.job)
+    detailed: bool = True
 
     def put_workers(self, node: str, rows: list, summary: dict) -> None:
         """What ``node`` published of its workers, typed where it enters: the rows
@@ -90,12 +113,62 @@ class JobKeys:
             and not any(self.joins.values()) and not self.workers \
             and not any(self.done.values())
 
+    def copy(self) -> "JobKeys":
+        return JobKeys(spec=self.spec, state=self.state, state_revision=self.state_revision,
+                       joins={r: dict(v) for r, v in self.joins.items()},
+                       done={r: set(v) for r, v in self.done.items()},
+                       workers=dict(self.workers), summaries=dict(self.summaries),
+                       rejection=self.rejection, detailed=self.detailed)
+
 
 @dataclass
 class _Marks:
     """The newest of each key of one job the view accepted: what a replay is older than."""
     order: tuple = ()                             # RoundState.order of the newest state
     seqs: dict = field(default_factory=dict)      # key -> writer's count of its newest record
+
+
+class _Space:
+    """One key space folded into JobKeys per job, and the marks of what it took.
+    ``once``: one read of the store (a record whose count equals the mark is taken)."""
+
+    def __init__(self, root: str, kinds: dict, old: frozenset = frozenset(),
+                 once: bool = False):
+        self.root, self.kinds, self.old, self.once = root, kinds, old, once
+        self.jobs: dict[str, JobKeys] = {}
+        self.present: set[str] = set()     # keys whose value the space holds
+        self.marks: OrderedDict[str, _Marks] = OrderedDict()
+
+    def marks_of(self, job_id: str) -> _Marks:
+        marks = self.marks.get(job_id)
+        if marks is None:
+            marks = self.marks[job_id] = _Marks()
+            while len(self.marks) > MARKS_KEPT:
+                oldest = next(iter(self.marks))
+                if oldest in self.jobs:      # held: keep it, look no further
+                    self.marks.move_to_end(oldest)
+                    break
+                del self.marks[oldest]
+        return marks
+
+    def forget(self, job_id: str) -> None:
+        """Drop what the space holds of the job (its marks stay)."""
+        self.jobs.pop(job_id, None)
+        below = f"{self.root}/{job_id}/"
+        self.present = {k for k in self.present if not k.startswith(below)}
+
+
+class _Followed:
+    """One followed job's rounds watch: how far it got, and how many follow it."""
+
+    def __init__(self, view: "JobsView", job_id: str):
+        self.users = 1
+        self.revision = 0          # the etcd revision the watch reached
+        self.synced = False        # it listed the job's rounds
+        self.follower = Follower(view.store, f"{view.rounds_root}/{job_id}/",
+                                 f"rounds-watch-{job_id}", view.retry,
+                                 lambda kvs, rev: view._reset_job(self, job_id, kvs, rev),
+                                 lambda ev: view._job_event(self, job_id, ev))
 
 
 def plain_spec(job_id: str, text: str) -> dict:
@@ -105,40 +178,90 @@ def plain_spec(job_id: str, text: str) -> dict:
 
 class JobsView:
     def __init__(self, store: Store, *, records, retry: float = 1.0, prefix: str = JOBS,
-                 open_spec=plain_spec, refusals: Refusals | None = None):
-        self._prefix = prefix
+                 rounds: str = ROUNDS, open_spec=plain_spec, refusals: Refusals | None = None):
+        self.store = store
+        self.retry = retry
         self.records = records       # how every record of the job keys is sealed and opened
+        self.rounds_root = rounds
         self._open_spec = open_spec
         self.refusals = refusals or Refusals("jobs view")
-        self._jobs: dict[str, JobKeys] = {}
-        self._present: set[str] = set()     # keys whose value the view holds
-        self._marks: OrderedDict[str, _Marks] = OrderedDict()
+        self._list = _Space(prefix, _LIST_KINDS, _OLD)
+        self._rounds = _Space(rounds, _ROUND_KINDS)
+        self._followed: dict[str, _Followed] = {}
         self.changed = threading.Condition()
-        self.revision = 0
+        self.revision = 0            # changes taken, by any watch (what ``wait`` waits past)
+        self._list_revision = 0      # the etcd revision the job list's watch reached
         self._listeners: dict[str, list] = {}   # job id -> what to call on a change of it
         self._follower = Follower(store, prefix, "jobs-watch", retry, self._reset, self._event)
         self.synced = self._follower.synced
 
     # -- reading -------------------------------------------------------------
-    def job(self, job_id: str) -> JobKeys | None:
+    def job(self, job_id: str, fresh: bool = False) -> JobKeys | None:
+        """The job's keys as this view holds them (see the module's words); with
+        ``fresh``, a job this node does not follow has its rounds listed from the
+        store now (the list's copy alone if the store does not answer)."""
         with self.changed:
-            keys = self._jobs.get(job_id)
-            if keys is None:
+            got = self._merged(job_id)
+            followed = self._followed.get(job_id)
+            if not fresh or (followed is not None and followed.synced):
+                return got
+            marks = self._rounds.marks.get(job_id)
+        try:
+            kvs, _ = self.store.list(f"{self.rounds_root}/{job_id}/")
+        except StoreError as exc:
+            log.debug("job %s: its rounds not read: %s", job_id[:80], exc)
+            return got
+        once = _Space(self.rounds_root, _ROUND_KINDS, once=True)
+        if marks is not None:
+            once.marks[job_id] = _Marks(marks.order, dict(marks.seqs))
+        with self.changed:
+            for kv in kvs:
+                self._apply(once, kv.key, kv.value, kv.revision, relisted=True)
+            got = self._merged(job_id)
+        read = once.jobs.get(job_id)
+        if read is None:
+            return got
+        read = read.copy()
+        if got is not None:
+            read.spec, read.rejection = got.spec, got.rejection
+            if read.state is None:
+                read.state = got.state
+        return read
+
+    def _merged(self, job_id: str) -> JobKeys | None:
+        """The caller holds the condition."""
+        listed = self._list.jobs.get(job_id)
+        followed = self._followed.get(job_id)
+        if followed is None:
+            if listed is None:
                 return None
-            return JobKeys(spec=keys.spec, state=keys.state, state_revision=keys.state_revision,
-                           joins={r: dict(v) for r, v in keys.joins.items()},
-                           done={r: set(v) for r, v in keys.done.items()},
-                           workers=dict(keys.workers), summaries=dict(keys.summaries),
-                           rejection=keys.rejection)
+            got = JobKeys(spec=listed.spec, state=listed.state, rejection=listed.rejection,
+                          detailed=False)
+            return got
+        rounds = self._rounds.jobs.get(job_id)
+        got = rounds.copy() if rounds is not None else JobKeys()
+        if not followed.synced:
+            got.state, got.state_revision = None, 0
+        if listed is not None:
+            got.spec, got.rejection = listed.spec, listed.rejection
+        elif got.empty():
+            return None
+        return got
+
+    def listed_state(self, job_id: str) -> tuple[RoundState | None, int]:
+        """The job list's copy of the job's round state, and its key's revision."""
+        with self.changed:
+            listed = self._list.jobs.get(job_id)
+            return (listed.state, listed.state_revision) if listed else (None, 0)
 
     def job_ids(self) -> list[str]:
         with self.changed:
-            return list(self._jobs)
+            return list(dict.fromkeys([*self._list.jobs, *self._followed]))
 
     def wait(self, timeout: float, seen: int | None = None,
              stop: threading.Event | None = None) -> None:
-        """Wait for a change after revision ``seen`` (now, if None), timeout,
-        or ``stop`` set (whoever sets it then calls ``wake_waiters``).
+        """Wait for a change after ``seen`` (``revision`` read before looking; now, if
+        None), timeout, or ``stop`` set (whoever sets it then calls ``wake_waiters``).
 
         Pass the revision read before looking at the view: a change applied
         between that look and this call then returns at once instead of
@@ -149,9 +272,25 @@ class JobsView:
             self.changed.wait_for(
                 lambda: self.revision > after or (stop is not None and stop.is_set()), timeout)
 
+    def reached(self, key: str, revision: int) -> bool:
+        """Whether the watch that covers ``key`` (the job list's, or its job's rounds
+        watch here) got as far as etcd revision ``revision``."""
+        parts = _parts(self.rounds_root, key)
+        if parts:
+            return self.caught_up(parts[0], revision)
+        with self.changed:
+            return self._list_revision >= revision
+
+    def caught_up(self, job_id: str, revision: int) -> bool:
+        """Whether the job's rounds watch listed them and reached etcd revision
+        ``revision`` (a write of this node's there is in the view)."""
+        with self.changed:
+            followed = self._followed.get(job_id)
+            return followed is not None and followed.synced and followed.revision >= revision
+
     def listen(self, job_id: str, fn) -> None:
         """Call ``fn()`` on each change of the job's keys (its phase records aside), on
-        the watch's thread with the view locked: it must only wake someone."""
+        a watch's thread with the view locked: it must only wake someone."""
         with self.changed:
             self._listeners.setdefault(job_id, []).append(fn)
 
@@ -168,45 +307,121 @@ class JobsView:
         with self.changed:
             self.changed.notify_all()
 
-    # -- the loop --------------------------------------------------------------
+    # -- following a job's rounds ------------------------------------------------
+    def follow(self, job_id: str) -> None:
+        """Watch the job's rounds from now until as many ``unfollow``s."""
+        with self.changed:
+            followed = self._followed.get(job_id)
+            if followed is not None:
+                followed.users += 1
+                return
+            followed = self._followed[job_id] = _Followed(self, job_id)
+        followed.follower.start()
+
+    def unfollow(self, job_id: str) -> None:
+        """The job's rounds watch ends once its last follower let go (the watch's
+        thread sees it within the store's watch poll; nothing waits for it here)."""
+        with self.changed:
+            followed = self._followed.get(job_id)
+            if followed is None:
+                return
+            followed.users -= 1
+            if followed.users > 0:
+                return
+            del self._followed[job_id]
+            self._rounds.forget(job_id)
+            self.revision += 1
+            self.changed.notify_all()
+        followed.follower.request_stop()
+
+    def following(self) -> list[str]:
+        with self.changed:
+            return sorted(self._followed)
+
+    # -- the loops -------------------------------------------------------------
     def start(self) -> None:
         self._follower.start()
 
     def request_stop(self) -> None:
         self._follower.request_stop()
+        with self.changed:
+            followed = list(self._followed.values())
+        for f in followed:
+            f.follower.request_stop()
 
     def stop(self) -> None:
+        with self.changed:
+            followed, self._followed = list(self._followed.values()), {}
+        self._follower.request_stop()
+        for f in followed:
+            f.follower.request_stop()
         self._follower.stop()
+        for f in followed:
+            f.follower.stop()
+
+    def _changed(self, job_id: str) -> None:
+        """One more change taken: wake the waiters and the job's listeners (the caller
+        holds the condition)."""
+        self.revision += 1
+        self.changed.notify_all()
+        for fn in self._listeners.get(job_id, ()):
+            fn()
 
     def _reset(self, kvs: list, revision: int) -> None:
         """A fresh list: keys gone since are deleted, the others read again (a value
         that does not verify now keeps what the view held)."""
         with self.changed:
             listed = {kv.key for kv in kvs}
-            for key in sorted(self._present - listed):
-                self._apply(key, None, revision)
+            for key in sorted(self._list.present - listed):
+                self._apply(self._list, key, None, revision)
             for kv in kvs:
-                self._apply(kv.key, kv.value, kv.revision, relisted=True)
-            self.revision = revision
+                self._apply(self._list, kv.key, kv.value, kv.revision, relisted=True)
+            self._list_revision = max(self._list_revision, revision)
+            self.revision += 1
             self.changed.notify_all()
 
     def _event(self, ev) -> None:
         with self.changed:
-            self._apply(ev.key, ev.value if ev.type == EVENT_PUT else None, ev.revision)
-            self.revision = ev.revision
-            parts = _parts(self._prefix, ev.key)
-            if not _old_phases(parts):   # nobody wakes for those
-                self.changed.notify_all()
-                for fn in self._listeners.get(parts[0] if parts else "", ()):
-                    fn()
+            parts = _parts(self._list.root, ev.key)
+            self._list_revision = max(self._list_revision, ev.revision)
+            if len(parts) >= 2 and (parts[1], len(parts)) in _OLD:
+                return           # nobody wakes for those
+            self._apply(self._list, ev.key, ev.value if ev.type == EVENT_PUT else None,
+                        ev.revision)
+            self._changed(parts[0] if parts else "")
 
-    def _apply(self, key: str, value: str | None, revision: int,
+    def _reset_job(self, followed: _Followed, job_id: str, kvs: list, revision: int) -> None:
+        with self.changed:
+            if self._followed.get(job_id) is not followed:
+                return           # unfollowed meanwhile
+            listed = {kv.key for kv in kvs}
+            below = f"{self._rounds.root}/{job_id}/"
+            for key in sorted(k for k in self._rounds.present - listed if k.startswith(below)):
+                self._apply(self._rounds, key, None, revision)
+            for kv in kvs:
+                self._apply(self._rounds, kv.key, kv.value, kv.revision, relisted=True)
+            followed.revision, followed.synced = max(followed.revision, revision), True
+            self._changed(job_id)
+
+    def _job_event(self, followed: _Followed, job_id: str, ev) -> None:
+        with self.changed:
+            if self._followed.get(job_id) is not followed:
+                return
+            parts = _parts(self._rounds.root, ev.key)
+            if parts and parts[0] == job_id:
+                self._apply(self._rounds, ev.key, ev.value if ev.type == EVENT_PUT else None,
+                            ev.revision)
+            followed.revision = max(followed.revision, ev.revision)
+            self._changed(job_id)
+
+    def _apply(self, space: _Space, key: str, value: str | None, revision: int,
                relisted: bool = False) -> None:
-        """Fold one key into the view; the caller holds the condition. Never raises."""
-        parts = _parts(self._prefix, key)
-        if _old_phases(parts):
+        """Fold one key into ``space``; the caller holds the condition. Never raises."""
+        parts = _parts(space.root, key)
+        if len(parts) >= 2 and (parts[1], len(parts)) in space.old:
             return
-        kind = _KINDS.get((parts[1], len(parts)), Kind.KEY) if len(parts) >= 2 else Kind.KEY
+        kind = space.kinds.get((parts[1], len(parts)), Kind.KEY) if len(parts) >= 2 \
+            else Kind.KEY
         with refusing(self.refusals, kind, key):
             # A spec under any printable id reaches the spec codec, which refuses an id
             # that is no job id with the same words as a submission (and reports it).
@@ -220,18 +435,18 @@ class JobsView:
                     raise Refused(Reason.BAD_KEY, "no daemon writes such a key")
                 return
             job_id = parts[0]
-            keys = self._jobs.setdefault(job_id, JobKeys())
+            keys = space.jobs.setdefault(job_id, JobKeys())
             try:
                 if value is None:
                     self._delete(keys, kind, parts)
-                    self._present.discard(key)
-                elif self._put(keys, kind, key, parts, value, revision, relisted):
-                    self._present.add(key)
+                    space.present.discard(key)
+                elif self._put(space, keys, kind, key, parts, value, revision, relisted):
+                    space.present.add(key)
             finally:
                 if keys.empty():
-                    self._jobs.pop(job_id, None)
-                    if job_id in self._marks:
-                        self._marks.move_to_end(job_id)
+                    space.jobs.pop(job_id, None)
+                    if job_id in space.marks:
+                        space.marks.move_to_end(job_id)
 
     def _delete(self, keys: JobKeys, kind: Kind, parts: list) -> None:
         if kind is Kind.SPEC:
@@ -250,25 +465,25 @@ class JobsView:
             keys.workers.pop(parts[2], None)
             keys.summaries.pop(parts[2], None)
 
-    def _put(self, keys: JobKeys, kind: Kind, key: str, parts: list, value: str,
-             revision: int, relisted: bool) -> bool:
+    def _put(self, space: _Space, keys: JobKeys, kind: Kind, key: str, parts: list,
+             value: str, revision: int, relisted: bool) -> bool:
         """Take a new value of ``key``; True if the view now holds it (Refused if not)."""
         job_id = parts[0]
         if kind is Kind.SPEC:
-            return self._put_spec(keys, key, job_id, value)
+            return self._put_spec(space, keys, key, job_id, value)
         if kind is Kind.STATE:
             keys.state_revision = revision   # a CAS from the view's revision replaces it
             state = typed(RoundState.from_doc, self.records.open(kind, key, value).doc)
-            marks = self._marks_of(job_id)
+            marks = space.marks_of(job_id)
             if state.order < marks.order:
                 raise Refused(Reason.REPLAYED, f"round {state.round} {state.status} lies before "
                               f"the round {marks.order[0]} this daemon holds")
             keys.state, marks.order = state, max(marks.order, state.order)
             return True
-        seqs = self._marks_of(job_id).seqs
-        opened, same = newer(self.records, kind, key, value, seqs, key in self._present,
-                             relisted)
-        if same:
+        seqs = space.marks_of(job_id).seqs
+        opened, same = newer(self.records, kind, key, value, seqs,
+                             space.once or key in space.present, relisted)
+        if same and not space.once:
             return True        # the record the view holds, listed again
         node = parts[-1]
         if kind is Kind.JOIN:
@@ -287,31 +502,20 @@ class JobsView:
             seqs[key] = opened.seq
         return True
 
-    def _put_spec(self, keys: JobKeys, key: str, job_id: str, value: str) -> bool:
+    def _put_spec(self, space: _Space, keys: JobKeys, key: str, job_id: str,
+                  value: str) -> bool:
         try:
             spec = self._open_spec(job_id, value)
         except SpecRejected as exc:
             if keys.spec is None:    # kept for the dispatcher to report, and for status
                 keys.rejection = exc.rejection
-                self._present.add(key)
+                space.present.add(key)
             raise Refused(_SPEC_REASONS.get(exc.rejection.reason.value, Reason.INVALID),
                           exc.rejection.detail) from None
         except BadValue as bad:
             raise Refused(Reason.of(bad), bad.detail) from None
         keys.spec, keys.rejection = spec, None
         return True
-
-    def _marks_of(self, job_id: str) -> _Marks:
-        marks = self._marks.get(job_id)
-        if marks is None:
-            marks = self._marks[job_id] = _Marks()
-            while len(self._marks) > MARKS_KEPT:
-                oldest = next(iter(self._marks))
-                if oldest in self._jobs:      # held: keep it, look no further
-                    self._marks.move_to_end(oldest)
-                    break
-                del self._marks[oldest]
-        return marks
 
 
 # A refused spec's reason (trust/rejections.RejectReason) as a record refusal's.

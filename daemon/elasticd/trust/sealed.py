@@ -48,10 +48,10 @@ HEADER_MAX = len(VERSION) + _SEQ_DIGITS + 1 + _MAC_HEX + 1
 class Kind(str, enum.Enum):
     """What a key under the daemons' prefix holds: the metric's ``kind`` label."""
     SPEC = "spec"            # /v1/jobs/<job>/spec (trust/specs.py)
-    STATE = "state"          # /v1/jobs/<job>/state
-    JOIN = "join"            # /v1/jobs/<job>/join/<round>/<node>
-    DONE = "done"            # /v1/jobs/<job>/done/<round>/<node>
-    WORKERS = "workers"      # /v1/jobs/<job>/workers/<node>
+    STATE = "state"          # /v1/rounds/<job>/state, and its copy /v1/jobs/<job>/state
+    JOIN = "join"            # /v1/rounds/<job>/join/<round>/<node>
+    DONE = "done"            # /v1/rounds/<job>/done/<round>/<node>
+    WORKERS = "workers"      # /v1/rounds/<job>/workers/<node>
     PHASES = "phases"        # /v1/phases/<job>/<node>
     NODE = "node"            # /v1/nodes/<node>
     DRAIN = "drain"          # /v1/drain/<node>
