@@ -178,6 +178,7 @@ def test_events_of_one_node_reach_the_other_and_a_restart_repeats_none(tmp_path)
     store = MemoryStore()
     (ca, ra, la), (cb, rb, lb) = node(tmp_path, "a", store), node(tmp_path, "b", store)
     la.start(), lb.start()
+    lb.follow()          # every job's events, as while `elasticctl events -f` runs on b
     try:
         job(ra)
         want = [("a", "PENDING"), ("a", "RENDEZVOUS"), ("a", "RUNNING")]
@@ -192,6 +193,7 @@ def test_events_of_one_node_reach_the_other_and_a_restart_repeats_none(tmp_path)
     ra.transition("j1", JobState.SUCCEEDED, "done")
     la, lb = EventLog(ca, store, ra, records=RECORDS), EventLog(cb, store, rb, records=RECORDS)
     la.start(), lb.start()
+    lb.follow("j1"), lb.follow("j2")     # b runs both jobs now, say
     try:
         wait_for(lambda: moves(rb, "a")[-1:] == [("a", "SUCCEEDED")], 5, what="the new event")
         # A sentinel after it (another job's events): once b has it, a published and b
@@ -206,10 +208,43 @@ def test_events_of_one_node_reach_the_other_and_a_restart_repeats_none(tmp_path)
         la.stop(), lb.stop(), ra.close(), rb.close()
 
 
+def test_a_node_mirrors_the_events_of_the_jobs_it_follows_and_reads_others_when_asked(
+        tmp_path):
+    """b follows j1 (as while it runs it): j1's events reach it, j2's do not until it
+    reads them (as `elasticctl events j2` there does); once it unfollows j1, j1's new
+    events wait in etcd for the next read."""
+    store = MemoryStore()
+    (_, ra, la), (_, rb, lb) = node(tmp_path, "a", store), node(tmp_path, "b", store)
+    la.start(), lb.start()
+    lb.follow("j1")
+    try:
+        job(ra, "j1")
+        job(ra, "j2")
+        wait_for(lambda: len(moves(rb, "a")) == 3, 5, what="j1's events on b")
+        wait_for(lambda: la.published == ra.last_seq, 5, what="a's events published")
+        time.sleep(0.3)      # a mirror of every job would have j2's by now
+        assert rb.events(job_id="j2") == [], "b follows j1 only"
+        lb.read("j2")
+        assert [e.to_state for e in rb.events(job_id="j2")] == \
+            ["PENDING", "RENDEZVOUS", "RUNNING"]
+        lb.unfollow("j1")
+        assert lb.following() == []
+        ra.transition("j1", JobState.SUCCEEDED, "done")
+        wait_for(lambda: la.published == ra.last_seq, 5, what="a's last event published")
+        time.sleep(0.3)
+        assert moves(rb, "a")[-1] == ("a", "RUNNING"), "b no longer follows j1"
+        lb.read("j1")
+        assert moves(rb, "a")[-1] == ("a", "SUCCEEDED")
+        assert len(moves(rb, "a")) == 4, "a read imports each event once"
+    finally:
+        la.stop(), lb.stop(), ra.close(), rb.close()
+
+
 def test_events_made_while_etcd_is_down_are_shared_once_it_is_back(tmp_path):
     store = FlakyStore()
     (_, ra, la), (_, rb, lb) = node(tmp_path, "a", store), node(tmp_path, "b", store)
     la.start(), lb.start()
+    lb.follow("j1")
     try:
         store.down = True
         t0 = time.monotonic()

@@ -10,7 +10,7 @@ daemon watching every job's keys), it would count more than A's. Each node
 watches the job's records while it runs it (``elasticd_phase_watches``: 1) and
 stops when the job ends there (0).
 
-The same for a job's rounds (its state, joins, done marks and worker rows under
+The same for a job's events (``kind="events"``, cluster/eventlog.py) and its rounds (its state, joins, done marks and worker rows under
 /v1/rounds/<job>/, rendezvous/view.py): counted as ``kind="rounds"``, a node may
 have received its own job's changes there and none of the other's.
 
@@ -60,6 +60,7 @@ def metric(port: int, name: str) -> float:
 
 PHASE_EVENTS = 'elasticd_store_watch_events_total{kind="phases"}'
 ROUND_EVENTS = 'elasticd_store_watch_events_total{kind="rounds"}'
+JOB_EVENTS = 'elasticd_store_watch_events_total{kind="events"}'
 
 
 def changes_since(store, folder: str, since: int, jobs: dict) -> dict:
@@ -96,8 +97,10 @@ def test_a_nodes_watches_get_the_phase_records_of_its_own_job_only(quad):
                  30, "every node's phase watch closed once its job ended there")
         got = {node: metric(p, PHASE_EVENTS) for node, p in ports.items()}
         rounds = {node: metric(p, ROUND_EVENTS) for node, p in ports.items()}
+        events = {node: metric(p, JOB_EVENTS) for node, p in ports.items()}
         changes = changes_since(store, "phases", since, jobs)
         round_changes = changes_since(store, "rounds", since, jobs)
+        event_changes = changes_since(store, "events", since, jobs)
     finally:
         store.close()
     assert all(n >= 4 for n in changes.values()), changes
@@ -112,6 +115,10 @@ def test_a_nodes_watches_get_the_phase_records_of_its_own_job_only(quad):
                 f"{node} runs job {name} only: it may receive that job's "
                 f"{round_changes[name]} changes of its rounds and no other job's; it "
                 f"received {rounds[node]:.0f} (all: {rounds}, per job: {round_changes})")
+            assert events[node] <= event_changes[name], (
+                f"{node} runs job {name} only: it may receive that job's "
+                f"{event_changes[name]} job events and no other job's; it received "
+                f"{events[node]:.0f} (all: {events}, per job: {event_changes})")
 
 
 def test_a_job_submitted_where_none_of_it_runs_is_adopted_shown_and_cancelled_there(quad):

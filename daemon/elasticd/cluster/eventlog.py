@@ -1,4 +1,4 @@
-"""Job events shared across the cluster: every node's, on every node.
+"""Job events shared across the cluster: every node's, on whichever node asks.
 
 Each daemon keeps its job events in its own registry (jobs/registry.py). For a job
 that runs on several nodes a user on one node must see the others' too
@@ -17,10 +17,15 @@ that runs on several nodes a user on one node must see the others' too
   Each node keeps its newest ``events.keep_per_job`` keys per job in etcd
   and deletes older ones (job records themselves stay in etcd, as they do
   today, so this is what bounds the prefix).
-* mirror: a ``Follower`` lists, then watches, ``/v1/events/`` and imports
-  the other nodes' events into the local registry
+* mirror: the other nodes' events are imported into the local registry
   (``JobRegistry.import_events``, idempotent on node and origin seq), so
-  ``Events`` and its ``after_seq`` keep working on local seqs.
+  ``Events`` and its ``after_seq`` keep working on local seqs. Not every
+  event to every node (a fault of one job would reach the whole cluster):
+  a ``Follower`` lists, then watches, ``/v1/events/<job>/`` of each job this
+  node runs (``follow``/``unfollow``, with the job's rounds: the jobs view
+  calls them), and of whatever job a user follows here (``elasticctl events
+  -f JOB``; no job: the whole prefix, while the stream is open); a plain
+  ``events [JOB]`` reads it once (``read``).
 
 Each event is sealed with the cluster key, bound to its key (job, node and
 seq: trust/sealed.py); one that does not verify or does not check is
@@ -143,23 +148,35 @@ class EventLog:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
-        self._mirror = Follower(store, EVENTS, "events-watch", cfg.membership.watch_retry,
-                                self._reset, self._event)
-        self.synced = self._mirror.synced
+        self._watch_retry = cfg.membership.watch_retry
+        self._lock = threading.Lock()
+        # what is followed ("": the whole prefix; else a job) -> [users, its Follower]
+        self._followed: dict[str, list] = {}
+        self._stopping = False
 
     # -- life cycle ------------------------------------------------------------
     def start(self) -> None:
         self._registry.subscribe(self._on_local_event)
         self._thread = threading.Thread(target=self._run, name="events-publish", daemon=True)
         self._thread.start()
-        self._mirror.start()
 
     def request_stop(self) -> None:
-        """The mirror's watch starts winding down (the writer keeps going)."""
-        self._mirror.request_stop()
+        """The mirror's watches start winding down (the writer keeps going)."""
+        with self._lock:
+            self._stopping = True
+            followers = [f for _, f in self._followed.values()]
+        for f in followers:
+            f.request_stop()
 
     def stop(self) -> None:
-        self._mirror.stop()
+        with self._lock:
+            self._stopping = True
+            followers = [f for _, f in self._followed.values()]
+            self._followed = {}
+        for f in followers:
+            f.request_stop()
+        for f in followers:
+            f.stop()
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
@@ -268,6 +285,63 @@ class EventLog:
             log.warning("cannot record published events in %s: %s", self._mark_path, exc)
 
     # -- mirror ----------------------------------------------------------------
+    def _prefix(self, job_id: str) -> str:
+        if job_id and not is_ident(job_id):
+            raise ValueError(f"{job_id[:80]!r} is no job id")
+        return f"{EVENTS}/{job_id}/" if job_id else EVENTS
+
+    def follow(self, job_id: str = "", wait: float = 0.0) -> None:
+        """Import the job's events (``""``: every job's) as they come, until as many
+        ``unfollow``s; with ``wait``, up to that many seconds for those before now.
+        A job id that is no key segment is not followed (ValueError)."""
+        prefix = self._prefix(job_id)
+        with self._lock:
+            if self._stopping:
+                return
+            got = self._followed.get(job_id)
+            if got is not None:
+                got[0] += 1
+            else:
+                got = [1, None]
+
+                def live() -> bool:   # an event after the last unfollow is not taken
+                    with self._lock:
+                        return self._followed.get(job_id) is got
+                got[1] = Follower(self._store, prefix, f"events-watch-{job_id or 'all'}",
+                                  self._watch_retry,
+                                  lambda kvs, rev: live() and self._reset(kvs, rev),
+                                  lambda ev: live() and self._event(ev))
+                self._followed[job_id] = got
+                got[1].start()
+        if wait > 0:
+            got[1].synced.wait(wait)
+
+    def unfollow(self, job_id: str = "") -> None:
+        """One ``follow`` less; the watch ends (within its poll) after the last."""
+        with self._lock:
+            got = self._followed.get(job_id)
+            if got is None:
+                return
+            got[0] -= 1
+            if got[0] > 0:
+                return
+            del self._followed[job_id]
+        got[1].request_stop()
+
+    def following(self) -> list[str]:
+        with self._lock:
+            return sorted(self._followed)
+
+    def read(self, job_id: str = "") -> None:
+        """Import the job's events (``""``: every job's) in etcd now, unless a watch
+        here holds them already. Raises StoreError (ValueError for a job id that is
+        no key segment)."""
+        with self._lock:
+            held = "" in self._followed or (job_id and job_id in self._followed)
+        if not held:
+            kvs, _ = self._store.list(self._prefix(job_id))
+            self._reset(kvs, 0)
+
     def _reset(self, kvs: list, revision: int) -> None:
         self._import([(kv.key, kv.value) for kv in kvs])
 

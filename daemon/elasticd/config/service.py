@@ -121,7 +121,8 @@ class EventsSettings:
     """Job events shared across the cluster (cluster/eventlog.py): ``elasticctl events`` on any
     node shows every node's transitions, worker exits and restarts."""
     share: bool = _setting(True, "publish this node's job events to etcd and mirror the other "
-                                 "nodes' into the local event log (ignored when standalone)")
+                                 "nodes' into the local event log (of the jobs it runs, and "
+                                 "of those asked about; ignored when standalone)")
     retry: float = _setting(1.0, "seconds before events that could not be written to etcd are "
                                  "tried again (they wait in the local event log meanwhile)",
                             min=0.05, max=600)

@@ -58,8 +58,9 @@ def _settled(job: JobRecord) -> bool:
 class ControlServicer(pb_grpc.ControlServicer):
     def __init__(self, cfg: Config, manager, registry: JobRegistry,
                  issuer: TokenIssuer, metrics=None, cluster=None, view=None, endpoint=None,
-                 replication=None, asker=None):
+                 replication=None, asker=None, events=None):
         self._cfg = cfg
+        self._events = events  # cluster/eventlog.py EventLog: other nodes' events, as asked
         self._replication = replication  # replication/stats.py: where snapshots went
         self._asker = asker  # replication/asking.py RowAsker: the other nodes' rows
         self._manager = manager
@@ -355,6 +356,29 @@ class ControlServicer(pb_grpc.ControlServicer):
 
         last = max(0, request.after_seq)
         gone = self._gone(context)
+        followed = self._mirror(job_id, request.follow)
+        try:
+            yield from self._events_after(last, job_id, request.follow, visible, gone)
+        finally:
+            if followed:
+                self._events.unfollow(job_id)
+
+    def _mirror(self, job_id: str, follow: bool) -> bool:
+        """Bring the other nodes' events of the job (``""``: every job's) into the
+        registry: watched while the stream follows (True: unfollow after), else read
+        once. etcd unavailable: this node's own, and what it imported before."""
+        if self._events is None:
+            return False
+        try:
+            if follow:
+                self._events.follow(job_id, wait=self._cfg.etcd.request_timeout)
+                return True
+            self._events.read(job_id)
+        except (StoreError, ValueError) as exc:
+            log.debug("other nodes' events of %r not read: %s", job_id[:80], exc)
+        return False
+
+    def _events_after(self, last: int, job_id: str, follow: bool, visible, gone):
         while not gone.is_set():
             batch = self._registry.events(last, job_id or None)
             for ev in batch:
@@ -363,7 +387,7 @@ class ControlServicer(pb_grpc.ControlServicer):
                     yield event_to_proto(ev)
             if len(batch) == 1000:
                 continue
-            if not request.follow:
+            if not follow:
                 return
             self._registry.wait_for_change(lambda: self._registry.last_seq > last, 1.0)
 

@@ -214,6 +214,7 @@ class Daemon:
         events = None
         if not d.standalone and cfg.events.share:  # one node has nobody to share with
             events = EventLog(cfg, store, registry, records=records, refusals=refusals)
+            view.also_follow(events)   # a job's events, watched with its rounds
             events.start()
             stops.callback(events.stop)
             watches.append(events)
@@ -240,7 +241,7 @@ class Daemon:
                          cluster.daemon_port) if replication is not None else None
         server = ControlServer(cfg, ControlServicer(cfg, manager, registry, issuer, metrics,
                                                     cluster, view, endpoint, replication,
-                                                    asker), gid, issuer)
+                                                    asker, events), gid, issuer)
         server.start()
         stops.callback(server.stop, 1.0)
         endpoint.on_change = server.metrics_health

@@ -188,6 +188,7 @@ class JobsView:
         self._list = _Space(prefix, _LIST_KINDS, _OLD)
         self._rounds = _Space(rounds, _ROUND_KINDS)
         self._followed: dict[str, _Followed] = {}
+        self._also: list = []        # other watches of a job that live as long as its rounds'
         self.changed = threading.Condition()
         self.revision = 0            # changes taken, by any watch (what ``wait`` waits past)
         self._list_revision = 0      # the etcd revision the job list's watch reached
@@ -308,6 +309,11 @@ class JobsView:
             self.changed.notify_all()
 
     # -- following a job's rounds ------------------------------------------------
+    def also_follow(self, other) -> None:
+        """``other.follow(job)`` / ``other.unfollow(job)`` whenever this view starts or
+        ends a job's rounds watch (cluster/eventlog.py: the job's events)."""
+        self._also.append(other)
+
     def follow(self, job_id: str) -> None:
         """Watch the job's rounds from now until as many ``unfollow``s."""
         with self.changed:
@@ -317,6 +323,8 @@ class JobsView:
                 return
             followed = self._followed[job_id] = _Followed(self, job_id)
         followed.follower.start()
+        for other in self._also:
+            other.follow(job_id)
 
     def unfollow(self, job_id: str) -> None:
         """The job's rounds watch ends once its last follower let go (the watch's
@@ -333,6 +341,8 @@ class JobsView:
             self.revision += 1
             self.changed.notify_all()
         followed.follower.request_stop()
+        for other in self._also:
+            other.unfollow(job_id)
 
     def following(self) -> list[str]:
         with self.changed:
