@@ -14,9 +14,10 @@ through the gateway instead):
   membership   cluster/membership.py: a LeaseKeeper (its node key under a lease,
                refreshed every membership.refresh_interval) and a NodeWatcher (a
                watch of every node key), as cluster/node.py builds them
-  rendezvous   rendezvous/view.py: a JobsView (ONE watch per node of every job's
-               keys, as every daemon keeps) and rendezvous/round.py's
-               ClusterRendezvous.next_round for the job
+  rendezvous   rendezvous/view.py: a JobsView (one watch per node of the job
+               list, as every daemon keeps, and one of the rounds of each job the
+               node runs, which its ClusterRendezvous follows) and
+               rendezvous/round.py's ClusterRendezvous.next_round for the job
   phases       rendezvous/phase_watch.py: a PhaseWatch per node, which follows the
                job the node runs (one scoped watch of that job's phase records, as
                agent/attempt.py opens it), and hangs/phase_board.py: a
@@ -97,7 +98,8 @@ class CountingStore:
         self.inner, self.name, self.timeout = inner, inner.name, inner.timeout
         self.ops: Counter = Counter()
         self.delivered: Counter = Counter()
-        self.phase_writes: Counter = Counter()     # job -> puts and deletes of its records
+        # job -> puts, CASes and deletes of its scoped keys (phase records, rounds)
+        self.phase_writes: Counter = Counter()
         self.errors = 0          # requests that failed (etcd slow to answer: overload)
         self._lock = threading.Lock()
 
@@ -120,7 +122,7 @@ class CountingStore:
         return counted
 
     def _phase_write(self, key: str) -> None:
-        if key.startswith("/v1/phases/"):
+        if key.startswith(("/v1/phases/", "/v1/rounds/")):
             with self._lock:
                 self.phase_writes[key.split("/")[3]] += 1
 
@@ -132,11 +134,20 @@ class CountingStore:
         self._phase_write(key)
         return self.__getattr__("delete")(key, prev_revision)
 
+    def create(self, key, value, lease=None):
+        self._phase_write(key)
+        return self.__getattr__("create")(key, value, lease)
+
+    def compare_and_swap(self, key, value, prev_revision, lease=None):
+        self._phase_write(key)
+        return self.__getattr__("compare_and_swap")(key, value, prev_revision, lease)
+
     def watch(self, prefix, start_revision, stop_event=None, timeout=None):
         self._op("watch")
         for ev in self.inner.watch(prefix, start_revision, stop_event, timeout):
             kind = "nodes" if ev.key.startswith("/v1/nodes/") else \
-                "phases" if "/phases/" in ev.key else "jobs"
+                "phases" if "/phases/" in ev.key else \
+                "rounds" if ev.key.startswith("/v1/rounds/") else "jobs"
             with self._lock:
                 self.delivered[kind] += 1
             yield ev
@@ -251,7 +262,8 @@ class SimNode:
                     "errors": self.store.errors, "revision": self.view.revision,
                     "lapsed": self.keeper.reregistrations,
                     "phase_writes": dict(self.store.phase_writes),
-                    "follows": self.phases.following()}
+                    "follows": sorted(set(self.phases.following())
+                                      | set(self.view.following()))}
 
 
 # ---------------------------------------------------------------- a worker process
@@ -459,8 +471,9 @@ class Sim:
         phase_writes = {j: (c1["phase_writes"][j] - c0["phase_writes"].get(j, 0)) / span
                         for j in c1["phase_writes"]}
         delivered = sum(got.values())
-        # Every watcher gets every write of the node and job keys; a phase record reaches
-        # the nodes that follow its job (of those counted: alive).
+        # Every watcher gets every write of the node keys and the job list; a phase
+        # record or a write of a job's rounds reaches the nodes that follow its job (of
+        # those counted: alive).
         expected = (key_writes - sum(phase_writes.values())) * nodes \
             + sum(w * c1["followers"][j] for j, w in phase_writes.items())
         sim = [(b - a) / span * 100 for a, b in zip(scpu0, scpu1)]
