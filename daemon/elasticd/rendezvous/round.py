@@ -231,8 +231,7 @@ class ClusterRendezvous:
             keys = self._view.job(self.job_id)
             state = keys.state if keys else None
             if state is None:
-                if keys is not None and (keys.state_revision or keys.spec is not None
-                                         and self._view.caught_up(self.job_id, 0)):
+                if keys is not None and (keys.state_revision or self._state_missing(keys)):
                     self._replace_unreadable_state(keys.state_revision)
                 self._view.wait(self._poll, seen)
                 continue
@@ -344,6 +343,13 @@ class ClusterRendezvous:
                 log.debug("could not withdraw a spare's join: %s", exc)
             self._joined.pop(rnd, None)
             self.standing_by = 0
+
+    def _state_missing(self, keys) -> bool:
+        """The job is listed with a state (its copy, verified or not) but its rounds,
+        listed here, hold none: an older elasticd kept the state in the job list. (A job
+        being made has no copy yet: create_job writes it after the rounds' state.)"""
+        return keys.spec is not None and self._view.caught_up(self.job_id, 0) \
+            and self._view.listed_state(self.job_id)[1] > 0
 
     def _replace_unreadable_state(self, revision: int) -> None:
         """The job's state key holds a value this daemon refused and it holds no verified
