@@ -41,6 +41,38 @@ def test_every_watch_of_a_store_rides_one_channel_and_gets_every_event(etcd):
         writer.close()
 
 
+class CountingChecks(Etcd3Store):
+    checks = 0
+
+    def _call(self, path, body, *args, **kwargs):
+        if path == "/maintenance/status":
+            self.checks += 1
+        return super()._call(path, body, *args, **kwargs)
+
+
+@pytest.mark.parametrize("transport", ["grpc", "gateway"])
+def test_quiet_watches_of_one_store_share_one_liveness_check(etcd, transport):
+    """Eight quiet watches (a daemon running two jobs keeps about that many: nodes, drain
+    marks, the job list, each job's rounds, phases and events) ask etcd whether it is
+    alive once a watch_liveness period between them, not once each: a check serves
+    every watch of the store."""
+    store = CountingChecks(etcd.endpoints, timeout=TIMEOUT, watch_transport=transport,
+                           watch_liveness=0.3)
+    followers = [Follower(store, f"/quiet/p{i}", f"quiet-{i}", 0.1, lambda kvs, rev: None,
+                          lambda ev: None) for i in range(8)]
+    try:
+        for f in followers:
+            f.start()
+        for f in followers:
+            assert f.synced.wait(10)
+        time.sleep(2.0)      # about six periods: eight watches alone would make ~48 checks
+        assert 1 <= store.checks <= 10, store.checks
+    finally:
+        for f in followers:
+            f.stop()
+        store.close()
+
+
 def test_a_channel_closed_under_a_watch_is_made_again_and_nothing_is_lost(etcd):
     """A stream that etcd never answered drops its channel; another watch of the same
     store may hold that channel at that moment, about to open a stream on it, or be

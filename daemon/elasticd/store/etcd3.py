@@ -98,9 +98,12 @@ class Etcd3Store(Store):
         self.endpoints = [(e if "://" in e else scheme + e).rstrip("/") for e in endpoints]
         self.timeout = timeout
         # A watch that hears nothing for watch_liveness seconds checks that
-        # etcd still answers; after watch_idle seconds it re-makes its stream.
+        # etcd still answers (one check serves every quiet watch of the store:
+        # _etcd_alive); after watch_idle seconds it re-makes its stream.
         self.watch_liveness = watch_liveness
         self.watch_idle = watch_idle
+        self._alive_at = float("-inf")     # when etcd last answered such a check
+        self._alive_lock = threading.Lock()
         self._current = 0
         self._auth = (username, password or "") if username else None
         self._token: str | None = None
@@ -336,8 +339,7 @@ class Etcd3Store(Store):
                         kind, payload = stream.queue.get(timeout=POLL)
                     except queue.Empty:
                         if time.monotonic() - heard > self.watch_liveness:
-                            self._call("/maintenance/status", {})  # raises if etcd is gone
-                            heard = time.monotonic()
+                            heard = self._etcd_alive()  # raises if etcd is gone
                         continue
                     heard = time.monotonic()
                     if kind == "events":
@@ -364,6 +366,18 @@ class Etcd3Store(Store):
                         f"etcd watch streams on {prefix} keep ending at once")
             else:
                 broken = 0
+
+    def _etcd_alive(self) -> float:
+        """When etcd last answered a liveness check of this store's quiet watches: asked
+        now unless another watch of the store asked within ``watch_liveness`` (a node's
+        four quiet watches cost etcd one request each period, not four). Raises
+        StoreError if etcd does not answer (the others then ask again themselves)."""
+        with self._alive_lock:     # held over the call: the others take its answer
+            if time.monotonic() - self._alive_at <= self.watch_liveness:
+                return self._alive_at
+            self._call("/maintenance/status", {})
+            self._alive_at = time.monotonic()
+            return self._alive_at
 
     def _open_watch(self, prefix: str, after: int):
         """A stream of the prefix's events from ``after + 1``: over etcd's gRPC Watch
