@@ -212,6 +212,8 @@ class SimNode:
         r = self.cfg.rendezvous
         limits = JobLimits(min_nodes=n, max_nodes=n, max_restarts=0, last_call=0.0,
                            join_timeout=r.join_timeout)
+        if self.rdzv is not None:   # the last job ended here: as the agent's end does
+            self.rdzv.close()
         self.rdzv = ClusterRendezvous(self.store, self.view, job_id, self.node_id, "127.0.0.1",
                                       RANKS, lambda: self.keeper.lease, limits, poll=r.poll)
         time.sleep(max(0.0, release - time.time()))
@@ -568,8 +570,13 @@ def run_n(etcd: EtcdServer, n: int, procs: int, seconds: float, overrides: dict,
             for k in range(0, n, job_nodes):
                 job, size = "j" + uuid.uuid4().hex[:7], len(sim.ids[k:k + job_nodes])
                 jobs.update({node: (job, size) for node in sim.ids[k:k + job_nodes]})
+            before = sim.counters()["delivered"]
             many = form(sim, jobs)
             out["jobs_rdzv"], out["jobs_ok"] = many["took"], many["ok"]
+            # what reached the nodes' job watches (list and rounds) while they formed
+            after = sim.counters()["delivered"]
+            out["jobs_deliveries"] = sum(after.get(k, 0) - before.get(k, 0)
+                                         for k in ("jobs", "rounds")) / n
         sim.ask("publish")
         a = sim_config(overrides).agent
         time.sleep(a.phase_refresh_interval + 1.0)   # every publisher started, settled
@@ -659,7 +666,8 @@ def main(argv=None) -> int:
                      f"{r['rdzv_errors']} failed calls retried); " if r["rdzv"] is not None
                      else "N-node rendezvous skipped; ")
                   + (f"{-(-n // args.job_nodes)} jobs of {args.job_nodes} formed at once in "
-                     f"{r['jobs_rdzv']:.3f} s ({'ok' if r['jobs_ok'] else 'WRONG RANKS'}); "
+                     f"{r['jobs_rdzv']:.3f} s ({'ok' if r['jobs_ok'] else 'WRONG RANKS'}, "
+                     f"{r['jobs_deliveries']:.0f} job-key deliveries per node); "
                      if 'jobs_rdzv' in r else "")
                   + f"loss of {max(1, n // 10)} seen: median {fmt(r['loss_median'])}, "
                   f"last {fmt(r['loss_last'])}; survivors' leases lapsed and taken again: "
