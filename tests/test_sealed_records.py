@@ -320,7 +320,7 @@ def test_a_relist_keeps_verified_values_and_drops_deleted_keys(cl):
     garbage = [kv._replace(value="[" * 50000) if kv.key == key else kv for kv in kvs
                if "/workers/" not in kv.key]
     # as j1's rounds watch calls it after a fresh list
-    cl.view._reset_job(cl.view._followed["j1"], "j1", garbage, rev)
+    cl.view._reset_job(cl.view._followed.get("j1"), "j1", garbage, rev)
     keys = cl.view.job("j1")
     assert keys.state.round == 2 and keys.joins[2]["n1"] == JOIN and keys.workers == {}
     assert cl.refusals.counts.get(("join", "replayed"), 0) == 0   # listed again: the same

@@ -81,3 +81,20 @@ def test_open_store_checks_its_arguments():
         open_store("etcd3", [])
     assert open_store("v2", ["http://127.0.0.1:1"]).name == "etcd2"  # no request made
     assert open_store("v3", ["http://127.0.0.1:1"]).name == "etcd3"
+
+
+def test_held_things_are_made_once_and_end_with_their_last_user():
+    from elasticd.store.follow import Held
+    held, made = Held(), []
+
+    def make():
+        made.append(object())
+        return made[-1]
+    first, new = held.take("j1", make)
+    again, new_again = held.take("j1", make)
+    assert (new, new_again, again is first, len(made)) == (True, False, True, 1)
+    assert held.let_go("j1") is None and "j1" in held      # one user left
+    assert held.let_go("j1") is first and "j1" not in held  # the last: it is given back
+    assert held.let_go("j1") is None and held.get("j1") is None
+    other, _ = held.take("j2", make)
+    assert held.clear() == [other] and held.keys() == []

@@ -46,7 +46,7 @@ from ..jobs.jobevent import JobEvent
 from ..jobs.restartpolicy import RestartRule
 from ..jobs.states import JobState
 from ..store import EVENT_PUT, Store, StoreError
-from ..store.follow import Follower
+from ..store.follow import Follower, Held
 from ..fields import is_ident, is_real
 from ..trust.refusals import Refusals
 from ..trust.sealed import Kind, Reason, Refused
@@ -150,8 +150,8 @@ class EventLog:
         self._thread: threading.Thread | None = None
         self._watch_retry = cfg.membership.watch_retry
         self._lock = threading.Lock()
-        # what is followed ("": the whole prefix; else a job) -> [users, its Follower]
-        self._followed: dict[str, list] = {}
+        # what is followed ("": the whole prefix; else a job) -> its Follower
+        self._followed = Held()
         self._stopping = False
 
     # -- life cycle ------------------------------------------------------------
@@ -164,15 +164,14 @@ class EventLog:
         """The mirror's watches start winding down (the writer keeps going)."""
         with self._lock:
             self._stopping = True
-            followers = [f for _, f in self._followed.values()]
+            followers = self._followed.things()
         for f in followers:
             f.request_stop()
 
     def stop(self) -> None:
         with self._lock:
             self._stopping = True
-            followers = [f for _, f in self._followed.values()]
-            self._followed = {}
+            followers = self._followed.clear()
         for f in followers:
             f.request_stop()
         for f in followers:
@@ -298,39 +297,33 @@ class EventLog:
         with self._lock:
             if self._stopping:
                 return
-            got = self._followed.get(job_id)
-            if got is not None:
-                got[0] += 1
-            else:
-                got = [1, None]
-
-                def live() -> bool:   # an event after the last unfollow is not taken
-                    with self._lock:
-                        return self._followed.get(job_id) is got
-                got[1] = Follower(self._store, prefix, f"events-watch-{job_id or 'all'}",
-                                  self._watch_retry,
-                                  lambda kvs, rev: live() and self._reset(kvs, rev),
-                                  lambda ev: live() and self._event(ev))
-                self._followed[job_id] = got
-                got[1].start()
+            follower, new = self._followed.take(job_id, lambda: self._follower(job_id, prefix))
+            if new:
+                follower.start()
         if wait > 0:
-            got[1].synced.wait(wait)
+            follower.synced.wait(wait)
+
+    def _follower(self, job_id: str, prefix: str) -> Follower:
+        """A watch of ``prefix`` that imports what it gets while it is the one held for
+        ``job_id`` (an event after the last unfollow is not taken)."""
+        def live() -> bool:
+            with self._lock:
+                return self._followed.get(job_id) is follower
+        follower = Follower(self._store, prefix, f"events-watch-{job_id or 'all'}",
+                            self._watch_retry, lambda kvs, rev: live() and self._reset(kvs, rev),
+                            lambda ev: live() and self._event(ev))
+        return follower
 
     def unfollow(self, job_id: str = "") -> None:
         """One ``follow`` less; the watch ends (within its poll) after the last."""
         with self._lock:
-            got = self._followed.get(job_id)
-            if got is None:
-                return
-            got[0] -= 1
-            if got[0] > 0:
-                return
-            del self._followed[job_id]
-        got[1].request_stop()
+            follower = self._followed.let_go(job_id)
+        if follower is not None:
+            follower.request_stop()
 
     def following(self) -> list[str]:
         with self._lock:
-            return sorted(self._followed)
+            return sorted(self._followed.keys())
 
     def read(self, job_id: str = "") -> None:
         """Import the job's events (``""``: every job's) in etcd now, unless a watch

@@ -34,7 +34,7 @@ from typing import Callable
 from ..fields import is_ident
 from ..hangs.phase_board import NodePhases
 from ..store import EVENT_PUT, Lease, Store
-from ..store.follow import Follower
+from ..store.follow import Follower, Held
 from ..trust.refusals import Refusals
 from ..trust.sealed import Kind, Reason, Refused
 from .opening import newer, refusing, typed
@@ -77,7 +77,6 @@ class _Followed:
     """One followed job: its records and the watch that keeps them."""
 
     def __init__(self, watch: "PhaseWatch", job_id: str, records: _Records):
-        self.users = 1
         self._watch, self._records = watch, records
         self.follower = Follower(watch.store, records.prefix, f"phases-watch-{job_id}",
                                  watch.retry, self._reset, self._event)
@@ -111,7 +110,7 @@ class PhaseWatch:
         self.refusals = refusals or Refusals("phase watch")
         self._prefix = prefix
         self.lock = threading.Lock()
-        self._followed: dict[str, _Followed] = {}
+        self._followed = Held()     # job id -> _Followed
         self._seqs: OrderedDict[str, dict] = OrderedDict()   # job -> its writers' counts
 
     def key(self, job_id: str, node_id: str) -> str:
@@ -130,28 +129,21 @@ class PhaseWatch:
     def follow(self, job_id: str) -> None:
         """Watch the job's records from now until as many ``unfollow``s."""
         with self.lock:
-            followed = self._followed.get(job_id)
-            if followed is not None:
-                followed.users += 1
-                return
-            followed = self._followed[job_id] = _Followed(self, job_id, self._records(job_id))
-        followed.follower.start()
+            followed, new = self._followed.take(
+                job_id, lambda: _Followed(self, job_id, self._records(job_id)))
+        if new:
+            followed.follower.start()
 
     def unfollow(self, job_id: str) -> None:
         """The job's watch ends once its last follower let go (waits up to retry + 2 s)."""
         with self.lock:
-            followed = self._followed.get(job_id)
-            if followed is None:
-                return
-            followed.users -= 1
-            if followed.users > 0:
-                return
-            del self._followed[job_id]
-        followed.follower.stop()
+            followed = self._followed.let_go(job_id)
+        if followed is not None:
+            followed.follower.stop()
 
     def following(self) -> list[str]:
         with self.lock:
-            return sorted(self._followed)
+            return sorted(self._followed.keys())
 
     def phases(self, job_id: str) -> dict:
         """{node: (NodePhases, monotonic time this daemon got it)} of the job: as its watch
@@ -171,7 +163,7 @@ class PhaseWatch:
     def stop(self) -> None:
         """End every watch (each within the store's watch poll)."""
         with self.lock:
-            followed, self._followed = list(self._followed.values()), {}
+            followed = self._followed.clear()
         for f in followed:
             f.follower.request_stop()
         for f in followed:

@@ -61,7 +61,7 @@ from ..trust.rejections import Rejection, SpecRejected
 from ..trust.sealed import Kind, Reason, Refused
 from ..values import BadValue, decode
 from ..store import EVENT_PUT, Store, StoreError
-from ..store.follow import Follower
+from ..store.follow import Follower, Held
 from .opening import newer, refusing, typed
 from .records import Join, RoundState
 
@@ -162,7 +162,6 @@ class _Followed:
     """One followed job's rounds watch: how far it got, and how many follow it."""
 
     def __init__(self, view: "JobsView", job_id: str):
-        self.users = 1
         self.revision = 0          # the etcd revision the watch reached
         self.synced = False        # it listed the job's rounds
         self.follower = Follower(view.store, f"{view.rounds_root}/{job_id}/",
@@ -187,7 +186,7 @@ class JobsView:
         self.refusals = refusals or Refusals("jobs view")
         self._list = _Space(prefix, _LIST_KINDS, _OLD)
         self._rounds = _Space(rounds, _ROUND_KINDS)
-        self._followed: dict[str, _Followed] = {}
+        self._followed = Held()     # job id -> _Followed
         self._also: list = []        # other watches of a job that live as long as its rounds'
         self.changed = threading.Condition()
         self.revision = 0            # changes taken, by any watch (what ``wait`` waits past)
@@ -257,7 +256,7 @@ class JobsView:
 
     def job_ids(self) -> list[str]:
         with self.changed:
-            return list(dict.fromkeys([*self._list.jobs, *self._followed]))
+            return list(dict.fromkeys([*self._list.jobs, *self._followed.keys()]))
 
     def wait(self, timeout: float, seen: int | None = None,
              stop: threading.Event | None = None) -> None:
@@ -317,11 +316,9 @@ class JobsView:
     def follow(self, job_id: str) -> None:
         """Watch the job's rounds from now until as many ``unfollow``s."""
         with self.changed:
-            followed = self._followed.get(job_id)
-            if followed is not None:
-                followed.users += 1
-                return
-            followed = self._followed[job_id] = _Followed(self, job_id)
+            followed, new = self._followed.take(job_id, lambda: _Followed(self, job_id))
+        if not new:
+            return
         followed.follower.start()
         for other in self._also:
             other.follow(job_id)
@@ -330,13 +327,9 @@ class JobsView:
         """The job's rounds watch ends once its last follower let go (the watch's
         thread sees it within the store's watch poll; nothing waits for it here)."""
         with self.changed:
-            followed = self._followed.get(job_id)
+            followed = self._followed.let_go(job_id)
             if followed is None:
                 return
-            followed.users -= 1
-            if followed.users > 0:
-                return
-            del self._followed[job_id]
             self._rounds.forget(job_id)
             self.revision += 1
             self.changed.notify_all()
@@ -346,7 +339,7 @@ class JobsView:
 
     def following(self) -> list[str]:
         with self.changed:
-            return sorted(self._followed)
+            return sorted(self._followed.keys())
 
     # -- the loops -------------------------------------------------------------
     def start(self) -> None:
@@ -355,13 +348,13 @@ class JobsView:
     def request_stop(self) -> None:
         self._follower.request_stop()
         with self.changed:
-            followed = list(self._followed.values())
+            followed = self._followed.things()
         for f in followed:
             f.follower.request_stop()
 
     def stop(self) -> None:
         with self.changed:
-            followed, self._followed = list(self._followed.values()), {}
+            followed = self._followed.clear()
         self._follower.request_stop()
         for f in followed:
             f.follower.request_stop()

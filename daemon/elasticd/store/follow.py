@@ -87,3 +87,52 @@ class Follower:
                 log.exception("%s failed; listing again", self._name)
                 revision = None
                 self._stop.wait(self._retry)
+
+
+class Held:
+    """Things kept per key while someone uses them (a job's watch while its agent runs,
+    a user's event stream): the first ``take`` makes one, as many ``let_go``s end it.
+    No lock of its own: its owner's guards it."""
+
+    def __init__(self):
+        self._held: dict = {}      # key -> [users, thing]
+
+    def take(self, key, make) -> tuple[object, bool]:
+        """The thing held for ``key`` (``make()`` if none), and whether it is new."""
+        got = self._held.get(key)
+        if got is not None:
+            got[0] += 1
+            return got[1], False
+        thing = make()
+        self._held[key] = [1, thing]
+        return thing, True
+
+    def let_go(self, key):
+        """One user less; the thing once its last user let go (it is held no more),
+        else None."""
+        got = self._held.get(key)
+        if got is None:
+            return None
+        got[0] -= 1
+        if got[0] > 0:
+            return None
+        del self._held[key]
+        return got[1]
+
+    def get(self, key):
+        got = self._held.get(key)
+        return got[1] if got is not None else None
+
+    def __contains__(self, key) -> bool:
+        return key in self._held
+
+    def keys(self) -> list:
+        return list(self._held)
+
+    def things(self) -> list:
+        return [got[1] for got in self._held.values()]
+
+    def clear(self) -> list:
+        """Hold nothing more; what was held."""
+        things, self._held = self.things(), {}
+        return things
