@@ -425,3 +425,29 @@ def test_a_mark_file_that_holds_no_count_is_ignored(tmp_path):
     os.unlink(tmp_path / "records-seq")
     os.symlink(tmp_path / "elsewhere", tmp_path / "records-seq")   # never followed
     assert SeqMark(str(tmp_path)).reserved == 0
+
+
+def test_the_job_lists_copy_of_a_round_never_goes_back_and_replaces_a_forged_one(
+        sealed_view):
+    """What other nodes adopt by and show (/v1/jobs/<job>/state) follows the round
+    state a node wrote, never an older one a slower writer offers after it; a value
+    there that does not verify is replaced."""
+    records, store, view = sealed_view
+    create_job(store, "j1", {"id": "j1", "nodes": []}, time.time(), records=records)
+    limits = JobLimits(min_nodes=1, max_nodes=1, max_restarts=5, last_call=0.0,
+                       join_timeout=60.0)
+    rdzv = ClusterRendezvous(store, view, "j1", "n1", "10.0.0.1", 1, lambda: None, limits)
+    key = "/v1/jobs/j1/state"
+
+    def copy() -> RoundState:
+        return RoundState.from_doc(records.open(Kind.STATE, key, store.get(key).value).doc)
+    try:
+        assert (copy().round, copy().status) == (1, OPEN)     # create_job's
+        rdzv._list_copy(RoundState(round=3, status=CLOSED))
+        rdzv._list_copy(RoundState(round=2, status=OPEN))    # late: older than the copy
+        assert (copy().round, copy().status) == (3, CLOSED)
+        store.put(key, json.dumps({"round": 99, "status": "closed"}))   # forged, unsigned
+        rdzv._list_copy(RoundState(round=4, status=OPEN))
+        assert (copy().round, copy().status) == (4, OPEN)
+    finally:
+        rdzv.close()

@@ -180,8 +180,9 @@ class Dispatcher:
         if fresh is None or fresh.state is None or not fresh.detailed:
             return None
         joined = len(set(fresh.joins.get(fresh.state.round, {})) | set(fresh.state.member_ids()))
-        if joined >= fresh.spec.max_nodes + fresh.spec.spares if isinstance(
-                fresh.spec, JobSpec) else False:
+        room = fresh.spec.max_nodes + fresh.spec.spares if isinstance(fresh.spec, JobSpec) \
+            else joined + 1
+        if joined >= room:
             self._full[job_id] = (order, time.monotonic() + FULL_KEPT * self._interval)
             while len(self._full) > 10_000:
                 self._full.pop(next(iter(self._full)))

@@ -107,6 +107,7 @@ class ClusterRendezvous:
         self.was_spare = False               # the last round next_round returned took it
                                              # from standing by
         self._listening: list = []
+        self._copy_checked: tuple = ()       # the state whose copy status() looked at
         view.follow(job_id)                  # the job's rounds, until close()
 
     def close(self) -> None:
@@ -403,7 +404,9 @@ class ClusterRendezvous:
         state = keys.state if keys else None
         if state is None:
             return RoundStatus(StatusKind.SUPERSEDED, "the job's round state is gone")
-        if state.members and state.members[0].node_id == self.node_id:
+        if state.members and state.members[0].node_id == self.node_id \
+                and self._copy_checked != state.order:
+            self._copy_checked = state.order   # once a round: no I/O on every tick
             listed, _ = self._view.listed_state(self.job_id)
             if listed is None or listed.order < state.order:
                 self._list_copy(state)     # its writer could not: the list shows older
