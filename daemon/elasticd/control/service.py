@@ -121,8 +121,9 @@ class ControlServicer(pb_grpc.ControlServicer):
             resp.jobs.append(msg)
         return resp
 
-    def _with_cluster(self, job: JobRecord) -> pb.Job:
-        """The job as this node knows it, with the other nodes' workers added, and its
+    def _with_cluster(self, job: JobRecord, keys) -> pb.Job:
+        """The job as this node knows it (``keys``: its keys in the jobs view, or None),
+        with the other nodes' workers added, and its
         snapshots: here (read from the slot headers: workers/snapshot_status.py) and on
         the round's other nodes (asked: replication/asking.py)."""
         msg = job_to_proto(job)
@@ -132,7 +133,6 @@ class ControlServicer(pb_grpc.ControlServicer):
                      if self._replication is not None else None)
         if own is not None:
             add_snapshot(msg, me, own, now)
-        keys = self._view.job(job.id, fresh=True) if self._view is not None else None
         for node, row in sorted(self._peer_rows(job, keys).items()):
             if row.step >= 0 or row.ranks:
                 add_snapshot(msg, node, row, now)
@@ -246,8 +246,9 @@ class ControlServicer(pb_grpc.ControlServicer):
         job, here, rejected = self._find_or_rejected(request.id, caller)
         if rejected is not None:
             return rejection_to_proto(rejected, self._cfg.daemon.node_id)
-        msg = self._with_cluster(job) if here else job_to_proto(job)
+        # the job's keys, its rounds read once here if this node does not follow them
         keys = self._view.job(job.id, fresh=True) if self._view is not None else None
+        msg = self._with_cluster(job, keys) if here else job_to_proto(job)
         if keys is not None:
             msg.spare_nodes.extend(clusterjobs.spares_of(keys))
         return self._fit(msg)

@@ -203,7 +203,8 @@ class JobsView:
         with self.changed:
             got = self._merged(job_id)
             followed = self._followed.get(job_id)
-            if not fresh or (followed is not None and followed.synced):
+            if not fresh or (followed is not None and followed.synced) \
+                    or not is_ident(job_id):
                 return got
             marks = self._rounds.marks.get(job_id)
         try:
