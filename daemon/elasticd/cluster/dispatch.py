@@ -72,6 +72,12 @@ def eligible(spec: JobSpec, state, joined: int, node_id: str, free_slots: int, d
     return True, ""
 
 
+def _joined(keys) -> int:
+    """The nodes in the job's round: its members and those that joined it (a closed
+    round's spares stand by among them)."""
+    return len(set(keys.joins.get(keys.state.round, {})) | set(keys.state.member_ids()))
+
+
 class Dispatcher:
     def __init__(self, cfg, view, registry, manager, cluster, interval: float = 1.0,
                  policy=None, metrics=None, suspicion=None):
@@ -148,9 +154,7 @@ class Dispatcher:
                     and self._suspicion.verdict().suspect else 0.0)
 
             def judge(keys):
-                joined = len(set(keys.joins.get(keys.state.round, {}))
-                             | set(keys.state.member_ids()))
-                return eligible(keys.spec, keys.state, joined, me, free, draining,
+                return eligible(keys.spec, keys.state, _joined(keys), me, free, draining,
                                 os.geteuid(), gpus_free, total_gpus, hold, time.time())
             ok, why = judge(keys)
             if ok and not keys.detailed:   # the list's copy: how many joined, from its rounds
@@ -179,7 +183,7 @@ class Dispatcher:
         fresh = self._view.job(job_id, fresh=True)
         if fresh is None or fresh.state is None or not fresh.detailed:
             return None
-        joined = len(set(fresh.joins.get(fresh.state.round, {})) | set(fresh.state.member_ids()))
+        joined = _joined(fresh)
         room = fresh.spec.max_nodes + fresh.spec.spares if isinstance(fresh.spec, JobSpec) \
             else joined + 1
         if joined >= room:

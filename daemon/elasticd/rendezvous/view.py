@@ -216,8 +216,7 @@ class JobsView:
         if marks is not None:
             once.marks[job_id] = _Marks(marks.order, dict(marks.seqs))
         with self.changed:
-            for kv in kvs:
-                self._apply(once, kv.key, kv.value, kv.revision, relisted=True)
+            self._relist(once, kvs, 0)
             got = self._merged(job_id)
         read = once.jobs.get(job_id)
         if read is None:
@@ -375,11 +374,7 @@ class JobsView:
         """A fresh list: keys gone since are deleted, the others read again (a value
         that does not verify now keeps what the view held)."""
         with self.changed:
-            listed = {kv.key for kv in kvs}
-            for key in sorted(self._list.present - listed):
-                self._apply(self._list, key, None, revision)
-            for kv in kvs:
-                self._apply(self._list, kv.key, kv.value, kv.revision, relisted=True)
+            self._relist(self._list, kvs, revision)
             self._list_revision = max(self._list_revision, revision)
             self.revision += 1
             self.changed.notify_all()
@@ -398,12 +393,7 @@ class JobsView:
         with self.changed:
             if self._followed.get(job_id) is not followed:
                 return           # unfollowed meanwhile
-            listed = {kv.key for kv in kvs}
-            below = f"{self._rounds.root}/{job_id}/"
-            for key in sorted(k for k in self._rounds.present - listed if k.startswith(below)):
-                self._apply(self._rounds, key, None, revision)
-            for kv in kvs:
-                self._apply(self._rounds, kv.key, kv.value, kv.revision, relisted=True)
+            self._relist(self._rounds, kvs, revision, f"{self._rounds.root}/{job_id}/")
             followed.revision, followed.synced = max(followed.revision, revision), True
             self._changed(job_id)
 
@@ -417,6 +407,16 @@ class JobsView:
                             ev.revision)
             followed.revision = max(followed.revision, ev.revision)
             self._changed(job_id)
+
+    def _relist(self, space: _Space, kvs: list, revision: int, below: str = "") -> None:
+        """A fresh list of ``space`` (of its keys under ``below``): keys gone since are
+        deleted, the others read again (a value that does not verify now keeps what the
+        view held). The caller holds the condition."""
+        listed = {kv.key for kv in kvs}
+        for key in sorted(k for k in space.present - listed if k.startswith(below)):
+            self._apply(space, key, None, revision)
+        for kv in kvs:
+            self._apply(space, kv.key, kv.value, kv.revision, relisted=True)
 
     def _apply(self, space: _Space, key: str, value: str | None, revision: int,
                relisted: bool = False) -> None:
