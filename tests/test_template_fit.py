@@ -233,7 +233,9 @@ def test_templates_started_ahead_are_capped_per_user_and_dropped_after_the_idle_
     assert "agent.template_idle_per_user" in other.stderr
     wait_for(lambda: not idle_templates(node, b), 60, "the template to be dropped")
     assert "idle for" in node.log() and "agent.template_idle_timeout" in node.log()
-    assert not os.path.exists(f"/proc/{pid}")
+    # The pool lets go of the template, then kills it and reaps it (WorkerTemplate.stop:
+    # SIGKILL, then up to 5 s for its exit): gone within that, not at the same instant.
+    wait_for(lambda: not os.path.exists(f"/proc/{pid}"), 10, "the dropped template to exit")
 
 
 def test_a_template_still_importing_never_holds_a_jobs_cancel(daemon_factory, users, work):
