@@ -3,6 +3,9 @@ on real files in a temp dir; the daemon-level case is in test_limits_privacy.py.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -14,6 +17,30 @@ from elasticd.control.streamgate import StreamGate
 CAP = 1 << 20
 
 
+def can_collapse(directory) -> bool:
+    """Whether this filesystem cuts a file's head in place (ext4, xfs)."""
+    path = os.path.join(str(directory), "probe")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, b"x" * (3 * 65536))
+        return logrotate._collapse_head(fd, 0, 2 * 65536) > 0
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+@pytest.fixture(params=["collapse", "copytruncate"])
+def way(request, tmp_path, monkeypatch):
+    """Each case runs both ways a log's head is cut: in place where the
+    filesystem can, else copied and truncated."""
+    if request.param == "collapse" and not can_collapse(tmp_path):
+        pytest.skip("needs a filesystem with FALLOC_FL_COLLAPSE_RANGE (ext4, xfs) under "
+                    "the temp dir")
+    if request.param == "copytruncate":
+        monkeypatch.setattr(logrotate, "_collapse_head", lambda fd, start, size: 0)
+    return request.param
+
+
 def writer(path):
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     return lambda data: os.write(fd, data.encode())
@@ -23,7 +50,7 @@ def text(reader, final=True) -> str:
     return "".join(t for _, t in reader.read(final=final))
 
 
-def test_a_follower_sees_every_line_once_in_order_across_rotations(tmp_path):
+def test_a_follower_sees_every_line_once_in_order_across_rotations(tmp_path, way):
     path = str(tmp_path / "rank-0.log")
     write = writer(path)
     follower = logfiles.LogReader(str(tmp_path), None)
@@ -45,7 +72,7 @@ def test_a_follower_sees_every_line_once_in_order_across_rotations(tmp_path):
     assert os.stat(path + ".1").st_mode & 0o777 == 0o600
 
 
-def test_the_whole_log_keeps_every_restart_marker_and_the_newest_output(tmp_path):
+def test_the_whole_log_keeps_every_restart_marker_and_the_newest_output(tmp_path, way):
     path = str(tmp_path / "rank-0.log")
     write = writer(path)
     for restart in range(4):
@@ -62,7 +89,7 @@ def test_the_whole_log_keeps_every_restart_marker_and_the_newest_output(tmp_path
     assert "log rotated (generation 4)" in whole
 
 
-def test_a_rotation_right_after_a_big_catch_up_copy_keeps_the_newest_lines(tmp_path):
+def test_a_rotation_right_after_a_big_catch_up_copy_keeps_the_newest_lines(tmp_path, way):
     """A fast rank can make rank-R.log.1 big (the rotation copies what it wrote
     meanwhile) and then end with a short live log: both parts past the cap, so
     the keeper rotates again. That rotation keeps the old part's newest lines
@@ -74,11 +101,16 @@ def test_a_rotation_right_after_a_big_catch_up_copy_keeps_the_newest_lines(tmp_p
     write("==== elasticd: job j rank 0 starting (restart 0) ====\n")
     write("".join(f"a {i:07d} {'x' * 90}\n" for i in range(10_000)))
     logrotate.rotate(path, CAP)
-    got = [text(follower, final=False)]
-    # What a catch-up copy leaves: an old part far past its share.
+    # What a catch-up copy leaves: an old part far past its share, ending where
+    # the live log begins (a collapse leaves less than a block there; moved on).
+    with open(path, "rb") as fh:
+        rest = fh.read()
+    os.truncate(path, 0)
     with open(path + ".1", "ab") as fh:
+        fh.write(rest)
         fh.write("".join(f"b {i:07d} {'y' * 90}\n" for i in range(20_000)).encode())
         fh.write(b"THE-END\n")
+    got = [text(follower, final=False)]
     write("after 1\n")
     got.append(text(follower, final=False))
     logrotate.rotate(path, CAP)
@@ -93,7 +125,7 @@ def test_a_rotation_right_after_a_big_catch_up_copy_keeps_the_newest_lines(tmp_p
     assert tail == "THE-END\nafter 1\nafter 2\n"
 
 
-def test_tail_reads_into_the_rotated_part(tmp_path):
+def test_tail_reads_into_the_rotated_part(tmp_path, way):
     path = str(tmp_path / "rank-0.log")
     write = writer(path)
     write("".join(f"old {i}\n" for i in range(100)))
@@ -103,7 +135,7 @@ def test_tail_reads_into_the_rotated_part(tmp_path):
     assert text(logfiles.LogReader(str(tmp_path), [0], 1)) == "new 1\n"
 
 
-def test_a_forged_rotation_line_in_the_output_does_not_move_a_reader(tmp_path):
+def test_a_forged_rotation_line_in_the_output_does_not_move_a_reader(tmp_path, way):
     path = str(tmp_path / "rank-0.log")
     write = writer(path)
     write("==== elasticd: x ==== elasticd: log rotated (generation 9) at now: 0 bytes "
@@ -115,6 +147,45 @@ def test_a_forged_rotation_line_in_the_output_does_not_move_a_reader(tmp_path):
     logrotate.rotate(path, CAP)
     write("b\n")
     assert text(reader) == "b\n"
+
+
+def test_rotations_under_a_rank_writing_flat_out_lose_no_line(tmp_path):
+    """A rank writing as fast as it can while its log rotates: where the
+    filesystem cuts a log's head in place, every rotated part runs on into the
+    live log without a gap (copytruncate loses what lands between its last read
+    and the truncate: the failure once seen from `elasticctl logs`)."""
+    if not can_collapse(tmp_path):
+        pytest.skip("needs a filesystem with FALLOC_FL_COLLAPSE_RANGE (ext4, xfs) under "
+                    "the temp dir")
+    path = str(tmp_path / "rank-0.log")
+    open(path, "w").close()
+    rank = subprocess.Popen([sys.executable, "-c", (
+        "import os, sys\n"
+        "fd = os.open(sys.argv[1], os.O_WRONLY | os.O_APPEND)\n"
+        "for i in range(0, 400_000, 50):\n"
+        "    os.write(fd, ''.join(f'n {j:07d} {\"z\" * 30}\\n' for j in range(i, i + 50)).encode())\n"
+        "os.write(fd, b'THE-END\\n')\n"), path])
+    rotations = 0
+    try:
+        while True:
+            ended = rank.poll() is not None
+            if os.path.getsize(path) > CAP // 8 or ended:
+                logrotate.rotate(path, CAP // 4)
+                rotations += 1
+                whole = text(logfiles.LogReader(str(tmp_path), None))
+                numbers = [int(ln.split()[1]) for ln in whole.splitlines()
+                           if ln.startswith("n ")]
+                assert numbers == list(range(numbers[0], numbers[0] + len(numbers))), \
+                    f"a gap after rotation {rotations}"
+            if ended:
+                break
+            time.sleep(0.001)
+    finally:
+        rank.kill()
+        rank.wait()
+    assert rank.returncode == 0
+    assert rotations >= 5
+    assert whole.endswith("n 0399999 " + "z" * 30 + "\nTHE-END\n")
 
 
 def test_the_stream_gate_names_the_limit_and_frees_slots():

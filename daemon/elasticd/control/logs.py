@@ -155,11 +155,15 @@ class LogReader:
         header = logrotate.read_header(fd)
         if header is None or header.generation != place.generation + 1:
             return _Rotated(fd, 0), _Place(gen, 0)  # missed rotations: all that is left
+        # The part holds bytes [start, end) of the live log as it was; the live
+        # log now begins at its byte ``end`` (the rest, where it was truncated).
+        end = header.start + os.fstat(fd).st_size - header.length
+        live = _Place(gen, max(0, place.offset - end))
         if place.offset >= header.start:
-            return _Rotated(fd, header.length + place.offset - header.start), _Place(gen, 0)
+            return _Rotated(fd, header.length + min(place.offset, end) - header.start), live
         note = (f"==== elasticd: {header.start - place.offset} bytes of this log were dropped "
                 "before they were read (agent.log_max_bytes) ====\n")
-        return _Rotated(fd, header.length, note), _Place(gen, 0)
+        return _Rotated(fd, header.length, note), live
 
     def follow(self, done: Callable[[], bool], wait: Callable[[float], bool],
                interval: float) -> Iterator[tuple[int, str]]:

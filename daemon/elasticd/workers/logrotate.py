@@ -17,19 +17,26 @@ is rotated with copy-truncate semantics:
    rotation never drops a log's newest lines.
    The rotation line says at which byte of ``rank-R.log`` the copy begins
    (negative: that many bytes from the part rotated before come first);
-2. it replaces ``rank-R.log.1`` (rename: readers holding the old one keep it);
-3. ``rank-R.log`` is truncated to 0; the worker's next write lands at 0
-   (O_APPEND).
+2. the head of ``rank-R.log`` that the copy holds is cut off the live file:
+   where the filesystem can collapse a file's head in place (ext4, xfs:
+   ``fallocate(FALLOC_FL_COLLAPSE_RANGE)``, in whole blocks), the copy ends at
+   the last block boundary, that much is collapsed, and the rest (less than a
+   block, and whatever the rank wrote meanwhile) stays in ``rank-R.log``: the
+   kernel orders the collapse with the rank's O_APPEND writes, so nothing is
+   lost. Elsewhere (tmpfs, btrfs, NFS) ``rank-R.log`` is truncated to 0 after
+   the copy (copytruncate), and the worker's next write lands at 0;
+3. the copy replaces ``rank-R.log.1`` (rename: readers holding the old one keep it).
 
 So the two files hold at most ``log_max_bytes`` plus what a rank writes in
 one check interval while the job runs, and at most ``log_max_bytes`` once it
 ended: ``LogKeeper.cap_finished`` looks at a job's logs once more when its agent
 has exited (jobs/retirer.py calls it at each job's end, and at start for every
 finished job), so a job that writes 200 MB and ends between two checks keeps
-its newest ``log_max_bytes / 2`` at most. What a rank writes between the copy's last read and the
-truncate (microseconds) is lost, as with logrotate's copytruncate; the
-alternative, workers writing into pipes the daemon drains, would make every
-worker wait for the daemon, and lose output when it restarts.
+its newest ``log_max_bytes / 2`` at most. Only with copytruncate is what a rank
+writes between the copy's last read and the truncate (microseconds) lost, as
+with logrotate's; the alternative, workers writing into pipes the daemon
+drains, would make every worker wait for the daemon, and lose output when it
+restarts.
 
 Every rotation of a log happens under ``LOCK``, and bumps that log's
 generation (in the rotation line, and in memory): ``logfiles.LogReader``
@@ -39,6 +46,8 @@ rotation with it.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import errno
 import logging
 import os
@@ -63,6 +72,11 @@ _ROTATION_LINE = re.compile(rb"==== elasticd: log rotated \(generation (\d+)\) a
                             rb"(\d+) bytes dropped[^;\n]*; what follows is from byte (-?\d+) of the "
                             rb"log before ====\n")
 _generations: dict[str, int] = {}  # log path -> rotations so far (under LOCK)
+_COLLAPSE_RANGE = 0x08             # FALLOC_FL_COLLAPSE_RANGE, linux/falloc.h
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_fallocate = _libc.fallocate
+_fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+_fallocate.restype = ctypes.c_int
 
 
 def rotated_path(path: str) -> str:
@@ -163,6 +177,27 @@ def _line_start(fd: int, pos: int) -> int:
     return pos + nl if nl >= 0 else pos
 
 
+def _collapse_head(fd: int, start: int, size: int) -> int:
+    """Cut the head of the live log off in place, up to the last block boundary
+    at or before ``size`` and past ``start`` (where the copy begins), leaving at
+    least one byte; the bytes cut (0: this filesystem cannot, or there is less
+    than a block to cut: truncate instead)."""
+    try:
+        block = os.fstatvfs(fd).f_bsize
+    except OSError:
+        return 0
+    if block <= 0:
+        return 0
+    cut = size // block * block
+    if cut >= os.fstat(fd).st_size:  # a collapse must end before the end of the file
+        cut -= block
+    if cut <= 0 or cut < start:
+        return 0
+    if _fallocate(fd, _COLLAPSE_RANGE, 0, cut) != 0:
+        return 0  # EOPNOTSUPP (tmpfs, btrfs, NFS), EINVAL (alignment): truncate
+    return cut
+
+
 def rotate(path: str, max_bytes: int) -> int:
     """Rotate the log at ``path`` (see the module doc); the bytes dropped."""
     old_part = rotated_path(path)
@@ -210,17 +245,21 @@ def rotate(path: str, max_bytes: int) -> int:
                     if back:
                         _copy(ofd, out, back_from, old_size)
                     _copy(fd, out, start, size)
-                    # What the rank wrote during the copy, before the truncate.
+                    # What the rank wrote during the copy, before the cut.
                     for _ in range(3):
                         now = os.fstat(fd).st_size
                         if now <= size:
                             break
                         _copy(fd, out, size, now)
                         size = now
+                    cut = _collapse_head(fd, start, size)
+                    if cut:  # the copy ends where the live log now begins
+                        os.ftruncate(out, os.lseek(out, 0, os.SEEK_CUR) - (size - cut))
                     os.replace(tmp, old_part)
                 finally:
                     os.close(out)
-                os.ftruncate(fd, 0)
+                if not cut:
+                    os.ftruncate(fd, 0)
             except OSError as exc:
                 if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                     raise
