@@ -11,7 +11,7 @@ import pytest
 
 from etcd_server import EtcdServer, make_certs
 from store_backends import open_backend
-from store_watching import replay
+from store_watching import Watcher, replay
 from elasticd.store import Lease, StoreAuthError, detect_api, open_store
 
 TIMEOUT = 1.0
@@ -148,6 +148,27 @@ def test_user_password_auth(auth_etcd, kind):
         with pytest.raises(StoreAuthError):
             bad.put("/auth/b", "no")
         bad.close()
+
+
+def test_watches_on_one_stream_log_in_again_together(auth_etcd):
+    """Three watches open on one gRPC stream with a token etcd no longer takes (etcd
+    3.4 refuses each create with watch_id -1): each is told to log in, and all three
+    go on, on a stream with the new token, with every event."""
+    store = open_backend("etcd3-grpc", auth_etcd.endpoints, timeout=TIMEOUT,
+                         username="root", password="pw")
+    try:
+        _, rev = store.list("/again")
+        for i in range(3):
+            store.put(f"/again/p{i}/k", str(i))
+        store._token = "expired.1"
+        watchers = [Watcher(store, f"/again/p{i}", rev) for i in range(3)]
+        for i, w in enumerate(watchers):
+            assert [e.value for e in w.wait_for(1)] == [str(i)]
+        for w in watchers:
+            w.close()
+    finally:
+        store.delete_prefix("/again")
+        store.close()
 
 
 def test_lease_stream_with_user_password_auth(auth_etcd):

@@ -2,8 +2,9 @@
 
 The store contract, outage, failover, TLS and auth cases run on this transport
 too (backend ``etcd3-grpc``, tests/store/store_backends.py); these are what only
-it has: one channel for all of a store's watches, the setting, and a member that
-takes connections and never answers. Real etcd 3.4.
+it has: one channel and one stream for all of a store's watches, each watch
+ending alone, the setting, and a member that takes connections and never
+answers. Real etcd 3.4.
 """
 from __future__ import annotations
 
@@ -37,6 +38,74 @@ def test_every_watch_of_a_store_rides_one_channel_and_gets_every_event(etcd):
         assert len(store._watch_channels._channels) == 1
     finally:
         writer.delete_prefix("/one")
+        store.close()
+        writer.close()
+
+
+def _readers() -> int:
+    return sum(t.name == "etcd3-watch-grpc" for t in threading.enumerate())
+
+
+def test_watches_of_a_store_share_one_stream_and_one_reading_thread(etcd):
+    """Six watches open at once ride one Watch stream (one reading thread, not one
+    each); closing one leaves the others their events; the last one ends the stream."""
+    store = Etcd3Store(etcd.endpoints, timeout=TIMEOUT, watch_transport="grpc")
+    writer = Etcd3Store(etcd.endpoints, timeout=TIMEOUT)
+    before = _readers()
+    try:
+        _, rev = writer.list("/mux")
+        watchers = [Watcher(store, f"/mux/p{i}", rev) for i in range(6)]
+        for i in range(6):
+            writer.put(f"/mux/p{i}/k", str(i))
+        for i, w in enumerate(watchers):
+            assert [(e.key, e.value) for e in w.wait_for(1)] == [(f"/mux/p{i}/k", str(i))]
+        assert len(store._watch_channels._muxes) == 1
+        assert _readers() - before == 1
+        for w in watchers[:3]:
+            w.close()
+        for i in range(6):
+            writer.put(f"/mux/p{i}/k2", "after")
+        for i, w in enumerate(watchers[3:], 3):
+            assert [e.key for e in w.wait_for(2)] == [f"/mux/p{i}/k", f"/mux/p{i}/k2"]
+        assert all(len(w.events) == 1 for w in watchers[:3])   # closed: nothing more
+        for w in watchers[3:]:
+            w.close()
+        deadline = time.monotonic() + 5
+        while _readers() > before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _readers() == before and not store._watch_channels._muxes
+    finally:
+        writer.delete_prefix("/mux")
+        store.close()
+        writer.close()
+
+
+def test_a_watch_that_etcd_ends_ends_alone(etcd):
+    """A watch from a compacted revision is ended by etcd (the caller re-lists) while
+    another watch on the same stream keeps its events."""
+    from elasticd.store import WatchCompacted
+    import json
+    import urllib.request
+
+    store = Etcd3Store(etcd.endpoints, timeout=TIMEOUT, watch_transport="grpc")
+    writer = Etcd3Store(etcd.endpoints, timeout=TIMEOUT)
+    try:
+        first = writer.put("/alone/old/a", "1")
+        rev = writer.put("/alone/old/b", "2")
+        urllib.request.urlopen(urllib.request.Request(
+            etcd.url + "/v3/kv/compaction", method="POST",
+            data=json.dumps({"revision": str(rev)}).encode()), timeout=5).read()
+        live = Watcher(store, "/alone/live", rev)
+        writer.put("/alone/live/1", "a")
+        assert [e.value for e in live.wait_for(1)] == ["a"]
+        with pytest.raises(WatchCompacted):
+            list(store.watch("/alone/old", first - 1, timeout=5))
+        writer.put("/alone/live/2", "b")
+        assert [e.value for e in live.wait_for(2)] == ["a", "b"]
+        assert live.error is None
+        live.close()
+    finally:
+        writer.delete_prefix("/alone")
         store.close()
         writer.close()
 

@@ -44,7 +44,7 @@ from urllib3.exceptions import ConnectTimeoutError, HTTPError, SSLError
 from .etcd3_errors import etcd_error, json_error
 from .etcd_grpc import credentials
 from .lease_stream import KeepAliveStream
-from .watch_stream import ChannelClosed, GrpcWatchStream, WatchChannels
+from .watch_stream import GrpcWatchStream, WatchChannels
 from .base import (
     EVENT_DELETE, EVENT_PUT, KV, CompareFailed, KeyExists, Lease, LeaseNotFound, Store,
     StoreAuthError, StoreCorrupt, StoreError, StoreUnavailable, WatchCompacted, WatchEvent,
@@ -358,7 +358,11 @@ class Etcd3Store(Store):
             if kind == "relogin":
                 if relogged or not self._auth:
                     raise StoreAuthError(f"etcd refused the watch on {prefix}: {payload}")
-                self._token, relogged = None, True
+                # Log in again, unless another watch of the store did since this
+                # one's stream opened (the watches of one gRPC stream hear it at once).
+                if self._token == getattr(stream, "token", self._token):
+                    self._token = None
+                relogged = True
             if kind in ("end", "error"):
                 broken = broken + 1 if time.monotonic() - opened < 1 else 1
                 if broken > len(self.endpoints):
@@ -384,15 +388,8 @@ class Etcd3Store(Store):
         when watch_transport is grpc, else over the gateway."""
         if self._watch_channels is None:
             return _WatchStream(self, prefix, after)
-        url, token = self.endpoints[self._current], self.auth_token()
-        for _ in range(2):
-            channel = self._watch_channels.get(url)
-            try:
-                return GrpcWatchStream(channel, url, prefix, _range_end_bytes(prefix), after,
-                                       token)
-            except ChannelClosed:   # another watch of this store dropped it just now
-                self._watch_channels.drop(url, channel)
-        raise StoreUnavailable(f"etcd watch channel to {url} keeps closing")
+        return self._watch_channels.watch(self.endpoints[self._current], self.auth_token(),
+                                          prefix, _range_end_bytes(prefix), after)
 
     def _watch_broke(self, stream: GrpcWatchStream) -> None:
         """A gRPC watch stream ended or failed: one that etcd never answered moves the

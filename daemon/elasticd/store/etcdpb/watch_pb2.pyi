@@ -39,20 +39,30 @@ class Event(_message.Message):
     def __init__(self, type: _Optional[_Union[Event.EventType, str]] = ..., kv: _Optional[_Union[KeyValue, _Mapping]] = ...) -> None: ...
 
 class WatchCreateRequest(_message.Message):
-    __slots__ = ("key", "range_end", "start_revision")
+    __slots__ = ("key", "range_end", "start_revision", "watch_id")
     KEY_FIELD_NUMBER: _ClassVar[int]
     RANGE_END_FIELD_NUMBER: _ClassVar[int]
     START_REVISION_FIELD_NUMBER: _ClassVar[int]
+    WATCH_ID_FIELD_NUMBER: _ClassVar[int]
     key: bytes
     range_end: bytes
     start_revision: int
-    def __init__(self, key: _Optional[bytes] = ..., range_end: _Optional[bytes] = ..., start_revision: _Optional[int] = ...) -> None: ...
+    watch_id: int
+    def __init__(self, key: _Optional[bytes] = ..., range_end: _Optional[bytes] = ..., start_revision: _Optional[int] = ..., watch_id: _Optional[int] = ...) -> None: ...
+
+class WatchCancelRequest(_message.Message):
+    __slots__ = ("watch_id",)
+    WATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    watch_id: int
+    def __init__(self, watch_id: _Optional[int] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
-    __slots__ = ("create_request",)
+    __slots__ = ("create_request", "cancel_request")
     CREATE_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_REQUEST_FIELD_NUMBER: _ClassVar[int]
     create_request: WatchCreateRequest
-    def __init__(self, create_request: _Optional[_Union[WatchCreateRequest, _Mapping]] = ...) -> None: ...
+    cancel_request: WatchCancelRequest
+    def __init__(self, create_request: _Optional[_Union[WatchCreateRequest, _Mapping]] = ..., cancel_request: _Optional[_Union[WatchCancelRequest, _Mapping]] = ...) -> None: ...
 
 class WatchResponse(_message.Message):
     __slots__ = ("header", "watch_id", "created", "canceled", "compact_revision", "cancel_reason", "events")

@@ -45,7 +45,8 @@ class WatchServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Watch(self, request_iterator, context):
-        """One create request per stream here; etcd answers "created", then the events.
+        """Create and cancel requests for any number of watches on one stream; etcd
+        answers each create with "created" (its watch_id), then its events.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
