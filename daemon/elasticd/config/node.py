@@ -148,8 +148,8 @@ class MembershipSettings:
                                             "its JSON gateway); etcd's v2 API ignores it",
                                     choices=("grpc", "gateway"))
     watch_transport: str = _setting("grpc", "how the daemon's watches reach etcd's v3 API: "
-                                            "grpc (one Watch stream a prefix, all on one "
-                                            "connection: about a quarter of etcd's CPU a "
+                                            "grpc (one Watch stream carrying every watched "
+                                            "prefix, on one connection: about a quarter of etcd's CPU a "
                                             "delivered event) or gateway (one HTTP stream "
                                             "a prefix from its JSON gateway); etcd's v2 "
                                             "API ignores it", choices=("grpc", "gateway"))

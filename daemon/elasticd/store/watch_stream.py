@@ -154,6 +154,7 @@ class WatchMux:
         self.token = token
         self.channel = channel
         self.ended = False
+        self.heard = threading.Event()     # etcd answered on this stream (anything)
         self._owner = owner
         self._lock = owner._lock
         self._watches: dict[int, GrpcWatchStream] = {}
@@ -211,12 +212,12 @@ class WatchMux:
         last: tuple[str, object] = ("end", None)
         try:
             for resp in self._call:
+                self.heard.set()
                 with self._lock:
                     watch_id = self._answered(resp) if resp.created else resp.watch_id
                     watch = self._watches.get(watch_id)
                 if watch is None:   # a watch closed here; etcd's last words for it
                     continue
-                watch.heard.set()
                 if not watch.message(resp):
                     with self._lock:   # over on etcd's side: nothing to cancel
                         self._watches.pop(watch_id, None)
@@ -256,7 +257,7 @@ class WatchMux:
 
 class GrpcWatchStream:
     """One watch on a ``WatchMux`` (see the module's doc): ``queue`` gets what etcd
-    says of it; ``heard`` is set once etcd answered it (created, or any message)."""
+    says of it; ``heard`` is set once etcd answered on its stream."""
 
     def __init__(self, mux: WatchMux, watch_id: int):
         self.mux = mux
@@ -264,8 +265,8 @@ class GrpcWatchStream:
         self.url = mux.url
         self.channel = mux.channel
         self.token = mux.token
+        self.heard = mux.heard
         self.queue: queue.Queue = queue.Queue()
-        self.heard = threading.Event()
 
     def message(self, resp: watch_pb2.WatchResponse) -> bool:
         """Queue what one message says; False when the watch is over."""
