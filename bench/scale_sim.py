@@ -7,7 +7,8 @@ workers, no gRPC server), over its OWN etcd client (one Etcd3Store each, so
 its own HTTP connections to etcd's v3 JSON gateway, and its lease refreshes
 and watches over membership.lease_transport and membership.watch_transport
 as open_cluster_store passes them: by default its own gRPC channels, a
-keep-alive stream and a Watch stream a prefix, with gRPC's threads;
+keep-alive stream and one Watch stream carrying all its watched prefixes,
+with gRPC's threads;
 ``--lease-transport gateway`` / ``--watch-transport gateway`` send them
 through the gateway instead):
 
@@ -26,10 +27,12 @@ through the gateway instead):
                every 0.2 s; each node reads its peers' records (JobPeers.of) once a
                second
 
-The nodes live in --procs worker processes (threads inside: about eight per
-node idle, eleven running, over grpc; on 2 cores the simulator, not etcd, stops
-at about 200 nodes: bench/README.md), plus one more process holding the 10 %
-that is killed with SIGKILL.
+The nodes live in --procs worker processes (threads inside: about nine per
+node idle, twelve running, over grpc: one per watch, its follower, and a few
+per node for its streams; on 2 cores the simulator, not etcd, stops between
+200 and 300 nodes, and a job of all N nodes between 160 and 200:
+bench/README.md), plus one more process holding the 10 % that is killed with
+SIGKILL.
 Records are sealed with a cluster key as the daemons' are (trust/sealed.py);
 the job's spec is plain JSON (the spec codec is not simulated).
 
