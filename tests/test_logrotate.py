@@ -135,6 +135,20 @@ def test_tail_reads_into_the_rotated_part(tmp_path, way):
     assert text(logfiles.LogReader(str(tmp_path), [0], 1)) == "new 1\n"
 
 
+def test_tail_counts_a_line_cut_by_a_rotation_once(tmp_path, way):
+    """A rotation may cut a line in two (a rank mid-line; a collapse cuts in whole
+    blocks): its head ends the rotated part, its rest begins the live log. --tail N
+    still gives N whole lines."""
+    path = str(tmp_path / "rank-0.log")
+    write = writer(path)
+    write("".join(f"line {i:05d} {'w' * 50}\n" for i in range(2_000)) + "half a li")
+    logrotate.rotate(path, CAP)
+    write("ne\nlast\n")
+    for n in (1, 2, 3):
+        got = text(logfiles.LogReader(str(tmp_path), None, n))
+        assert got.splitlines() == ([f"line 01999 {'w' * 50}"] + ["half a line", "last"])[-n:]
+
+
 def test_a_forged_rotation_line_in_the_output_does_not_move_a_reader(tmp_path, way):
     path = str(tmp_path / "rank-0.log")
     write = writer(path)

@@ -53,6 +53,13 @@ def _tail(fd: int, lines: int) -> tuple[int, int]:
     return 0, seen + (1 if size else 0)
 
 
+def _ends_line(fd: int) -> bool:
+    """Whether the open file is empty or ends with a newline (a rotation may cut a
+    line in two: its head ends the rotated part, its rest begins the live log)."""
+    size = os.fstat(fd).st_size
+    return size == 0 or os.pread(fd, 1, size - 1) == b"\n"
+
+
 @dataclass
 class _Place:
     generation: int   # rotations of the live log when ``offset`` was taken
@@ -145,6 +152,8 @@ class LogReader:
                     start, seen = _tail(live, self._tail)
                 finally:
                     os.close(live)
+            if fd is not None and start == 0 and seen and not _ends_line(fd):
+                seen -= 1   # the live log's first line began in the rotated part
             if seen >= self._tail or fd is None:
                 if fd is not None:
                     os.close(fd)

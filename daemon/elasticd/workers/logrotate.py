@@ -5,7 +5,7 @@ O_APPEND descriptor (workers/launch.py), so a slow daemon never blocks them and 
 daemon restart loses nothing they wrote. To bound what a log takes on disk,
 the ``LogKeeper`` looks at the logs of running jobs every
 ``agent.log_check_interval`` seconds; a log past half of ``agent.log_max_bytes``
-is rotated with copy-truncate semantics:
+is rotated:
 
 1. ``rank-R.log.1.tmp`` gets a header (the restart markers, ``==== elasticd:``
    lines, of the part being dropped, newest kept up to ``MARKER_BYTES``, then
