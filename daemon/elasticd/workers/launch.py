@@ -3,8 +3,6 @@ session, dies with the daemon's thread, enters the job's cwd only once it is tha
 output appended to its log (workers/group.py says why each)."""
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import os
 import pwd
 import shutil
@@ -12,6 +10,7 @@ import signal
 import subprocess
 
 from .. import statedir
+from .libc import LIBC
 from .signals import kill_group
 from .spec import GroupSpec
 
@@ -23,8 +22,7 @@ WORKER_UMASK = 0o022
 # The priority a job's processes start at, whatever the daemon's own (daemon.nice):
 # a login's default. Raising a nice value needs no privilege, so the job's user sets it.
 WORKER_NICE = 0
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-_prctl = _libc.prctl
+_prctl = LIBC.prctl
 
 
 def _child_setup(cwd: bytes, cpus: tuple = ()):

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import errno
 import logging
 import os
@@ -59,6 +58,7 @@ from typing import Callable
 
 from .. import statedir
 from ..logsetup import ctx
+from .libc import LIBC
 
 log = logging.getLogger("elasticd.workers.logrotate")
 
@@ -73,8 +73,7 @@ _ROTATION_LINE = re.compile(rb"==== elasticd: log rotated \(generation (\d+)\) a
                             rb"log before ====\n")
 _generations: dict[str, int] = {}  # log path -> rotations so far (under LOCK)
 _COLLAPSE_RANGE = 0x08             # FALLOC_FL_COLLAPSE_RANGE, linux/falloc.h
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-_fallocate = _libc.fallocate
+_fallocate = LIBC.fallocate
 _fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
 _fallocate.restype = ctypes.c_int
 
