@@ -154,7 +154,7 @@ def test_a_channel_closed_under_a_watch_is_made_again_and_nothing_is_lost(etcd):
         running = Watcher(store, "/closed/a", rev)
         writer.put("/closed/a/1", "1")
         assert [e.value for e in running.wait_for(1)] == ["1"]
-        store._watch_channels.get(etcd.url).close()   # closed, still the one held
+        store._watch_channels._channels[etcd.url].close()   # closed, still the one held
         writer.put("/closed/a/2", "2")
         writer.put("/closed/b/1", "b")
         assert [e.value for e in running.wait_for(2)] == ["1", "2"]

@@ -73,11 +73,8 @@ class WatchChannels:
         self._muxes: dict[tuple[str, str | None], WatchMux] = {}
         self._lock = threading.Lock()   # the tables, and each mux's watches
 
-    def get(self, url: str) -> grpc.Channel:
-        with self._lock:
-            return self._channel(url)
-
     def _channel(self, url: str) -> grpc.Channel:
+        """(Under the lock.) ``url``'s channel, made if there is none."""
         channel = self._channels.get(url)
         if channel is None:
             channel = etcd_grpc.channel(
