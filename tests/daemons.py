@@ -101,6 +101,25 @@ class DaemonProc:
         self.proc.kill()
         self.proc.wait()
 
+    def lose_node(self) -> None:
+        """The node lost at once: its daemon and every worker it runs frozen together
+        (SIGSTOP: no rank trains a step past the daemon's last replication), then killed.
+        Killing the daemon first and then looking for its workers (a walk of /proc, a
+        second on a loaded machine) let the workers and their peers train on for tens of
+        steps the dead daemon never replicated."""
+        assert self.proc is not None
+        workers = worker_pids_under(self.state_dir)
+        for sig in (signal.SIGSTOP, signal.SIGKILL):
+            self.proc.send_signal(sig)
+            for pid in workers:
+                for send in (os.killpg, os.kill):
+                    try:
+                        send(pid, sig)
+                    except (ProcessLookupError, PermissionError):
+                        pass
+        self.proc.wait()
+        kill_process_tree_of(worker_pids_under(self.state_dir))   # one started meanwhile
+
     def log(self) -> str:
         try:
             with open(self.log_path, errors="replace") as fh:

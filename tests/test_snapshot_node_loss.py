@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-from daemons import DaemonProc, kill_process_tree_of, short_tmpdir, worker_pids_under
+from daemons import DaemonProc, short_tmpdir, worker_pids_under
 from daemons import wait_logged as wait_for
 from etcd_server import EtcdServer, etcd_binary
 from elasticd.v1 import control_pb2 as pb
@@ -116,8 +116,7 @@ def _lose_a_node(spare: bool) -> None:
             wait_for(lambda: _logged_step(n1, hit) >= kill_after, 120,
                      f"rank 0 of the 3-node job past step {kill_after}", nodes)
             lost = nodes["n3"]
-            lost.kill()
-            kill_process_tree_of(worker_pids_under(lost.state_dir))   # its workers die too
+            lost.lose_node()                                           # its workers die too
             wait_for(lambda: not worker_pids_under(lost.state_dir), 10,
                      "n3's workers gone with it", nodes)
             shutil.rmtree(lost.snapshot_dir, ignore_errors=True)       # its memory is lost
