@@ -210,6 +210,10 @@ def train(args, torch, dist, dev, iteration: int = 0) -> int:
     spread = weights.clone()
     dist.all_reduce(spread, op=dist.ReduceOp.MAX)
     ok = check.item() == world * (world - 1) / 2 and torch.equal(spread, weights)
+    # Every rank is done with its collectives before any leaves: a peer that exits while
+    # this one still tears down its group has aborted it in gloo's C++ teardown
+    # ("terminate called without an active exception") after DONE was printed.
+    dist.barrier()
     say(f"DONE rank={rank} steps={steps} iteration={iteration} "
         f"check={'ok' if ok else 'FAILED'}")
     return 0 if ok else 1
