@@ -11,18 +11,20 @@ from elasticd.store import WatchEvent
 class Watcher:
     """Runs store.watch in a thread and collects what it yields."""
 
-    def __init__(self, store, prefix, start_revision, timeout=None):
+    def __init__(self, store, prefix, start_revision, timeout=None, deletes_only=False):
         self.events: list[WatchEvent] = []
         self.error: BaseException | None = None
         self.stop = threading.Event()
         self.changed = threading.Condition()
         self.thread = threading.Thread(
-            target=self._run, args=(store, prefix, start_revision, timeout), daemon=True)
+            target=self._run, args=(store, prefix, start_revision, timeout, deletes_only),
+            daemon=True)
         self.thread.start()
 
-    def _run(self, store, prefix, start_revision, timeout):
+    def _run(self, store, prefix, start_revision, timeout, deletes_only):
         try:
-            for ev in store.watch(prefix, start_revision, self.stop, timeout):
+            for ev in store.watch(prefix, start_revision, self.stop, timeout,
+                                  deletes_only=deletes_only):
                 with self.changed:
                     self.events.append(ev)
                     self.changed.notify_all()

@@ -200,6 +200,34 @@ def test_watch_sees_put_delete_expire_in_order(store, kind, prefix):
     assert revs == sorted(revs) and revs[0] > rev
 
 
+def test_a_watch_of_deletes_only_gets_each_delete_with_the_value_the_key_held(store, kind,
+                                                                               prefix):
+    """What the node watch relies on (cluster/membership.py): no puts at all (etcd3
+    filters them out itself), every delete and expiry, each with the deleted value;
+    and the store's revision, read without a list, is where such a watch starts."""
+    written = store.put(f"{prefix}/d/old", "before the watch")
+    rev = store.revision()
+    assert written <= rev <= store.list(f"{prefix}/d")[1]
+    w = Watcher(store, f"{prefix}/d", rev, deletes_only=True)
+    try:
+        lease = store.grant_lease(1)
+        store.put(f"{prefix}/d/a", "1")
+        store.put(f"{prefix}/d/a", "2")
+        store.delete(f"{prefix}/d/a")
+        store.put(f"{prefix}/d/b", "leased", lease=lease)
+        store.delete(f"{prefix}/d/old")
+        store.put(f"{prefix}/dx", "outside the prefix")
+        store.delete(f"{prefix}/dx")
+        events = w.wait_for(3, timeout=lease.ttl + 3)
+        time.sleep(0.3)      # nothing more comes
+    finally:
+        w.close()
+    assert [(e.type, e.key.rsplit("/", 1)[1], e.value, e.prev_value) for e in w.events] == [
+        (EVENT_DELETE, "a", None, "2"), (EVENT_DELETE, "old", None, "before the watch"),
+        (expired(kind), "b", None, "leased")]
+    assert all(e.revision > rev for e in events)
+
+
 def test_watch_burst_of_200_loses_nothing(store, prefix):
     _, rev = store.list(f"{prefix}/burst")
     w = Watcher(store, f"{prefix}/burst", rev)

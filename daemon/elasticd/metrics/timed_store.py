@@ -17,7 +17,7 @@ from ..store import (KV, CompareFailed, KeyExists, Lease, LeaseNotFound, Store,
 
 STORE_OPERATIONS = ("get", "list", "put", "create", "compare_and_swap", "delete",
                     "delete_prefix", "grant_lease", "refresh_lease", "revoke_lease",
-                    "watch", "health")
+                    "revision", "watch", "health")
 # The error label of a failed store request: one value per StoreError kind.
 _STORE_ERRORS = ((StoreUnavailable, "unavailable"), (StoreAuthError, "auth"),
                  (KeyExists, "key_exists"), (CompareFailed, "compare_failed"),
@@ -106,11 +106,15 @@ class TimedStore(Store):
     def revoke_lease(self, lease: Lease) -> None:
         self._timed("revoke_lease", self.inner.revoke_lease, lease)
 
+    def revision(self) -> int:
+        return self._timed("revision", self.inner.revision)
+
     def watch(self, prefix: str, start_revision: int,
               stop_event: threading.Event | None = None,
-              timeout: float | None = None) -> Iterator[WatchEvent]:
+              timeout: float | None = None, deletes_only: bool = False) -> Iterator[WatchEvent]:
         try:
-            for ev in self.inner.watch(prefix, start_revision, stop_event, timeout):
+            for ev in self.inner.watch(prefix, start_revision, stop_event, timeout,
+                                       deletes_only):
                 self._metrics.watch_event(watch_event_kind(ev.key))
                 yield ev
         except StoreError as exc:

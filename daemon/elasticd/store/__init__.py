@@ -156,10 +156,14 @@ class PrefixedStore(Store):
     def revoke_lease(self, lease: Lease) -> None:
         self.inner.revoke_lease(lease)
 
+    def revision(self) -> int:
+        return self.inner.revision()
+
     def watch(self, prefix: str, start_revision: int,
               stop_event: threading.Event | None = None,
-              timeout: float | None = None) -> Iterator[WatchEvent]:
-        for ev in self.inner.watch(self._dir(prefix), start_revision, stop_event, timeout):
+              timeout: float | None = None, deletes_only: bool = False) -> Iterator[WatchEvent]:
+        for ev in self.inner.watch(self._dir(prefix), start_revision, stop_event, timeout,
+                                   deletes_only):
             yield ev._replace(key=self._out(ev.key))
 
     def health(self) -> str:

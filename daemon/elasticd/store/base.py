@@ -109,12 +109,15 @@ class Lease(NamedTuple):
 
 class WatchEvent(NamedTuple):
     """One change: ``type`` is put, delete or expire; ``value`` is None
-    unless ``type`` is put.  etcd3 reports a lease expiry as delete."""
+    unless ``type`` is put.  etcd3 reports a lease expiry as delete.
+    ``prev_value``: in a watch of deletes only, the value a deleted key held
+    (None where the backend did not say)."""
 
     type: str
     key: str
     value: str | None
     revision: int
+    prev_value: str | None = None
 
 
 def check_key(key: str) -> str:
@@ -220,15 +223,25 @@ class Store(abc.ABC):
         Idempotent: revoking an ended lease is not an error."""
 
     @abc.abstractmethod
+    def revision(self) -> int:
+        """The store's current revision: a watch from it sees every change after
+        this call, without a list of anything (a watch of deletes only needs no list)."""
+
+    @abc.abstractmethod
     def watch(
         self,
         prefix: str,
         start_revision: int,
         stop_event: threading.Event | None = None,
         timeout: float | None = None,
+        deletes_only: bool = False,
     ) -> Iterator[WatchEvent]:
         """Every change under ``prefix`` with revision > ``start_revision``,
         in revision order, none lost, none repeated.
+
+        With ``deletes_only``, only its deletes and expiries, each with the value
+        the key held (``prev_value``): etcd3 leaves the puts out itself (a watch
+        filter), so a key rewritten often costs such a watcher nothing.
 
         The iterator returns (normally) within about half a second once
         ``stop_event`` is set, or once ``timeout`` seconds have passed

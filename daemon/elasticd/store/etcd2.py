@@ -310,9 +310,12 @@ class Etcd2Store(Store):
             with self._lock:
                 self._key_lease.pop(key, None)
 
+    def revision(self) -> int:
+        return int(self._do("read", "/").etcd_index)
+
     def watch(self, prefix: str, start_revision: int,
               stop_event: threading.Event | None = None,
-              timeout: float | None = None) -> Iterator[WatchEvent]:
+              timeout: float | None = None, deletes_only: bool = False) -> Iterator[WatchEvent]:
         prefix = dir_prefix(prefix)
         deadline = None if timeout is None else time.monotonic() + timeout
         index, heard, broken = start_revision + 1, time.monotonic(), False
@@ -343,11 +346,12 @@ class Etcd2Store(Store):
             index, heard, broken = r.modifiedIndex + 1, time.monotonic(), False
             if r.dir or not r.key or not r.key.startswith(prefix):
                 continue
+            prev = getattr(getattr(r, "_prev_node", None), "value", None)   # v2's prevNode
             if r.action == "expire":
-                yield WatchEvent(EVENT_EXPIRE, r.key, None, r.modifiedIndex)
+                yield WatchEvent(EVENT_EXPIRE, r.key, None, r.modifiedIndex, prev)
             elif r.action in _DELETES:
-                yield WatchEvent(EVENT_DELETE, r.key, None, r.modifiedIndex)
-            else:
+                yield WatchEvent(EVENT_DELETE, r.key, None, r.modifiedIndex, prev)
+            elif not deletes_only:   # v2 has no filter: the puts are dropped here
                 yield WatchEvent(EVENT_PUT, r.key, r.value or "", r.modifiedIndex)
 
     def health(self) -> str:

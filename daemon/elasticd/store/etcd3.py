@@ -309,9 +309,13 @@ class Etcd3Store(Store):
 
     # -- watch ---------------------------------------------------------------
 
+    def revision(self) -> int:
+        # A linearizable read of one key, counted only: its header is the revision.
+        return self._rev(self._call("/kv/range", {"key": _b64("/"), "count_only": True}))
+
     def watch(self, prefix: str, start_revision: int,
               stop_event: threading.Event | None = None,
-              timeout: float | None = None) -> Iterator[WatchEvent]:
+              timeout: float | None = None, deletes_only: bool = False) -> Iterator[WatchEvent]:
         prefix = dir_prefix(prefix)
         deadline = None if timeout is None else time.monotonic() + timeout
 
@@ -324,7 +328,7 @@ class Etcd3Store(Store):
         after, broken, relogged, first = start_revision, 0, False, True
         while not done():
             try:
-                stream = self._open_watch(prefix, after)
+                stream = self._open_watch(prefix, after, deletes_only)
             except StoreUnavailable:
                 broken += 1
                 if first or broken > len(self.endpoints):
@@ -383,13 +387,15 @@ class Etcd3Store(Store):
             self._alive_at = time.monotonic()
             return self._alive_at
 
-    def _open_watch(self, prefix: str, after: int):
-        """A stream of the prefix's events from ``after + 1``: over etcd's gRPC Watch
-        when watch_transport is grpc, else over the gateway."""
+    def _open_watch(self, prefix: str, after: int, deletes_only: bool = False):
+        """A stream of the prefix's events from ``after + 1`` (its deletes only, with
+        their keys' values before, if asked): over etcd's gRPC Watch when
+        watch_transport is grpc, else over the gateway."""
         if self._watch_channels is None:
-            return _WatchStream(self, prefix, after)
+            return _WatchStream(self, prefix, after, deletes_only)
         return self._watch_channels.watch(self.endpoints[self._current], self.auth_token(),
-                                          prefix, _range_end_bytes(prefix), after)
+                                          prefix, _range_end_bytes(prefix), after,
+                                          deletes_only)
 
     def _watch_broke(self, stream: GrpcWatchStream) -> None:
         """A gRPC watch stream ended or failed: one that etcd never answered moves the
@@ -407,11 +413,13 @@ class _WatchStream:
     ("end", None), ("idle", None) (no message for ``watch_idle`` s) or
     ("relogin", reason) (the auth token expired)."""
 
-    def __init__(self, store: Etcd3Store, prefix: str, after: int):
+    def __init__(self, store: Etcd3Store, prefix: str, after: int, deletes_only: bool = False):
         self.queue: queue.Queue = queue.Queue()
         self._closed = False
         req = {"create_request": {"key": _b64(prefix), "range_end": _range_end(prefix),
-                                  "start_revision": str(after + 1)}}
+                                  "start_revision": str(after + 1),
+                                  **({"filters": ["NOPUT"], "prev_kv": True}
+                                     if deletes_only else {})}}
         self._url, self._resp = store._request("/watch", req, stream=True)
         # Headers came within the call timeout; the body may idle longer.
         sock = getattr(self._resp.connection, "sock", None)
@@ -467,7 +475,9 @@ class _WatchStream:
             kv = ev.get("kv", {})
             key, rev = _unb64(kv.get("key")), int(kv.get("mod_revision", 0))
             if ev.get("type", "PUT") == "DELETE":
-                events.append(WatchEvent(EVENT_DELETE, key, None, rev))
+                prev = ev.get("prev_kv")
+                events.append(WatchEvent(EVENT_DELETE, key, None, rev,
+                                         _unb64(prev.get("value")) if prev else None))
             else:
                 events.append(WatchEvent(EVENT_PUT, key, _unb64(kv.get("value")), rev))
         self.queue.put(("events", events))

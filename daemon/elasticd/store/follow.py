@@ -1,8 +1,11 @@
 """Following a prefix: list it, then watch it from the list's revision.
 
-Every in-memory view of the store (nodes, drain marks, jobs, events) is kept
-the same way, by one ``Follower`` thread each: ``on_reset`` gets the whole
-prefix after each (re)list, ``on_event`` every change after it, in order.
+Every in-memory view of the store (drain marks, jobs, events) is kept the
+same way, by one ``Follower`` thread each: ``on_reset`` gets the whole prefix
+after each (re)list, ``on_event`` every change after it, in order. A follower
+of deletes only (the node records: cluster/membership.py) lists nothing: it
+starts from the store's revision (``on_reset`` gets no keys) and is told the
+prefix's deletes, each with the value the key held.
 A compacted history means a fresh list; an unreachable store a bounded wait
 and a new watch from the last revision seen; nothing is lost either way.
 
@@ -29,8 +32,9 @@ _LOGGED_KEYS = 1024   # keys whose handler failure is logged; later ones are onl
 class Follower:
     def __init__(self, store: Store, prefix: str, name: str, retry: float,
                  on_reset: Callable[[list[KV], int], None],
-                 on_event: Callable[[WatchEvent], None]):
+                 on_event: Callable[[WatchEvent], None], deletes_only: bool = False):
         self._store = store
+        self._deletes_only = deletes_only
         self._prefix = prefix
         self._name = name
         self._retry = retry
@@ -72,10 +76,12 @@ class Follower:
         while not self._stop.is_set():
             try:
                 if revision is None:
-                    kvs, revision = self._store.list(self._prefix)
+                    kvs, revision = (([], self._store.revision()) if self._deletes_only
+                                     else self._store.list(self._prefix))
                     self._handled(f"(the list of {self._prefix})", self._on_reset, kvs, revision)
                     self.synced.set()
-                for ev in self._store.watch(self._prefix, revision, self._stop):
+                for ev in self._store.watch(self._prefix, revision, self._stop,
+                                            deletes_only=self._deletes_only):
                     revision = ev.revision
                     self._handled(ev.key, self._on_event, ev)
             except WatchCompacted:

@@ -110,7 +110,7 @@ class MemoryStore(Store):
             entry = self._data.pop(key)
             if entry.lease_id in self._leases:
                 self._leases[entry.lease_id].keys.discard(key)
-            events.append(WatchEvent(kind, key, None, rev))
+            events.append(WatchEvent(kind, key, None, rev, entry.value))
         self._record(events)
 
     def _expire_locked(self) -> None:
@@ -212,12 +212,17 @@ class MemoryStore(Store):
             if held is not None:
                 self._remove(list(held.keys), EVENT_DELETE)
 
+    def revision(self) -> int:
+        with self._locked():
+            return self._revision
+
     def watch(
         self,
         prefix: str,
         start_revision: int,
         stop_event: threading.Event | None = None,
         timeout: float | None = None,
+        deletes_only: bool = False,
     ) -> Iterator[WatchEvent]:
         prefix = dir_prefix(prefix)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -230,7 +235,8 @@ class MemoryStore(Store):
                         self._compacted,
                     )
                 i = bisect.bisect_right(self._events, after, key=lambda e: e.revision)
-                batch = [e for e in self._events[i:] if e.key.startswith(prefix)]
+                batch = [e for e in self._events[i:] if e.key.startswith(prefix)
+                         and not (deletes_only and e.type == EVENT_PUT)]
                 if self._events:
                     after = max(after, self._events[-1].revision)
                 if not batch:

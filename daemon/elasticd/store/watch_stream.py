@@ -89,9 +89,10 @@ class WatchChannels:
         return channel
 
     def watch(self, url: str, token: str | None, prefix: str, range_end: bytes,
-              after: int) -> "GrpcWatchStream":
+              after: int, deletes_only: bool = False) -> "GrpcWatchStream":
         """A watch of ``prefix`` from revision ``after + 1`` on ``url``'s stream for
-        ``token`` (opened if there is none, or the one there has ended)."""
+        ``token`` (opened if there is none, or the one there has ended); with
+        ``deletes_only``, etcd sends its deletes only, each with the key's value before."""
         with self._lock:
             for _ in range(2):
                 mux = self._muxes.get((url, token))
@@ -103,7 +104,7 @@ class WatchChannels:
                         self._forget(url, channel)
                         continue
                     self._muxes[(url, token)] = mux
-                return mux.add(prefix, range_end, after)
+                return mux.add(prefix, range_end, after, deletes_only)
         raise StoreUnavailable(f"etcd watch channel to {url} keeps closing")
 
     def drop(self, url: str, channel: grpc.Channel) -> None:
@@ -172,15 +173,18 @@ class WatchMux:
                                         daemon=True)
         self._thread.start()
 
-    def add(self, prefix: str, range_end: bytes, after: int) -> "GrpcWatchStream":
+    def add(self, prefix: str, range_end: bytes, after: int,
+            deletes_only: bool = False) -> "GrpcWatchStream":
         """(Under the lock.) A new watch on this stream."""
         watch_id, self._next_id = self._next_id, self._next_id + 1
         watch = GrpcWatchStream(self, watch_id)
         self._watches[watch_id] = watch
         self._unanswered.append(watch_id)
-        self._requests.put(watch_pb2.WatchRequest(create_request=watch_pb2.WatchCreateRequest(
+        create = watch_pb2.WatchCreateRequest
+        self._requests.put(watch_pb2.WatchRequest(create_request=create(
             key=prefix.encode(), range_end=range_end, start_revision=after + 1,
-            watch_id=watch_id)))
+            watch_id=watch_id, filters=[create.NOPUT] if deletes_only else [],
+            prev_kv=deletes_only)))
         return watch
 
     def remove(self, watch: "GrpcWatchStream") -> None:
@@ -286,7 +290,9 @@ class GrpcWatchStream:
         for ev in resp.events:
             kv = ev.kv
             if ev.type == watch_pb2.Event.DELETE:
-                events.append(WatchEvent(EVENT_DELETE, _text(kv.key), None, kv.mod_revision))
+                prev = _text(ev.prev_kv.value) if ev.HasField("prev_kv") else None
+                events.append(WatchEvent(EVENT_DELETE, _text(kv.key), None, kv.mod_revision,
+                                         prev))
             else:
                 events.append(WatchEvent(EVENT_PUT, _text(kv.key), _text(kv.value),
                                          kv.mod_revision))

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from elasticd.store.etcdpb import lease_pb2 as elasticd_dot_store_dot_etcdpb_dot_lease__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!elasticd/store/etcdpb/watch.proto\x12\x0c\x65tcdserverpb\x1a!elasticd/store/etcdpb/lease.proto\"u\n\x08KeyValue\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x17\n\x0f\x63reate_revision\x18\x02 \x01(\x03\x12\x14\n\x0cmod_revision\x18\x03 \x01(\x03\x12\x0f\n\x07version\x18\x04 \x01(\x03\x12\r\n\x05value\x18\x05 \x01(\x0c\x12\r\n\x05lease\x18\x06 \x01(\x03\"z\n\x05\x45vent\x12+\n\x04type\x18\x01 \x01(\x0e\x32\x1d.etcdserverpb.Event.EventType\x12\"\n\x02kv\x18\x02 \x01(\x0b\x32\x16.etcdserverpb.KeyValue\" \n\tEventType\x12\x07\n\x03PUT\x10\x00\x12\n\n\x06\x44\x45LETE\x10\x01\"^\n\x12WatchCreateRequest\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x11\n\trange_end\x18\x02 \x01(\x0c\x12\x16\n\x0estart_revision\x18\x03 \x01(\x03\x12\x10\n\x08watch_id\x18\x07 \x01(\x03\"&\n\x12WatchCancelRequest\x12\x10\n\x08watch_id\x18\x01 \x01(\x03\"\x97\x01\n\x0cWatchRequest\x12:\n\x0e\x63reate_request\x18\x01 \x01(\x0b\x32 .etcdserverpb.WatchCreateRequestH\x00\x12:\n\x0e\x63\x61ncel_request\x18\x02 \x01(\x0b\x32 .etcdserverpb.WatchCancelRequestH\x00\x42\x0f\n\rrequest_union\"\xc8\x01\n\rWatchResponse\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.etcdserverpb.ResponseHeader\x12\x10\n\x08watch_id\x18\x02 \x01(\x03\x12\x0f\n\x07\x63reated\x18\x03 \x01(\x08\x12\x10\n\x08\x63\x61nceled\x18\x04 \x01(\x08\x12\x18\n\x10\x63ompact_revision\x18\x05 \x01(\x03\x12\x15\n\rcancel_reason\x18\x06 \x01(\t\x12#\n\x06\x65vents\x18\x0b \x03(\x0b\x32\x13.etcdserverpb.Event2M\n\x05Watch\x12\x44\n\x05Watch\x12\x1a.etcdserverpb.WatchRequest\x1a\x1b.etcdserverpb.WatchResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!elasticd/store/etcdpb/watch.proto\x12\x0c\x65tcdserverpb\x1a!elasticd/store/etcdpb/lease.proto\"u\n\x08KeyValue\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x17\n\x0f\x63reate_revision\x18\x02 \x01(\x03\x12\x14\n\x0cmod_revision\x18\x03 \x01(\x03\x12\x0f\n\x07version\x18\x04 \x01(\x03\x12\r\n\x05value\x18\x05 \x01(\x0c\x12\r\n\x05lease\x18\x06 \x01(\x03\"\xa3\x01\n\x05\x45vent\x12+\n\x04type\x18\x01 \x01(\x0e\x32\x1d.etcdserverpb.Event.EventType\x12\"\n\x02kv\x18\x02 \x01(\x0b\x32\x16.etcdserverpb.KeyValue\x12\'\n\x07prev_kv\x18\x03 \x01(\x0b\x32\x16.etcdserverpb.KeyValue\" \n\tEventType\x12\x07\n\x03PUT\x10\x00\x12\n\n\x06\x44\x45LETE\x10\x01\"\xd4\x01\n\x12WatchCreateRequest\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x11\n\trange_end\x18\x02 \x01(\x0c\x12\x16\n\x0estart_revision\x18\x03 \x01(\x03\x12<\n\x07\x66ilters\x18\x05 \x03(\x0e\x32+.etcdserverpb.WatchCreateRequest.FilterType\x12\x0f\n\x07prev_kv\x18\x06 \x01(\x08\x12\x10\n\x08watch_id\x18\x07 \x01(\x03\"%\n\nFilterType\x12\t\n\x05NOPUT\x10\x00\x12\x0c\n\x08NODELETE\x10\x01\"&\n\x12WatchCancelRequest\x12\x10\n\x08watch_id\x18\x01 \x01(\x03\"\x97\x01\n\x0cWatchRequest\x12:\n\x0e\x63reate_request\x18\x01 \x01(\x0b\x32 .etcdserverpb.WatchCreateRequestH\x00\x12:\n\x0e\x63\x61ncel_request\x18\x02 \x01(\x0b\x32 .etcdserverpb.WatchCancelRequestH\x00\x42\x0f\n\rrequest_union\"\xc8\x01\n\rWatchResponse\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.etcdserverpb.ResponseHeader\x12\x10\n\x08watch_id\x18\x02 \x01(\x03\x12\x0f\n\x07\x63reated\x18\x03 \x01(\x08\x12\x10\n\x08\x63\x61nceled\x18\x04 \x01(\x08\x12\x18\n\x10\x63ompact_revision\x18\x05 \x01(\x03\x12\x15\n\rcancel_reason\x18\x06 \x01(\t\x12#\n\x06\x65vents\x18\x0b \x03(\x0b\x32\x13.etcdserverpb.Event2M\n\x05Watch\x12\x44\n\x05Watch\x12\x1a.etcdserverpb.WatchRequest\x1a\x1b.etcdserverpb.WatchResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,18 +34,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_KEYVALUE']._serialized_start=86
   _globals['_KEYVALUE']._serialized_end=203
-  _globals['_EVENT']._serialized_start=205
-  _globals['_EVENT']._serialized_end=327
-  _globals['_EVENT_EVENTTYPE']._serialized_start=295
-  _globals['_EVENT_EVENTTYPE']._serialized_end=327
-  _globals['_WATCHCREATEREQUEST']._serialized_start=329
-  _globals['_WATCHCREATEREQUEST']._serialized_end=423
-  _globals['_WATCHCANCELREQUEST']._serialized_start=425
-  _globals['_WATCHCANCELREQUEST']._serialized_end=463
-  _globals['_WATCHREQUEST']._serialized_start=466
-  _globals['_WATCHREQUEST']._serialized_end=617
-  _globals['_WATCHRESPONSE']._serialized_start=620
-  _globals['_WATCHRESPONSE']._serialized_end=820
-  _globals['_WATCH']._serialized_start=822
-  _globals['_WATCH']._serialized_end=899
+  _globals['_EVENT']._serialized_start=206
+  _globals['_EVENT']._serialized_end=369
+  _globals['_EVENT_EVENTTYPE']._serialized_start=337
+  _globals['_EVENT_EVENTTYPE']._serialized_end=369
+  _globals['_WATCHCREATEREQUEST']._serialized_start=372
+  _globals['_WATCHCREATEREQUEST']._serialized_end=584
+  _globals['_WATCHCREATEREQUEST_FILTERTYPE']._serialized_start=547
+  _globals['_WATCHCREATEREQUEST_FILTERTYPE']._serialized_end=584
+  _globals['_WATCHCANCELREQUEST']._serialized_start=586
+  _globals['_WATCHCANCELREQUEST']._serialized_end=624
+  _globals['_WATCHREQUEST']._serialized_start=627
+  _globals['_WATCHREQUEST']._serialized_end=778
+  _globals['_WATCHRESPONSE']._serialized_start=781
+  _globals['_WATCHRESPONSE']._serialized_end=981
+  _globals['_WATCH']._serialized_start=983
+  _globals['_WATCH']._serialized_end=1060
 # @@protoc_insertion_point(module_scope)

@@ -25,7 +25,7 @@ class KeyValue(_message.Message):
     def __init__(self, key: _Optional[bytes] = ..., create_revision: _Optional[int] = ..., mod_revision: _Optional[int] = ..., version: _Optional[int] = ..., value: _Optional[bytes] = ..., lease: _Optional[int] = ...) -> None: ...
 
 class Event(_message.Message):
-    __slots__ = ("type", "kv")
+    __slots__ = ("type", "kv", "prev_kv")
     class EventType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         PUT: _ClassVar[Event.EventType]
@@ -34,21 +34,33 @@ class Event(_message.Message):
     DELETE: Event.EventType
     TYPE_FIELD_NUMBER: _ClassVar[int]
     KV_FIELD_NUMBER: _ClassVar[int]
+    PREV_KV_FIELD_NUMBER: _ClassVar[int]
     type: Event.EventType
     kv: KeyValue
-    def __init__(self, type: _Optional[_Union[Event.EventType, str]] = ..., kv: _Optional[_Union[KeyValue, _Mapping]] = ...) -> None: ...
+    prev_kv: KeyValue
+    def __init__(self, type: _Optional[_Union[Event.EventType, str]] = ..., kv: _Optional[_Union[KeyValue, _Mapping]] = ..., prev_kv: _Optional[_Union[KeyValue, _Mapping]] = ...) -> None: ...
 
 class WatchCreateRequest(_message.Message):
-    __slots__ = ("key", "range_end", "start_revision", "watch_id")
+    __slots__ = ("key", "range_end", "start_revision", "filters", "prev_kv", "watch_id")
+    class FilterType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        NOPUT: _ClassVar[WatchCreateRequest.FilterType]
+        NODELETE: _ClassVar[WatchCreateRequest.FilterType]
+    NOPUT: WatchCreateRequest.FilterType
+    NODELETE: WatchCreateRequest.FilterType
     KEY_FIELD_NUMBER: _ClassVar[int]
     RANGE_END_FIELD_NUMBER: _ClassVar[int]
     START_REVISION_FIELD_NUMBER: _ClassVar[int]
+    FILTERS_FIELD_NUMBER: _ClassVar[int]
+    PREV_KV_FIELD_NUMBER: _ClassVar[int]
     WATCH_ID_FIELD_NUMBER: _ClassVar[int]
     key: bytes
     range_end: bytes
     start_revision: int
+    filters: _containers.RepeatedScalarFieldContainer[WatchCreateRequest.FilterType]
+    prev_kv: bool
     watch_id: int
-    def __init__(self, key: _Optional[bytes] = ..., range_end: _Optional[bytes] = ..., start_revision: _Optional[int] = ..., watch_id: _Optional[int] = ...) -> None: ...
+    def __init__(self, key: _Optional[bytes] = ..., range_end: _Optional[bytes] = ..., start_revision: _Optional[int] = ..., filters: _Optional[_Iterable[_Union[WatchCreateRequest.FilterType, str]]] = ..., prev_kv: _Optional[bool] = ..., watch_id: _Optional[int] = ...) -> None: ...
 
 class WatchCancelRequest(_message.Message):
     __slots__ = ("watch_id",)
