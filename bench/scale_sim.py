@@ -14,7 +14,8 @@ through the gateway instead):
 
   membership   cluster/membership.py: a LeaseKeeper (its node key under a lease,
                refreshed every membership.refresh_interval) and a NodeWatcher (a
-               watch of every node key), as cluster/node.py builds them
+               watch of the node keys' deletes only: no node receives another's
+               record rewrites), as cluster/node.py builds them
   rendezvous   rendezvous/view.py: a JobsView (one watch per node of the job
                list, as every daemon keeps, and one of the rounds of each job the
                node runs, which its ClusterRendezvous follows) and
@@ -103,6 +104,7 @@ class CountingStore:
         self.delivered: Counter = Counter()
         # job -> puts, CASes and deletes of its scoped keys (phase records, rounds)
         self.phase_writes: Counter = Counter()
+        self.node_puts = 0       # writes of its node key: no watch receives them
         self.errors = 0          # requests that failed (etcd slow to answer: overload)
         self._lock = threading.Lock()
 
@@ -124,17 +126,20 @@ class CountingStore:
                 raise
         return counted
 
-    def _phase_write(self, key: str) -> None:
+    def _phase_write(self, key: str, put: bool = True) -> None:
         if key.startswith(("/v1/phases/", "/v1/rounds/")):
             with self._lock:
                 self.phase_writes[key.split("/")[3]] += 1
+        elif put and key.startswith("/v1/nodes/"):
+            with self._lock:
+                self.node_puts += 1
 
     def put(self, key, value, lease=None):
         self._phase_write(key)
         return self.__getattr__("put")(key, value, lease)
 
     def delete(self, key, prev_revision=None):
-        self._phase_write(key)
+        self._phase_write(key, put=False)
         return self.__getattr__("delete")(key, prev_revision)
 
     def create(self, key, value, lease=None):
@@ -145,9 +150,9 @@ class CountingStore:
         self._phase_write(key)
         return self.__getattr__("compare_and_swap")(key, value, prev_revision, lease)
 
-    def watch(self, prefix, start_revision, stop_event=None, timeout=None):
+    def watch(self, prefix, start_revision, stop_event=None, timeout=None, deletes_only=False):
         self._op("watch")
-        for ev in self.inner.watch(prefix, start_revision, stop_event, timeout):
+        for ev in self.inner.watch(prefix, start_revision, stop_event, timeout, deletes_only):
             kind = "nodes" if ev.key.startswith("/v1/nodes/") else \
                 "phases" if "/phases/" in ev.key else \
                 "rounds" if ev.key.startswith("/v1/rounds/") else "jobs"
@@ -192,11 +197,9 @@ class SimNode:
                 "pid": os.getpid(), "lease_ttl": self.cfg.membership.lease_ttl, "jobs": []}
 
     def _seen(self, node: str, record) -> None:
-        # A node back (its lease had lapsed under load, it registered again) is no loss.
+        # Told of losses only (record None): the node watch sees deletes alone.
         if record is None:
             self.lost_at[node] = time.time()
-        else:
-            self.lost_at.pop(node, None)
 
     def start(self) -> None:
         from elasticd.store import StoreUnavailable
@@ -267,6 +270,7 @@ class SimNode:
                     "errors": self.store.errors, "revision": self.view.revision,
                     "lapsed": self.keeper.reregistrations,
                     "phase_writes": dict(self.store.phase_writes),
+                    "node_puts": self.store.node_puts,
                     "follows": sorted(set(self.phases.following())
                                       | set(self.view.following()))}
 
@@ -341,8 +345,10 @@ def worker(conn, node_ids: list, url: str, prefix: str, key: bytes, overrides: d
             return True
         if cmd == "counters":
             return {"nodes": [node.counters() for node in nodes], "pid": os.getpid()}
-        if cmd == "lost":           # when each node saw each of ``arg`` lost (None: not yet)
-            return [[node.lost_at.get(v) for v in arg] for node in nodes]
+        if cmd == "lost":   # (victims, since): when each node saw each lost (None: not yet)
+            victims, since = arg    # an earlier loss (a lease lapsed under load) is not this
+            return [[t if (t := node.lost_at.get(v)) is not None and t >= since else None
+                     for v in victims] for node in nodes]
         if cmd == "stop":
             stop.set()
             for node in nodes:
@@ -430,7 +436,8 @@ class Sim:
 
     def counters(self, which=None) -> dict:
         total = {"ops": Counter(), "delivered": Counter(), "revisions": [], "errors": 0,
-                 "phase_writes": Counter(), "followers": Counter(), "lapsed": 0}
+                 "phase_writes": Counter(), "followers": Counter(), "lapsed": 0,
+                 "node_puts": 0}
         for got in self.ask("counters", which=which):
             for node in got["nodes"]:
                 total["ops"].update(node["ops"])
@@ -440,6 +447,7 @@ class Sim:
                 total["revisions"].append(node["revision"])
                 total["errors"] += node["errors"]
                 total["lapsed"] += node["lapsed"]
+                total["node_puts"] += node["node_puts"]
         return total
 
     def threads(self) -> int:
@@ -475,11 +483,12 @@ class Sim:
                          if k in ("put", "create", "compare_and_swap", "delete"))
         phase_writes = {j: (c1["phase_writes"][j] - c0["phase_writes"].get(j, 0)) / span
                         for j in c1["phase_writes"]}
+        node_puts = (c1["node_puts"] - c0["node_puts"]) / span
         delivered = sum(got.values())
-        # Every watcher gets every write of the node keys and the job list; a phase
-        # record or a write of a job's rounds reaches the nodes that follow its job (of
-        # those counted: alive).
-        expected = (key_writes - sum(phase_writes.values())) * nodes \
+        # Every watcher gets every write of the job list and every delete of a node key
+        # (no node's puts: the node watch is of deletes only); a phase record or a write
+        # of a job's rounds reaches the nodes that follow its job (of those counted: alive).
+        expected = (key_writes - sum(phase_writes.values()) - node_puts) * nodes \
             + sum(w * c1["followers"][j] for j, w in phase_writes.items())
         sim = [(b - a) / span * 100 for a, b in zip(scpu0, scpu1)]
         return {"window": name, "n": self.n, "writes": (e1["writes"] - e0["writes"]) / span,
@@ -592,7 +601,7 @@ def run_n(etcd: EtcdServer, n: int, procs: int, seconds: float, overrides: dict,
         victim.join(5)
         deadline = time.monotonic() + 30
         while True:
-            seen = [t for got in sim.ask("lost", sim.victims, which=survivors)
+            seen = [t for got in sim.ask("lost", (sim.victims, killed_at), which=survivors)
                     for row in got for t in row]
             if all(t is not None for t in seen) or time.monotonic() > deadline:
                 break

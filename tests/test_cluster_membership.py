@@ -203,7 +203,7 @@ GARBAGE_BEFORE = {  # written before the daemons start: met by their first list
     # At a node's own key, with no lease: not a live daemon's, so n-b takes it over.
     "/v1/nodes/n-b": json.dumps({"node_id": "n-b", "jobs": 7}),
 }
-GARBAGE_AFTER = {  # written while they run: met by their watches
+GARBAGE_AFTER = {  # written while they run: met by their watches, or read when asked
     "/v1/nodes/bogus2": "\u0000\ufffd binary-ish",
     "/v1/nodes/typed2": json.dumps({"node_id": "typed2", "slots": 2, "jobs": 7}),
     "/v1/nodes/typed3": json.dumps({"node_id": "typed3", "slots": 10 ** 12,
@@ -241,17 +241,15 @@ def test_garbage_under_the_prefix_is_skipped(daemon_factory, etcd, prefix):
         b = cluster_daemon(daemon_factory, etcd.url, "n-b", prefix).start()
         for key, value in GARBAGE_AFTER.items():
             store.put(key, value)
-        # Witness that both watches delivered the node keys: the last one's refusal is
-        # logged (keys reach a watch in the order they were written).
+        # Node records are read when asked (no daemon watches their puts): `nodes` lists
+        # them all, garbage included, and the refusal of each bad one is logged.
         last = re.compile(r"refused the node record at '[^']*/v1/nodes/a/b/c'")
-        for d in (a, b):
-            wait_for(lambda d=d: last.search(d.log()), 10, what=f"{d.node_id} refusing a/b/c")
-
         for d in (a, b):
             assert d.proc.poll() is None, d.log()
             doc = ctl_json(d, "nodes")
             assert {n: v["state"] for n, v in by_id(doc).items()} == \
                 {"n-a": "ready", "n-b": "ready"}, doc  # an unreadable drain mark is no mark
+            wait_for(lambda d=d: last.search(d.log()), 10, what=f"{d.node_id} refusing a/b/c")
         job_id = submit_on(a, "/bin/true")
         job = a.wait_job(job_id, timeout=30)
         assert job.state == pb.SUCCEEDED, job
@@ -259,5 +257,14 @@ def test_garbage_under_the_prefix_is_skipped(daemon_factory, etcd, prefix):
         for d in (a, b):
             assert d.proc.poll() is None, d.log()
             assert "Traceback" not in d.log(), d.log()
+        # The garbage deleted lists no node lost: n-b's clean stop, after it (deletes
+        # reach the watch in order), is the only loss n-a lists.
+        for key in (*GARBAGE_BEFORE, *GARBAGE_AFTER):
+            if key.startswith("/v1/nodes/") and key.rsplit("/", 1)[-1] not in ("n-a", "n-b"):
+                store.delete(key)
+        b.stop()
+        wait_for(lambda: states(a).get("n-b") == "lost", 10, what="n-a listing n-b lost")
+        assert states(a) == {"n-a": "ready", "n-b": "lost"}, ctl_json(a, "nodes")
+        assert "Traceback" not in a.log(), a.log()
     finally:
         store.close()

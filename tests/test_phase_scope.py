@@ -10,6 +10,9 @@ daemon watching every job's keys), it would count more than A's. Each node
 watches the job's records while it runs it (``elasticd_phase_watches``: 1) and
 stops when the job ends there (0).
 
+No daemon receives the node records' rewrites (``kind="nodes"``: its node watch
+is of deletes only, cluster/membership.py), though every node rewrote its own.
+
 The same for a job's events (``kind="events"``, cluster/eventlog.py) and its rounds (its state, joins, done marks and worker rows under
 /v1/rounds/<job>/, rendezvous/view.py): counted as ``kind="rounds"``, a node may
 have received its own job's changes there and none of the other's.
@@ -61,6 +64,7 @@ def metric(port: int, name: str) -> float:
 PHASE_EVENTS = 'elasticd_store_watch_events_total{kind="phases"}'
 ROUND_EVENTS = 'elasticd_store_watch_events_total{kind="rounds"}'
 JOB_EVENTS = 'elasticd_store_watch_events_total{kind="events"}'
+NODE_EVENTS = 'elasticd_store_watch_events_total{kind="nodes"}'
 
 
 def changes_since(store, folder: str, since: int, jobs: dict) -> dict:
@@ -101,8 +105,14 @@ def test_a_nodes_watches_get_the_phase_records_of_its_own_job_only(quad):
         changes = changes_since(store, "phases", since, jobs)
         round_changes = changes_since(store, "rounds", since, jobs)
         event_changes = changes_since(store, "events", since, jobs)
+        node_records = {node: metric(p, NODE_EVENTS) for node, p in ports.items()}
+        node_changes = list(store.watch("/v1/nodes/", since, timeout=2.0))
     finally:
         store.close()
+    # Every node rewrote its record as its job started and ended (free slots, jobs);
+    # no daemon received one of those rewrites (its node watch is of deletes only).
+    assert {ev.key.rsplit("/", 1)[-1] for ev in node_changes} == set(ports), node_changes
+    assert node_records == {node: 0 for node in ports}, (node_records, len(node_changes))
     assert all(n >= 4 for n in changes.values()), changes
     assert all(n >= 4 for n in round_changes.values()), round_changes
     for name, nodes in JOBS.items():

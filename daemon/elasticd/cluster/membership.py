@@ -6,10 +6,11 @@ at start (refusing a node id a live daemon holds), refreshed every
 only when what it says changes, re-registered after an etcd outage, revoked
 on a clean stop.
 
-``NodeWatcher`` keeps the cluster view: it lists the nodes, then watches
-the prefix, so a node whose lease expires is seen as lost within the TTL;
-listeners (the rendezvous) are told at once. Lost nodes are remembered for
-``membership.lost_node_retention`` seconds so an operator sees what happened.
+``NodeWatcher`` keeps the cluster view: it watches the prefix's deletes only
+(etcd leaves the records' rewrites out), so a node whose lease expires is seen
+as lost within the TTL, and reads live records when asked. Lost nodes are
+remembered for ``membership.lost_node_retention`` seconds so an operator sees
+what happened.
 
 A node record is sealed with the cluster key, bound to its key
 (trust/sealed.py), and read in one place (``open_node``): a record that does
@@ -31,7 +32,7 @@ from typing import Callable
 import psutil
 
 from ..logsetup import ctx
-from ..store import EVENT_PUT, CompareFailed, KeyExists, Lease, LeaseNotFound, Store, StoreError
+from ..store import CompareFailed, KeyExists, Lease, LeaseNotFound, Store, StoreError
 from ..store.follow import Follower
 from ..fields import is_ident
 from ..trust.refusals import Refusals
@@ -160,12 +161,12 @@ class LeaseKeeper:
                 # forgery or garbage, take the key over.
                 log.warning("%s: replacing an unreadable record at %s", ctx(node=self._node_id),
                             key)
-            try:  # our own key from before a crash
-                self._store.compare_and_swap(key, self._sealed(info), current.revision,
-                                             lease=lease)
-                break
+            # Our own key from before a crash: deleted, then created at the next look, so
+            # every daemon hears it go (peers keep a record until its key is deleted).
+            try:
+                self._store.delete(key, prev_revision=current.revision)
             except CompareFailed:
-                continue        # changed since the look: look again
+                pass            # changed since the look: look again
         else:
             self._store.revoke_lease(lease)
             raise NodeIdInUse(f"node id {self._node_id!r} kept changing while this daemon "
@@ -290,23 +291,46 @@ class NodeView:
     lost: dict = field(default_factory=dict)       # node id -> (time lost, last record)
 
 
+@dataclass(frozen=True)
+class _Held:
+    record: dict
+    read_at: float      # monotonic
+
+
 class NodeWatcher:
+    """The cluster's nodes as this daemon needs them, without every record reaching it.
+
+    A node record is rewritten whenever its free slots or jobs change; a watch of
+    the records delivered each rewrite to every daemon (N x N at a cluster-wide
+    cold start). This watch is of deletes only (etcd filters out the puts, and
+    sends each deleted record with its delete): a node is lost when its key goes,
+    and listed lost with its last record. Live records are read when asked:
+    ``snapshot()`` lists them all (`elasticctl nodes`), ``record(node)`` reads
+    one and keeps it (a peer's replication port: replication/peers.py, the
+    rendezvous' gone probe) until its key is deleted, or for
+    ``recheck`` seconds if it publishes no replication port yet. A daemon taking
+    over its own key after a crash deletes it first (``LeaseKeeper.register``), so
+    what a peer keeps never outlives the daemon that wrote it."""
+
     def __init__(self, store: Store, node_id: str, retention: float, retry: float,
-                 clock=time.time, *, records, refusals: Refusals | None = None):
+                 clock=time.time, *, records, refusals: Refusals | None = None,
+                 recheck: float = 10.0):
+        self._store = store
         self._node_id = node_id
         self._retention = retention
+        self._recheck = recheck
         self._clock = clock
         self._records = records
         self._refusals = refusals or Refusals(ctx(node=node_id))
         self._lock = threading.Lock()
-        self._view = NodeView()
+        self._view = NodeView()            # the last full list, and the lost
+        self._held: dict[str, _Held] = {}  # node -> its record as last read
         # node -> writer's count of the newest record accepted (kept after the node
         # leaves: a record of it put back later is older)
         self._seqs: dict[str, int] = {}
         self._follower = Follower(store, NODES, "node-watch", retry, self._reset,
-                                  lambda ev: self._apply(ev.key, ev.value
-                                                         if ev.type == EVENT_PUT else None))
-        self.listeners: list[Callable[[str, dict | None], None]] = []
+                                  self._deleted, deletes_only=True)
+        self.listeners: list[Callable[[str, dict | None], None]] = []  # (node, None): lost
         self.synced = self._follower.synced
 
     def start(self) -> None:
@@ -318,31 +342,78 @@ class NodeWatcher:
     def stop(self) -> None:
         self._follower.stop()
 
-    def snapshot(self) -> NodeView:
+    # -- reading ---------------------------------------------------------------
+    def snapshot(self, fresh: bool = True) -> NodeView:
+        """Every live node's record (listed now; the last list if etcd does not answer,
+        or with ``fresh=False``) and the lost ones within the retention."""
+        if fresh:
+            try:
+                self._list()
+            except StoreError as exc:
+                log.debug("%s: listing the nodes: %s; the last list stands",
+                          ctx(node=self._node_id), exc)
         with self._lock:
             now = self._clock()
+            live = dict(self._view.live)
             self._view.lost = {k: v for k, v in self._view.lost.items()
                                if now - v[0] < self._retention}
-            return NodeView(dict(self._view.live), dict(self._view.lost))
+            return NodeView(live, {k: v for k, v in self._view.lost.items() if k not in live})
 
-    def _record(self, key: str, value: str, held: dict | None,
-                relisted: bool = False) -> dict | None:
-        """The record to hold for ``key`` now: the new one if it verifies and is newer
+    def record(self, node: str) -> dict | None:
+        """``node``'s live record: the one held, else read now (None: no live record, or
+        etcd did not answer and none is held)."""
+        with self._lock:
+            held = self._held.get(node)
+        if held is not None and (held.record.get("replication_port")
+                                 or time.monotonic() - held.read_at < self._recheck):
+            return held.record
+        try:
+            kv = self._store.get(node_key(node))
+        except StoreError as exc:
+            log.debug("%s: reading node %s: %s", ctx(node=self._node_id), node, exc)
+            return held.record if held is not None else None
+        if kv is None:
+            with self._lock:
+                self._held.pop(node, None)
+            return None
+        record = self._verified(kv.key, kv.value, held.record if held else None)
+        if record is not None:
+            with self._lock:
+                self._held[node] = _Held(record, time.monotonic())
+        return record
+
+    def _list(self) -> None:
+        kvs, _ = self._store.list(NODES)
+        with self._lock:
+            held = dict(self._view.live)
+        live = {}
+        for kv in kvs:
+            node = kv.key.rsplit("/", 1)[-1]
+            record = self._verified(kv.key, kv.value, held.get(node))
+            if record is not None:
+                live[node] = record
+        now = time.monotonic()
+        with self._lock:
+            self._view.live = live
+            for node, record in live.items():
+                self._held[node] = _Held(record, now)
+
+    def _verified(self, key: str, value: str, held: dict | None) -> dict | None:
+        """The record to hold for ``key`` now: the new one if it verifies and is not older
         than the held one, else the held one (None: none); a refusal is counted."""
         try:
             node = key[len(NODES) + 1:]
             if not key.startswith(NODES + "/") or not is_ident(node):
                 raise Refused(Reason.BAD_KEY, "not a node key")
             record, seq = open_node(self._records, key, value)
-            last = self._seqs.get(node, 0)
-            if seq and seq <= last and not (relisted and seq == last and held is not None):
-                raise Refused(Reason.REPLAYED, "older than the record this daemon holds")
-            if seq:
-                self._seqs[node] = seq
-                if len(self._seqs) > _MAX_REMEMBERED:
-                    with self._lock:
-                        live = set(self._view.live)
-                    self._seqs = {n: q for n, q in self._seqs.items() if n in live}
+            with self._lock:   # the same record read again is no replay; an older one is
+                if seq and seq < self._seqs.get(node, 0):
+                    raise Refused(Reason.REPLAYED, "older than the record this daemon holds")
+                if seq:
+                    self._seqs[node] = seq
+                    if len(self._seqs) > _MAX_REMEMBERED:
+                        self._seqs = {n: q for n, q in self._seqs.items()
+                                      if n in self._held or n == node}
             return record
         except Refused as exc:
             self._refusals.refused(Kind.NODE, key, exc.reason, exc.detail)
@@ -350,45 +421,30 @@ class NodeWatcher:
             self._refusals.refused(Kind.NODE, key, Reason.ERROR, repr(exc), trace=True)
         return held
 
+    # -- the watch of deletes ----------------------------------------------------
     def _reset(self, kvs: list, revision: int) -> None:
+        """The watch (re)started at ``revision`` (no keys: it lists nothing): a delete
+        may have been missed, so every held record is read again when next asked."""
         with self._lock:
-            held = dict(self._view.live)
-        seen = {}
-        for kv in kvs:
-            node = kv.key.rsplit("/", 1)[-1]
-            record = self._record(kv.key, kv.value, held.get(node), relisted=True)
-            if record is not None:
-                seen[node] = record
-        with self._lock:
-            gone = set(self._view.live) - set(seen)
-            self._view.live = seen
-        for node in gone:
-            self._lost(node)
+            self._held.clear()
 
-    def _apply(self, key: str, value: str | None) -> None:
-        node = key.rsplit("/", 1)[-1]
-        if value is None:
-            self._lost(node)
-            return
+    def _deleted(self, ev) -> None:
+        node = ev.key[len(NODES) + 1:]
+        if not ev.key.startswith(NODES + "/") or not is_ident(node):
+            return      # no node's key (its value was refused wherever it was read)
         with self._lock:
-            held = self._view.live.get(node)
-        record = self._record(key, value, held)
-        if record is None or record is held:
-            return
+            held = self._held.pop(node, None)
+            listed = self._view.live.pop(node, None)
+        last = held.record if held is not None else listed
+        if ev.prev_value is not None:
+            try:   # the record it held, sealed as any: never counted as newer or older
+                last = open_node(self._records, ev.key, ev.prev_value)[0]
+            except Refused as exc:
+                self._refusals.refused(Kind.NODE, ev.key, exc.reason, exc.detail)
+        if last is None:
+            return      # a key no daemon of this cluster wrote went: no node was lost
         with self._lock:
-            fresh = node not in self._view.live
-            self._view.live[node] = record
-            self._view.lost.pop(node, None)
-        if fresh:
-            log.info("%s: node %s joined the cluster", ctx(node=self._node_id), node)
-            self._tell(node, record)
-
-    def _lost(self, node: str) -> None:
-        with self._lock:
-            record = self._view.live.pop(node, None)
-            if record is None:
-                return
-            self._view.lost[node] = (self._clock(), record)
+            self._view.lost[node] = (self._clock(), last)
         if node == self._node_id:  # our clean stop, or a lapse the lease keeper reports
             log.info("%s: this node's key is gone from the cluster", ctx(node=self._node_id))
         else:

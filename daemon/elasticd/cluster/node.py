@@ -97,7 +97,8 @@ class Cluster:
         self.keeper = LeaseKeeper(store, cfg.daemon.node_id, m.lease_ttl, m.refresh_interval,
                                   self.record, records=records)
         self.watcher = NodeWatcher(store, cfg.daemon.node_id, m.lost_node_retention,
-                                   m.watch_retry, records=records, refusals=self._refusals)
+                                   m.watch_retry, records=records, refusals=self._refusals,
+                                   recheck=m.record_recheck)
         self._drains: dict[str, dict] = {}
         self._drain_lock = threading.Lock()
         self._drains_loaded = False
@@ -106,7 +107,7 @@ class Cluster:
 
     def daemon_port(self, node_id: str) -> int:
         """The replication port ``node_id``'s live node record publishes (0: none)."""
-        return (self.watcher.snapshot().live.get(node_id) or {}).get("replication_port", 0)
+        return (self.watcher.record(node_id) or {}).get("replication_port", 0)
 
     def capacity_from(self, slots_info, gpu_info=None) -> None:
         """Where this node's record reads its free slots and its jobs: ``() ->

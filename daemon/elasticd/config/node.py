@@ -155,6 +155,12 @@ class MembershipSettings:
                                             "API ignores it", choices=("grpc", "gateway"))
     lost_node_retention: float = _setting(3600.0, "seconds a lost node stays listed by "
                                                   "`elasticctl nodes`", min=0, max=30 * 86400)
+    record_recheck: float = _setting(10.0, "seconds a peer's node record read without a "
+                                           "replication port (its daemon not listening yet) "
+                                           "is used before it is read again; a record with "
+                                           "one is kept until the node's key is deleted "
+                                           "(no daemon watches the records' rewrites)",
+                                     min=0.05, max=3600)
     watch_retry: float = _setting(1.0, "seconds before a broken etcd watch is tried again",
                                   min=0.05, max=600)
     startup_timeout: float = _setting(10.0, "seconds the daemon tries to reach etcd at start "

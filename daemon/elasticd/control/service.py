@@ -416,15 +416,15 @@ class ControlServicer(pb_grpc.ControlServicer):
             raise errors.InvalidArgument(f"state: must be draining or ready, got "
                                          f"{request.state[:40]!r}")
         node_id = validation.job_key(request.node_id)
-        view = self._cluster.watcher.snapshot()
-        if node_id not in view.live and node_id != self._cfg.daemon.node_id:
+        held = self._cluster.watcher.record(node_id)
+        if held is None and node_id != self._cfg.daemon.node_id:
             raise errors.NotFound(f"no live node {node_id!r}; `elasticctl nodes` lists them")
         try:
             self._cluster.set_drain(node_id, request.state == "draining", caller.user)
         except StoreError as exc:
             raise errors.FailedPrecondition(f"etcd unavailable, node state unchanged: {exc}") \
                 from None
-        rec = view.live.get(node_id) or self._cluster.record()
+        rec = held or self._cluster.record()
         return node_to_proto(rec, request.state, 0.0)
 
     @handled

@@ -23,6 +23,7 @@ class Peers:
     def __init__(self, node_id: str, manager, registry, view, nodes):
         # manager: coordinator (active_jobs, snapshots); registry: jobs by id;
         # view: rendezvous/view.py JobsView; nodes: cluster/membership.py NodeWatcher
+        # (its record(node) reads a peer's record once and keeps it)
         self._me, self._manager, self._registry = node_id, manager, registry
         self._view, self._nodes = view, nodes
 
@@ -39,34 +40,37 @@ class Peers:
                       else None, stats.of_job(job_id))
 
     def _rounds(self):
-        """(job id, job record, closed round state, live node records) of each job
-        running here in a closed round."""
-        live = self._nodes.snapshot().live
+        """(job id, job record, closed round state) of each job running here in a closed
+        round."""
         for job_id in self._manager.active_jobs():
             keys, job = self._view.job(job_id), self._job(job_id)
             state = keys.state if keys is not None else None
             if job is not None and state is not None and state.status == CLOSED \
                     and self._me in state.member_ids():
-                yield job_id, job, state, live
+                yield job_id, job, state
+
+    def _port(self, node_id: str) -> int:
+        """The replication port ``node_id``'s live record publishes (0: none): read once
+        and kept while its key lives (cluster/membership.py NodeWatcher.record)."""
+        return int((self._nodes.record(node_id) or {}).get("replication_port") or 0)
 
     def plans(self) -> list[PushPlan]:
         ledger = self._manager.snapshots
         if ledger is None:
             return []
         out = []
-        for job_id, job, state, live in self._rounds():
+        for job_id, job, state in self._rounds():
             ids = state.member_ids()
             buddy = buddy_of(ids, self._me)
-            record = live.get(buddy) if buddy else None
-            if record is None or not record.get("replication_port"):
+            port = self._port(buddy) if buddy else 0
+            if not port:
                 continue
             at = ids.index(self._me)
             offset = sum(m.nproc for m in state.members[:at])
             ranks = tuple(range(offset, offset + state.members[at].nproc))
             out.append(PushPlan(job_id, ledger.path(job_id), job.uid, ranks,
                                 sum(m.nproc for m in state.members), buddy,
-                                state.members[ids.index(buddy)].address,
-                                int(record["replication_port"])))
+                                state.members[ids.index(buddy)].address, port))
         return out
 
     def forward_plans(self) -> list[ForwardPlan]:
@@ -76,15 +80,15 @@ class Peers:
         if ledger is None:
             return []
         out = []
-        for job_id, job, state, live in self._rounds():
+        for job_id, job, state in self._rounds():
             holders, mine, first = [], (), 0
             for m in state.members:
                 if m.node_id == self._me:
                     mine = tuple(range(first, first + m.nproc))
                 else:
-                    port = (live.get(m.node_id) or {}).get("replication_port")
+                    port = self._port(m.node_id)
                     if port:
-                        holders.append(Holder(m.node_id, m.address, int(port), first, m.nproc))
+                        holders.append(Holder(m.node_id, m.address, port, first, m.nproc))
                 first += m.nproc
             if holders:
                 out.append(ForwardPlan(job_id, ledger.path(job_id), job.uid, first, mine,
