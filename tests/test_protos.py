@@ -52,13 +52,15 @@ def test_watch_stubs_keep_etcds_wire_names_and_numbers():
     def numbers(message):
         return {f.name: f.number for f in message.DESCRIPTOR.fields}
     assert numbers(watch_pb2.WatchCreateRequest) == {"key": 1, "range_end": 2,
-                                                     "start_revision": 3, "watch_id": 7}
+                                                     "start_revision": 3, "filters": 5,
+                                                     "prev_kv": 6, "watch_id": 7}
+    assert watch_pb2.WatchCreateRequest.NOPUT == 0 and watch_pb2.WatchCreateRequest.NODELETE == 1
     assert numbers(watch_pb2.WatchCancelRequest) == {"watch_id": 1}
     assert numbers(watch_pb2.WatchRequest) == {"create_request": 1, "cancel_request": 2}
     assert numbers(watch_pb2.WatchResponse) == {
         "header": 1, "watch_id": 2, "created": 3, "canceled": 4, "compact_revision": 5,
         "cancel_reason": 6, "events": 11}
-    assert numbers(watch_pb2.Event) == {"type": 1, "kv": 2}
+    assert numbers(watch_pb2.Event) == {"type": 1, "kv": 2, "prev_kv": 3}
     assert numbers(watch_pb2.KeyValue) == {"key": 1, "create_revision": 2, "mod_revision": 3,
                                            "version": 4, "value": 5, "lease": 6}
     assert watch_pb2.Event.DELETE == 1

@@ -314,11 +314,13 @@ class NodeWatcher:
 
     def __init__(self, store: Store, node_id: str, retention: float, retry: float,
                  clock=time.time, *, records, refusals: Refusals | None = None,
-                 recheck: float = 10.0):
+                 recheck: float = 10.0, list_wait: float = 0.3):
         self._store = store
         self._node_id = node_id
         self._retention = retention
         self._recheck = recheck
+        self._list_wait = list_wait
+        self._listing: threading.Event | None = None   # set when the list in flight ends
         self._clock = clock
         self._records = records
         self._refusals = refusals or Refusals(ctx(node=node_id))
@@ -344,14 +346,19 @@ class NodeWatcher:
 
     # -- reading ---------------------------------------------------------------
     def snapshot(self, fresh: bool = True) -> NodeView:
-        """Every live node's record (listed now; the last list if etcd does not answer,
-        or with ``fresh=False``) and the lost ones within the retention."""
+        """Every live node's record and the lost ones within the retention. The records
+        are listed now, waited for at most ``list_wait`` seconds (one list in flight at a
+        time, in a thread of its own, bounded by the store's timeout); past it, or if
+        etcd fails, or with ``fresh=False``, the last list (the caller never blocks on a
+        hung etcd)."""
         if fresh:
-            try:
-                self._list()
-            except StoreError as exc:
-                log.debug("%s: listing the nodes: %s; the last list stands",
-                          ctx(node=self._node_id), exc)
+            with self._lock:
+                done = self._listing
+                if done is None:
+                    done = self._listing = threading.Event()
+                    threading.Thread(target=self._list_once, args=(done,), name="node-list",
+                                     daemon=True).start()
+            done.wait(self._list_wait)
         with self._lock:
             now = self._clock()
             live = dict(self._view.live)
@@ -381,6 +388,19 @@ class NodeWatcher:
             with self._lock:
                 self._held[node] = _Held(record, time.monotonic())
         return record
+
+    def _list_once(self, done: threading.Event) -> None:
+        try:
+            self._list()
+        except StoreError as exc:
+            log.debug("%s: listing the nodes: %s; the last list stands",
+                      ctx(node=self._node_id), exc)
+        except Exception:   # a bug: the last list stands, the next call lists again
+            log.exception("%s: listing the nodes failed", ctx(node=self._node_id))
+        finally:
+            with self._lock:
+                self._listing = None
+            done.set()
 
     def _list(self) -> None:
         kvs, _ = self._store.list(NODES)

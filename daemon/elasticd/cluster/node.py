@@ -98,7 +98,7 @@ class Cluster:
                                   self.record, records=records)
         self.watcher = NodeWatcher(store, cfg.daemon.node_id, m.lost_node_retention,
                                    m.watch_retry, records=records, refusals=self._refusals,
-                                   recheck=m.record_recheck)
+                                   recheck=m.record_recheck, list_wait=m.list_wait)
         self._drains: dict[str, dict] = {}
         self._drain_lock = threading.Lock()
         self._drains_loaded = False

@@ -155,6 +155,10 @@ class MembershipSettings:
                                             "API ignores it", choices=("grpc", "gateway"))
     lost_node_retention: float = _setting(3600.0, "seconds a lost node stays listed by "
                                                   "`elasticctl nodes`", min=0, max=30 * 86400)
+    list_wait: float = _setting(0.3, "seconds `elasticctl nodes` waits for etcd to list the "
+                                     "node records; past it (etcd slow or hung) it answers "
+                                     "with the last list, and the list in flight serves the "
+                                     "next call", min=0, max=60)
     record_recheck: float = _setting(10.0, "seconds a peer's node record read without a "
                                            "replication port (its daemon not listening yet) "
                                            "is used before it is read again; a record with "

@@ -1,0 +1,123 @@
+"""Node records read when asked, not watched (cluster/membership.py, issue 33): on a real
+etcd, a NodeWatcher hears no rewrite of a record, keeps a peer's record until its key
+is deleted, drops it when a daemon restarted after a crash takes its key back (with
+another replication port), and lists a node lost with the record its delete carried.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import pytest
+
+from etcd_server import EtcdServer, etcd_binary
+from etcd_cluster import fresh_prefix, wait_for
+from elasticd.cluster.membership import LeaseKeeper, NodeWatcher
+from elasticd.store import open_store
+from elasticd.trust.sealed import SealedRecords
+
+pytestmark = pytest.mark.skipif(etcd_binary() is None, reason="needs an etcd binary")
+
+
+@pytest.fixture(scope="module")
+def etcd():
+    with EtcdServer() as server:
+        yield server
+
+
+class Counting:
+    """The store, counting the events its watches deliver and its single-key reads."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.delivered = []
+        self.gets = 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def get(self, key):
+        self.gets += 1
+        return self.inner.get(key)
+
+    def watch(self, *args, **kwargs):
+        for ev in self.inner.watch(*args, **kwargs):
+            self.delivered.append(ev)
+            yield ev
+
+
+def _keeper(store, records, node: str, port: int, free: list) -> LeaseKeeper:
+    def info():
+        return {"node_id": node, "host": socket.gethostname(), "address": "127.0.0.1",
+                "slots": 4, "slots_free": free[0], "pid": os.getpid(), "lease_ttl": 3,
+                "jobs": [], **({"replication_port": port} if port else {})}
+    return LeaseKeeper(store, node, 3, 0.5, info, records=records)
+
+
+def test_a_peers_record_is_read_once_kept_until_its_key_goes_and_lost_with_its_last(etcd):
+    prefix = fresh_prefix()
+    records = SealedRecords(b"k" * 32, prefix)
+    store = open_store("etcd3", etcd.endpoints, prefix=prefix)
+    mine = Counting(open_store("etcd3", etcd.endpoints, prefix=prefix))
+    watcher = NodeWatcher(mine, "n-a", 3600, 0.2, records=records, recheck=0.5)
+    free = [4]
+    peer = _keeper(store, records, "n-b", 7001, free)
+    try:
+        watcher.start()
+        assert watcher.synced.wait(10)
+        peer.register()
+        assert watcher.record("n-b")["replication_port"] == 7001
+        assert mine.gets == 1
+        # Its record rewritten (its free slots changed): never delivered, and the
+        # record kept is used without reading again.
+        for slots in (3, 2, 1):
+            free[0] = slots
+            assert peer.tick() == "refreshed the lease"
+        assert store.get("/v1/nodes/n-b") is not None
+        time.sleep(0.5)
+        assert mine.delivered == [], mine.delivered
+        assert watcher.record("n-b")["slots_free"] == 4 and mine.gets == 1
+        # `nodes` lists them now.
+        assert watcher.snapshot().live["n-b"]["slots_free"] == 1
+        # The daemon crashes and another starts with the same id (its key still under
+        # the dead one's lease) and another port: it takes the key back by deleting it,
+        # and the peer reads the new record.
+        again = _keeper(store, records, "n-b", 7002, free)
+        again.register()
+        wait_for(lambda: (watcher.record("n-b") or {}).get("replication_port") == 7002, 10,
+                 what="the peer reading the restarted daemon's record")
+        # A clean stop: the key is revoked; the node is listed lost with its last record.
+        again.stop()
+        wait_for(lambda: "n-b" in watcher.snapshot().lost, 10, what="n-b listed lost")
+        view = watcher.snapshot()
+        assert "n-b" not in view.live and watcher.record("n-b") is None
+        assert view.lost["n-b"][1]["replication_port"] == 7002
+        assert all(ev.value is None for ev in mine.delivered), mine.delivered
+    finally:
+        watcher.stop()
+        store.close()
+        mine.close()
+
+
+def test_a_record_without_a_replication_port_is_read_again_after_the_recheck(etcd):
+    prefix = fresh_prefix()
+    records = SealedRecords(b"k" * 32, prefix)
+    store = open_store("etcd3", etcd.endpoints, prefix=prefix)
+    mine = Counting(open_store("etcd3", etcd.endpoints, prefix=prefix))
+    watcher = NodeWatcher(mine, "n-a", 3600, 0.2, records=records, recheck=0.3)
+    free = [4]
+    peer = _keeper(store, records, "n-b", 0, free)
+    try:
+        peer.register()
+        assert "replication_port" not in watcher.record("n-b")
+        assert watcher.record("n-b") is not None and mine.gets == 1   # kept within it
+        peer._info = _keeper(store, records, "n-b", 7003, free)._info  # it listens now
+        peer.poke()
+        peer.tick()
+        time.sleep(0.35)
+        assert watcher.record("n-b")["replication_port"] == 7003 and mine.gets == 2
+    finally:
+        peer.stop()
+        store.close()
+        mine.close()
