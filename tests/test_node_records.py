@@ -55,12 +55,18 @@ def _keeper(store, records, node: str, port: int, free: list) -> LeaseKeeper:
     return LeaseKeeper(store, node, 3, 0.5, info, records=records)
 
 
-def test_a_peers_record_is_read_once_kept_until_its_key_goes_and_lost_with_its_last(etcd):
+def _world(etcd, recheck: float):
+    """(records, a store for the peer, n-a's counted store, n-a's NodeWatcher) under a
+    prefix of their own."""
     prefix = fresh_prefix()
     records = SealedRecords(b"k" * 32, prefix)
-    store = open_store("etcd3", etcd.endpoints, prefix=prefix)
     mine = Counting(open_store("etcd3", etcd.endpoints, prefix=prefix))
-    watcher = NodeWatcher(mine, "n-a", 3600, 0.2, records=records, recheck=0.5)
+    return (records, open_store("etcd3", etcd.endpoints, prefix=prefix), mine,
+            NodeWatcher(mine, "n-a", 3600, 0.2, records=records, recheck=recheck))
+
+
+def test_a_peers_record_is_read_once_kept_until_its_key_goes_and_lost_with_its_last(etcd):
+    records, store, mine, watcher = _world(etcd, recheck=0.5)
     free = [4]
     peer = _keeper(store, records, "n-b", 7001, free)
     try:
@@ -101,11 +107,7 @@ def test_a_peers_record_is_read_once_kept_until_its_key_goes_and_lost_with_its_l
 
 
 def test_a_record_without_a_replication_port_is_read_again_after_the_recheck(etcd):
-    prefix = fresh_prefix()
-    records = SealedRecords(b"k" * 32, prefix)
-    store = open_store("etcd3", etcd.endpoints, prefix=prefix)
-    mine = Counting(open_store("etcd3", etcd.endpoints, prefix=prefix))
-    watcher = NodeWatcher(mine, "n-a", 3600, 0.2, records=records, recheck=0.3)
+    records, store, mine, watcher = _world(etcd, recheck=0.3)
     free = [4]
     peer = _keeper(store, records, "n-b", 0, free)
     try:
