@@ -72,6 +72,23 @@ def _spares(d: DaemonProc, job_id: str) -> list:
     return list(d.job(job_id).spare_nodes)
 
 
+def _what_replicated(nodes: dict, job_id: str) -> str:
+    """Where a failed restore starts to look: what n1 forwarded (its log names the steps),
+    what each daemon said of replicas, and each rank's restores."""
+    lines = []
+    for name, d in nodes.items():
+        lines += [f"{name}: {line}" for line in d.log().splitlines()
+                  if re.search(r"replica|forwarded|replicat", line)][-15:]
+        for rank in range(3):
+            try:
+                log = d.rank_log(job_id, rank)
+            except FileNotFoundError:
+                continue
+            lines += [f"{name} rank {rank}: {line}" for line in log.splitlines()
+                      if line.startswith(("RESTORED", "attempt"))]
+    return "\n".join(lines)
+
+
 def _lose_a_node(spare: bool) -> None:
     # A spare must stand by (its daemon up, the job adopted, its worker template
     # ready) before the kill: the job trains slower and longer so that it is still
@@ -134,7 +151,7 @@ def _lose_a_node(spare: bool) -> None:
             attempt, step, source = starts[-1]
             # Every rank went on from a grid step the replica holds, not from scratch.
             assert source == "a snapshot in memory" and int(step) > 0 and int(step) % PIN == 0 \
-                and int(step) <= kill_after + 10, starts
+                and int(step) <= kill_after + 10, (starts, _what_replicated(nodes, hit))
             restored = re.findall(r"^RESTORED rank=2 step=(\d+) source=(\w+) in [\d.]+ s$",
                                   n4.rank_log(hit, 2), re.M)
             assert restored == [(step, "peer")], n4.rank_log(hit, 2)[-2000:]

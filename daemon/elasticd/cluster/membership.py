@@ -314,7 +314,7 @@ class NodeWatcher:
 
     def __init__(self, store: Store, node_id: str, retention: float, retry: float,
                  clock=time.time, *, records, refusals: Refusals | None = None,
-                 recheck: float = 10.0, list_wait: float = 0.3):
+                 recheck: float = 1.0, list_wait: float = 0.3):
         self._store = store
         self._node_id = node_id
         self._retention = retention

@@ -159,11 +159,13 @@ class MembershipSettings:
                                      "node records; past it (etcd slow or hung) it answers "
                                      "with the last list, and the list in flight serves the "
                                      "next call", min=0, max=60)
-    record_recheck: float = _setting(10.0, "seconds a peer's node record read without a "
-                                           "replication port (its daemon not listening yet) "
-                                           "is used before it is read again; a record with "
-                                           "one is kept until the node's key is deleted "
-                                           "(no daemon watches the records' rewrites)",
+    record_recheck: float = _setting(1.0, "seconds a peer's node record read without a "
+                                          "replication port (its daemon registers before "
+                                          "its replication listener starts, and publishes "
+                                          "the port at its next refresh) is used before it "
+                                          "is read again; a record with one is kept until "
+                                          "the node's key is deleted (no daemon watches the "
+                                          "records' rewrites)",
                                      min=0.05, max=3600)
     watch_retry: float = _setting(1.0, "seconds before a broken etcd watch is tried again",
                                   min=0.05, max=600)
