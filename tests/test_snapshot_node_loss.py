@@ -150,8 +150,11 @@ def _lose_a_node(spare: bool) -> None:
             assert starts[0] == ("0", "0", "the beginning"), starts
             attempt, step, source = starts[-1]
             # Every rank went on from a grid step the replica holds, not from scratch.
-            assert source == "a snapshot in memory" and int(step) > 0 and int(step) % PIN == 0 \
-                and int(step) <= kill_after + 10, (starts, _what_replicated(nodes, hit))
+            went_on = source == "a snapshot in memory" and int(step) > 0 \
+                and int(step) % PIN == 0 and int(step) <= kill_after + 10
+            if not went_on:   # printed whole (an assertion's message is cut short)
+                print(_what_replicated(nodes, hit))
+            assert went_on, starts
             restored = re.findall(r"^RESTORED rank=2 step=(\d+) source=(\w+) in [\d.]+ s$",
                                   n4.rank_log(hit, 2), re.M)
             assert restored == [(step, "peer")], n4.rank_log(hit, 2)[-2000:]
