@@ -656,3 +656,34 @@ def test_restore_waits_for_a_forwarded_replica_only_where_a_rank_holds_none(snap
     assert [r[:2] for r in found] == [[[5, [5.0] * 4], "local"], [[5, [15.0] * 4], "peer"]], \
         found
     assert found[1][2] < 10, found
+
+
+def test_restore_waits_while_only_a_replica_of_no_common_step_has_landed(snapdir,
+                                                                         monkeypatch):
+    """A forward lands file by file: rank 1 (it took over a lost node's ranks) holds the
+    replica of step 3 first, the step rank 0 still holds (5) arrives 0.5 s later. The
+    ranks wait for it, and do not go on from nothing (seen in a 3-node loss on a loaded
+    machine: the replica of grid step 10 landed before that of 20)."""
+    staged = os.path.join(snapdir, "staged")
+    os.mkdir(staged, 0o700)
+    replicas = os.path.join(snapdir, "replicas", "n3")
+    os.makedirs(replicas, 0o700)
+    os.chmod(os.path.join(snapdir, "replicas"), 0o700)
+    monkeypatch.setenv(wenv.SNAPSHOT_DIR, staged)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    snapshot.save(3, {"w": torch.full((4,), 13.0)})
+    snapshot.save(5, {"w": torch.full((4,), 15.0)})
+    by_step = {h: slot for slot, h in _headers(staged, 1).items()}
+    first, later = (fmt.slot_name(1, by_step[s]) for s in (3, 5))
+    os.rename(os.path.join(staged, first), os.path.join(replicas, first))
+    monkeypatch.setenv(wenv.SNAPSHOT_DIR, snapdir)
+    monkeypatch.setenv(wenv.SNAPSHOT_RESTORE_WAIT, "30")
+    import time
+
+    def land() -> None:
+        time.sleep(0.5)
+        os.rename(os.path.join(staged, later), os.path.join(replicas, later))
+    got = _ranks(snapdir, _waiting_rank, (((5,),), ((),)), land)
+    assert [r[:2] for r in got] == [[[5, [5.0] * 4], "local"], [[5, [15.0] * 4], "peer"]], got
+    assert 0.4 < got[1][2] < 10, got

@@ -60,28 +60,36 @@ def _device() -> torch.device:
 class Agreement:
     """What the ranks agreed on: the same on every rank."""
     step: int | None     # the newest step every rank holds; None: none in common
-    starved: bool        # some rank holds no snapshot while another holds one, none failed
+    # none failed, and a replica may still be on its way: some rank holds no snapshot
+    # while another holds one, or no step is common while some rank holds replicas only
+    # (they arrive one file at a time: the first ended the wait before the one in common)
+    starved: bool
     polls: int           # the fewest polls any rank would wait for a replica (its setting)
 
 
-def agree(steps: list[int], failed: bool = False, polls: int = 0) -> Agreement:
+def agree(steps: list[int], failed: bool = False, polls: int = 0,
+          borrowed: bool = False) -> Agreement:
     """The newest step every rank holds, given this rank's complete steps (the newest
-    EXCHANGED of them count), whether this rank's look failed, and how many times it
-    would poll again for a replica. Every rank must call it."""
+    EXCHANGED of them count), whether this rank's look failed, how many times it would
+    poll again for a replica, and whether its steps all come from replicas (it took over
+    a lost node's ranks). Every rank must call it."""
     dev = _device()
     mine = (sorted(steps, reverse=True) + [NONE] * EXCHANGED)[:EXCHANGED]
-    local = torch.tensor([int(failed), polls, *mine], dtype=torch.int64, device=dev)
+    local = torch.tensor([int(failed), polls, int(borrowed), *mine], dtype=torch.int64,
+                         device=dev)
     gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, local)
-    common, empty, holding, any_failed, fewest = None, False, False, False, polls
+    common, empty, holding, any_failed, fewest, lent = None, False, False, False, polls, False
     for t in gathered:
         row = t.tolist()
         any_failed |= bool(row[0])
         fewest = min(fewest, row[1])
-        held = {s for s in row[2:] if s != NONE}
+        lent |= bool(row[2])
+        held = {s for s in row[3:] if s != NONE}
         empty, holding = empty or not held, holding or bool(held)
         common = held if common is None else common & held
-    return Agreement(max(common) if common else None, empty and holding and not any_failed,
+    waiting = (empty and holding) or (not common and lent)
+    return Agreement(max(common) if common else None, waiting and not any_failed,
                      max(fewest, 0))
 
 

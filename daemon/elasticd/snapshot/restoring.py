@@ -8,7 +8,9 @@ slot wins for a step both hold. With torch.distributed initialized and more than
 the ranks agree on the newest step all of them hold (ranks.agree) and all
 return it, or all return None. Where some rank holds no snapshot at all while
 another holds one (it took over a lost node's ranks, and the daemon is forwarding
-it the replica), all of them look again every WAIT_POLL_S, for at most
+it the replica), or where no step is common while some rank holds replicas only
+(the forwarded files arrive one at a time, and the step in common may be the one
+still on its way), all of them look again every WAIT_POLL_S, for at most
 $ELASTICD_SNAPSHOT_RESTORE_WAIT (the fewest polls any rank's setting allows),
 and agree again. After a restore of step s each rank marks its own slots of steps
 after s not complete, so a step of the abandoned run never passes for one of the
@@ -80,6 +82,11 @@ def _load(source: str | None, c) -> object:
     return state
 
 
+def _borrowed(steps: dict) -> bool:
+    """Whether every step this rank holds is a replica (it took over a lost node's ranks)."""
+    return bool(steps) and all(source is not None for source, _ in steps.values())
+
+
 def _agreed(rank: int, world: int, steps: dict, refused) -> tuple:
     """(step, steps, refused) the ranks agree on, having polled again for a replica while
     some rank holds none and another holds one (at most the restore wait, collectively)."""
@@ -87,13 +94,13 @@ def _agreed(rank: int, world: int, steps: dict, refused) -> tuple:
         polls = math.ceil(restore_wait() / WAIT_POLL_S)
     except SnapshotError as exc:
         polls, refused = 0, refused or exc
-    got = agree(list(steps), refused is not None, polls)
+    got = agree(list(steps), refused is not None, polls, _borrowed(steps))
     left = got.polls
     while got.starved and left > 0:
         time.sleep(WAIT_POLL_S)
         left -= 1
         steps, refused = _found(rank, world)
-        got = agree(list(steps), refused is not None)
+        got = agree(list(steps), refused is not None, borrowed=_borrowed(steps))
     return got.step, steps, refused
 
 
