@@ -633,6 +633,21 @@ def _wait_case(snapdir: str, steps0: tuple, replica_after: float | None,
                   land if replica_after is not None else None)
 
 
+def _stage_rank1(snapdir: str, monkeypatch, steps: tuple) -> str:
+    """A dir of rank 1's slots of ``steps`` (what a forward will bring), saved as rank 1
+    of 2; then the snapshot dir is ``snapdir`` again and the restore wait 30 s."""
+    staged = os.path.join(snapdir, "staged")
+    os.mkdir(staged, 0o700)
+    monkeypatch.setenv(wenv.SNAPSHOT_DIR, staged)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for step in steps:
+        snapshot.save(step, {"w": torch.full((4,), 10.0 + step)})
+    monkeypatch.setenv(wenv.SNAPSHOT_DIR, snapdir)
+    monkeypatch.setenv(wenv.SNAPSHOT_RESTORE_WAIT, "30")
+    return staged
+
+
 def test_restore_waits_for_a_forwarded_replica_only_where_a_rank_holds_none(snapdir,
                                                                            monkeypatch):
     monkeypatch.setenv(wenv.SNAPSHOT_RESTORE_WAIT, "1.5")
@@ -643,15 +658,8 @@ def test_restore_waits_for_a_forwarded_replica_only_where_a_rank_holds_none(snap
     lost = _wait_case(snapdir, (5,), None)
     assert [r[:2] for r in lost] == [[None, "none"]] * 2 and lost[1][2] >= 1.4, lost
     # The replica of rank 1's step 5 lands 0.5 s in: both go on from step 5, rank 1 from it.
-    staged = os.path.join(snapdir, "staged")
-    os.mkdir(staged, 0o700)
+    staged = _stage_rank1(snapdir, monkeypatch, (5,))
     os.mkdir(os.path.join(snapdir, "replicas"), 0o700)
-    monkeypatch.setenv(wenv.SNAPSHOT_DIR, staged)
-    monkeypatch.setenv("RANK", "1")
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    snapshot.save(5, {"w": torch.full((4,), 15.0)})
-    monkeypatch.setenv(wenv.SNAPSHOT_DIR, snapdir)
-    monkeypatch.setenv(wenv.SNAPSHOT_RESTORE_WAIT, "30")
     found = _wait_case(snapdir, (), 0.5, staged)
     assert [r[:2] for r in found] == [[[5, [5.0] * 4], "local"], [[5, [15.0] * 4], "peer"]], \
         found
@@ -664,21 +672,13 @@ def test_restore_waits_while_only_a_replica_of_no_common_step_has_landed(snapdir
     replica of step 3 first, the step rank 0 still holds (5) arrives 0.5 s later. The
     ranks wait for it, and do not go on from nothing (seen in a 3-node loss on a loaded
     machine: the replica of grid step 10 landed before that of 20)."""
-    staged = os.path.join(snapdir, "staged")
-    os.mkdir(staged, 0o700)
+    staged = _stage_rank1(snapdir, monkeypatch, (3, 5))
     replicas = os.path.join(snapdir, "replicas", "n3")
     os.makedirs(replicas, 0o700)
     os.chmod(os.path.join(snapdir, "replicas"), 0o700)
-    monkeypatch.setenv(wenv.SNAPSHOT_DIR, staged)
-    monkeypatch.setenv("RANK", "1")
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    snapshot.save(3, {"w": torch.full((4,), 13.0)})
-    snapshot.save(5, {"w": torch.full((4,), 15.0)})
     by_step = {h: slot for slot, h in _headers(staged, 1).items()}
     first, later = (fmt.slot_name(1, by_step[s]) for s in (3, 5))
     os.rename(os.path.join(staged, first), os.path.join(replicas, first))
-    monkeypatch.setenv(wenv.SNAPSHOT_DIR, snapdir)
-    monkeypatch.setenv(wenv.SNAPSHOT_RESTORE_WAIT, "30")
     import time
 
     def land() -> None:

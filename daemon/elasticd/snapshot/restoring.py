@@ -89,7 +89,8 @@ def _borrowed(steps: dict) -> bool:
 
 def _agreed(rank: int, world: int, steps: dict, refused) -> tuple:
     """(step, steps, refused) the ranks agree on, having polled again for a replica while
-    some rank holds none and another holds one (at most the restore wait, collectively)."""
+    some rank holds none and another holds one, or none is common while some rank holds
+    replicas only (at most the restore wait, collectively)."""
     try:
         polls = math.ceil(restore_wait() / WAIT_POLL_S)
     except SnapshotError as exc:
