@@ -345,20 +345,18 @@ class NodeWatcher:
         self._follower.stop()
 
     # -- reading ---------------------------------------------------------------
-    def snapshot(self, fresh: bool = True) -> NodeView:
+    def snapshot(self) -> NodeView:
         """Every live node's record and the lost ones within the retention. The records
         are listed now, waited for at most ``list_wait`` seconds (one list in flight at a
         time, in a thread of its own, bounded by the store's timeout); past it, or if
-        etcd fails, or with ``fresh=False``, the last list (the caller never blocks on a
-        hung etcd)."""
-        if fresh:
-            with self._lock:
-                done = self._listing
-                if done is None:
-                    done = self._listing = threading.Event()
-                    threading.Thread(target=self._list_once, args=(done,), name="node-list",
-                                     daemon=True).start()
-            done.wait(self._list_wait)
+        etcd fails, the last list (the caller never blocks on a hung etcd)."""
+        with self._lock:
+            done = self._listing
+            if done is None:
+                done = self._listing = threading.Event()
+                threading.Thread(target=self._list_once, args=(done,), name="node-list",
+                                 daemon=True).start()
+        done.wait(self._list_wait)
         with self._lock:
             now = self._clock()
             live = dict(self._view.live)

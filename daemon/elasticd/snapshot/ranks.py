@@ -79,16 +79,17 @@ def agree(steps: list[int], failed: bool = False, polls: int = 0,
                          device=dev)
     gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, local)
-    common, empty, holding, any_failed, fewest, lent = None, False, False, False, polls, False
+    common, empty, holding, any_failed, fewest = None, False, False, False, polls
+    any_borrowed = False
     for t in gathered:
         row = t.tolist()
         any_failed |= bool(row[0])
         fewest = min(fewest, row[1])
-        lent |= bool(row[2])
+        any_borrowed |= bool(row[2])
         held = {s for s in row[3:] if s != NONE}
         empty, holding = empty or not held, holding or bool(held)
         common = held if common is None else common & held
-    waiting = (empty and holding) or (not common and lent)
+    waiting = (empty and holding) or (not common and any_borrowed)
     return Agreement(max(common) if common else None, waiting and not any_failed,
                      max(fewest, 0))
 
