@@ -111,12 +111,7 @@ class DaemonProc:
         workers = worker_pids_under(self.state_dir)
         for sig in (signal.SIGSTOP, signal.SIGKILL):
             self.proc.send_signal(sig)
-            for pid in workers:
-                for send in (os.killpg, os.kill):
-                    try:
-                        send(pid, sig)
-                    except (ProcessLookupError, PermissionError):
-                        pass
+            kill_process_tree_of(workers, sig)
         self.proc.wait()
         kill_process_tree_of(worker_pids_under(self.state_dir))   # one started meanwhile
 
@@ -240,12 +235,15 @@ def short_tmpdir(prefix: str = "ed-") -> str:
     return path
 
 
-def kill_process_tree_of(pids: list[int]) -> None:
+def kill_process_tree_of(pids: list[int], sig: int = signal.SIGKILL) -> None:
+    """``sig`` to each pid's process group, and to the pid itself (one that leads no
+    group of its own)."""
     for pid in pids:
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        for send in (os.killpg, os.kill):
+            try:
+                send(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
 
 
 def worker_pids_under(state_dir: str) -> list[int]:

@@ -47,11 +47,14 @@ class Counting:
             yield ev
 
 
-def _keeper(store, records, node: str, port: int, free: list) -> LeaseKeeper:
+def _keeper(store, records, node: str, says: dict) -> LeaseKeeper:
+    """A LeaseKeeper of ``node`` whose record says what ``says`` holds when it is written
+    (its free slots, its replication port: none while that is 0)."""
     def info():
         return {"node_id": node, "host": socket.gethostname(), "address": "127.0.0.1",
-                "slots": 4, "slots_free": free[0], "pid": os.getpid(), "lease_ttl": 3,
-                "jobs": [], **({"replication_port": port} if port else {})}
+                "slots": 4, "slots_free": says["slots_free"], "pid": os.getpid(),
+                "lease_ttl": 3, "jobs": [],
+                **({"replication_port": says["port"]} if says["port"] else {})}
     return LeaseKeeper(store, node, 3, 0.5, info, records=records)
 
 
@@ -67,8 +70,8 @@ def _world(etcd, recheck: float):
 
 def test_a_peers_record_is_read_once_kept_until_its_key_goes_and_lost_with_its_last(etcd):
     records, store, mine, watcher = _world(etcd, recheck=0.5)
-    free = [4]
-    peer = _keeper(store, records, "n-b", 7001, free)
+    says = {"slots_free": 4, "port": 7001}
+    peer = _keeper(store, records, "n-b", says)
     try:
         watcher.start()
         assert watcher.synced.wait(10)
@@ -78,7 +81,7 @@ def test_a_peers_record_is_read_once_kept_until_its_key_goes_and_lost_with_its_l
         # Its record rewritten (its free slots changed): never delivered, and the
         # record kept is used without reading again.
         for slots in (3, 2, 1):
-            free[0] = slots
+            says["slots_free"] = slots
             assert peer.tick() == "refreshed the lease"
         assert store.get("/v1/nodes/n-b") is not None
         time.sleep(0.5)
@@ -89,7 +92,7 @@ def test_a_peers_record_is_read_once_kept_until_its_key_goes_and_lost_with_its_l
         # The daemon crashes and another starts with the same id (its key still under
         # the dead one's lease) and another port: it takes the key back by deleting it,
         # and the peer reads the new record.
-        again = _keeper(store, records, "n-b", 7002, free)
+        again = _keeper(store, records, "n-b", {**says, "port": 7002})
         again.register()
         wait_for(lambda: (watcher.record("n-b") or {}).get("replication_port") == 7002, 10,
                  what="the peer reading the restarted daemon's record")
@@ -108,13 +111,13 @@ def test_a_peers_record_is_read_once_kept_until_its_key_goes_and_lost_with_its_l
 
 def test_a_record_without_a_replication_port_is_read_again_after_the_recheck(etcd):
     records, store, mine, watcher = _world(etcd, recheck=0.3)
-    free = [4]
-    peer = _keeper(store, records, "n-b", 0, free)
+    says = {"slots_free": 4, "port": 0}
+    peer = _keeper(store, records, "n-b", says)
     try:
         peer.register()
         assert "replication_port" not in watcher.record("n-b")
         assert watcher.record("n-b") is not None and mine.gets == 1   # kept within it
-        peer._info = _keeper(store, records, "n-b", 7003, free)._info  # it listens now
+        says["port"] = 7003        # it listens now
         peer.poke()
         peer.tick()
         time.sleep(0.35)
