@@ -142,6 +142,36 @@ def test_quiet_watches_of_one_store_share_one_liveness_check(etcd, transport):
         store.close()
 
 
+@pytest.mark.parametrize("lease_transport", ["grpc", "gateway"])
+def test_a_store_whose_lease_etcd_keeps_refreshing_asks_no_liveness_check(etcd,
+                                                                          lease_transport):
+    """A daemon refreshes its node lease every second: each refresh etcd answers is an
+    answer to the liveness check its quiet watches would make, so they make none (an
+    idle node costs etcd its keep-alives alone). Once the refreshes stop, the checks
+    come back, one a period."""
+    store = CountingChecks(etcd.endpoints, timeout=TIMEOUT, watch_transport="grpc",
+                           lease_transport=lease_transport, watch_liveness=0.3)
+    lease = store.grant_lease(10)
+    followers = [Follower(store, f"/leased/p{i}", f"leased-{i}", 0.1, lambda kvs, rev: None,
+                          lambda ev: None) for i in range(4)]
+    try:
+        for f in followers:
+            f.start()
+        for f in followers:
+            assert f.synced.wait(10)
+        for _ in range(20):      # 2 s, about six periods, a refresh every 0.1 s
+            store.refresh_lease(lease)
+            time.sleep(0.1)
+        assert store.checks == 0, store.checks
+        time.sleep(2.0)          # no refresh: the watches ask again
+        assert 1 <= store.checks <= 10, store.checks
+    finally:
+        for f in followers:
+            f.stop()
+        store.revoke_lease(lease)
+        store.close()
+
+
 def test_a_channel_closed_under_a_watch_is_made_again_and_nothing_is_lost(etcd):
     """A stream that etcd never answered drops its channel; another watch of the same
     store may hold that channel at that moment, about to open a stream on it, or be

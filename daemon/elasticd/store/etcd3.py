@@ -98,11 +98,12 @@ class Etcd3Store(Store):
         self.endpoints = [(e if "://" in e else scheme + e).rstrip("/") for e in endpoints]
         self.timeout = timeout
         # A watch that hears nothing for watch_liveness seconds checks that
-        # etcd still answers (one check serves every quiet watch of the store:
-        # _etcd_alive); after watch_idle seconds it re-makes its stream.
+        # etcd still answers (one check serves every quiet watch of the store, and
+        # any call etcd answered meanwhile, a node's lease refresh most often, is
+        # that answer: _etcd_alive); after watch_idle seconds it re-makes its stream.
         self.watch_liveness = watch_liveness
         self.watch_idle = watch_idle
-        self._alive_at = float("-inf")     # when etcd last answered such a check
+        self._alive_at = float("-inf")     # when etcd last answered a call of this store
         self._alive_lock = threading.Lock()
         self._current = 0
         self._auth = (username, password or "") if username else None
@@ -191,6 +192,7 @@ class Etcd3Store(Store):
             raise StoreCorrupt(f"etcd at {url} sent non-JSON for {path}: {text[:200]!r}")
         if "error" in data:
             raise etcd_error(url, path, 200, data["error"])
+        self._alive_at = time.monotonic()
         return data.get("result", data)
 
     def auth_token(self, renew: bool = False) -> str | None:
@@ -275,6 +277,7 @@ class Etcd3Store(Store):
     def refresh_lease(self, lease: Lease) -> None:
         if self._keepalive is not None:
             self._keepalive.refresh(lease.id)
+            self._alive_at = time.monotonic()
             return
         data = self._call("/lease/keepalive", {"ID": str(lease.id)})
         if int(data.get("TTL", 0)) <= 0:
@@ -376,9 +379,10 @@ class Etcd3Store(Store):
                 broken = 0
 
     def _etcd_alive(self) -> float:
-        """When etcd last answered a liveness check of this store's quiet watches: asked
-        now unless another watch of the store asked within ``watch_liveness`` (a node's
-        four quiet watches cost etcd one request each period, not four). Raises
+        """When etcd last answered a call of this store: asked now (etcd's status) unless
+        it answered one within ``watch_liveness``, another watch's check or any other
+        call (a node's quiet watches cost etcd no request while its lease refreshes
+        every second, one each period at most while nothing else is asked). Raises
         StoreError if etcd does not answer (the others then ask again themselves)."""
         with self._alive_lock:     # held over the call: the others take its answer
             if time.monotonic() - self._alive_at <= self.watch_liveness:
