@@ -126,3 +126,37 @@ def test_a_record_without_a_replication_port_is_read_again_after_the_recheck(etc
         peer.stop()
         store.close()
         mine.close()
+
+
+def test_a_node_without_a_record_is_read_again_only_after_the_recheck(etcd):
+    """A lost buddy is asked for each replication interval until the round moves on: one
+    read of etcd a recheck period, not one a call. A drain (fresh) looks again at once,
+    and a node that registers is read after the period."""
+    records, store, mine, watcher = _world(etcd, recheck=0.5)
+    says = {"slots_free": 4, "port": 7004}
+    peer = _keeper(store, records, "n-c", says)
+    try:
+        watcher.start()
+        assert watcher.synced.wait(10)
+        for _ in range(20):
+            assert watcher.record("n-c") is None
+        assert mine.gets == 1
+        assert watcher.record("n-c", fresh=True) is None and mine.gets == 2
+        peer.register()
+        assert watcher.record("n-c") is None and mine.gets == 2   # within the period
+        time.sleep(0.55)
+        assert watcher.record("n-c")["replication_port"] == 7004 and mine.gets == 3
+        # Its key deleted (a clean stop): what the delete carried lists it lost, and
+        # asking for it reads etcd no more than once a period.
+        peer.stop()
+        wait_for(lambda: "n-c" in watcher.snapshot().lost, 10, what="n-c listed lost")
+        gets = mine.gets
+        for _ in range(20):
+            assert watcher.record("n-c") is None
+        assert mine.gets == gets
+        time.sleep(0.55)
+        assert watcher.record("n-c") is None and mine.gets == gets + 1
+    finally:
+        watcher.stop()
+        store.close()
+        mine.close()

@@ -56,6 +56,7 @@ def node_key(node_id: str) -> str:
 _INT32_MAX = 2**31 - 1
 _MAX_JOBS = 100_000
 _MAX_REMEMBERED = 1 << 16    # nodes whose newest record's count is kept
+ABSENT_KEPT = 4096            # nodes remembered as found without a record (record())
 REGISTER_TRIES = 3            # looks at our key while it changes under a registration
 _RECORD_FIELDS = {"slots": int, "slots_free": int, "pid": int, "started_at": (int, float),
                   "lease_ttl": (int, float),
@@ -308,7 +309,9 @@ class NodeWatcher:
     ``snapshot()`` lists them all (`elasticctl nodes`), ``record(node)`` reads
     one and keeps it (a peer's replication port: replication/peers.py, the
     rendezvous' gone probe) until its key is deleted, or for
-    ``recheck`` seconds if it publishes no replication port yet. A daemon taking
+    ``recheck`` seconds if it publishes no replication port yet; a node found with no
+    record is not read again for ``recheck`` seconds (a lost buddy is asked for each
+    replication interval until the round moves on). A daemon taking
     over its own key after a crash deletes it first (``LeaseKeeper.register``), so
     what a peer keeps never outlives the daemon that wrote it."""
 
@@ -327,6 +330,7 @@ class NodeWatcher:
         self._lock = threading.Lock()
         self._view = NodeView()            # the last full list, and the lost
         self._held: dict[str, _Held] = {}  # node -> its record as last read
+        self._absent: dict[str, float] = {}  # node -> when it was found without a record
         # node -> writer's count of the newest record accepted (kept after the node
         # leaves: a record of it put back later is older)
         self._seqs: dict[str, int] = {}
@@ -364,14 +368,19 @@ class NodeWatcher:
                                if now - v[0] < self._retention}
             return NodeView(live, {k: v for k, v in self._view.lost.items() if k not in live})
 
-    def record(self, node: str) -> dict | None:
+    def record(self, node: str, fresh: bool = False) -> dict | None:
         """``node``'s live record: the one held, else read now (None: no live record, or
-        etcd did not answer and none is held)."""
+        etcd did not answer and none is held); ``fresh``: a node lately found without
+        one is read again now (an operator's drain answers no node only after a look)."""
         with self._lock:
             held = self._held.get(node)
+            absent = self._absent.get(node)
+        now = time.monotonic()
         if held is not None and (held.record.get("replication_port")
-                                 or time.monotonic() - held.read_at < self._recheck):
+                                 or now - held.read_at < self._recheck):
             return held.record
+        if held is None and not fresh and absent is not None and now - absent < self._recheck:
+            return None
         try:
             kv = self._store.get(node_key(node))
         except StoreError as exc:
@@ -380,12 +389,24 @@ class NodeWatcher:
         if kv is None:
             with self._lock:
                 self._held.pop(node, None)
+                self._gone(node)
             return None
         record = self._verified(kv.key, kv.value, held.record if held else None)
         if record is not None:
             with self._lock:
                 self._held[node] = _Held(record, time.monotonic())
+                self._absent.pop(node, None)
         return record
+
+    def _gone(self, node: str) -> None:
+        """``node`` has no record now; the caller holds the lock. What is older than
+        ``recheck`` is forgotten as the table grows (any name may be asked for)."""
+        now = time.monotonic()
+        if len(self._absent) >= ABSENT_KEPT:
+            self._absent = {n: t for n, t in self._absent.items() if now - t < self._recheck}
+            while len(self._absent) >= ABSENT_KEPT:
+                del self._absent[next(iter(self._absent))]
+        self._absent[node] = now
 
     def _list_once(self, done: threading.Event) -> None:
         try:
@@ -415,6 +436,7 @@ class NodeWatcher:
             self._view.live = live
             for node, record in live.items():
                 self._held[node] = _Held(record, now)
+                self._absent.pop(node, None)
 
     def _verified(self, key: str, value: str, held: dict | None) -> dict | None:
         """The record to hold for ``key`` now: the new one if it verifies and is not older
@@ -453,6 +475,7 @@ class NodeWatcher:
         with self._lock:
             held = self._held.pop(node, None)
             listed = self._view.live.pop(node, None)
+            self._gone(node)
         last = held.record if held is not None else listed
         if ev.prev_value is not None:
             try:   # the record it held, sealed as any: never counted as newer or older

@@ -165,7 +165,8 @@ class MembershipSettings:
                                           "the port at its next refresh) is used before it "
                                           "is read again; a record with one is kept until "
                                           "the node's key is deleted (no daemon watches the "
-                                          "records' rewrites)",
+                                          "records' rewrites); a node found with no record "
+                                          "is read again after as long",
                                      min=0.05, max=3600)
     watch_retry: float = _setting(1.0, "seconds before a broken etcd watch is tried again",
                                   min=0.05, max=600)

@@ -416,7 +416,7 @@ class ControlServicer(pb_grpc.ControlServicer):
             raise errors.InvalidArgument(f"state: must be draining or ready, got "
                                          f"{request.state[:40]!r}")
         node_id = validation.job_key(request.node_id)
-        held = self._cluster.watcher.record(node_id)
+        held = self._cluster.watcher.record(node_id, fresh=True)
         if held is None and node_id != self._cfg.daemon.node_id:
             raise errors.NotFound(f"no live node {node_id!r}; `elasticctl nodes` lists them")
         try:
