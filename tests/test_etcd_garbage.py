@@ -55,13 +55,15 @@ def pair(etcd):
         p.close()
 
 
-@pytest.mark.parametrize("key,value", [
-    ("/v1/jobs/x/state", DEEP),
-    ("/v1/rounds/{job}/join/1/n9", '{"node_id": "n9", "address": "10.0.0.9", '
-                                   '"nproc": 1e999, "port": 1}'),
-    ("/v1/jobs/z/spec", DEEP),
+# A job's joins reach the node that decides its open round and its closed round's first
+# member (n1 here) only; the others watch their deletes.
+@pytest.mark.parametrize("key,value,kind,nodes", [
+    ("/v1/jobs/x/state", DEEP, "state", ("n1", "n2")),
+    ("/v1/joins/{job}/round/1/n9", '{"node_id": "n9", "address": "10.0.0.9", '
+                                   '"nproc": 1e999, "port": 1}', "join", ("n1",)),
+    ("/v1/jobs/z/spec", DEEP, "spec", ("n1", "n2")),
 ], ids=["deep-state", "huge-nproc-join", "deep-spec"])
-def test_one_bad_job_key_stalls_no_job(pair, key, value):
+def test_one_bad_job_key_stalls_no_job(pair, key, value, kind, nodes):
     job = pair.job
     key = key.format(job=job)         # a join reaches the nodes of its own job only
     before = pair.running(job)
@@ -70,8 +72,7 @@ def test_one_bad_job_key_stalls_no_job(pair, key, value):
     pair.run_short_job()              # the jobs watch still delivers
     pair.attacker.delete(key)
     steady(pair, job, before, 1.0)
-    kind = key.split("/")[4]
-    for node in ("n1", "n2"):
+    for node in nodes:
         wait_metric(pair, node, lambda r: refused_kind(r, kind) >= 1, f"{node} refuses {key}")
 
 
@@ -131,8 +132,9 @@ def _fuzz(pair: TrainingPair, count: int, seed: int) -> dict:
     job = pair.job
     rnd = pair.running(job)["n1"][1]
     a = pair.attacker
-    genuine = [kv for kv in (a.get(f"/v1/rounds/{job}/{k}") for k in (
-        "state", f"join/{rnd}/n1", f"join/{rnd}/n2", "workers/n1")) if kv]
+    genuine = [kv for kv in (a.get(k) for k in (
+        f"/v1/rounds/{job}/state", f"/v1/joins/{job}/round/{rnd}/n1",
+        f"/v1/joins/{job}/round/{rnd}/n2", f"/v1/rounds/{job}/workers/n1")) if kv]
     genuine += [a.get(f"/v1/jobs/{job}/state")]
     genuine += [a.get(f"/v1/phases/{job}/n2")]
     genuine += [a.get("/v1/nodes/n1"), a.get("/v1/nodes/n2")]

@@ -850,6 +850,9 @@ def test_an_agent_crash_ends_the_job_cluster_wide(tmp_short, monkeypatch):
 # ---------------------------------------------------------------- cost of a round
 
 def test_a_round_costs_one_join_write_per_node_and_one_close(etcd):
+    """32 nodes form a round: one join write each, one compare-and-swap closing it, one
+    copy in the job list; and the joins reach the node that decides the round (and the
+    first member, which lists them): about N join events in all, not N x N."""
     from elasticd.rendezvous.round import ClusterRendezvous, create_job
     from elasticd.rendezvous.protocol import JobLimits
     from elasticd.rendezvous.view import JobsView
@@ -863,16 +866,26 @@ def test_a_round_costs_one_join_write_per_node_and_one_close(etcd):
     limits = JobLimits(min_nodes=n, max_nodes=n, max_restarts=0, last_call=0.0,
                        join_timeout=600.0)
     counts = {"join": 0, "cas": 0, "copy": 0}
+    delivered = [0] * n       # join events each node's watches received
     lock = threading.Lock()
     stores, views, parts = [], [], []
 
     def counting(fn, what):
         def call(key, *a, **kw):
-            if what == "cas" or "/join/" in key:
+            if what == "cas" or "/join" in key:   # /v1/joins/..., or where joins were
                 with lock:     # the round's CAS, or its copy in the job list
                     counts["copy" if key.startswith("/v1/jobs/") else what] += 1
             return fn(key, *a, **kw)
         return call
+
+    def watching(fn, i):
+        def watch(prefix, *a, **kw):
+            for ev in fn(prefix, *a, **kw):
+                if "/join" in ev.key:      # /v1/joins/..., or where joins were before
+                    with lock:
+                        delivered[i] += 1
+                yield ev
+        return watch
 
     stop = threading.Event()
     try:
@@ -885,6 +898,7 @@ def test_a_round_costs_one_join_write_per_node_and_one_close(etcd):
             lease = store.grant_lease(60)
             store.put = counting(store.put, "join")
             store.compare_and_swap = counting(store.compare_and_swap, "cas")
+            store.watch = watching(store.watch, i)
             parts.append(ClusterRendezvous(store, view, job_id, f"node{i:02d}", "127.0.0.1", 1,
                                            (lambda lease=lease: lease), limits, poll=0.5))
         for v in views:
@@ -901,6 +915,9 @@ def test_a_round_costs_one_join_write_per_node_and_one_close(etcd):
             pool.shutdown(wait=True)
         assert sorted(r.place.group_rank for r in results) == list(range(n))
         assert counts == {"join": n, "cas": 1, "copy": 1}, counts
+        print(f"join events received: {sum(delivered)} in all, at most {max(delivered)} "
+              f"by a node ({n} nodes)")
+        assert sum(delivered) <= 2 * n and sorted(delivered)[-3] == 0, delivered
     finally:
         stop.set()
         for v in views:

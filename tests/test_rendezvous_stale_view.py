@@ -55,6 +55,19 @@ class CutOff:
         # cut off, its view holds what it wrote before (nothing it writes gets through)
         return True if self.cut else self.view.caught_up(job_id, revision)
 
+    def watch_joins(self, job_id: str, rnd: int = 0, asker=None) -> None:
+        if not self.cut:
+            self.view.watch_joins(job_id, rnd, asker)
+
+    def let_go_joins(self, job_id: str, asker) -> None:
+        self.view.let_go_joins(job_id, asker)
+
+    def joins_caught_up(self, job_id: str, revision: int = 0) -> bool:
+        return True if self.cut else self.view.joins_caught_up(job_id, revision)
+
+    def read_join(self, key: str, value: str):
+        return self.view.read_join(key, value)
+
     def listed_state(self, job_id: str):
         return (None, 0) if self.cut else self.view.listed_state(job_id)
 

@@ -223,7 +223,11 @@ class Cluster:
                              refusals=self.refusals)
         self.view.start()
         self.view.follow("j1")      # as j1's rendezvous on a node that runs it
+        self.view.watch_joins("j1")  # every join: as the node that decides its rounds
         assert self.view.synced.wait(10)
+        deadline = time.monotonic() + 10
+        while not self.view.joins_caught_up("j1") and time.monotonic() < deadline:
+            self.view.wait(0.1)
 
     def put(self, kind: Kind, key: str, body: str) -> int:
         return self.settle(key, self.store.put(key, self.records.seal(kind, key, body)))
@@ -284,7 +288,7 @@ def test_an_older_round_put_back_is_refused(cl):
 
 
 def test_a_nodes_older_record_put_back_is_refused_also_after_a_delete(cl):
-    key = "/v1/rounds/j1/join/1/n1"
+    key = "/v1/joins/j1/round/1/n1"
     cl.put(Kind.STATE, "/v1/rounds/j1/state", state(1, OPEN))
     first = cl.records.seal(Kind.JOIN, key, JOIN.to_json())
     cl.raw(key, first)
@@ -299,8 +303,8 @@ def test_a_nodes_older_record_put_back_is_refused_also_after_a_delete(cl):
 
 def test_records_naming_another_node_or_unknown_keys_are_refused(cl):
     cl.put(Kind.STATE, "/v1/rounds/j1/state", state(1, OPEN))
-    cl.put(Kind.JOIN, "/v1/rounds/j1/join/1/n2", JOIN.to_json())     # names n1
-    cl.put(Kind.JOIN, "/v1/rounds/j1/join/x/n1", JOIN.to_json())
+    cl.put(Kind.JOIN, "/v1/joins/j1/round/1/n2", JOIN.to_json())     # names n1
+    cl.put(Kind.JOIN, "/v1/joins/j1/round/x/n1", JOIN.to_json())
     cl.raw("/v1/jobs/j1/summaries/n1", "{}")
     cl.raw("/v1/jobs/" + "k" * 3000, "{}")
     assert cl.view.job("j1").joins == {}
@@ -314,7 +318,7 @@ def test_a_relist_keeps_verified_values_and_drops_deleted_keys(cl):
     does not verify there keeps the verified one."""
     key = "/v1/rounds/j1/state"
     cl.put(Kind.STATE, key, state(2))
-    cl.put(Kind.JOIN, "/v1/rounds/j1/join/2/n1", JOIN.to_json())
+    cl.put(Kind.JOIN, "/v1/joins/j1/round/2/n1", JOIN.to_json())
     cl.put(Kind.WORKERS, "/v1/rounds/j1/workers/n1", json.dumps({"rows": [], "summary": {}}))
     kvs, rev = cl.store.list("/v1/rounds/j1")
     garbage = [kv._replace(value="[" * 50000) if kv.key == key else kv for kv in kvs

@@ -12,7 +12,8 @@ The job's rounds, which only the nodes that run it watch::
 
     /v1/rounds/<job>/state           the round state: one JSON record, changed only
                                      by compare-and-swap
-    /v1/rounds/<job>/join/<R>/<node> a node's wish to be in round R (its node lease)
+    /v1/rounds/<job>/decider/<R>     the node that decides open round R: created by
+                                     the first joined node to claim it (its lease)
     /v1/rounds/<job>/done/<R>/<node> a node's workers finished round R well (lease)
     /v1/rounds/<job>/workers/<node>  a node's worker rows and recovery summary, for
                                      status on any node (lease; read on demand
@@ -20,8 +21,16 @@ The job's rounds, which only the nodes that run it watch::
     /v1/phases/<job>/<node>          its ranks' phases (hangs/phase_board.py; lease),
                                      watched only by the job's nodes (phase_watch.py)
 
-So a join, a done mark or a node's rows reach the job's own nodes only; every
-node gets a job's spec once and its state copy once per change of round.
+The job's joins, which the node deciding its open round and its closed round's
+first member watch whole, and the job's other nodes only for deletes::
+
+    /v1/joins/<job>/round/<R>/<node> a node's wish to be in round R (its node lease)
+
+So a done mark or a node's rows reach the job's own nodes only, and a join one
+or two of them (N joins a round reach O(1) nodes, not N: a node needs of the
+others' joins only the closed round's first member's, read once, and their
+deletes, a node lost); every node gets a job's spec once and its state copy
+once per change of round.
 The records (rendezvous/records.py) are sealed with the cluster key, bound
 to their key (trust/sealed.py); the spec by trust/specs.py. A closed round
 names its members, but the address and ports its ranks connect to come
@@ -32,9 +41,10 @@ round grow linearly with the number of nodes. The state moves
     open(R) --decider closes--> closed(R) --fault, node loss, scale-up--> open(R+1)
     any --> succeeded | failed | cancelled
 
-The decider of an open round is the joined node with the smallest id (its
-join key lives only while its lease does, so a dead decider hands over by
-itself). It closes the round once max nodes joined, or min nodes joined and
+The decider of an open round is the first joined node to create its
+``decider/<R>`` key (under its node lease, so a dead decider hands over by
+itself; a node that leaves the job deletes it). It watches every join; the
+others wait for the state to close. It closes the round once max nodes joined, or min nodes joined and
 ``last_call`` seconds passed since; a round after a fault or a membership
 change closes as soon as every node it expects joined, not waiting for a
 member of the last round whose lease expired, nor, past ``rejoin_timeout``,
@@ -81,8 +91,14 @@ def job_prefix(job_id: str) -> str:
 
 
 def rounds_prefix(job_id: str) -> str:
-    """The job's rounds: its state, joins, done marks and worker rows."""
+    """The job's rounds: its state, deciders, done marks and worker rows."""
     return f"/v1/rounds/{job_id}"
+
+
+def joins_prefix(job_id: str) -> str:
+    """The job's joins: watched whole only by the node that decides its open round and
+    by its closed round's first member; the others watch their deletes."""
+    return f"/v1/joins/{job_id}"
 
 
 @dataclass(frozen=True)

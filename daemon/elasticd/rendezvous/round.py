@@ -12,6 +12,14 @@ the job's rounds in the view from its making until ``close``. A closed round run
 first member's own join of it vouches for the address and ports its ranks
 connect to (``protocol.master_problem``); otherwise this node asks for the
 next round instead.
+
+It sets how the view watches the job's joins (``_joins_wanted``): all of them
+while this node decides the open round (it claimed ``decider/<R>``, ``_decides``)
+or is the closed round's first member (which sees a newcomer wait: scale-up);
+otherwise the deletes of the round's joins only (a member lost), the first
+member's join read once a round (``_round_joins``), and every join read at a
+fault before it opens the next round (``_reopen_round``: who stands, stands by
+and waits).
 """
 from __future__ import annotations
 
@@ -30,7 +38,8 @@ from ..trust.sealed import Kind
 from .ports import free_port
 from .protocol import (
     CLOSED, FINAL, OPEN, Join, JobLimits, Result, RoundCause, RoundClock, RoundState,
-    decide_open_round, decider, job_prefix, master_problem, reopen, result_for, rounds_prefix)
+    decide_open_round, job_prefix, joins_prefix, master_problem, reopen, result_for,
+    rounds_prefix)
 from .status import CURRENT, RoundStatus, StatusKind
 from .view import JobsView
 
@@ -53,7 +62,8 @@ class ClusterRendezvous:
     def __init__(self, store: Store, view: JobsView, job_id: str, node_id: str, address: str,
                  nproc: int, lease: Callable[[], Lease | None], limits: JobLimits,
                  scale_up: str = "immediate", poll: float = 0.5, clock=time.time,
-                 port: Callable[[], int] = free_port, probe=None, sync_timeout: float = 10.0):
+                 port: Callable[[], int] = free_port, probe=None, sync_timeout: float = 10.0,
+                 joins_everywhere: bool = False):
         self._store = store
         self._view = view
         self._records = view.records    # seals what we write as the view opens it
@@ -69,13 +79,19 @@ class ClusterRendezvous:
         self._clock = clock
         self._port = port
         self._prefix = rounds_prefix(job_id)
+        self._joins = joins_prefix(job_id)
+        # Watch every join of the job whatever this node's part (the torchrun adapter:
+        # torch asks every agent how many nodes wait); else only where the part needs.
+        self._joins_everywhere = joins_everywhere
         self._copy_key = f"{job_prefix(job_id)}/state"
         self._round_clock = RoundClock()
         # Whether a late member's daemon is gone though its lease lives (the decider
         # asks; cluster/daemon_probe.py's DaemonProbe, or None: never asked).
         self._probe = probe
         self._probed: tuple[int, set] = (0, set())   # (round, the nodes said gone in it)
-        self._joined: dict[int, int] = {}   # round -> revision of our join put
+        self._joined: dict[int, tuple] = {}   # round -> (revision, lease id) of our join put
+        self._claimed: dict[int, int] = {}    # round -> revision of our claim to decide it
+        self._master: tuple = (0, None)       # (round, its first member's Join as read)
         self._written = 0                    # revision of our last state write
         self.prev_rank = -1
         # The last round next_round returned, and a new round we asked for that
@@ -111,10 +127,13 @@ class ClusterRendezvous:
         view.follow(job_id)                  # the job's rounds, until close()
 
     def close(self) -> None:
-        """No more of this job here: stop listening and following its rounds."""
+        """No more of this job here: stop listening and following its rounds, and give up
+        a claim to decide a round (another node takes it)."""
         for fn in self._listening:
             self._view.unlisten(self.job_id, fn)
         self._listening = []
+        self._release_claims(None)
+        self._view.let_go_joins(self.job_id, self)
         self._view.unfollow(self.job_id)
 
     @property
@@ -125,6 +144,9 @@ class ClusterRendezvous:
     # -- keys --------------------------------------------------------------------
     def _key(self, *parts) -> str:
         return "/".join((self._prefix, *map(str, parts)))
+
+    def _join_key(self, rnd: int, node: str | None = None) -> str:
+        return f"{self._joins}/round/{rnd}/{node or self.node_id}"
 
     def _where(self, rnd: int | None = None) -> str:
         return ctx(job=self.job_id, node=self.node_id, round=rnd)
@@ -246,8 +268,11 @@ class ClusterRendezvous:
                     self._view.wait(self._poll, seen)
                     continue
                 self._join(state.round)
-                joins = list(keys.joins.get(state.round, {}).values())
-                if decider(joins) == self.node_id and not self._view_behind():
+                self._view.watch_joins(self.job_id, self._joins_wanted(state, keys), self)
+                if self._decides(state, keys) and keys.joins_all and not self._view_behind() \
+                        and self._view.joins_caught_up(self.job_id,
+                                                       self._joined[state.round][0]):
+                    joins = list(keys.joins.get(state.round, {}).values())
                     last = set(keys.joins.get(state.round - 1, {}))
                     last -= self._gone(state, keys, {j.node_id for j in joins}, last)
                     new, why = decide_open_round(state, joins, self.limits, self._round_clock,
@@ -258,7 +283,11 @@ class ClusterRendezvous:
                         self._view.wait(self._probe.look, seen)   # its answer, soon
                         continue
             elif state.status == CLOSED:
-                joins = keys.joins.get(state.round, {})
+                self._view.watch_joins(self.job_id, self._joins_wanted(state, keys), self)
+                if not self._view.joins_caught_up(self.job_id):
+                    self._view.wait(self._poll, seen)   # its first list, or its start
+                    continue
+                joins = self._round_joins(state, keys)
                 cause, problem = master_problem(state, joins) \
                     if self.node_id in state.member_ids() else (None, "")
                 if cause is not None and (self._ran is None
@@ -339,7 +368,7 @@ class ClusterRendezvous:
     def _withdraw(self, rnd: int) -> None:
         if self.standing_by == rnd or rnd in self._joined:
             try:
-                self._store.delete(self._key("join", rnd, self.node_id))
+                self._store.delete(self._join_key(rnd))
             except Exception as exc:  # the lease removes it anyway
                 log.debug("could not withdraw a spare's join: %s", exc)
             self._joined.pop(rnd, None)
@@ -374,27 +403,101 @@ class ClusterRendezvous:
 
     def _join(self, rnd: int) -> None:
         """Write our join key for a round once; again only if it vanished (lease lapsed)."""
-        if rnd in self._joined:
-            if not self._view.caught_up(self.job_id, self._joined[rnd]):
-                return  # the view has not caught up with our own put yet
-            keys = self._view.job(self.job_id)
-            if keys and self.node_id in keys.joins.get(rnd, {}):
-                return
         lease = self._lease()
+        lease_id = lease.id if lease is not None else 0
+        if rnd in self._joined:
+            revision, held_by = self._joined[rnd]
+            keys = self._view.job(self.job_id)
+            if keys is None:
+                return
+            if keys.joins_all:
+                if not self._view.joins_caught_up(self.job_id, revision):
+                    return  # the view has not caught up with our own put yet
+                if self.node_id in keys.joins.get(rnd, {}):
+                    return
+            elif held_by == lease_id and keys.gone.get(rnd, {}).get(self.node_id, 0) <= revision:
+                return      # written under the lease we hold, not seen deleted since
         hosted = self.hosted_port()
         join = Join(node_id=self.node_id, address=self._address, nproc=self._nproc,
                     port=hosted or self._port(), prev_rank=self.prev_rank, time=self._clock(),
                     store_port=self._store_port, hosted=bool(hosted))
-        self._joined[rnd] = self._put(Kind.JOIN, self._key("join", rnd, self.node_id),
-                                      join.to_json(), lease)
+        self._joined[rnd] = (self._put(Kind.JOIN, self._join_key(rnd), join.to_json(), lease),
+                             lease_id)
 
     def _forget_old_joins(self, current: int) -> None:
+        """Our joins of the rounds before ``current``, and our claims to decide rounds up
+        to it (closed: nothing left to decide)."""
         for rnd in sorted(r for r in self._joined if r < current):
             try:
-                self._store.delete(self._key("join", rnd, self.node_id))
+                self._store.delete(self._join_key(rnd))
             except Exception as exc:  # best effort: the lease removes them anyway
                 log.debug("could not delete old join key: %s", exc)
             self._joined.pop(rnd, None)
+        self._release_claims(current)
+
+    # -- who watches the joins, who decides ----------------------------------------
+    def _joins_wanted(self, state: RoundState, keys) -> int:
+        """How this node watches the job's joins (JobsView.watch_joins): 0, all of them,
+        where its part needs them (it decides the open round; it is the closed round's
+        first member, which sees a newcomer wait to join; the torchrun adapter's); else
+        the deletes of the state's round's joins (a member lost). So a round's N joins
+        reach one or two nodes, not N."""
+        if self._joins_everywhere:
+            return 0
+        if state.status == OPEN and keys.deciders.get(state.round) == self.node_id:
+            return 0
+        if state.status == CLOSED and state.members \
+                and state.members[0].node_id == self.node_id:
+            return 0
+        return state.round
+
+    def _decides(self, state: RoundState, keys) -> bool:
+        """Whether this node decides the open round: it claimed the round first of the
+        nodes that joined it (a create of ``decider/<R>`` under its node lease, so a
+        lost decider hands over by itself; a node that leaves the job gives it up)."""
+        holder = keys.deciders.get(state.round)
+        mine = self._claimed.get(state.round)
+        if holder is None and mine is not None and self._view.caught_up(self.job_id, mine):
+            self._claimed.pop(state.round)     # our claim went (our lease lapsed): again
+            mine = None
+        if holder is None and mine is None:
+            key = self._key("decider", state.round)
+            body = json.dumps({"node": self.node_id})
+            try:
+                mine = self._store.create(key, self._records.seal(Kind.DECIDER, key, body),
+                                          lease=self._lease())
+            except KeyExists:
+                return False        # another node's: the view shows it soon
+            self._claimed[state.round] = mine
+            self._written = max(self._written, mine)
+            log.info("%s: this node decides round %d", self._where(state.round), state.round)
+        return holder == self.node_id or (holder is None and mine is not None)
+
+    def _release_claims(self, upto: int | None) -> None:
+        """Give up our claims to decide rounds up to ``upto`` (None: every round), each
+        only if it is still ours."""
+        for rnd in sorted(r for r in self._claimed if upto is None or r <= upto):
+            try:
+                self._store.delete(self._key("decider", rnd), prev_revision=self._claimed[rnd])
+            except Exception as exc:   # best effort: the lease removes it anyway
+                log.debug("could not give up the claim to decide round %d: %s", rnd, exc)
+            self._claimed.pop(rnd, None)
+
+    def _round_joins(self, state: RoundState, keys) -> dict:
+        """The joins of the closed round this node goes by ({node: Join}): all of them
+        where it watches every join; else its first member's alone, read once a round
+        (none if it was deleted since this node began to watch the round's deletes)."""
+        if keys.joins_all:
+            return keys.joins.get(state.round, {})
+        first = state.members[0].node_id if state.members else None
+        if first is None or first in keys.gone.get(state.round, {}):
+            return {}
+        if self._master[0] != state.round:
+            kv = self._store.get(self._join_key(state.round, first))
+            self._master = (state.round,
+                            self._view.read_join(kv.key, kv.value) if kv is not None else None)
+        join = self._master[1]
+        return {first: join} if join is not None else {}
 
     # -- while running -------------------------------------------------------------
     def status(self, result: Result) -> RoundStatus:
@@ -404,6 +507,7 @@ class ClusterRendezvous:
         state = keys.state if keys else None
         if state is None:
             return RoundStatus(StatusKind.SUPERSEDED, "the job's round state is gone")
+        self._view.watch_joins(self.job_id, self._joins_wanted(state, keys), self)
         if state.members and state.members[0].node_id == self.node_id \
                 and self._copy_checked != state.order:
             self._copy_checked = state.order   # once a round: no I/O on every tick
@@ -418,10 +522,16 @@ class ClusterRendezvous:
         if state.round != result.place.round or state.status != CLOSED:
             return RoundStatus(StatusKind.SUPERSEDED, state.reason or f"round {state.round} opened",
                                cause=state.cause)
-        joined = keys.joins.get(state.round, {})
+        if not self._view.joins_caught_up(self.job_id):
+            return CURRENT      # the joins watch (re)starting: nothing known against it
         # Never ourselves: if our own lease lapsed (a stalled daemon), the peers
         # see us lost and open a new round; alone, there is nobody to tell.
-        lost = [n for n in state.member_ids() if n not in joined and n != self.node_id]
+        if keys.joins_all:
+            joined = keys.joins.get(state.round, {})
+            lost = [n for n in state.member_ids() if n not in joined and n != self.node_id]
+        else:
+            gone = keys.gone.get(state.round, {})
+            lost = [n for n in state.member_ids() if n in gone and n != self.node_id]
         if lost:
             return RoundStatus(StatusKind.LOST, f"node(s) {', '.join(lost)} lost",
                                nodes=tuple(lost), cause=RoundCause.NODE_LOST)
@@ -442,6 +552,7 @@ class ClusterRendezvous:
 
     def _reopen_round(self, rnd: int, reason: str, count_restart: bool,
                       cause: RoundCause) -> RoundState | None:
+        deadline = time.monotonic() + self._sync_timeout
         while True:
             seen = self._view.revision
             keys = self._view.job(self.job_id)
@@ -450,6 +561,14 @@ class ClusterRendezvous:
                     or state.status != CLOSED:
                 self._wanted = None
                 return state
+            if not keys.joins_all or not self._view.joins_caught_up(self.job_id):
+                # Who stands, stands by and waits: every join, read for this once.
+                self._view.watch_joins(self.job_id, 0, self)
+                if time.monotonic() >= deadline:
+                    raise StoreUnavailable(f"the joins of job {self.job_id} were not read "
+                                           f"from etcd within {self._sync_timeout:g}s")
+                self._view.wait(self._poll, seen)
+                continue
             standing = keys.joins.get(state.round, {})
             alive = [n for n in state.member_ids() if n in standing]
             spares = [n for n in standing if n not in state.member_ids()]
@@ -530,6 +649,7 @@ def create_job(store: Store, job_id: str, spec: dict, now: float, round: int = 1
 
 
 def forget_job(store: Store, job_id: str) -> None:
-    """Remove every key of the job: its rounds, then its place in the job list."""
+    """Remove every key of the job: its rounds and joins, then its place in the job list."""
     store.delete_prefix(rounds_prefix(job_id) + "/")
+    store.delete_prefix(joins_prefix(job_id) + "/")
     store.delete_prefix(job_prefix(job_id) + "/")

@@ -193,7 +193,8 @@ class ElasticdRendezvousHandler(RendezvousHandler):
                            join_timeout=self._timeout)
         self._rdzv = ClusterRendezvous(
             self._store, self._view, self._run_id, self._node_id, self._addr, nproc=1,
-            lease=lambda: self._lease.lease, limits=limits, poll=0.2)
+            lease=lambda: self._lease.lease, limits=limits, poll=0.2,
+            joins_everywhere=True)      # torch asks every agent how many nodes wait
         self._result: Result | None = None
         try:
             create_job(self._store, self._run_id, {"id": self._run_id, "torchrun": True},

@@ -8,12 +8,18 @@ Two key spaces (rendezvous/protocol.py lists the keys):
   and what it answers about a job that runs elsewhere. Only spec-level changes
   reach every node: a submission, and a job's round opening, closing or ending.
 * a job's rounds, ``/v1/rounds/<job>/...``: its round state (the one a round's
-  compare-and-swap moves), the nodes' joins, done marks and worker rows. Only
-  the nodes that run the job watch them (``follow``/``unfollow``: one watch per
-  job, from the job's ``ClusterRendezvous``), so a join reaches the job's own
-  nodes and no other: what etcd sends a node grows with the jobs it runs, not
-  with the cluster. ``job(id, fresh=True)`` of a job this node does not follow
-  lists its rounds once, for whoever asks about a job that runs elsewhere.
+  compare-and-swap moves), who decides its open round, the nodes' done marks
+  and worker rows. Only the nodes that run the job watch them
+  (``follow``/``unfollow``: one watch per job, from the job's
+  ``ClusterRendezvous``): what etcd sends a node grows with the jobs it runs,
+  not with the cluster. ``job(id, fresh=True)`` of a job this node does not
+  follow lists its rounds and joins once, for whoever asks about a job that
+  runs elsewhere.
+* a job's joins, ``/v1/joins/<job>/round/<R>/<node>``: a followed job's joins
+  watch (``watch_joins``), as its rendezvous asks: every join (the node that
+  decides the open round, the closed round's first member), or only the
+  deletes of one round's joins (``JobKeys.gone``: a member lost), so a round's
+  N joins reach one or two nodes, not N.
 
 ``job(id)`` merges them: the spec from the list; for a followed job, its
 rounds as its watch holds them (the state None until the watch has listed
@@ -69,11 +75,15 @@ log = logging.getLogger("elasticd.rendezvous")
 
 JOBS = "/v1/jobs"             # the job list: spec and a copy of the round state
 ROUNDS = "/v1/rounds"         # a job's rounds: watched by its own nodes
+JOINS = "/v1/joins"           # a job's joins: watched whole by its decider and first member
 SPEC_MAX_BYTES = 1 << 20      # a plain spec (the torchrun adapter's)
 MARKS_KEPT = 10_000           # jobs whose high-water marks outlive their keys
 _LIST_KINDS = {("spec", 2): Kind.SPEC, ("state", 2): Kind.STATE}
-_ROUND_KINDS = {("state", 2): Kind.STATE, ("join", 4): Kind.JOIN, ("done", 4): Kind.DONE,
+_ROUND_KINDS = {("state", 2): Kind.STATE, ("decider", 3): Kind.DECIDER, ("done", 4): Kind.DONE,
                 ("workers", 3): Kind.WORKERS}
+_JOIN_KINDS = {("round", 4): Kind.JOIN}
+# Below /v1/rounds/<job>/, where an older elasticd kept the joins: not read as anything.
+_OLD_ROUNDS = frozenset({("join", 4)})
 # Below /v1/jobs/<job>/, where an older elasticd kept a job's joins, done marks, worker
 # rows and phase records: not read as anything (their writers' leases end them).
 _OLD = frozenset({("join", 4), ("done", 4), ("workers", 3), ("phases", 3)})
@@ -90,6 +100,7 @@ class JobKeys:
     state: RoundState | None = None
     state_revision: int = 0
     joins: dict = field(default_factory=dict)     # round -> {node: Join}
+    deciders: dict = field(default_factory=dict)  # round -> the node that decides it
     done: dict = field(default_factory=dict)      # round -> set(node)
     workers: dict = field(default_factory=dict)   # node -> its WorkerRows (those that parse)
     summaries: dict = field(default_factory=dict)  # node -> its RecoverySummary, if it parsed
@@ -97,6 +108,10 @@ class JobKeys:
     # False: the job list's copy only (state, no joins, done marks or rows): a job
     # this node does not follow, not read fresh (JobsView.job)
     detailed: bool = True
+    # False: this node watches the deletes of one round's joins only (``joins`` holds
+    # none; ``gone``: round -> {node: the revision its join of it was deleted at})
+    joins_all: bool = True
+    gone: dict = field(default_factory=dict)
 
     def put_workers(self, node: str, rows: list, summary: dict) -> None:
         """What ``node`` published of its workers, typed where it enters: the rows
@@ -111,14 +126,16 @@ class JobKeys:
     def empty(self) -> bool:
         return self.spec is None and self.state is None and self.rejection is None \
             and not any(self.joins.values()) and not self.workers \
-            and not any(self.done.values())
+            and not any(self.done.values()) and not self.deciders
 
     def copy(self) -> "JobKeys":
         return JobKeys(spec=self.spec, state=self.state, state_revision=self.state_revision,
                        joins={r: dict(v) for r, v in self.joins.items()},
+                       deciders=dict(self.deciders),
                        done={r: set(v) for r, v in self.done.items()},
                        workers=dict(self.workers), summaries=dict(self.summaries),
-                       rejection=self.rejection, detailed=self.detailed)
+                       rejection=self.rejection, detailed=self.detailed,
+                       joins_all=self.joins_all, gone={r: dict(v) for r, v in self.gone.items()})
 
 
 @dataclass
@@ -159,7 +176,8 @@ class _Space:
 
 
 class _Followed:
-    """One followed job's rounds watch: how far it got, and how many follow it."""
+    """One followed job's rounds watch: how far it got, and how many follow it; and its
+    joins watch (``JobsView.watch_joins``): of every join, or of one round's deletes."""
 
     def __init__(self, view: "JobsView", job_id: str):
         self.revision = 0          # the etcd revision the watch reached
@@ -168,6 +186,15 @@ class _Followed:
                                  f"rounds-watch-{job_id}", view.retry,
                                  lambda kvs, rev: view._reset_job(self, job_id, kvs, rev),
                                  lambda ev: view._job_event(self, job_id, ev))
+        self.joins: Follower | None = None
+        self.joins_round = None    # 0: every join watched (and listed); R: R's deletes
+        self.joins_revision = 0    # the etcd revision the joins watch reached
+        self.joins_synced = False
+        self.gone: dict[int, dict] = {}  # round -> {node: revision its join was deleted at}
+        self.wants: dict = {}            # asker -> the joins watch it wants (watch_joins)
+
+    def followers(self) -> list:
+        return [self.follower] + ([self.joins] if self.joins is not None else [])
 
 
 def plain_spec(job_id: str, text: str) -> dict:
@@ -177,15 +204,18 @@ def plain_spec(job_id: str, text: str) -> dict:
 
 class JobsView:
     def __init__(self, store: Store, *, records, retry: float = 1.0, prefix: str = JOBS,
-                 rounds: str = ROUNDS, open_spec=plain_spec, refusals: Refusals | None = None):
+                 rounds: str = ROUNDS, joins: str = JOINS, open_spec=plain_spec,
+                 refusals: Refusals | None = None):
         self.store = store
         self.retry = retry
         self.records = records       # how every record of the job keys is sealed and opened
         self.rounds_root = rounds
+        self.joins_root = joins
         self._open_spec = open_spec
         self.refusals = refusals or Refusals("jobs view")
         self._list = _Space(prefix, _LIST_KINDS, _OLD)
-        self._rounds = _Space(rounds, _ROUND_KINDS)
+        self._rounds = _Space(rounds, _ROUND_KINDS, _OLD_ROUNDS)
+        self._joins = _Space(joins, _JOIN_KINDS)
         self._followed = Held()     # job id -> _Followed
         self._also: list = []        # other watches of a job that live as long as its rounds'
         self.changed = threading.Condition()
@@ -198,30 +228,42 @@ class JobsView:
     # -- reading -------------------------------------------------------------
     def job(self, job_id: str, fresh: bool = False) -> JobKeys | None:
         """The job's keys as this view holds them (see the module's words); with
-        ``fresh``, a job this node does not follow has its rounds listed from the
-        store now (the list's copy alone if the store does not answer)."""
+        ``fresh``, a job this node does not follow has its rounds and joins listed from
+        the store now (the list's copy alone if the store does not answer), and a job it
+        follows watching one round's join deletes only has its joins listed."""
         with self.changed:
             got = self._merged(job_id)
             followed = self._followed.get(job_id)
-            if not fresh or (followed is not None and followed.synced) \
-                    or not is_ident(job_id):
+            if not fresh or not is_ident(job_id) or (
+                    followed is not None and followed.synced and got is not None
+                    and got.joins_all):
                 return got
+            rounds_too = followed is None or not followed.synced
             marks = self._rounds.marks.get(job_id)
         try:
-            kvs, _ = self.store.list(f"{self.rounds_root}/{job_id}/")
+            kvs = self.store.list(f"{self.rounds_root}/{job_id}/")[0] if rounds_too else []
+            joins, _ = self.store.list(f"{self.joins_root}/{job_id}/")
         except StoreError as exc:
             log.debug("job %s: its rounds not read: %s", job_id[:80], exc)
             return got
-        once = _Space(self.rounds_root, _ROUND_KINDS, once=True)
+        once = _Space(self.rounds_root, _ROUND_KINDS, _OLD_ROUNDS, once=True)
+        once_joins = _Space(self.joins_root, _JOIN_KINDS, once=True)
         if marks is not None:
             once.marks[job_id] = _Marks(marks.order, dict(marks.seqs))
         with self.changed:
             self._relist(once, kvs, 0)
+            self._relist(once_joins, joins, 0)
             got = self._merged(job_id)
-        read = once.jobs.get(job_id)
-        if read is None:
+        read_joins = once_joins.jobs[job_id].joins if job_id in once_joins.jobs else {}
+        if not rounds_too:
+            if got is not None:
+                got.joins, got.joins_all = read_joins, True
             return got
-        read = read.copy()
+        read = once.jobs.get(job_id)
+        if read is None and not read_joins:
+            return got
+        read = read.copy() if read is not None else JobKeys()
+        read.joins = read_joins
         if got is not None:
             read.spec, read.rejection = got.spec, got.rejection
             if read.state is None:
@@ -242,6 +284,11 @@ class JobsView:
         got = rounds.copy() if rounds is not None else JobKeys()
         if not followed.synced:
             got.state, got.state_revision = None, 0
+        joins = self._joins.jobs.get(job_id)
+        got.joins_all = followed.joins_round == 0
+        got.joins = {r: dict(v) for r, v in joins.joins.items()} \
+            if joins is not None and got.joins_all else {}
+        got.gone = {r: dict(v) for r, v in followed.gone.items()}
         if listed is not None:
             got.spec, got.rejection = listed.spec, listed.rejection
         elif got.empty():
@@ -273,11 +320,14 @@ class JobsView:
                 lambda: self.revision > after or (stop is not None and stop.is_set()), timeout)
 
     def reached(self, key: str, revision: int) -> bool:
-        """Whether the watch that covers ``key`` (the job list's, or its job's rounds
-        watch here) got as far as etcd revision ``revision``."""
+        """Whether the watch that covers ``key`` (the job list's, or its job's rounds or
+        joins watch here) got as far as etcd revision ``revision``."""
         parts = _parts(self.rounds_root, key)
         if parts:
             return self.caught_up(parts[0], revision)
+        parts = _parts(self.joins_root, key)
+        if parts:
+            return self.joins_caught_up(parts[0], revision)
         with self.changed:
             return self._list_revision >= revision
 
@@ -331,15 +381,82 @@ class JobsView:
             if followed is None:
                 return
             self._rounds.forget(job_id)
+            self._joins.forget(job_id)
             self.revision += 1
             self.changed.notify_all()
         followed.follower.request_stop()
+        if followed.joins is not None:
+            followed.joins.request_stop()
         for other in self._also:
             other.unfollow(job_id)
 
     def following(self) -> list[str]:
         with self.changed:
             return sorted(self._followed.keys())
+
+    def watch_joins(self, job_id: str, rnd: int = 0, asker: object = None) -> None:
+        """Watch the followed job's joins as ``asker`` wants them: every join of every
+        round (``rnd`` 0: listed first, then each put and delete, as its decider and first
+        member need), or only the deletes of round ``rnd``'s joins from now (a node lost:
+        what every other node needs; no join reaches it). Of several askers (a view
+        shared in tests), one that wants all, or two that want other rounds, get all.
+        Nothing if the job's joins are watched so already."""
+        with self.changed:
+            followed = self._followed.get(job_id)
+            if followed is None:
+                return
+            followed.wants[asker] = rnd
+            wanted = set(followed.wants.values())
+            rnd = wanted.pop() if len(wanted) == 1 else 0
+            if followed.joins is not None and followed.joins_round == rnd:
+                return
+            # The joins held stay, unused while only deletes are watched: a list when all
+            # are watched again takes the same records again (not as replays) and drops
+            # the keys deleted meanwhile, as after a compaction.
+            old = followed.joins
+            followed.joins_round, followed.joins_synced = rnd, False
+            followed.joins_revision, followed.gone = 0, {}
+            below = f"{self.joins_root}/{job_id}/" + (f"round/{rnd}/" if rnd else "")
+            new = followed.joins = Follower(
+                self.store, below, f"joins-watch-{job_id}", self.retry,
+                lambda kvs, rev: self._reset_joins(followed, new, job_id, kvs, rev),
+                lambda ev: self._joins_event(followed, new, job_id, ev),
+                deletes_only=bool(rnd))
+            self.revision += 1
+            self.changed.notify_all()
+        if old is not None:
+            old.request_stop()
+        new.start()
+
+    def let_go_joins(self, job_id: str, asker: object) -> None:
+        """``asker`` wants the job's joins watched no more (its next asker sets the way)."""
+        with self.changed:
+            followed = self._followed.get(job_id)
+            if followed is not None:
+                followed.wants.pop(asker, None)
+
+    def read_join(self, key: str, value: str) -> Join | None:
+        """A join read by its key (a closed round's first member's, by a node that watches
+        the round's join deletes only), taken as the joins watch takes one: sealed, bound
+        to its key, naming the node its key names; else None, the refusal counted."""
+        parts = _parts(self.joins_root, key)
+        with refusing(self.refusals, Kind.JOIN, key):
+            if len(parts) != 4 or (parts[1], len(parts)) not in _JOIN_KINDS \
+                    or not is_ident(parts[3]):
+                raise Refused(Reason.BAD_KEY, "no daemon writes such a key")
+            join = typed(Join.from_doc, self.records.open(Kind.JOIN, key, value).doc)
+            if join.node_id != parts[3]:
+                raise Refused(Reason.INVALID, "the join names another node than its key")
+            return join
+        return None
+
+    def joins_caught_up(self, job_id: str, revision: int = 0) -> bool:
+        """Whether the followed job's joins watch is running and reached etcd revision
+        ``revision`` (a join of this node's is in the view, if every join is watched)."""
+        with self.changed:
+            followed = self._followed.get(job_id)
+            return followed is not None and followed.joins_synced \
+                and followed.joins_revision >= revision
 
     # -- the loops -------------------------------------------------------------
     def start(self) -> None:
@@ -350,17 +467,20 @@ class JobsView:
         with self.changed:
             followed = self._followed.things()
         for f in followed:
-            f.follower.request_stop()
+            for follower in f.followers():
+                follower.request_stop()
 
     def stop(self) -> None:
         with self.changed:
             followed = self._followed.clear()
         self._follower.request_stop()
         for f in followed:
-            f.follower.request_stop()
+            for follower in f.followers():
+                follower.request_stop()
         self._follower.stop()
         for f in followed:
-            f.follower.stop()
+            for follower in f.followers():
+                follower.stop()
 
     def _changed(self, job_id: str) -> None:
         """One more change taken: wake the waiters and the job's listeners (the caller
@@ -406,6 +526,33 @@ class JobsView:
                 self._apply(self._rounds, ev.key, ev.value if ev.type == EVENT_PUT else None,
                             ev.revision)
             followed.revision = max(followed.revision, ev.revision)
+            self._changed(job_id)
+
+    def _reset_joins(self, followed: _Followed, follower: Follower, job_id: str, kvs: list,
+                     revision: int) -> None:
+        with self.changed:
+            if self._followed.get(job_id) is not followed or followed.joins is not follower:
+                return           # unfollowed, or watched another way, meanwhile
+            if not followed.joins_round:
+                self._relist(self._joins, kvs, revision, f"{self._joins.root}/{job_id}/")
+            followed.joins_revision = max(followed.joins_revision, revision)
+            followed.joins_synced = True
+            self._changed(job_id)
+
+    def _joins_event(self, followed: _Followed, follower: Follower, job_id: str, ev) -> None:
+        with self.changed:
+            if self._followed.get(job_id) is not followed or followed.joins is not follower:
+                return
+            parts = _parts(self._joins.root, ev.key)
+            if followed.joins_round:
+                # A delete of one of the round's joins (all this watch is sent).
+                if ev.type != EVENT_PUT and len(parts) == 4 and parts[0] == job_id \
+                        and parts[2] == str(followed.joins_round) and is_ident(parts[3]):
+                    followed.gone.setdefault(followed.joins_round, {})[parts[3]] = ev.revision
+            elif parts and parts[0] == job_id:
+                self._apply(self._joins, ev.key, ev.value if ev.type == EVENT_PUT else None,
+                            ev.revision)
+            followed.joins_revision = max(followed.joins_revision, ev.revision)
             self._changed(job_id)
 
     def _relist(self, space: _Space, kvs: list, revision: int, below: str = "") -> None:
@@ -457,6 +604,9 @@ class JobsView:
             keys.spec, keys.rejection = None, None
         elif kind is Kind.STATE:
             keys.state, keys.state_revision = None, 0
+        elif kind is Kind.DECIDER:
+            if parts[2].isascii() and parts[2].isdigit():
+                keys.deciders.pop(int(parts[2]), None)
         elif kind in (Kind.JOIN, Kind.DONE):
             table = keys.joins if kind is Kind.JOIN else keys.done
             rnd = int(parts[2])
@@ -490,7 +640,13 @@ class JobsView:
         if same and not space.once:
             return True        # the record the view holds, listed again
         node = parts[-1]
-        if kind is Kind.JOIN:
+        if kind is Kind.DECIDER:
+            claim = opened.doc.get("node")
+            if not (parts[2].isascii() and parts[2].isdigit() and len(parts[2]) <= 15) \
+                    or not is_ident(claim):
+                raise Refused(Reason.INVALID, "a decider's claim names no round or no node")
+            keys.deciders[int(parts[2])] = claim
+        elif kind is Kind.JOIN:
             join = typed(Join.from_doc, opened.doc)
             if join.node_id != node:
                 raise Refused(Reason.INVALID, "the join names another node than its key")

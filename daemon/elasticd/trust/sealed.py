@@ -49,7 +49,8 @@ class Kind(str, enum.Enum):
     """What a key under the daemons' prefix holds: the metric's ``kind`` label."""
     SPEC = "spec"            # /v1/jobs/<job>/spec (trust/specs.py)
     STATE = "state"          # /v1/rounds/<job>/state, and its copy /v1/jobs/<job>/state
-    JOIN = "join"            # /v1/rounds/<job>/join/<round>/<node>
+    JOIN = "join"            # /v1/joins/<job>/round/<round>/<node>
+    DECIDER = "decider"      # /v1/rounds/<job>/decider/<round>
     DONE = "done"            # /v1/rounds/<job>/done/<round>/<node>
     WORKERS = "workers"      # /v1/rounds/<job>/workers/<node>
     PHASES = "phases"        # /v1/phases/<job>/<node>
@@ -62,7 +63,7 @@ class Kind(str, enum.Enum):
 
 # The most bytes a body of each kind may have, as written and as read: a writer
 # refuses to write more, a reader to read more (before any hashing).
-MAX_BODY = {Kind.STATE: 1 << 20, Kind.JOIN: 4096, Kind.DONE: 256,
+MAX_BODY = {Kind.STATE: 1 << 20, Kind.JOIN: 4096, Kind.DECIDER: 512, Kind.DONE: 256,
             Kind.WORKERS: 512 * 1024, Kind.PHASES: 40 * 1024, Kind.NODE: 256 * 1024,
             Kind.DRAIN: 20 * 1024, Kind.EVENT: 64 * 1024, Kind.FAULTS: 48 * 1024}
 
