@@ -17,9 +17,11 @@ through the gateway instead):
                watch of the node keys' deletes only: no node receives another's
                record rewrites), as cluster/node.py builds them
   rendezvous   rendezvous/view.py: a JobsView (one watch per node of the job
-               list, as every daemon keeps, and one of the rounds of each job the
-               node runs, which its ClusterRendezvous follows) and
-               rendezvous/round.py's ClusterRendezvous.next_round for the job
+               list, as every daemon keeps, one of the rounds of each job the
+               node runs, which its ClusterRendezvous follows, and one of the job's
+               joins: whole where the node decides the round or is its first
+               member, else of their deletes) and rendezvous/round.py's
+               ClusterRendezvous.next_round for the job
   phases       rendezvous/phase_watch.py: a PhaseWatch per node, which follows the
                job the node runs (one scoped watch of that job's phase records, as
                agent/attempt.py opens it), and hangs/phase_board.py: a
@@ -643,9 +645,8 @@ def main(argv=None) -> int:
                     help="membership.watch_transport for every simulated node (default: "
                          "this tree's setting, grpc)")
     ap.add_argument("--no-full-job", dest="full", action="store_false",
-                    help="with --job-nodes: skip the N-node job's rendezvous (its joins "
-                         "reach every node: N x N deliveries, minutes for the simulator at "
-                         "N = 1,000 on 2 cores)")
+                    help="with --job-nodes: skip the N-node job's rendezvous (its N "
+                         "next_round calls at once)")
     ap.add_argument("--quick", action="store_true", help="N = 10, 2 s windows: well under a "
                                                          "minute")
     ap.add_argument("--json", help="write the measurements here too")

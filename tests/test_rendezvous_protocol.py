@@ -15,7 +15,7 @@ import pytest
 
 from elasticd.rendezvous.protocol import (CANCELLED, CLOSED, FAILED, OPEN, SUCCEEDED, Join,
                                           JobLimits, Member, RoundClock, RoundState,
-                                          decide_open_round, decider, final_job_state,
+                                          decide_open_round, final_job_state,
                                           order_members, reopen, result_for)
 from elasticd.jobs.states import JobState
 
@@ -285,12 +285,6 @@ def test_ranks_stable_across_a_scale_up_round():
 def test_order_members_carries_address_nproc_and_port():
     (m,) = order_members([Join("n", "10.1.1.1", 8, 12345)])
     assert m == Member("n", "10.1.1.1", 8, 12345)
-
-
-def test_decider_is_the_smallest_joined_id():
-    assert decider(joins("n3", "n10", "n2")) == "n10"  # string order, as ids compare
-    assert decider(joins("b", "a")) == "a"
-    assert decider([]) is None
 
 
 # ------------------------------------------------------------- result_for

@@ -72,7 +72,7 @@ from .records import (CANCELLED, CLOSED, FAILED, FINAL, OPEN, SUCCEEDED, Join, M
 
 __all__ = ["CANCELLED", "CLOSED", "FAILED", "FINAL", "OPEN", "SUCCEEDED", "Join", "Member",
            "RoundCause", "RoundState", "JobLimits", "RoundClock", "Result", "final_job_state",
-           "job_prefix", "rounds_prefix", "order_members", "decider", "lost_rejoiners",
+           "job_prefix", "rounds_prefix", "joins_prefix", "order_members", "lost_rejoiners",
            "decide_open_round",
            "reopen", "result_for", "master_problem"]
 
@@ -162,10 +162,6 @@ def order_members(joins: list[Join], max_nodes: int | None = None) -> tuple[Memb
             ordered.append(filling.pop(0))
     return tuple(Member(j.node_id, j.address, j.nproc, j.port, j.store_port, j.hosted)
                  for j in ordered + rest)
-
-
-def decider(joins: list[Join]) -> str | None:
-    return min((j.node_id for j in joins), default=None)
 
 
 def lost_rejoiners(state: RoundState, joined: set, last_round: set) -> set:

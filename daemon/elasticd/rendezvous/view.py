@@ -634,19 +634,22 @@ class JobsView:
                               f"the round {marks.order[0]} this daemon holds")
             keys.state, marks.order = state, max(marks.order, state.order)
             return True
+        if kind is Kind.DECIDER:
+            # Claimed by one node, deleted, claimed by another: writers' counts of other
+            # nodes do not order (clocks differ), so no claim is refused as older.
+            claim = self.records.open(kind, key, value).doc.get("node")
+            if not (parts[2].isascii() and parts[2].isdigit() and len(parts[2]) <= 15) \
+                    or not is_ident(claim):
+                raise Refused(Reason.INVALID, "a decider's claim names no round or no node")
+            keys.deciders[int(parts[2])] = claim
+            return True
         seqs = space.marks_of(job_id).seqs
         opened, same = newer(self.records, kind, key, value, seqs,
                              space.once or key in space.present, relisted)
         if same and not space.once:
             return True        # the record the view holds, listed again
         node = parts[-1]
-        if kind is Kind.DECIDER:
-            claim = opened.doc.get("node")
-            if not (parts[2].isascii() and parts[2].isdigit() and len(parts[2]) <= 15) \
-                    or not is_ident(claim):
-                raise Refused(Reason.INVALID, "a decider's claim names no round or no node")
-            keys.deciders[int(parts[2])] = claim
-        elif kind is Kind.JOIN:
+        if kind is Kind.JOIN:
             join = typed(Join.from_doc, opened.doc)
             if join.node_id != node:
                 raise Refused(Reason.INVALID, "the join names another node than its key")

@@ -1,0 +1,146 @@
+"""Who decides an open round, and who sees its joins (rendezvous/round.py, issue 33).
+
+Each node has a JobsView of its own over one in-memory store, as daemons have
+theirs over etcd. The first joined node to claim a round decides it and is the
+only one whose view holds the round's joins; the others hold none, only the
+round's state. A decider whose lease ends (a node lost) hands over: another
+node claims the round and closes it. The closed round's first member watches
+every join (it sees a newcomer wait); the others only their deletes, and still
+see a member lost.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+from elasticd.rendezvous.protocol import OPEN, JobLimits
+from elasticd.rendezvous.round import ClusterRendezvous, RendezvousStopped, create_job
+from elasticd.rendezvous.status import StatusKind
+from elasticd.rendezvous.view import JobsView
+from elasticd.store import open_store
+from elasticd.trust.sealed import PLAIN
+
+LIMITS = JobLimits(min_nodes=2, max_nodes=3, max_restarts=5, last_call=60.0,
+                   join_timeout=600.0)
+
+
+def wait_for(pred, timeout=20.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.02)
+    raise AssertionError(f"{what} not met in time")
+
+
+class Nodes:
+    def __init__(self, names, limits=LIMITS):
+        self.store = open_store("memory")
+        self.leases = {n: self.store.grant_lease(60) for n in names}
+        self.views, self.nodes, self.stops, self.got = {}, {}, {}, {}
+        for i, n in enumerate(names, 1):
+            view = self.views[n] = JobsView(self.store, records=PLAIN, retry=0.1)
+            view.start()
+            assert view.synced.wait(10)
+            self.nodes[n] = ClusterRendezvous(self.store, view, "j1", n, f"10.0.0.{i}", 1,
+                                              lambda n=n: self.leases[n], limits, poll=0.05)
+        create_job(self.store, "j1", {"id": "j1", "nodes": []}, time.time(), records=PLAIN)
+        self.threads = {}
+
+    def start(self, name):
+        stop = self.stops[name] = threading.Event()
+
+        def run():
+            try:
+                self.got[name] = self.nodes[name].next_round(stop)
+            except RendezvousStopped:
+                pass
+        t = self.threads[name] = threading.Thread(target=run, daemon=True)
+        t.start()
+
+    def decider(self, rnd=1):
+        kv = self.store.get(f"/v1/rounds/j1/decider/{rnd}")
+        return None if kv is None else kv.value
+
+    def keys(self, name):
+        return self.views[name].job("j1")
+
+    def close(self):
+        for stop in self.stops.values():
+            stop.set()
+        for view in self.views.values():
+            view.wake_waiters()
+        for t in self.threads.values():
+            t.join(5)
+        for view in self.views.values():
+            view.stop()
+
+
+def test_one_node_claims_the_round_and_only_its_view_holds_the_joins():
+    ns = Nodes(["a", "b", "c"])
+    try:
+        for n in "abc":
+            ns.start(n)
+        # max 3 joined: the decider closes the round at once
+        wait_for(lambda: len(ns.got) == 3, what="the round closed")
+        ranks = sorted(r.place.group_rank for r in ns.got.values())
+        assert ranks == [0, 1, 2]
+        first = ns.got["a"].members[0]
+        # The first member watches every join now; the others none, the round's deletes
+        for n in "abc":
+            ns.nodes[n].status(ns.got[n])
+        wait_for(lambda: ns.keys(first).joins_all and ns.keys(first).joins.get(1),
+                 what="the first member listing the joins")
+        for n in set("abc") - {first}:
+            keys = ns.keys(n)
+            assert not keys.joins_all and keys.joins == {}, (n, keys.joins)
+        # A member lost (its lease ended): every member sees it, by its join's delete
+        lost = next(n for n in "abc" if n != first)
+        ns.store.revoke_lease(ns.leases[lost])
+        for n in set("abc") - {lost}:
+            st = wait_for(lambda n=n: (s := ns.nodes[n].status(ns.got[n])).kind
+                          is StatusKind.LOST and s, what=f"{n} seeing {lost} lost")
+            assert st.nodes == (lost,)
+    finally:
+        ns.close()
+
+
+def test_a_lost_decider_hands_the_round_over():
+    ns = Nodes(["a", "b", "c"])
+    try:
+        ns.start("a")
+        wait_for(lambda: ns.decider() is not None, what="a claiming round 1")
+        assert '"a"' in ns.decider()
+        ns.start("b")
+        wait_for(lambda: ns.keys("a").joins.get(1, {}).keys() >= {"a", "b"},
+                 what="the decider seeing both joins")
+        assert ns.keys("b").state.status == OPEN and ns.keys("b").joins == {}
+        # a is lost: its lease ends, its join and its claim with it
+        ns.stops["a"].set()
+        ns.views["a"].wake_waiters()
+        ns.store.revoke_lease(ns.leases["a"])
+        wait_for(lambda: '"b"' in (ns.decider() or ""), what="b claiming the round")
+        ns.start("c")                  # max 3 is out of reach now; b closes at min 2 ...
+        wait_for(lambda: ns.keys("b").joins.get(1, {}).keys() == {"b", "c"},
+                 what="b seeing c join")
+        assert "b" not in ns.got       # ... once last_call passes: not yet
+        assert not ns.keys("c").joins_all
+    finally:
+        ns.close()
+
+
+def test_a_node_that_leaves_the_job_gives_up_its_claim():
+    ns = Nodes(["a", "b"])             # max 3: the round stays open
+    try:
+        ns.start("a")
+        wait_for(lambda: ns.decider() is not None, what="a claiming round 1")
+        ns.stops["a"].set()
+        ns.views["a"].wake_waiters()
+        ns.threads["a"].join(5)
+        ns.nodes["a"].close()          # the job ends here: its claim goes, its lease lives
+        wait_for(lambda: ns.decider() is None, what="a giving up its claim")
+        ns.start("b")
+        wait_for(lambda: '"b"' in (ns.decider() or ""), what="b claiming round 1")
+    finally:
+        ns.close()
