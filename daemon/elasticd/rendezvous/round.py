@@ -415,8 +415,10 @@ class ClusterRendezvous:
                     return  # the view has not caught up with our own put yet
                 if self.node_id in keys.joins.get(rnd, {}):
                     return
-            elif held_by == lease_id and keys.gone.get(rnd, {}).get(self.node_id, 0) <= revision:
-                return      # written under the lease we hold, not seen deleted since
+            elif lease is None or (held_by == lease_id and
+                                   keys.gone.get(rnd, {}).get(self.node_id, 0) <= revision):
+                return      # written under the lease we hold, not seen deleted since (or
+                            # no lease now: the keeper is registering again)
         hosted = self.hosted_port()
         join = Join(node_id=self.node_id, address=self._address, nproc=self._nproc,
                     port=hosted or self._port(), prev_rank=self.prev_rank, time=self._clock(),
