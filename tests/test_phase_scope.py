@@ -13,9 +13,11 @@ stops when the job ends there (0).
 No daemon receives the node records' rewrites (``kind="nodes"``: its node watch
 is of deletes only, cluster/membership.py), though every node rewrote its own.
 
-The same for a job's events (``kind="events"``, cluster/eventlog.py) and its rounds (its state, joins, done marks and worker rows under
-/v1/rounds/<job>/, rendezvous/view.py): counted as ``kind="rounds"``, a node may
-have received its own job's changes there and none of the other's.
+The same for a job's events (``kind="events"``, cluster/eventlog.py), its rounds
+(its state, decider, done marks and worker rows under /v1/rounds/<job>/,
+rendezvous/view.py, ``kind="rounds"``) and its joins (/v1/joins/<job>/,
+``kind="joins"``: whole only where a node decides a round or is its first member):
+a node may have received its own job's changes there and none of the other's.
 
 Before the phase records moved (rendezvous/phase_watch.py), each of them reached
 every daemon through its watch of /v1/jobs: n3 received A's as well as B's; so
@@ -65,6 +67,7 @@ PHASE_EVENTS = 'elasticd_store_watch_events_total{kind="phases"}'
 ROUND_EVENTS = 'elasticd_store_watch_events_total{kind="rounds"}'
 JOB_EVENTS = 'elasticd_store_watch_events_total{kind="events"}'
 NODE_EVENTS = 'elasticd_store_watch_events_total{kind="nodes"}'
+JOIN_EVENTS = 'elasticd_store_watch_events_total{kind="joins"}'
 
 
 def changes_since(store, folder: str, since: int, jobs: dict) -> dict:
@@ -102,6 +105,8 @@ def test_a_nodes_watches_get_the_phase_records_of_its_own_job_only(quad):
         got = {node: metric(p, PHASE_EVENTS) for node, p in ports.items()}
         rounds = {node: metric(p, ROUND_EVENTS) for node, p in ports.items()}
         events = {node: metric(p, JOB_EVENTS) for node, p in ports.items()}
+        joins = {node: metric(p, JOIN_EVENTS) for node, p in ports.items()}
+        join_changes = changes_since(store, "joins", since, jobs)
         changes = changes_since(store, "phases", since, jobs)
         round_changes = changes_since(store, "rounds", since, jobs)
         event_changes = changes_since(store, "events", since, jobs)
@@ -125,6 +130,10 @@ def test_a_nodes_watches_get_the_phase_records_of_its_own_job_only(quad):
                 f"{node} runs job {name} only: it may receive that job's "
                 f"{round_changes[name]} changes of its rounds and no other job's; it "
                 f"received {rounds[node]:.0f} (all: {rounds}, per job: {round_changes})")
+            assert joins[node] <= join_changes[name], (
+                f"{node} runs job {name} only: it may receive that job's "
+                f"{join_changes[name]} join changes and no other job's; it received "
+                f"{joins[node]:.0f} (all: {joins}, per job: {join_changes})")
             assert events[node] <= event_changes[name], (
                 f"{node} runs job {name} only: it may receive that job's "
                 f"{event_changes[name]} job events and no other job's; it received "
