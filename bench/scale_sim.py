@@ -107,7 +107,8 @@ class CountingStore:
         # job -> puts, CASes and deletes of its scoped keys (phase records, rounds)
         self.phase_writes: Counter = Counter()
         self.node_puts = 0       # writes of its node key: no watch receives them
-        self.errors = 0          # requests that failed (etcd slow to answer: overload)
+        self.errors = 0          # requests that failed (etcd slow to answer: overload),
+                                 # not those etcd answered no (a key taken, a compare)
         self._lock = threading.Lock()
 
     def _op(self, name: str) -> None:
@@ -120,9 +121,12 @@ class CountingStore:
             return attr
 
         def counted(*args, **kwargs):
+            from elasticd.store import CompareFailed, KeyExists
             self._op(name)
             try:
                 return attr(*args, **kwargs)
+            except (KeyExists, CompareFailed):
+                raise            # an answer (a round's decider claimed by another node)
             except Exception:
                 self.errors += 1
                 raise

@@ -91,6 +91,7 @@ class ClusterRendezvous:
         self._probed: tuple[int, set] = (0, set())   # (round, the nodes said gone in it)
         self._joined: dict[int, tuple] = {}   # round -> (revision, lease id) of our join put
         self._claimed: dict[int, int] = {}    # round -> revision of our claim to decide it
+        self._denied: dict[int, int] = {}     # round -> revision of another's claim, found
         self._master: tuple = (0, None)       # (round, its first member's Join as read)
         self._written = 0                    # revision of our last state write
         self.prev_rank = -1
@@ -436,6 +437,7 @@ class ClusterRendezvous:
                 log.debug("could not delete old join key: %s", exc)
             self._joined.pop(rnd, None)
         self._release_claims(current)
+        self._denied = {r: v for r, v in self._denied.items() if r > current}
 
     # -- who watches the joins, who decides ----------------------------------------
     def _joins_wanted(self, state: RoundState, keys) -> int:
@@ -457,22 +459,32 @@ class ClusterRendezvous:
         """Whether this node decides the open round: it claimed the round first of the
         nodes that joined it (a create of ``decider/<R>`` under its node lease, so a
         lost decider hands over by itself; a node that leaves the job gives it up)."""
-        holder = keys.deciders.get(state.round)
-        mine = self._claimed.get(state.round)
+        rnd = state.round
+        holder = keys.deciders.get(rnd)
+        mine = self._claimed.get(rnd)
         if holder is None and mine is not None and self._view.caught_up(self.job_id, mine):
-            self._claimed.pop(state.round)     # our claim went (our lease lapsed): again
+            self._claimed.pop(rnd)     # our claim went (our lease lapsed): again
             mine = None
+        if holder is None and rnd in self._denied:
+            if not self._view.caught_up(self.job_id, self._denied[rnd]):
+                return False    # another node's claim, not in our view yet: no new try
+            del self._denied[rnd]   # it went since (its node lost, or it left the job)
         if holder is None and mine is None:
-            key = self._key("decider", state.round)
+            key = self._key("decider", rnd)
             body = json.dumps({"node": self.node_id})
             try:
                 mine = self._store.create(key, self._records.seal(Kind.DECIDER, key, body),
                                           lease=self._lease())
             except KeyExists:
-                return False        # another node's: the view shows it soon
-            self._claimed[state.round] = mine
+                # Another node's (a failed create costs etcd a write: try again only once
+                # the view has shown it and then its delete).
+                held = self._store.get(key)
+                if held is not None:
+                    self._denied[rnd] = held.revision
+                return False
+            self._claimed[rnd] = mine
             self._written = max(self._written, mine)
-            log.info("%s: this node decides round %d", self._where(state.round), state.round)
+            log.info("%s: this node decides round %d", self._where(rnd), rnd)
         return holder == self.node_id or (holder is None and mine is not None)
 
     def _release_claims(self, upto: int | None) -> None:
