@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 import time
 
+from etcd_cluster import wait_for
 from elasticd.rendezvous.protocol import OPEN, JobLimits
 from elasticd.rendezvous.round import ClusterRendezvous, RendezvousStopped, create_job
 from elasticd.rendezvous.status import StatusKind
@@ -22,16 +23,6 @@ from elasticd.trust.sealed import PLAIN
 
 LIMITS = JobLimits(min_nodes=2, max_nodes=3, max_restarts=5, last_call=60.0,
                    join_timeout=600.0)
-
-
-def wait_for(pred, timeout=20.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.02)
-    raise AssertionError(f"{what} not met in time")
 
 
 class Nodes:
@@ -83,7 +74,7 @@ def test_one_node_claims_the_round_and_only_its_view_holds_the_joins():
         for n in "abc":
             ns.start(n)
         # max 3 joined: the decider closes the round at once
-        wait_for(lambda: len(ns.got) == 3, what="the round closed")
+        wait_for(lambda: len(ns.got) == 3, 20, what="the round closed")
         ranks = sorted(r.place.group_rank for r in ns.got.values())
         assert ranks == [0, 1, 2]
         first = ns.got["a"].members[0]
@@ -91,7 +82,7 @@ def test_one_node_claims_the_round_and_only_its_view_holds_the_joins():
         for n in "abc":
             ns.nodes[n].status(ns.got[n])
         wait_for(lambda: ns.keys(first).joins_all and ns.keys(first).joins.get(1),
-                 what="the first member listing the joins")
+                 20, what="the first member listing the joins")
         for n in set("abc") - {first}:
             keys = ns.keys(n)
             assert not keys.joins_all and keys.joins == {}, (n, keys.joins)
@@ -100,7 +91,7 @@ def test_one_node_claims_the_round_and_only_its_view_holds_the_joins():
         ns.store.revoke_lease(ns.leases[lost])
         for n in set("abc") - {lost}:
             st = wait_for(lambda n=n: (s := ns.nodes[n].status(ns.got[n])).kind
-                          is StatusKind.LOST and s, what=f"{n} seeing {lost} lost")
+                          is StatusKind.LOST and s, 20, what=f"{n} seeing {lost} lost")
             assert st.nodes == (lost,)
     finally:
         ns.close()
@@ -110,20 +101,20 @@ def test_a_lost_decider_hands_the_round_over():
     ns = Nodes(["a", "b", "c"])
     try:
         ns.start("a")
-        wait_for(lambda: ns.decider() is not None, what="a claiming round 1")
+        wait_for(lambda: ns.decider() is not None, 20, what="a claiming round 1")
         assert '"a"' in ns.decider()
         ns.start("b")
         wait_for(lambda: ns.keys("a").joins.get(1, {}).keys() >= {"a", "b"},
-                 what="the decider seeing both joins")
+                 20, what="the decider seeing both joins")
         assert ns.keys("b").state.status == OPEN and ns.keys("b").joins == {}
         # a is lost: its lease ends, its join and its claim with it
         ns.stops["a"].set()
         ns.views["a"].wake_waiters()
         ns.store.revoke_lease(ns.leases["a"])
-        wait_for(lambda: '"b"' in (ns.decider() or ""), what="b claiming the round")
+        wait_for(lambda: '"b"' in (ns.decider() or ""), 20, what="b claiming the round")
         ns.start("c")                  # max 3 is out of reach now; b closes at min 2 ...
         wait_for(lambda: ns.keys("b").joins.get(1, {}).keys() == {"b", "c"},
-                 what="b seeing c join")
+                 20, what="b seeing c join")
         assert "b" not in ns.got       # ... once last_call passes: not yet
         assert not ns.keys("c").joins_all
     finally:
@@ -134,13 +125,13 @@ def test_a_node_that_leaves_the_job_gives_up_its_claim():
     ns = Nodes(["a", "b"])             # max 3: the round stays open
     try:
         ns.start("a")
-        wait_for(lambda: ns.decider() is not None, what="a claiming round 1")
+        wait_for(lambda: ns.decider() is not None, 20, what="a claiming round 1")
         ns.stops["a"].set()
         ns.views["a"].wake_waiters()
         ns.threads["a"].join(5)
         ns.nodes["a"].close()          # the job ends here: its claim goes, its lease lives
-        wait_for(lambda: ns.decider() is None, what="a giving up its claim")
+        wait_for(lambda: ns.decider() is None, 20, what="a giving up its claim")
         ns.start("b")
-        wait_for(lambda: '"b"' in (ns.decider() or ""), what="b claiming round 1")
+        wait_for(lambda: '"b"' in (ns.decider() or ""), 20, what="b claiming round 1")
     finally:
         ns.close()

@@ -119,6 +119,17 @@ class CountingChecks(Etcd3Store):
         return super()._call(path, body, *args, **kwargs)
 
 
+def _quiet_followers(store, name: str, n: int) -> list:
+    """``n`` followers of prefixes nobody writes, started and synced."""
+    followers = [Follower(store, f"/{name}/p{i}", f"{name}-{i}", 0.1, lambda kvs, rev: None,
+                          lambda ev: None) for i in range(n)]
+    for f in followers:
+        f.start()
+    for f in followers:
+        assert f.synced.wait(10)
+    return followers
+
+
 @pytest.mark.parametrize("transport", ["grpc", "gateway"])
 def test_quiet_watches_of_one_store_share_one_liveness_check(etcd, transport):
     """Eight quiet watches (a daemon running two jobs keeps about that many: nodes, drain
@@ -127,13 +138,8 @@ def test_quiet_watches_of_one_store_share_one_liveness_check(etcd, transport):
     every watch of the store."""
     store = CountingChecks(etcd.endpoints, timeout=TIMEOUT, watch_transport=transport,
                            watch_liveness=0.3)
-    followers = [Follower(store, f"/quiet/p{i}", f"quiet-{i}", 0.1, lambda kvs, rev: None,
-                          lambda ev: None) for i in range(8)]
+    followers = _quiet_followers(store, "quiet", 8)
     try:
-        for f in followers:
-            f.start()
-        for f in followers:
-            assert f.synced.wait(10)
         time.sleep(2.0)      # about six periods: eight watches alone would make ~48 checks
         assert 1 <= store.checks <= 10, store.checks
     finally:
@@ -152,13 +158,8 @@ def test_a_store_whose_lease_etcd_keeps_refreshing_asks_no_liveness_check(etcd,
     store = CountingChecks(etcd.endpoints, timeout=TIMEOUT, watch_transport="grpc",
                            lease_transport=lease_transport, watch_liveness=0.3)
     lease = store.grant_lease(10)
-    followers = [Follower(store, f"/leased/p{i}", f"leased-{i}", 0.1, lambda kvs, rev: None,
-                          lambda ev: None) for i in range(4)]
+    followers = _quiet_followers(store, "leased", 4)
     try:
-        for f in followers:
-            f.start()
-        for f in followers:
-            assert f.synced.wait(10)
         for _ in range(20):      # 2 s, about six periods, a refresh every 0.1 s
             store.refresh_lease(lease)
             time.sleep(0.1)
