@@ -283,11 +283,19 @@ class SimNode:
 
 # ---------------------------------------------------------------- a worker process
 
+LOG_TO = ""     # --log: set before the worker processes fork
+
 def worker(conn, node_ids: list, url: str, prefix: str, key: bytes, overrides: dict) -> None:
     """Runs ``node_ids`` and answers the parent's commands on ``conn`` until 'stop'."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     import logging
     logging.basicConfig(level=logging.ERROR)
+    if LOG_TO:   # --log: the rendezvous' own lines (why each round opened and closed)
+        handler = logging.FileHandler(LOG_TO)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(process)d %(message)s"))
+        rdzv = logging.getLogger("elasticd.rendezvous")
+        rdzv.setLevel(logging.INFO)
+        rdzv.addHandler(handler)
     from elasticd.trust.sealed import SealedRecords
     cfg = sim_config(overrides)
     records = SealedRecords(key, prefix)
@@ -654,7 +662,12 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="N = 10, 2 s windows: well under a "
                                                          "minute")
     ap.add_argument("--json", help="write the measurements here too")
+    ap.add_argument("--log", metavar="FILE", default="",
+                    help="append the simulated nodes' rendezvous log lines (INFO: why each "
+                         "round opened and closed) to FILE")
     args = ap.parse_args(argv)
+    global LOG_TO
+    LOG_TO = args.log
     args.nodes = args.nodes or ("10" if args.quick else "20,50,100")
     args.seconds = args.seconds or (2.0 if args.quick else 10.0)
     if etcd_binary() is None:
