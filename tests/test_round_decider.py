@@ -135,3 +135,23 @@ def test_a_node_that_leaves_the_job_gives_up_its_claim():
         wait_for(lambda: '"b"' in (ns.decider() or ""), 20, what="b claiming round 1")
     finally:
         ns.close()
+
+
+def test_every_member_lists_the_spare_though_only_the_first_watches_the_joins():
+    """`elasticctl nodes` names a job's spares from its closed round's joins: a member that
+    watches only the joins' deletes reads them when asked (ci88: a spare went unlisted on
+    a node that was not the round's first member)."""
+    from elasticd.control.remote_jobs import spare_roles
+    ns = Nodes(["a", "b", "c"], JobLimits(min_nodes=2, max_nodes=2, max_restarts=5,
+                                          last_call=0.0, join_timeout=600.0))
+    try:
+        ns.start("a")
+        ns.start("b")
+        wait_for(lambda: len(ns.got) == 2, 20, what="round 1 closed with a and b")
+        ns.start("c")                  # at max nodes: c stands by as a spare
+        wait_for(lambda: ns.nodes["c"].standing_by == 1, 20, what="c standing by")
+        for n in "ab":
+            ns.nodes[n].status(ns.got[n])
+            assert spare_roles(ns.views[n]) == {"c": ["j1"]}, n
+    finally:
+        ns.close()

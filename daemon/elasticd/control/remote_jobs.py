@@ -90,13 +90,13 @@ def spares_of(keys: JobKeys) -> list[str]:
 
 def spare_roles(view) -> dict[str, list[str]]:
     """{node: [jobs it stands by for]} over every job in ``view`` (rendezvous/view.py):
-    a closed round's from its joins, read from its rounds where this node does not
-    follow them."""
+    a closed round's from its joins, read from its rounds and joins where this node does
+    not follow them or does not watch every join (it is not the round's first member)."""
     roles: dict[str, list[str]] = {}
     for job_id in view.job_ids():
         keys = view.job(job_id)
         if keys is not None and keys.state is not None and keys.state.status == CLOSED \
-                and not keys.detailed:
+                and not (keys.detailed and keys.joins_all):
             keys = view.job(job_id, fresh=True)
         for node in spares_of(keys) if keys is not None else ():
             roles.setdefault(node, []).append(job_id)

@@ -225,6 +225,8 @@ class ClusterRendezvous:
         """The job's other nodes, as the view last saw them: its round's members, the
         nodes the round waits for and those that joined it."""
         keys = self._view.job(self.job_id)
+        if keys is not None and not keys.joins_all:   # its joins read now (a quarantined
+            keys = self._view.job(self.job_id, fresh=True)   # node asks, before a round)
         state = keys.state if keys else None
         if state is None:
             return frozenset()
