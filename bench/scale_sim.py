@@ -109,6 +109,8 @@ class CountingStore:
         self.node_puts = 0       # writes of its node key: no watch receives them
         self.errors = 0          # requests that failed (etcd slow to answer: overload),
                                  # not those etcd answered no (a key taken, a compare)
+        from elasticd.store import CompareFailed, KeyExists
+        self._answers = (KeyExists, CompareFailed)
         self._lock = threading.Lock()
 
     def _op(self, name: str) -> None:
@@ -121,11 +123,10 @@ class CountingStore:
             return attr
 
         def counted(*args, **kwargs):
-            from elasticd.store import CompareFailed, KeyExists
             self._op(name)
             try:
                 return attr(*args, **kwargs)
-            except (KeyExists, CompareFailed):
+            except self._answers:
                 raise            # an answer (a round's decider claimed by another node)
             except Exception:
                 self.errors += 1

@@ -95,9 +95,8 @@ def spare_roles(view) -> dict[str, list[str]]:
     roles: dict[str, list[str]] = {}
     for job_id in view.job_ids():
         keys = view.job(job_id)
-        if keys is not None and keys.state is not None and keys.state.status == CLOSED \
-                and not (keys.detailed and keys.joins_all):
-            keys = view.job(job_id, fresh=True)
+        if keys is not None and keys.state is not None and keys.state.status == CLOSED:
+            keys = view.job(job_id, fresh=True)   # no I/O where every join is watched
         for node in spares_of(keys) if keys is not None else ():
             roles.setdefault(node, []).append(job_id)
     return roles

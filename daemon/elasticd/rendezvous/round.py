@@ -224,9 +224,9 @@ class ClusterRendezvous:
     def peers(self) -> frozenset:
         """The job's other nodes, as the view last saw them: its round's members, the
         nodes the round waits for and those that joined it."""
-        keys = self._view.job(self.job_id)
-        if keys is not None and not keys.joins_all:   # its joins read now (a quarantined
-            keys = self._view.job(self.job_id, fresh=True)   # node asks, before a round)
+        # Fresh: the joins are read now where this node watches their deletes only (a
+        # quarantined node asks, before a round; no I/O where it watches them all).
+        keys = self._view.job(self.job_id, fresh=True)
         state = keys.state if keys else None
         if state is None:
             return frozenset()

@@ -89,6 +89,19 @@ _OLD_ROUNDS = frozenset({("join", 4)})
 _OLD = frozenset({("join", 4), ("done", 4), ("workers", 3), ("phases", 3)})
 
 
+def _is_round(text: str) -> bool:
+    """A round number as a key names it: decimal digits, bounded."""
+    return text.isascii() and text.isdigit() and len(text) <= 15
+
+
+def _join_named(doc: dict, node: str) -> Join:
+    """The join a record's body holds, if it names the node its key names (Refused if not)."""
+    join = typed(Join.from_doc, doc)
+    if join.node_id != node:
+        raise Refused(Reason.INVALID, "the join names another node than its key")
+    return join
+
+
 def _parts(prefix: str, key: str) -> list:
     """The key's names below ``prefix``: [job, kind, ...]; [] if not below it."""
     return key[len(prefix) + 1:].split("/") if key.startswith(prefix + "/") else []
@@ -442,12 +455,9 @@ class JobsView:
         parts = _parts(self.joins_root, key)
         with refusing(self.refusals, Kind.JOIN, key):
             if len(parts) != 4 or (parts[1], len(parts)) not in _JOIN_KINDS \
-                    or not is_ident(parts[3]):
+                    or not _is_round(parts[2]) or not is_ident(parts[3]):
                 raise Refused(Reason.BAD_KEY, "no daemon writes such a key")
-            join = typed(Join.from_doc, self.records.open(Kind.JOIN, key, value).doc)
-            if join.node_id != parts[3]:
-                raise Refused(Reason.INVALID, "the join names another node than its key")
-            return join
+            return _join_named(self.records.open(Kind.JOIN, key, value).doc, parts[3])
         return None
 
     def joins_caught_up(self, job_id: str, revision: int = 0) -> bool:
@@ -578,10 +588,10 @@ class JobsView:
             # that is no job id with the same words as a submission (and reports it).
             named = is_ident(parts[0]) if kind is not Kind.SPEC else \
                 0 < len(parts[0]) <= 253 and parts[0].isprintable()
+            rnd = parts[2] if len(parts) == 4 or kind is Kind.DECIDER else None
             if kind is Kind.KEY or not named or (
                     len(parts) >= 3 and not is_ident(parts[-1])) or (
-                    len(parts) == 4 and not (parts[2].isascii() and parts[2].isdigit()
-                                             and len(parts[2]) <= 15)):
+                    rnd is not None and not _is_round(rnd)):
                 if value is not None:
                     raise Refused(Reason.BAD_KEY, "no daemon writes such a key")
                 return
@@ -605,8 +615,7 @@ class JobsView:
         elif kind is Kind.STATE:
             keys.state, keys.state_revision = None, 0
         elif kind is Kind.DECIDER:
-            if parts[2].isascii() and parts[2].isdigit():
-                keys.deciders.pop(int(parts[2]), None)
+            keys.deciders.pop(int(parts[2]), None)
         elif kind in (Kind.JOIN, Kind.DONE):
             table = keys.joins if kind is Kind.JOIN else keys.done
             rnd = int(parts[2])
@@ -638,9 +647,8 @@ class JobsView:
             # Claimed by one node, deleted, claimed by another: writers' counts of other
             # nodes do not order (clocks differ), so no claim is refused as older.
             claim = self.records.open(kind, key, value).doc.get("node")
-            if not (parts[2].isascii() and parts[2].isdigit() and len(parts[2]) <= 15) \
-                    or not is_ident(claim):
-                raise Refused(Reason.INVALID, "a decider's claim names no round or no node")
+            if not is_ident(claim):
+                raise Refused(Reason.INVALID, "a decider's claim names no node")
             keys.deciders[int(parts[2])] = claim
             return True
         seqs = space.marks_of(job_id).seqs
@@ -650,10 +658,7 @@ class JobsView:
             return True        # the record the view holds, listed again
         node = parts[-1]
         if kind is Kind.JOIN:
-            join = typed(Join.from_doc, opened.doc)
-            if join.node_id != node:
-                raise Refused(Reason.INVALID, "the join names another node than its key")
-            keys.joins.setdefault(int(parts[2]), {})[node] = join
+            keys.joins.setdefault(int(parts[2]), {})[node] = _join_named(opened.doc, node)
         elif kind is Kind.DONE:
             keys.done.setdefault(int(parts[2]), set()).add(node)
         else:

@@ -387,8 +387,7 @@ class Etcd3Store(Store):
         with self._alive_lock:     # held over the call: the others take its answer
             if time.monotonic() - self._alive_at <= self.watch_liveness:
                 return self._alive_at
-            self._call("/maintenance/status", {})
-            self._alive_at = time.monotonic()
+            self._call("/maintenance/status", {})     # an answer sets _alive_at
             return self._alive_at
 
     def _open_watch(self, prefix: str, after: int, deletes_only: bool = False):
