@@ -83,6 +83,19 @@ def test_probes_off_or_a_port_that_is_no_port_say_nothing():
     assert DaemonProbe(lambda node: 7, timeout=1).gone("n", "") is False
 
 
+def test_a_port_unknown_at_the_first_ask_is_looked_up_again():
+    # ci90: a decider whose read of the peer's record failed once (etcd busy) kept "no
+    # port" for the whole round and waited out the peer's lease. Unknown is not an answer.
+    ports = iter([0, None, _closed_port()])
+    probe = DaemonProbe(lambda node: next(ports), timeout=2.0)
+    try:
+        assert probe.gone("dead", "127.0.0.1") is False and not probe.pending()
+        assert probe.gone("dead", "127.0.0.1") is False and not probe.pending()
+        assert _answer(probe, "dead", "127.0.0.1") is True
+    finally:
+        probe.forget()
+
+
 def test_the_replication_listener_takes_a_probe_quietly(server):  # noqa: F811
     pusher, plan, _, _ = server
     probe = DaemonProbe(lambda node: plan.port, timeout=2.0)

@@ -78,7 +78,14 @@ def _n3_killed(make_cluster, name: str, *settings: str) -> tuple[Cluster, str, s
     job = _training(c, name, "2:3", steps=100000)
     c.remember_children()
     c["n3"].kill()
-    return c, job, wait_for(lambda: _closed_line(c, 2), 60, "round 2 to close", interval=0.2)
+    try:
+        return c, job, wait_for(lambda: _closed_line(c, 2), 60, "round 2 to close",
+                                interval=0.2)
+    except AssertionError as exc:   # ci90 timed out once with nothing to read: say more
+        said = "\n".join(f"{n}: {line}" for n in ("n1", "n2")
+                         for line in c[n].log().splitlines()
+                         if "round 2" in line or "node n3" in line or "decides" in line)
+        raise AssertionError(f"{exc}; what n1 and n2 said of round 2:\n{said}") from None
 
 
 @pytest.mark.slow

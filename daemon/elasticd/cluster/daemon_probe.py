@@ -60,8 +60,12 @@ class DaemonProbe:
                 port = int(self._port_of(node_id) or 0)
             except (TypeError, ValueError):
                 port = 0
-            probe = self._probes[key] = self._start(address, port) if 0 < port < 65536 \
-                else _Probe(None, self._clock(), False)
+            if not 0 < port < 65536:
+                # No port known yet (no record held and etcd did not answer its read,
+                # or none published): no answer, and none kept; the next ask looks
+                # again (the record's reader bounds how often it asks etcd).
+                return False
+            probe = self._probes[key] = self._start(address, port)
         if probe.gone is None:
             self._look(probe)
         return bool(probe.gone)
