@@ -107,6 +107,7 @@ class CountingStore:
         # job -> puts, CASes and deletes of its scoped keys (phase records, rounds)
         self.phase_writes: Counter = Counter()
         self.node_puts = 0       # writes of its node key: no watch receives them
+        self.row_puts = 0        # writes of its worker rows (/v1/workers/: no watch there)
         self.errors = 0          # requests that failed (etcd slow to answer: overload),
                                  # not those etcd answered no (a key taken, a compare)
         from elasticd.store import CompareFailed, KeyExists
@@ -137,6 +138,9 @@ class CountingStore:
         if key.startswith(("/v1/phases/", "/v1/rounds/")):
             with self._lock:
                 self.phase_writes[key.split("/")[3]] += 1
+        elif key.startswith("/v1/workers/"):
+            with self._lock:
+                self.row_puts += 1
         elif put and key.startswith("/v1/nodes/"):
             with self._lock:
                 self.node_puts += 1
@@ -162,6 +166,7 @@ class CountingStore:
         for ev in self.inner.watch(prefix, start_revision, stop_event, timeout, deletes_only):
             kind = "nodes" if ev.key.startswith("/v1/nodes/") else \
                 "phases" if "/phases/" in ev.key else \
+                "workers" if "/workers/" in ev.key else \
                 "rounds" if ev.key.startswith("/v1/rounds/") else "jobs"
             with self._lock:
                 self.delivered[kind] += 1
@@ -243,6 +248,23 @@ class SimNode:
                 return
         self.done_at = time.time()
 
+    def publish_rows(self) -> None:
+        """This node's worker rows and recovery summary, as the agent publishes them
+        after each start of its workers (agent/loop.py)."""
+        from elasticd.jobs.records import WorkerRow, WorkerState
+        from elasticd.jobs.summary import RecoverySummary
+        base = self.result.place.group_rank * RANKS
+        rows = [WorkerRow(rank=base + i, local_rank=i, pid=10_000 + i,
+                          state=WorkerState.RUNNING, exit_code=0, node_id=self.node_id)
+                for i in range(RANKS)]
+        from elasticd.store import StoreError
+        try:
+            self.rdzv.publish_workers(rows, RecoverySummary(
+                restarts_by_layer={"process": 0}, restart_budget={}, last_failure=None,
+                attempts=()))
+        except StoreError:   # as the agent's _try: logged there, the job goes on
+            self.store.errors += 1
+
     def publish(self) -> None:
         """Start publishing at a random point of one refresh interval: real nodes' jobs
         do not all start on the same tick, and bursts would fool a short window."""
@@ -277,7 +299,7 @@ class SimNode:
                     "errors": self.store.errors, "revision": self.view.revision,
                     "lapsed": self.keeper.reregistrations,
                     "phase_writes": dict(self.store.phase_writes),
-                    "node_puts": self.store.node_puts,
+                    "node_puts": self.store.node_puts, "row_puts": self.store.row_puts,
                     "follows": sorted(set(self.phases.following())
                                       | set(self.view.following()))}
 
@@ -354,6 +376,10 @@ def worker(conn, node_ids: list, url: str, prefix: str, key: bytes, overrides: d
                      node.result.place.group_world_size) for node in nodes]
         if cmd == "holds":          # whether every node's view holds the jobs ``arg``
             return all(node.view.job(j) is not None for node in nodes for j in arg)
+        if cmd == "rows":
+            for node in nodes:
+                node.publish_rows()
+            return True
         if cmd == "publish":
             for node in nodes:
                 node.publish()
@@ -453,7 +479,7 @@ class Sim:
     def counters(self, which=None) -> dict:
         total = {"ops": Counter(), "delivered": Counter(), "revisions": [], "errors": 0,
                  "phase_writes": Counter(), "followers": Counter(), "lapsed": 0,
-                 "node_puts": 0}
+                 "node_puts": 0, "row_puts": 0}
         for got in self.ask("counters", which=which):
             for node in got["nodes"]:
                 total["ops"].update(node["ops"])
@@ -464,6 +490,7 @@ class Sim:
                 total["errors"] += node["errors"]
                 total["lapsed"] += node["lapsed"]
                 total["node_puts"] += node["node_puts"]
+                total["row_puts"] += node.get("row_puts", 0)
         return total
 
     def threads(self) -> int:
@@ -499,7 +526,8 @@ class Sim:
                          if k in ("put", "create", "compare_and_swap", "delete"))
         phase_writes = {j: (c1["phase_writes"][j] - c0["phase_writes"].get(j, 0)) / span
                         for j in c1["phase_writes"]}
-        node_puts = (c1["node_puts"] - c0["node_puts"]) / span
+        node_puts = (c1["node_puts"] - c0["node_puts"] + c1["row_puts"] - c0["row_puts"]) \
+            / span      # neither is watched
         delivered = sum(got.values())
         # Every watcher gets every write of the job list and every delete of a node key
         # (no node's puts: the node watch is of deletes only); a phase record or a write
@@ -612,6 +640,13 @@ def run_n(etcd: EtcdServer, n: int, procs: int, seconds: float, overrides: dict,
             after = sim.counters()["delivered"]
             out["jobs_deliveries"] = sum(after.get(k, 0) - before.get(k, 0)
                                          for k in ("jobs", "rounds")) / n
+        # Every node publishes its worker rows once, as its agent does after a start:
+        # what they cost the nodes' watches (each row reached every node of the job
+        # while the rows lay under the job's rounds).
+        before = sim.counters()["delivered"].get("workers", 0)
+        sim.ask("rows")
+        time.sleep(2.0)
+        out["row_deliveries"] = (sim.counters()["delivered"].get("workers", 0) - before) / n
         sim.ask("publish")
         a = sim_config(overrides).agent
         time.sleep(a.phase_refresh_interval + 1.0)   # every publisher started, settled
@@ -708,6 +743,8 @@ def main(argv=None) -> int:
                      f"{r['jobs_rdzv']:.3f} s ({'ok' if r['jobs_ok'] else 'WRONG RANKS'}, "
                      f"{r['jobs_deliveries']:.0f} job-key deliveries per node); "
                      if 'jobs_rdzv' in r else "")
+                  + f"worker rows published by every node: {r['row_deliveries']:.1f} row "
+                    f"deliveries per node; "
                   + f"loss of {max(1, n // 10)} seen: median {fmt(r['loss_median'])}, "
                   f"last {fmt(r['loss_last'])}; survivors' leases lapsed and taken again: "
                   f"{r['lapsed']}", flush=True)

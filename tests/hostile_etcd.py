@@ -261,9 +261,12 @@ def hostile_keys(rng: random.Random, job_id: str, rnd: int) -> list[str]:
                  f"/v1/rounds/{job}/decider/{r}", f"/v1/rounds/{job}/decider/notanint",
                  f"/v1/joins/{job}/round/{r}/{node}", f"/v1/joins/{job}/round/notanint/{node}",
                  f"/v1/joins/{job}/{r}/{node}",
+                 f"/v1/workers/{job}/rows/{node}", f"/v1/workers/{job}/{node}",
+                 f"/v1/workers/{job}/rows/{node}/x",
                  f"/v1/rounds/{job}/" + "k" * rng.choice((10, 3000))]
     keys += [f"/v1/nodes/{node}", f"/v1/drain/{node}", "/v1/jobs/", f"/v1/jobs/{other}",
              "/v1/rounds/", f"/v1/rounds/{job_id}", "/v1/joins/", f"/v1/joins/{job_id}",
+             "/v1/workers/", f"/v1/workers/{job_id}",
              f"/v1/jobs/{other}/" + "k" * rng.choice((10, 3000)), "/v1/nodes/",
              f"/v1/events/{other}", f"/v1/drain/{node}/deeper"]
     return keys

@@ -134,7 +134,7 @@ def _fuzz(pair: TrainingPair, count: int, seed: int) -> dict:
     a = pair.attacker
     genuine = [kv for kv in (a.get(k) for k in (
         f"/v1/rounds/{job}/state", f"/v1/joins/{job}/round/{rnd}/n1",
-        f"/v1/joins/{job}/round/{rnd}/n2", f"/v1/rounds/{job}/workers/n1")) if kv]
+        f"/v1/joins/{job}/round/{rnd}/n2", f"/v1/workers/{job}/rows/n1")) if kv]
     genuine += [a.get(f"/v1/jobs/{job}/state")]
     genuine += [a.get(f"/v1/phases/{job}/n2")]
     genuine += [a.get("/v1/nodes/n1"), a.get("/v1/nodes/n2")]

@@ -14,10 +14,12 @@ No daemon receives the node records' rewrites (``kind="nodes"``: its node watch
 is of deletes only, cluster/membership.py), though every node rewrote its own.
 
 The same for a job's events (``kind="events"``, cluster/eventlog.py), its rounds
-(its state, decider, done marks and worker rows under /v1/rounds/<job>/,
+(its state, decider and done marks under /v1/rounds/<job>/,
 rendezvous/view.py, ``kind="rounds"``) and its joins (/v1/joins/<job>/,
 ``kind="joins"``: whole only where a node decides a round or is its first member):
 a node may have received its own job's changes there and none of the other's.
+The nodes' worker rows (/v1/workers/<job>/, ``kind="workers"``) reach no node at
+all, though each node rewrote its own: status lists them when asked.
 
 Before the phase records moved (rendezvous/phase_watch.py), each of them reached
 every daemon through its watch of /v1/jobs: n3 received A's as well as B's; so
@@ -68,6 +70,7 @@ ROUND_EVENTS = 'elasticd_store_watch_events_total{kind="rounds"}'
 JOB_EVENTS = 'elasticd_store_watch_events_total{kind="events"}'
 NODE_EVENTS = 'elasticd_store_watch_events_total{kind="nodes"}'
 JOIN_EVENTS = 'elasticd_store_watch_events_total{kind="joins"}'
+ROW_EVENTS = 'elasticd_store_watch_events_total{kind="workers"}'
 
 
 def changes_since(store, folder: str, since: int, jobs: dict) -> dict:
@@ -106,6 +109,8 @@ def test_a_nodes_watches_get_the_phase_records_of_its_own_job_only(quad):
         rounds = {node: metric(p, ROUND_EVENTS) for node, p in ports.items()}
         events = {node: metric(p, JOB_EVENTS) for node, p in ports.items()}
         joins = {node: metric(p, JOIN_EVENTS) for node, p in ports.items()}
+        rows = {node: metric(p, ROW_EVENTS) for node, p in ports.items()}
+        row_changes = changes_since(store, "workers", since, jobs)
         join_changes = changes_since(store, "joins", since, jobs)
         changes = changes_since(store, "phases", since, jobs)
         round_changes = changes_since(store, "rounds", since, jobs)
@@ -120,6 +125,10 @@ def test_a_nodes_watches_get_the_phase_records_of_its_own_job_only(quad):
     assert node_records == {node: 0 for node in ports}, (node_records, len(node_changes))
     assert all(n >= 4 for n in changes.values()), changes
     assert all(n >= 4 for n in round_changes.values()), round_changes
+    # Both nodes of each job published their rows (as they started and as they
+    # stopped); no node received one.
+    assert all(n >= 2 for n in row_changes.values()), row_changes
+    assert rows == {node: 0 for node in ports}, (rows, row_changes)
     for name, nodes in JOBS.items():
         for node in nodes:
             assert 2 <= got[node] <= changes[name], (

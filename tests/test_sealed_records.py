@@ -319,15 +319,35 @@ def test_a_relist_keeps_verified_values_and_drops_deleted_keys(cl):
     key = "/v1/rounds/j1/state"
     cl.put(Kind.STATE, key, state(2))
     cl.put(Kind.JOIN, "/v1/joins/j1/round/2/n1", JOIN.to_json())
-    cl.put(Kind.WORKERS, "/v1/rounds/j1/workers/n1", json.dumps({"rows": [], "summary": {}}))
+    cl.put(Kind.DONE, "/v1/rounds/j1/done/2/n1", "{}")
     kvs, rev = cl.store.list("/v1/rounds/j1")
     garbage = [kv._replace(value="[" * 50000) if kv.key == key else kv for kv in kvs
-               if "/workers/" not in kv.key]
+               if "/done/" not in kv.key]
     # as j1's rounds watch calls it after a fresh list
     cl.view._reset_job(cl.view._followed.get("j1"), "j1", garbage, rev)
     keys = cl.view.job("j1")
-    assert keys.state.round == 2 and keys.joins[2]["n1"] == JOIN and keys.workers == {}
+    assert keys.state.round == 2 and keys.joins[2]["n1"] == JOIN and keys.done == {}
     assert cl.refusals.counts.get(("join", "replayed"), 0) == 0   # listed again: the same
+
+
+def test_worker_rows_are_read_when_asked_for_and_an_older_one_put_back_is_refused(cl):
+    """No node watches the rows (/v1/workers/<job>/rows/<node>): the view holds none, and
+    ``job(id, rows=True)`` lists them, refusing a row older than one it read before."""
+    key = "/v1/workers/j1/rows/n1"
+    cl.put(Kind.STATE, "/v1/rounds/j1/state", state(1))
+    row = {"rank": 0, "local_rank": 0, "pid": 7, "state": "running", "exit_code": 0}
+    first = cl.records.seal(Kind.WORKERS, key, json.dumps({"rows": [row], "summary": {}}))
+    cl.raw(key, first)
+    assert cl.view.job("j1").workers == {}          # not watched
+    assert [w.pid for w in cl.view.job("j1", rows=True).workers["n1"]] == [7]
+    cl.put(Kind.WORKERS, key, json.dumps({"rows": [{**row, "pid": 8}], "summary": {}}))
+    assert [w.pid for w in cl.view.job("j1", rows=True).workers["n1"]] == [8]
+    cl.raw(key, first)                               # the older rows put back
+    assert "n1" not in cl.view.job("j1", rows=True).workers
+    assert cl.refusals.counts[("workers", "replayed")] == 1
+    cl.raw("/v1/workers/j1/rows/n2", "[" * 50000)     # garbage: refused, n1's kept
+    cl.put(Kind.WORKERS, key, json.dumps({"rows": [{**row, "pid": 9}], "summary": {}}))
+    assert set(cl.view.job("j1", rows=True).workers) == {"n1"}
 
 
 # ---------------------------------------------------------------- the follower

@@ -5,8 +5,8 @@ it. Any other node still answers ``status``, ``wait`` and ``events`` for it
 from the job's keys in the ``JobsView`` (see rendezvous/protocol.py): the
 spec (what, whose, submitted where), the round state (round, restarts,
 open/closed/final and why) and the worker rows each running node publishes
-(its rounds, which such a node does not watch: read when asked,
-``JobsView.job(id, fresh=True)``).
+(which no node watches: read when asked, ``JobsView.job(id, fresh=True,
+rows=True)``, as the rounds of a job this node does not run).
 Each running node also publishes a summary of its recovery (restarts per
 layer, the budgets, its last failure with a traceback excerpt, its latest
 ladder attempts: ``JobRecord.recovery_summary``), which ``recovery_of``

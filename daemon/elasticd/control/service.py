@@ -212,14 +212,14 @@ class ControlServicer(pb_grpc.ControlServicer):
         if found is None or (found[0] != key and self._owner(found[0]) != caller.uid
                              and not caller.is_root):
             return None  # another user's name: as if nobody had it
-        keys = self._view.job(found[0], fresh=True) or found[1]   # its rows, its joins
+        keys = self._view.job(found[0], fresh=True, rows=True) or found[1]
         return clusterjobs.record_from_keys(keys, time.time())
 
     def _refresh(self, job: JobRecord, here: bool) -> JobRecord:
         """The job's record now: from the registry, or from the cluster's keys."""
         if here:
             return self._registry.get(job.id)
-        keys = self._view.job(job.id, fresh=True)
+        keys = self._view.job(job.id, fresh=True, rows=True)
         return (clusterjobs.record_from_keys(keys, time.time()) if keys else None) or job
 
     def _wait_until(self, job: JobRecord, here: bool, done, timeout: float | None, gone=None):
@@ -246,8 +246,10 @@ class ControlServicer(pb_grpc.ControlServicer):
         job, here, rejected = self._find_or_rejected(request.id, caller)
         if rejected is not None:
             return rejection_to_proto(rejected, self._cfg.daemon.node_id)
-        # the job's keys, its rounds read once here if this node does not follow them
-        keys = self._view.job(job.id, fresh=True) if self._view is not None else None
+        # the job's keys, its rounds read once here if this node does not follow them,
+        # and every node's worker rows (which no node watches)
+        keys = self._view.job(job.id, fresh=True, rows=True) if self._view is not None \
+            else None
         msg = self._with_cluster(job, keys) if here else job_to_proto(job)
         if keys is not None:
             msg.spare_nodes.extend(clusterjobs.spares_of(keys))
@@ -290,7 +292,7 @@ class ControlServicer(pb_grpc.ControlServicer):
     def Logs(self, request, context, caller):
         job, here = self._find(request.id, caller)
         if not here:
-            keys = self._view.job(job.id, fresh=True)
+            keys = self._view.job(job.id, fresh=True, rows=True)
             nodes = clusterjobs.nodes_of(keys) if keys else []
             raise errors.FailedPrecondition(
                 f"job {job.id} does not run on this node; its logs are on the nodes that run "
@@ -324,7 +326,8 @@ class ControlServicer(pb_grpc.ControlServicer):
 
     def _rank_elsewhere(self, job_id: str, rank: int) -> str:
         """The node (and address) where a rank last ran, if not this one."""
-        keys = self._view.job(job_id, fresh=True) if self._view is not None else None
+        keys = self._view.job(job_id, fresh=True, rows=True) if self._view is not None \
+            else None
         if keys is None:
             return ""
         me = self._cfg.daemon.node_id

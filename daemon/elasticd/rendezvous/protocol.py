@@ -15,18 +15,21 @@ The job's rounds, which only the nodes that run it watch::
     /v1/rounds/<job>/decider/<R>     the node that decides open round R: created by
                                      the first joined node to claim it (its lease)
     /v1/rounds/<job>/done/<R>/<node> a node's workers finished round R well (lease)
-    /v1/rounds/<job>/workers/<node>  a node's worker rows and recovery summary, for
-                                     status on any node (lease; read on demand
-                                     elsewhere)
     /v1/phases/<job>/<node>          its ranks' phases (hangs/phase_board.py; lease),
                                      watched only by the job's nodes (phase_watch.py)
+
+The job's worker rows, which no node watches (read when status asks)::
+
+    /v1/workers/<job>/rows/<node>    a node's worker rows and recovery summary
+                                     (lease), rewritten after each start
 
 The job's joins, which the node deciding its open round and its closed round's
 first member watch whole, and the job's other nodes only for deletes::
 
     /v1/joins/<job>/round/<R>/<node> a node's wish to be in round R (its node lease)
 
-So a done mark or a node's rows reach the job's own nodes only, and a join one
+So a done mark reaches the job's own nodes only, a node's rows none (N nodes
+publish N rows a round: watched, that was N x N deliveries), and a join one
 or two of them (N joins a round reach O(1) nodes, not N: a node needs of the
 others' joins only the closed round's first member's, read once, and their
 deletes, a node lost); every node gets a job's spec once and its state copy
@@ -72,7 +75,7 @@ from .records import (CANCELLED, CLOSED, FAILED, FINAL, OPEN, SUCCEEDED, Join, M
 
 __all__ = ["CANCELLED", "CLOSED", "FAILED", "FINAL", "OPEN", "SUCCEEDED", "Join", "Member",
            "RoundCause", "RoundState", "JobLimits", "RoundClock", "Result", "final_job_state",
-           "job_prefix", "rounds_prefix", "joins_prefix", "order_members", "lost_rejoiners",
+           "job_prefix", "rounds_prefix", "joins_prefix", "workers_prefix", "order_members", "lost_rejoiners",
            "decide_open_round",
            "reopen", "result_for", "master_problem"]
 
@@ -91,7 +94,7 @@ def job_prefix(job_id: str) -> str:
 
 
 def rounds_prefix(job_id: str) -> str:
-    """The job's rounds: its state, deciders, done marks and worker rows."""
+    """The job's rounds: its state, deciders and done marks."""
     return f"/v1/rounds/{job_id}"
 
 
@@ -99,6 +102,11 @@ def joins_prefix(job_id: str) -> str:
     """The job's joins: watched whole only by the node that decides its open round and
     by its closed round's first member; the others watch their deletes."""
     return f"/v1/joins/{job_id}"
+
+
+def workers_prefix(job_id: str) -> str:
+    """The job's worker rows: watched by no node, listed when status asks."""
+    return f"/v1/workers/{job_id}"
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ from .ports import free_port
 from .protocol import (
     CLOSED, FINAL, OPEN, Join, JobLimits, Result, RoundCause, RoundClock, RoundState,
     decide_open_round, job_prefix, joins_prefix, master_problem, reopen, result_for,
-    rounds_prefix)
+    rounds_prefix, workers_prefix)
 from .status import CURRENT, RoundStatus, StatusKind
 from .view import JobsView
 
@@ -80,6 +80,7 @@ class ClusterRendezvous:
         self._port = port
         self._prefix = rounds_prefix(job_id)
         self._joins = joins_prefix(job_id)
+        self._rows_key = f"{workers_prefix(job_id)}/rows/{node_id}"
         # Watch every join of the job whatever this node's part (the torchrun adapter:
         # torch asks every agent how many nodes wait); else only where the part needs.
         self._joins_everywhere = joins_everywhere
@@ -633,8 +634,7 @@ class ClusterRendezvous:
         full = {**rows_only, "summary": summary.to_dict() if summary else {}}
         for value in (full, rows_only):
             try:
-                self._put(Kind.WORKERS, self._key("workers", self.node_id), json.dumps(value),
-                          self._lease())
+                self._put(Kind.WORKERS, self._rows_key, json.dumps(value), self._lease())
                 return
             except ValueError as exc:   # over what a reader takes: the summary first
                 why = str(exc)
@@ -665,7 +665,9 @@ def create_job(store: Store, job_id: str, spec: dict, now: float, round: int = 1
 
 
 def forget_job(store: Store, job_id: str) -> None:
-    """Remove every key of the job: its rounds and joins, then its place in the job list."""
+    """Remove every key of the job: its rounds, joins and rows, then its place in the job
+    list."""
     store.delete_prefix(rounds_prefix(job_id) + "/")
     store.delete_prefix(joins_prefix(job_id) + "/")
+    store.delete_prefix(workers_prefix(job_id) + "/")
     store.delete_prefix(job_prefix(job_id) + "/")

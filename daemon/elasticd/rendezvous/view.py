@@ -1,6 +1,6 @@
 """The jobs as this daemon sees them: the job list everywhere, a job's rounds where it runs.
 
-Two key spaces (rendezvous/protocol.py lists the keys):
+Its key spaces (rendezvous/protocol.py lists the keys):
 
 * the job list, ``/v1/jobs/<job>/{spec,state}``: each job's spec (written once)
   and a copy of its round state (written after each change of it). Every
@@ -8,8 +8,8 @@ Two key spaces (rendezvous/protocol.py lists the keys):
   and what it answers about a job that runs elsewhere. Only spec-level changes
   reach every node: a submission, and a job's round opening, closing or ending.
 * a job's rounds, ``/v1/rounds/<job>/...``: its round state (the one a round's
-  compare-and-swap moves), who decides its open round, the nodes' done marks
-  and worker rows. Only the nodes that run the job watch them
+  compare-and-swap moves), who decides its open round, the nodes' done marks.
+  Only the nodes that run the job watch them
   (``follow``/``unfollow``: one watch per job, from the job's
   ``ClusterRendezvous``): what etcd sends a node grows with the jobs it runs,
   not with the cluster. ``job(id, fresh=True)`` of a job this node does not
@@ -20,11 +20,16 @@ Two key spaces (rendezvous/protocol.py lists the keys):
   decides the open round, the closed round's first member), or only the
   deletes of one round's joins (``JobKeys.gone``: a member lost), so a round's
   N joins reach one or two nodes, not N.
+* a job's worker rows, ``/v1/workers/<job>/rows/<node>``: watched by no node (each
+  node rewrites its rows after each start: N rows a round, which reached every
+  node of the job while they lay under its rounds); ``job(id, rows=True)`` lists
+  them once, for status.
 
 ``job(id)`` merges them: the spec from the list; for a followed job, its
 rounds as its watch holds them (the state None until the watch has listed
 them: a round is never decided on the list's copy); otherwise the list's copy
-of the state, without joins or rows (``JobKeys.detailed`` False). The jobs'
+of the state, without joins or done marks (``JobKeys.detailed`` False); worker
+rows only where asked for. The jobs'
 phase records are in neither (rendezvous/phase_watch.py); the keys an older
 elasticd wrote below ``/v1/jobs/<job>/`` (join, done, workers, phases) are not
 read as anything.
@@ -76,14 +81,16 @@ log = logging.getLogger("elasticd.rendezvous")
 JOBS = "/v1/jobs"             # the job list: spec and a copy of the round state
 ROUNDS = "/v1/rounds"         # a job's rounds: watched by its own nodes
 JOINS = "/v1/joins"           # a job's joins: watched whole by its decider and first member
+WORKERS = "/v1/workers"       # a job's worker rows: watched by no node, read for status
 SPEC_MAX_BYTES = 1 << 20      # a plain spec (the torchrun adapter's)
 MARKS_KEPT = 10_000           # jobs whose high-water marks outlive their keys
 _LIST_KINDS = {("spec", 2): Kind.SPEC, ("state", 2): Kind.STATE}
-_ROUND_KINDS = {("state", 2): Kind.STATE, ("decider", 3): Kind.DECIDER, ("done", 4): Kind.DONE,
-                ("workers", 3): Kind.WORKERS}
+_ROUND_KINDS = {("state", 2): Kind.STATE, ("decider", 3): Kind.DECIDER, ("done", 4): Kind.DONE}
 _JOIN_KINDS = {("round", 4): Kind.JOIN}
-# Below /v1/rounds/<job>/, where an older elasticd kept the joins: not read as anything.
-_OLD_ROUNDS = frozenset({("join", 4)})
+_ROW_KINDS = {("rows", 3): Kind.WORKERS}
+# Below /v1/rounds/<job>/, where an older elasticd kept the joins and worker rows: not
+# read as anything.
+_OLD_ROUNDS = frozenset({("join", 4), ("workers", 3)})
 # Below /v1/jobs/<job>/, where an older elasticd kept a job's joins, done marks, worker
 # rows and phase records: not read as anything (their writers' leases end them).
 _OLD = frozenset({("join", 4), ("done", 4), ("workers", 3), ("phases", 3)})
@@ -217,18 +224,21 @@ def plain_spec(job_id: str, text: str) -> dict:
 
 class JobsView:
     def __init__(self, store: Store, *, records, retry: float = 1.0, prefix: str = JOBS,
-                 rounds: str = ROUNDS, joins: str = JOINS, open_spec=plain_spec,
+                 rounds: str = ROUNDS, joins: str = JOINS, workers: str = WORKERS,
+                 open_spec=plain_spec,
                  refusals: Refusals | None = None):
         self.store = store
         self.retry = retry
         self.records = records       # how every record of the job keys is sealed and opened
         self.rounds_root = rounds
         self.joins_root = joins
+        self.workers_root = workers
         self._open_spec = open_spec
         self.refusals = refusals or Refusals("jobs view")
         self._list = _Space(prefix, _LIST_KINDS, _OLD)
         self._rounds = _Space(rounds, _ROUND_KINDS, _OLD_ROUNDS)
         self._joins = _Space(joins, _JOIN_KINDS)
+        self._rows = _Space(workers, _ROW_KINDS)    # its marks only: rows are read, not held
         self._followed = Held()     # job id -> _Followed
         self._also: list = []        # other watches of a job that live as long as its rounds'
         self.changed = threading.Condition()
@@ -239,11 +249,40 @@ class JobsView:
         self.synced = self._follower.synced
 
     # -- reading -------------------------------------------------------------
-    def job(self, job_id: str, fresh: bool = False) -> JobKeys | None:
+    def job(self, job_id: str, fresh: bool = False, rows: bool = False) -> JobKeys | None:
         """The job's keys as this view holds them (see the module's words); with
         ``fresh``, a job this node does not follow has its rounds and joins listed from
         the store now (the list's copy alone if the store does not answer), and a job it
-        follows watching one round's join deletes only has its joins listed."""
+        follows watching one round's join deletes only has its joins listed; with
+        ``rows``, its worker rows are listed now (none if the store does not answer)."""
+        got = self._job(job_id, fresh)
+        if rows and got is not None and is_ident(job_id):
+            self._read_rows(job_id, got)
+        return got
+
+    def _read_rows(self, job_id: str, keys: JobKeys) -> None:
+        """The job's worker rows and recovery summaries, listed now into ``keys`` (a copy
+        of the view's), taken as a watch takes records: a row older than one read before
+        is a replay."""
+        try:
+            kvs, _ = self.store.list(f"{self.workers_root}/{job_id}/")
+        except StoreError as exc:
+            log.debug("job %s: its worker rows not read: %s", job_id[:80], exc)
+            return
+        once = _Space(self.workers_root, _ROW_KINDS, once=True)
+        with self.changed:
+            marks = self._rows.marks.get(job_id)
+            if marks is not None:
+                once.marks[job_id] = _Marks(marks.order, dict(marks.seqs))
+            self._relist(once, kvs, 0)
+            taken = once.marks.get(job_id)
+            if taken is not None and taken.seqs:
+                self._rows.marks_of(job_id).seqs.update(taken.seqs)
+        read = once.jobs.get(job_id)
+        keys.workers = read.workers if read is not None else {}
+        keys.summaries = read.summaries if read is not None else {}
+
+    def _job(self, job_id: str, fresh: bool) -> JobKeys | None:
         with self.changed:
             got = self._merged(job_id)
             followed = self._followed.get(job_id)
@@ -334,7 +373,10 @@ class JobsView:
 
     def reached(self, key: str, revision: int) -> bool:
         """Whether the watch that covers ``key`` (the job list's, or its job's rounds or
-        joins watch here) got as far as etcd revision ``revision``."""
+        joins watch here) got as far as etcd revision ``revision``; a worker row is
+        watched by none (read when asked for): always."""
+        if _parts(self.workers_root, key):
+            return True
         parts = _parts(self.rounds_root, key)
         if parts:
             return self.caught_up(parts[0], revision)

@@ -52,7 +52,7 @@ class Kind(str, enum.Enum):
     JOIN = "join"            # /v1/joins/<job>/round/<round>/<node>
     DECIDER = "decider"      # /v1/rounds/<job>/decider/<round>
     DONE = "done"            # /v1/rounds/<job>/done/<round>/<node>
-    WORKERS = "workers"      # /v1/rounds/<job>/workers/<node>
+    WORKERS = "workers"      # /v1/workers/<job>/rows/<node>
     PHASES = "phases"        # /v1/phases/<job>/<node>
     NODE = "node"            # /v1/nodes/<node>
     DRAIN = "drain"          # /v1/drain/<node>
