@@ -167,6 +167,7 @@ class CountingStore:
             kind = "nodes" if ev.key.startswith("/v1/nodes/") else \
                 "phases" if "/phases/" in ev.key else \
                 "workers" if "/workers/" in ev.key else \
+                "done" if "/done/" in ev.key else \
                 "rounds" if ev.key.startswith("/v1/rounds/") else "jobs"
             with self._lock:
                 self.delivered[kind] += 1
@@ -379,6 +380,11 @@ def worker(conn, node_ids: list, url: str, prefix: str, key: bytes, overrides: d
         if cmd == "rows":
             for node in nodes:
                 node.publish_rows()
+            return True
+        if cmd == "done":   # every node's workers exited 0: its mark, as the agent's
+            for node in nodes:
+                node.rdzv.mark_done(node.result.place.round)
+                node.rdzv.status(node.result)   # the first member's watch of the marks
             return True
         if cmd == "publish":
             for node in nodes:
@@ -651,6 +657,13 @@ def run_n(etcd: EtcdServer, n: int, procs: int, seconds: float, overrides: dict,
         a = sim_config(overrides).agent
         time.sleep(a.phase_refresh_interval + 1.0)   # every publisher started, settled
         out["running"] = sim.window("running", seconds)
+        # Every node's workers exit 0: each marks them done (the exit barrier), as its
+        # agent does; what the marks cost the watches (every mark reached every node of
+        # the job while the marks lay under the job's rounds).
+        before = sim.counters()["delivered"].get("done", 0)
+        sim.ask("done")
+        time.sleep(2.0)
+        out["done_deliveries"] = (sim.counters()["delivered"].get("done", 0) - before) / n
 
         survivors = list(range(1, len(sim.conns)))
         victim = sim.procs[0]
@@ -744,7 +757,8 @@ def main(argv=None) -> int:
                      f"{r['jobs_deliveries']:.0f} job-key deliveries per node); "
                      if 'jobs_rdzv' in r else "")
                   + f"worker rows published by every node: {r['row_deliveries']:.1f} row "
-                    f"deliveries per node; "
+                    f"deliveries per node; done marks by every node: "
+                    f"{r['done_deliveries']:.1f} deliveries per node; "
                   + f"loss of {max(1, n // 10)} seen: median {fmt(r['loss_median'])}, "
                   f"last {fmt(r['loss_last'])}; survivors' leases lapsed and taken again: "
                   f"{r['lapsed']}", flush=True)

@@ -261,6 +261,7 @@ def hostile_keys(rng: random.Random, job_id: str, rnd: int) -> list[str]:
                  f"/v1/rounds/{job}/decider/{r}", f"/v1/rounds/{job}/decider/notanint",
                  f"/v1/joins/{job}/round/{r}/{node}", f"/v1/joins/{job}/round/notanint/{node}",
                  f"/v1/joins/{job}/{r}/{node}",
+                 f"/v1/joins/{job}/done/{r}/{node}", f"/v1/joins/{job}/done/notanint/{node}",
                  f"/v1/workers/{job}/rows/{node}", f"/v1/workers/{job}/{node}",
                  f"/v1/workers/{job}/rows/{node}/x",
                  f"/v1/rounds/{job}/" + "k" * rng.choice((10, 3000))]

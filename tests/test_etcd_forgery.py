@@ -68,9 +68,11 @@ KINDS = {"state": Kind.STATE, "joins": Kind.JOIN, "decider": Kind.DECIDER, "done
 
 def _kind(key: str) -> Kind | None:
     parts = key.split("/")   # /v1/jobs/J/spec, /v1/rounds/J/state, /v1/nodes/N, /v1/events/J/N/S,
-                             # /v1/joins/J/round/R/N
+                             # /v1/joins/J/round/R/N, /v1/joins/J/done/R/N
     if parts[2] in ("jobs", "rounds"):
         return None if parts[4] == "spec" else KINDS[parts[4]]
+    if parts[2] == "joins" and parts[4] == "done":
+        return Kind.DONE
     return KINDS[parts[2]]
 
 

@@ -14,9 +14,9 @@ No daemon receives the node records' rewrites (``kind="nodes"``: its node watch
 is of deletes only, cluster/membership.py), though every node rewrote its own.
 
 The same for a job's events (``kind="events"``, cluster/eventlog.py), its rounds
-(its state, decider and done marks under /v1/rounds/<job>/,
-rendezvous/view.py, ``kind="rounds"``) and its joins (/v1/joins/<job>/,
-``kind="joins"``: whole only where a node decides a round or is its first member):
+(its state and decider under /v1/rounds/<job>/, rendezvous/view.py,
+``kind="rounds"``) and its joins and done marks (/v1/joins/<job>/, ``kind="joins"``:
+whole only where a node decides a round or is its first member):
 a node may have received its own job's changes there and none of the other's.
 The nodes' worker rows (/v1/workers/<job>/, ``kind="workers"``) reach no node at
 all, though each node rewrote its own: status lists them when asked.

@@ -155,3 +155,33 @@ def test_every_member_lists_the_spare_though_only_the_first_watches_the_joins():
             assert spare_roles(ns.views[n]) == {"c": ["j1"]}, n
     finally:
         ns.close()
+
+
+def test_only_the_first_member_holds_the_done_marks_and_ends_the_job():
+    """The exit barrier: each member marks its workers done; the round's first member,
+    which watches every join and mark, sees all of them and ends the job; the others
+    hold no mark and end the job when its state turns final (N marks reach one node)."""
+    ns = Nodes(["a", "b", "c"])
+    try:
+        for n in "abc":
+            ns.start(n)
+        wait_for(lambda: len(ns.got) == 3, 20, what="the round closed")
+        first = ns.got["a"].members[0]
+        others = sorted(set("abc") - {first})
+        for n in "abc":
+            ns.nodes[n].status(ns.got[n])
+        for n in "abc":
+            ns.nodes[n].mark_done(1)
+        wait_for(lambda: ns.nodes[first].all_done(ns.got[first]), 20,
+                 what="the first member seeing every mark")
+        for n in others:
+            assert not ns.nodes[n].all_done(ns.got[n])
+            assert ns.keys(n).done == {}, (n, ns.keys(n).done)
+        assert ns.keys(first).done == {1: {"a", "b", "c"}}
+        ns.nodes[first].finish("succeeded", "every node's workers exited 0")
+        for n in others:
+            st = wait_for(lambda n=n: (s := ns.nodes[n].status(ns.got[n])).kind
+                          is StatusKind.FINAL and s, 20, what=f"{n} seeing the job end")
+            assert st.state.status == "succeeded"
+    finally:
+        ns.close()

@@ -319,14 +319,14 @@ def test_a_relist_keeps_verified_values_and_drops_deleted_keys(cl):
     key = "/v1/rounds/j1/state"
     cl.put(Kind.STATE, key, state(2))
     cl.put(Kind.JOIN, "/v1/joins/j1/round/2/n1", JOIN.to_json())
-    cl.put(Kind.DONE, "/v1/rounds/j1/done/2/n1", "{}")
+    cl.put(Kind.DECIDER, "/v1/rounds/j1/decider/2", json.dumps({"node": "n1"}))
     kvs, rev = cl.store.list("/v1/rounds/j1")
     garbage = [kv._replace(value="[" * 50000) if kv.key == key else kv for kv in kvs
-               if "/done/" not in kv.key]
+               if "/decider/" not in kv.key]
     # as j1's rounds watch calls it after a fresh list
     cl.view._reset_job(cl.view._followed.get("j1"), "j1", garbage, rev)
     keys = cl.view.job("j1")
-    assert keys.state.round == 2 and keys.joins[2]["n1"] == JOIN and keys.done == {}
+    assert keys.state.round == 2 and keys.joins[2]["n1"] == JOIN and keys.deciders == {}
     assert cl.refusals.counts.get(("join", "replayed"), 0) == 0   # listed again: the same
 
 

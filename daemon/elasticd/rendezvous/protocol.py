@@ -14,7 +14,6 @@ The job's rounds, which only the nodes that run it watch::
                                      by compare-and-swap
     /v1/rounds/<job>/decider/<R>     the node that decides open round R: created by
                                      the first joined node to claim it (its lease)
-    /v1/rounds/<job>/done/<R>/<node> a node's workers finished round R well (lease)
     /v1/phases/<job>/<node>          its ranks' phases (hangs/phase_board.py; lease),
                                      watched only by the job's nodes (phase_watch.py)
 
@@ -23,14 +22,18 @@ The job's worker rows, which no node watches (read when status asks)::
     /v1/workers/<job>/rows/<node>    a node's worker rows and recovery summary
                                      (lease), rewritten after each start
 
-The job's joins, which the node deciding its open round and its closed round's
-first member watch whole, and the job's other nodes only for deletes::
+The job's joins and done marks, which the node deciding its open round and its
+closed round's first member watch whole, and the job's other nodes only for the
+deletes of their round's joins::
 
     /v1/joins/<job>/round/<R>/<node> a node's wish to be in round R (its node lease)
+    /v1/joins/<job>/done/<R>/<node>  a node's workers finished round R well (lease):
+                                     the first member ends the job once every
+                                     member's mark is there; the others end it
+                                     when its state turns final
 
-So a done mark reaches the job's own nodes only, a node's rows none (N nodes
-publish N rows a round: watched, that was N x N deliveries), and a join one
-or two of them (N joins a round reach O(1) nodes, not N: a node needs of the
+So a node's rows reach no node (N nodes publish N rows a round: watched, that
+was N x N deliveries), and a join or a done mark one or two of them (N joins a round reach O(1) nodes, not N: a node needs of the
 others' joins only the closed round's first member's, read once, and their
 deletes, a node lost); every node gets a job's spec once and its state copy
 once per change of round.
@@ -94,13 +97,14 @@ def job_prefix(job_id: str) -> str:
 
 
 def rounds_prefix(job_id: str) -> str:
-    """The job's rounds: its state, deciders and done marks."""
+    """The job's rounds: its state and deciders."""
     return f"/v1/rounds/{job_id}"
 
 
 def joins_prefix(job_id: str) -> str:
-    """The job's joins: watched whole only by the node that decides its open round and
-    by its closed round's first member; the others watch their deletes."""
+    """The job's joins and done marks: watched whole only by the node that decides its
+    open round and by its closed round's first member; the others watch the deletes of
+    their round's joins."""
     return f"/v1/joins/{job_id}"
 
 

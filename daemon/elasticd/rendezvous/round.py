@@ -620,12 +620,18 @@ class ClusterRendezvous:
 
     # -- exit barrier ----------------------------------------------------------------
     def mark_done(self, rnd: int) -> None:
-        self._put(Kind.DONE, self._key("done", rnd, self.node_id), "{}", self._lease())
+        """This node's workers of round ``rnd`` all exited 0 (a mark under its lease)."""
+        self._put(Kind.DONE, f"{self._joins}/done/{rnd}/{self.node_id}", "{}", self._lease())
 
     def all_done(self, result: Result) -> bool:
+        """Whether every member of ``result``'s round marked its workers done. Known only
+        where this node watches every join and mark of the job (the round's first member,
+        which then ends the job); elsewhere False: those nodes end the job when its state
+        turns final, so N marks reach one node, not N."""
         keys = self._view.job(self.job_id)
-        done = keys.done.get(result.place.round, set()) if keys else set()
-        return set(result.members) <= done
+        if keys is None or not keys.joins_all:
+            return False
+        return set(result.members) <= keys.done.get(result.place.round, set())
 
     def publish_workers(self, rows: list[WorkerRow],
                         summary: RecoverySummary | None = None) -> None:

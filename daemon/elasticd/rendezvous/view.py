@@ -8,18 +8,19 @@ Its key spaces (rendezvous/protocol.py lists the keys):
   and what it answers about a job that runs elsewhere. Only spec-level changes
   reach every node: a submission, and a job's round opening, closing or ending.
 * a job's rounds, ``/v1/rounds/<job>/...``: its round state (the one a round's
-  compare-and-swap moves), who decides its open round, the nodes' done marks.
-  Only the nodes that run the job watch them
+  compare-and-swap moves) and who decides its open round. Only the nodes that run the job watch them
   (``follow``/``unfollow``: one watch per job, from the job's
   ``ClusterRendezvous``): what etcd sends a node grows with the jobs it runs,
   not with the cluster. ``job(id, fresh=True)`` of a job this node does not
   follow lists its rounds and joins once, for whoever asks about a job that
   runs elsewhere.
-* a job's joins, ``/v1/joins/<job>/round/<R>/<node>``: a followed job's joins
-  watch (``watch_joins``), as its rendezvous asks: every join (the node that
-  decides the open round, the closed round's first member), or only the
-  deletes of one round's joins (``JobKeys.gone``: a member lost), so a round's
-  N joins reach one or two nodes, not N.
+* a job's joins, ``/v1/joins/<job>/round/<R>/<node>``, and its done marks,
+  ``/v1/joins/<job>/done/<R>/<node>``: a followed job's joins watch
+  (``watch_joins``), as its rendezvous asks: every join and mark (the node that
+  decides the open round, the closed round's first member, which ends the job
+  once every member marked its workers done), or only the deletes of one
+  round's joins (``JobKeys.gone``: a member lost), so a round's N joins and N
+  marks reach one or two nodes, not N.
 * a job's worker rows, ``/v1/workers/<job>/rows/<node>``: watched by no node (each
   node rewrites its rows after each start: N rows a round, which reached every
   node of the job while they lay under its rounds); ``job(id, rows=True)`` lists
@@ -85,12 +86,12 @@ WORKERS = "/v1/workers"       # a job's worker rows: watched by no node, read fo
 SPEC_MAX_BYTES = 1 << 20      # a plain spec (the torchrun adapter's)
 MARKS_KEPT = 10_000           # jobs whose high-water marks outlive their keys
 _LIST_KINDS = {("spec", 2): Kind.SPEC, ("state", 2): Kind.STATE}
-_ROUND_KINDS = {("state", 2): Kind.STATE, ("decider", 3): Kind.DECIDER, ("done", 4): Kind.DONE}
-_JOIN_KINDS = {("round", 4): Kind.JOIN}
+_ROUND_KINDS = {("state", 2): Kind.STATE, ("decider", 3): Kind.DECIDER}
+_JOIN_KINDS = {("round", 4): Kind.JOIN, ("done", 4): Kind.DONE}
 _ROW_KINDS = {("rows", 3): Kind.WORKERS}
-# Below /v1/rounds/<job>/, where an older elasticd kept the joins and worker rows: not
-# read as anything.
-_OLD_ROUNDS = frozenset({("join", 4), ("workers", 3)})
+# Below /v1/rounds/<job>/, where an older elasticd kept the joins, done marks and worker
+# rows: not read as anything.
+_OLD_ROUNDS = frozenset({("join", 4), ("done", 4), ("workers", 3)})
 # Below /v1/jobs/<job>/, where an older elasticd kept a job's joins, done marks, worker
 # rows and phase records: not read as anything (their writers' leases end them).
 _OLD = frozenset({("join", 4), ("done", 4), ("workers", 3), ("phases", 3)})
@@ -307,15 +308,16 @@ class JobsView:
             self._relist(once_joins, joins, 0)
             got = self._merged(job_id)
         read_joins = once_joins.jobs[job_id].joins if job_id in once_joins.jobs else {}
+        read_done = once_joins.jobs[job_id].done if job_id in once_joins.jobs else {}
         if not rounds_too:
             if got is not None:
-                got.joins, got.joins_all = read_joins, True
+                got.joins, got.done, got.joins_all = read_joins, read_done, True
             return got
         read = once.jobs.get(job_id)
-        if read is None and not read_joins:
+        if read is None and not read_joins and not read_done:
             return got
         read = read.copy() if read is not None else JobKeys()
-        read.joins = read_joins
+        read.joins, read.done = read_joins, read_done
         if got is not None:
             read.spec, read.rejection = got.spec, got.rejection
             if read.state is None:
@@ -339,6 +341,8 @@ class JobsView:
         joins = self._joins.jobs.get(job_id)
         got.joins_all = followed.joins_round == 0
         got.joins = {r: dict(v) for r, v in joins.joins.items()} \
+            if joins is not None and got.joins_all else {}
+        got.done = {r: set(v) for r, v in joins.done.items()} \
             if joins is not None and got.joins_all else {}
         got.gone = {r: dict(v) for r, v in followed.gone.items()}
         if listed is not None:

@@ -51,7 +51,7 @@ class Kind(str, enum.Enum):
     STATE = "state"          # /v1/rounds/<job>/state, and its copy /v1/jobs/<job>/state
     JOIN = "join"            # /v1/joins/<job>/round/<round>/<node>
     DECIDER = "decider"      # /v1/rounds/<job>/decider/<round>
-    DONE = "done"            # /v1/rounds/<job>/done/<round>/<node>
+    DONE = "done"            # /v1/joins/<job>/done/<round>/<node>
     WORKERS = "workers"      # /v1/workers/<job>/rows/<node>
     PHASES = "phases"        # /v1/phases/<job>/<node>
     NODE = "node"            # /v1/nodes/<node>
