@@ -26,7 +26,7 @@ LIMITS = JobLimits(min_nodes=2, max_nodes=3, max_restarts=5, last_call=60.0,
 
 
 class Nodes:
-    def __init__(self, names, limits=LIMITS):
+    def __init__(self, names, limits=LIMITS, **kw):
         self.store = open_store("memory")
         self.leases = {n: self.store.grant_lease(60) for n in names}
         self.views, self.nodes, self.stops, self.got = {}, {}, {}, {}
@@ -35,7 +35,8 @@ class Nodes:
             view.start()
             assert view.synced.wait(10)
             self.nodes[n] = ClusterRendezvous(self.store, view, "j1", n, f"10.0.0.{i}", 1,
-                                              lambda n=n: self.leases[n], limits, poll=0.05)
+                                              lambda n=n: self.leases[n], limits, poll=0.05,
+                                              **kw)
         create_job(self.store, "j1", {"id": "j1", "nodes": []}, time.time(), records=PLAIN)
         self.threads = {}
 
@@ -161,7 +162,7 @@ def test_only_the_first_member_holds_the_done_marks_and_ends_the_job():
     """The exit barrier: each member marks its workers done; the round's first member,
     which watches every join and mark, sees all of them and ends the job; the others
     hold no mark and end the job when its state turns final (N marks reach one node)."""
-    ns = Nodes(["a", "b", "c"])
+    ns = Nodes(["a", "b", "c"], done_recheck=600)
     try:
         for n in "abc":
             ns.start(n)
@@ -183,5 +184,30 @@ def test_only_the_first_member_holds_the_done_marks_and_ends_the_job():
             st = wait_for(lambda n=n: (s := ns.nodes[n].status(ns.got[n])).kind
                           is StatusKind.FINAL and s, 20, what=f"{n} seeing the job end")
             assert st.state.status == "succeeded"
+    finally:
+        ns.close()
+
+
+def test_a_member_left_waiting_at_the_barrier_reads_the_marks_itself():
+    """The first member never ends the job (its write did not reach etcd, its daemon
+    stopped): another member, done_recheck after its own mark, reads every mark once
+    and may end the job itself; before that it has read none."""
+    ns = Nodes(["a", "b"], limits=JobLimits(min_nodes=2, max_nodes=2, max_restarts=5,
+                                            last_call=60.0, join_timeout=600.0),
+               done_recheck=0.5)
+    try:
+        for n in "ab":
+            ns.start(n)
+        wait_for(lambda: len(ns.got) == 2, 20, what="the round closed")
+        other = ns.got["a"].members[1]
+        for n in "ab":
+            ns.nodes[n].status(ns.got[n])
+            ns.nodes[n].mark_done(1)
+        t0 = time.monotonic()
+        assert not ns.nodes[other].all_done(ns.got[other])       # not yet: no read
+        wait_for(lambda: ns.nodes[other].all_done(ns.got[other]), 20,
+                 what=f"{other} reading the marks itself")
+        assert time.monotonic() - t0 >= 0.4
+        assert ns.keys(other).done == {}          # read once, not watched
     finally:
         ns.close()

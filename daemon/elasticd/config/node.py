@@ -210,6 +210,13 @@ class RendezvousSettings:
              "stops waiting for it at once instead of after rendezvous.rejoin_timeout; an "
              "accepted connection or no answer changes nothing (a host that is down answers "
              "nothing: its lease tells). 0: no probes", min=0, max=60)
+    done_recheck: float = _setting(
+        5.0, "seconds a node whose workers all exited 0 waits for the round's first member "
+             "(the only node that watches every member's done mark) to end the job, before "
+             "it reads the marks itself, again each period, and ends the job once every "
+             "member's is there (the first member's end did not reach etcd, or its daemon "
+             "stopped first). Each read lists the job's joins: at scale keep it well above "
+             "the time the workers of all nodes take to exit", min=0.1, max=3600)
     round_stores: bool = _setting(
         True, "on a job across nodes, keep a round store process per job and node (forked "
               "from the job's worker template, else the job's Python; as its user) whose new "

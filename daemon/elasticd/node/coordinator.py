@@ -355,7 +355,8 @@ class Coordinator:
                                  self._cfg.daemon.node_id, self._cluster.address,
                                  job.nproc_per_node, lambda: keeper.lease, limits,
                                  scale_up=r.scale_up, poll=r.poll, probe=probe,
-                                 sync_timeout=2 * self._cfg.etcd.request_timeout)
+                                 sync_timeout=2 * self._cfg.etcd.request_timeout,
+                                 done_recheck=r.done_recheck)
 
     def adopt(self, spec: JobSpec) -> JobRecord | None:
         """Take on a job submitted on another node (its spec checked where it was read:

@@ -63,7 +63,7 @@ class ClusterRendezvous:
                  nproc: int, lease: Callable[[], Lease | None], limits: JobLimits,
                  scale_up: str = "immediate", poll: float = 0.5, clock=time.time,
                  port: Callable[[], int] = free_port, probe=None, sync_timeout: float = 10.0,
-                 joins_everywhere: bool = False):
+                 joins_everywhere: bool = False, done_recheck: float = 5.0):
         self._store = store
         self._view = view
         self._records = view.records    # seals what we write as the view opens it
@@ -85,6 +85,9 @@ class ClusterRendezvous:
         # torch asks every agent how many nodes wait); else only where the part needs.
         self._joins_everywhere = joins_everywhere
         self._copy_key = f"{job_prefix(job_id)}/state"
+        # A member that watches no done mark reads them after this long at the barrier.
+        self._done_recheck = done_recheck
+        self._done_since: tuple[int, float] = (0, 0.0)   # (round, when we marked it done)
         self._round_clock = RoundClock()
         # Whether a late member's daemon is gone though its lease lives (the decider
         # asks; cluster/daemon_probe.py's DaemonProbe, or None: never asked).
@@ -622,16 +625,24 @@ class ClusterRendezvous:
     def mark_done(self, rnd: int) -> None:
         """This node's workers of round ``rnd`` all exited 0 (a mark under its lease)."""
         self._put(Kind.DONE, f"{self._joins}/done/{rnd}/{self.node_id}", "{}", self._lease())
+        self._done_since = (rnd, time.monotonic())
 
     def all_done(self, result: Result) -> bool:
-        """Whether every member of ``result``'s round marked its workers done. Known only
-        where this node watches every join and mark of the job (the round's first member,
-        which then ends the job); elsewhere False: those nodes end the job when its state
-        turns final, so N marks reach one node, not N."""
+        """Whether every member of ``result``'s round marked its workers done. Watched
+        only where this node watches every join and mark of the job (the round's first
+        member, which then ends the job): the others end the job when its state turns
+        final, so N marks reach one node, not N. One of them still waiting
+        ``done_recheck`` after its own mark reads the marks once each period (the first
+        member lost, or etcd away when it tried)."""
         keys = self._view.job(self.job_id)
-        if keys is None or not keys.joins_all:
-            return False
-        return set(result.members) <= keys.done.get(result.place.round, set())
+        rnd = result.place.round
+        if keys is not None and not keys.joins_all:
+            marked, since = self._done_since
+            if marked != rnd or time.monotonic() - since < self._done_recheck:
+                return False
+            self._done_since = (rnd, time.monotonic())
+            keys = self._view.job(self.job_id, fresh=True)   # the joins and marks, read
+        return keys is not None and set(result.members) <= keys.done.get(rnd, set())
 
     def publish_workers(self, rows: list[WorkerRow],
                         summary: RecoverySummary | None = None) -> None:
