@@ -44,7 +44,11 @@ psutil:
   idle         nodes registered and watching, no job
   rendezvous   one job of min = max = N nodes: seconds from the release of all
                N next_round calls until the last node has its result
+  rows         every node publishes its worker rows once the job formed (as the
+               agent after a start): their deliveries a node
   running      that job running: every node publishing its phase record
+  done         every node marks its workers done (the exit barrier): the
+               marks' deliveries a node
   node loss    SIGKILL of the process holding 10 % of the nodes: seconds until
                every survivor's NodeWatcher says each of them is lost (median and
                the last), at the lease settings of this tree
