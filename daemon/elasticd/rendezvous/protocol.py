@@ -33,9 +33,10 @@ deletes of their round's joins::
                                      when its state turns final
 
 So a node's rows reach no node (N nodes publish N rows a round: watched, that
-was N x N deliveries), and a join or a done mark one or two of them (N joins a round reach O(1) nodes, not N: a node needs of the
-others' joins only the closed round's first member's, read once, and their
-deletes, a node lost); every node gets a job's spec once and its state copy
+was N x N deliveries), and a join or a done mark one or two of them (N joins a
+round reach O(1) nodes, not N: a node needs of the others' joins only the
+closed round's first member's, read once, and their deletes, a node lost);
+every node gets a job's spec once and its state copy
 once per change of round.
 The records (rendezvous/records.py) are sealed with the cluster key, bound
 to their key (trust/sealed.py); the spec by trust/specs.py. A closed round
@@ -78,7 +79,8 @@ from .records import (CANCELLED, CLOSED, FAILED, FINAL, OPEN, SUCCEEDED, Join, M
 
 __all__ = ["CANCELLED", "CLOSED", "FAILED", "FINAL", "OPEN", "SUCCEEDED", "Join", "Member",
            "RoundCause", "RoundState", "JobLimits", "RoundClock", "Result", "final_job_state",
-           "job_prefix", "rounds_prefix", "joins_prefix", "workers_prefix", "order_members", "lost_rejoiners",
+           "job_prefix", "rounds_prefix", "joins_prefix", "workers_prefix", "order_members",
+           "lost_rejoiners",
            "decide_open_round",
            "reopen", "result_for", "master_problem"]
 

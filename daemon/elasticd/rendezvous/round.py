@@ -633,7 +633,7 @@ class ClusterRendezvous:
         member, which then ends the job): the others end the job when its state turns
         final, so N marks reach one node, not N. One of them still waiting
         ``done_recheck`` after its own mark reads the marks once each period (the first
-        member lost, or etcd away when it tried)."""
+        member's end did not reach etcd, or its daemon stopped first)."""
         keys = self._view.job(self.job_id)
         rnd = result.place.round
         if keys is not None and not keys.joins_all:

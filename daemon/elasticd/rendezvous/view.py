@@ -8,8 +8,8 @@ Its key spaces (rendezvous/protocol.py lists the keys):
   and what it answers about a job that runs elsewhere. Only spec-level changes
   reach every node: a submission, and a job's round opening, closing or ending.
 * a job's rounds, ``/v1/rounds/<job>/...``: its round state (the one a round's
-  compare-and-swap moves) and who decides its open round. Only the nodes that run the job watch them
-  (``follow``/``unfollow``: one watch per job, from the job's
+  compare-and-swap moves) and who decides its open round. Only the nodes that
+  run the job watch them (``follow``/``unfollow``: one watch per job, from the job's
   ``ClusterRendezvous``): what etcd sends a node grows with the jobs it runs,
   not with the cluster. ``job(id, fresh=True)`` of a job this node does not
   follow lists its rounds and joins once, for whoever asks about a job that
