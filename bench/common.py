@@ -422,12 +422,25 @@ def run_each(names: list[str], reps: int, run_one, quiet_wait: float = 0.0,
     return runs
 
 
-def revision() -> str:
-    """The elasticd commit measured, and whether daemon/ or ctl/ differ from it."""
+def _code_repo() -> str:
+    """The checkout whose daemon code this process imports: REPO, or another tree's
+    when PYTHONPATH names its daemon/ (a before/after run of the same bench script)."""
     try:
-        head = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"],
+        import elasticd
+    except ImportError:
+        return REPO
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(elasticd.__file__))))
+    return root if os.path.exists(os.path.join(root, ".git")) else REPO
+
+
+def revision() -> str:
+    """The elasticd commit measured (of the daemon code imported), and whether its
+    daemon/ or ctl/ differ from it."""
+    repo = _code_repo()
+    try:
+        head = subprocess.run(["git", "-C", repo, "rev-parse", "--short", "HEAD"],
                               capture_output=True, text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--",
+        dirty = subprocess.run(["git", "-C", repo, "status", "--porcelain", "--",
                                 "daemon", "ctl"], capture_output=True, text=True,
                                timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
