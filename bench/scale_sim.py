@@ -365,10 +365,12 @@ def worker(conn, node_ids: list, url: str, prefix: str, key: bytes, overrides: d
         if cmd == "seen":   # how many live nodes this process's first node lists (a node
             # reads the records when asked: one list a process, not one a node)
             return [len(nodes[0].watcher.snapshot().live)] if nodes else []
-        if cmd == "join":   # ({node: (job id, its nodes)}, release wall time)
-            jobs, release = arg
+        if cmd == "join":   # ({node: (job id, its nodes)}, {job id: its release wall time})
+            jobs, releases = arg
             threads = [threading.Thread(target=node.join,
-                                        args=(*jobs[node.node_id], release, stop), daemon=True)
+                                        args=(*jobs[node.node_id],
+                                              releases[jobs[node.node_id][0]], stop),
+                                        daemon=True)
                        for node in nodes]
             for t in threads:
                 t.start()
@@ -581,9 +583,11 @@ def verdict(w: dict) -> str:
     return "ok"
 
 
-def form(sim: Sim, jobs: dict) -> dict:
+def form(sim: Sim, jobs: dict, stagger: float = 0.0) -> dict:
     """Create the jobs (``{node: (job, its nodes)}``; node None: every node) and
-    release every node's next_round at once: seconds until the last has its result."""
+    release every node's next_round at once (``stagger``: each job's nodes that many
+    seconds after the last job's): seconds from the first release until the last node
+    has its result."""
     from elasticd.rendezvous.round import create_job
     from elasticd.store import open_store
     from elasticd.trust.sealed import SealedRecords
@@ -599,7 +603,8 @@ def form(sim: Sim, jobs: dict) -> dict:
     while not all(sim.ask("holds", names)) and time.monotonic() < deadline:
         time.sleep(0.05)
     release = time.time() + 0.5
-    results = [r for got in sim.ask("join", (jobs, release)) for r in got]
+    releases = {job: release + i * stagger for i, job in enumerate(names)}
+    results = [r for got in sim.ask("join", (jobs, releases)) for r in got]
     ranks: dict = {}
     for job, _, rank, world in results:
         ranks.setdefault(job, []).append((rank, world))
@@ -609,7 +614,7 @@ def form(sim: Sim, jobs: dict) -> dict:
 
 
 def run_n(etcd: EtcdServer, n: int, procs: int, seconds: float, overrides: dict,
-          job_nodes: int = 0, full: bool = True) -> dict:
+          job_nodes: int = 0, full: bool = True, stagger: float = 0.0) -> dict:
     sim = Sim(etcd, n, procs, overrides)
     out = {"n": n}
     try:
@@ -644,7 +649,7 @@ def run_n(etcd: EtcdServer, n: int, procs: int, seconds: float, overrides: dict,
                 job, size = "j" + uuid.uuid4().hex[:7], len(sim.ids[k:k + job_nodes])
                 jobs.update({node: (job, size) for node in sim.ids[k:k + job_nodes]})
             before = sim.counters()["delivered"]
-            many = form(sim, jobs)
+            many = form(sim, jobs, stagger)
             out["jobs_rdzv"], out["jobs_ok"] = many["took"], many["ok"]
             # what reached the nodes' job watches (list and rounds) while they formed
             after = sim.counters()["delivered"]
@@ -709,6 +714,10 @@ def main(argv=None) -> int:
     ap.add_argument("--watch-transport", choices=("grpc", "gateway"),
                     help="membership.watch_transport for every simulated node (default: "
                          "this tree's setting, grpc)")
+    ap.add_argument("--stagger", type=float, default=0.0, metavar="S",
+                    help="with --job-nodes: start the jobs of S nodes one after another, "
+                         "S seconds apart (default 0: all at once), as jobs are submitted "
+                         "over time; their formation is then timed from the first")
     ap.add_argument("--no-full-job", dest="full", action="store_false",
                     help="with --job-nodes: skip the N-node job's rendezvous (its N "
                          "next_round calls at once)")
@@ -747,7 +756,8 @@ def main(argv=None) -> int:
     with EtcdServer() as etcd:
         for n in ns:
             print(f"\n-- N = {n}", flush=True)
-            r = run_n(etcd, n, args.procs, args.seconds, overrides, args.job_nodes, args.full)
+            r = run_n(etcd, n, args.procs, args.seconds, overrides, args.job_nodes, args.full,
+                      args.stagger)
             runs.append(r)
             if args.json:       # each N as it ends: a later N that fails keeps these
                 with open(args.json, "w") as fh:
@@ -756,7 +766,8 @@ def main(argv=None) -> int:
                   + (f"rendezvous {r['rdzv']:.3f} s ({'ok' if r['rdzv_ok'] else 'WRONG RANKS'}, "
                      f"{r['rdzv_errors']} failed calls retried); " if r["rdzv"] is not None
                      else "N-node rendezvous skipped; ")
-                  + (f"{-(-n // args.job_nodes)} jobs of {args.job_nodes} formed at once in "
+                  + (f"{-(-n // args.job_nodes)} jobs of {args.job_nodes} formed "
+                     + (f"{args.stagger:g} s apart" if args.stagger else "at once") + " in "
                      f"{r['jobs_rdzv']:.3f} s ({'ok' if r['jobs_ok'] else 'WRONG RANKS'}, "
                      f"{r['jobs_deliveries']:.0f} job-key deliveries per node); "
                      if 'jobs_rdzv' in r else "")
