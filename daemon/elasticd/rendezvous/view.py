@@ -189,6 +189,16 @@ class _Space:
                 del self.marks[oldest]
         return marks
 
+    def reading(self, job_id: str) -> "_Space":
+        """An empty space of the same keys for one read of the store (``once``), starting
+        from this space's marks of the job: a record older than one taken here is a
+        replay there too. The caller holds the view's condition."""
+        once = _Space(self.root, self.kinds, self.old, once=True)
+        marks = self.marks.get(job_id)
+        if marks is not None:
+            once.marks[job_id] = _Marks(marks.order, dict(marks.seqs))
+        return once
+
     def forget(self, job_id: str) -> None:
         """Drop what the space holds of the job (its marks stay)."""
         self.jobs.pop(job_id, None)
@@ -270,11 +280,8 @@ class JobsView:
         except StoreError as exc:
             log.debug("job %s: its worker rows not read: %s", job_id[:80], exc)
             return
-        once = _Space(self.workers_root, _ROW_KINDS, once=True)
         with self.changed:
-            marks = self._rows.marks.get(job_id)
-            if marks is not None:
-                once.marks[job_id] = _Marks(marks.order, dict(marks.seqs))
+            once = self._rows.reading(job_id)
             self._relist(once, kvs, 0)
             taken = once.marks.get(job_id)
             if taken is not None and taken.seqs:
@@ -292,23 +299,20 @@ class JobsView:
                     and got.joins_all):
                 return got
             rounds_too = followed is None or not followed.synced
-            marks = self._rounds.marks.get(job_id)
         try:
             kvs = self.store.list(f"{self.rounds_root}/{job_id}/")[0] if rounds_too else []
             joins, _ = self.store.list(f"{self.joins_root}/{job_id}/")
         except StoreError as exc:
             log.debug("job %s: its rounds not read: %s", job_id[:80], exc)
             return got
-        once = _Space(self.rounds_root, _ROUND_KINDS, _OLD_ROUNDS, once=True)
-        once_joins = _Space(self.joins_root, _JOIN_KINDS, once=True)
-        if marks is not None:
-            once.marks[job_id] = _Marks(marks.order, dict(marks.seqs))
         with self.changed:
+            once, once_joins = self._rounds.reading(job_id), self._joins.reading(job_id)
             self._relist(once, kvs, 0)
             self._relist(once_joins, joins, 0)
             got = self._merged(job_id)
-        read_joins = once_joins.jobs[job_id].joins if job_id in once_joins.jobs else {}
-        read_done = once_joins.jobs[job_id].done if job_id in once_joins.jobs else {}
+        joined = once_joins.jobs.get(job_id)
+        read_joins = joined.joins if joined is not None else {}
+        read_done = joined.done if joined is not None else {}
         if not rounds_too:
             if got is not None:
                 got.joins, got.done, got.joins_all = read_joins, read_done, True
