@@ -151,9 +151,16 @@ def test_every_member_lists_the_spare_though_only_the_first_watches_the_joins():
         wait_for(lambda: len(ns.got) == 2, 20, what="round 1 closed with a and b")
         ns.start("c")                  # at max nodes: c stands by as a spare
         wait_for(lambda: ns.nodes["c"].standing_by == 1, 20, what="c standing by")
+        first = ns.got["a"].members[0]
         for n in "ab":
             ns.nodes[n].status(ns.got[n])
-            assert spare_roles(ns.views[n]) == {"c": ["j1"]}, n
+        # The other member reads the joins when asked: at once.
+        other = "b" if first == "a" else "a"
+        assert spare_roles(ns.views[other]) == {"c": ["j1"]}, other
+        # The first member's watch delivers c's join when it does (c saw its own put
+        # before the test looked).
+        wait_for(lambda: spare_roles(ns.views[first]) == {"c": ["j1"]}, 20,
+                 what=f"{first} listing c as the spare")
     finally:
         ns.close()
 

@@ -264,7 +264,8 @@ class JobsView:
         """The job's keys as this view holds them (see the module's words); with
         ``fresh``, a job this node does not follow has its rounds and joins listed from
         the store now (the list's copy alone if the store does not answer), and a job it
-        follows watching one round's join deletes only has its joins listed; with
+        follows whose joins watch is of one round's deletes, or has not listed them yet
+        (it just switched to every join), has its joins listed; with
         ``rows``, its worker rows are listed now (none if the store does not answer)."""
         got = self._job(job_id, fresh)
         if rows and got is not None and is_ident(job_id):
@@ -296,8 +297,8 @@ class JobsView:
             followed = self._followed.get(job_id)
             if not fresh or not is_ident(job_id) or (
                     followed is not None and followed.synced and got is not None
-                    and got.joins_all):
-                return got
+                    and got.joins_all and followed.joins_synced):
+                return got      # every join watched and listed: what the view holds
             rounds_too = followed is None or not followed.synced
         try:
             kvs = self.store.list(f"{self.rounds_root}/{job_id}/")[0] if rounds_too else []
