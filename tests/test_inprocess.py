@@ -20,6 +20,8 @@ from elasticd.inprocess.coord import BarrierTimeout, IterationStore
 from elasticd.inprocess.records import RecordSealer
 from elasticd.v1 import control_pb2 as pb
 
+from daemons import free_port
+
 PY = sys.executable
 JOBSTORE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                         "daemon", "elasticd", "jobstore/server.py")
@@ -224,11 +226,11 @@ def test_a_rank_raising_at_step_k_recovers_in_process(job_store, tmp_path):
 
 def test_without_a_store_the_wrapper_runs_the_function_once(tmp_path):
     env = dict(os.environ, RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(29000 + os.getpid() % 1000))
+               MASTER_PORT=str(free_port()))
     env.pop("ELASTICD_STORE_ADDR", None)
     out = subprocess.run([PY, "-m", "elasticd.examples.train_inprocess", "--steps", "5"],
                          env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr
     assert "rank 0: done: 5 steps, iteration 0" in out.stdout
     assert "no ELASTICD_STORE_ADDR" in out.stderr
 

@@ -40,6 +40,19 @@ def abort_group() -> None:
         log.warning("aborting the process group failed: %s", exc)
 
 
+def close_group() -> None:
+    """Destroy the default process group at a normal end (every rank returned): the
+    graceful path, which lets the backend stop and join its threads before the
+    interpreter exits, where ``teardown``'s abort is for leaving a failed group."""
+    if not dist.is_initialized():
+        return
+    try:
+        dist.destroy_process_group()
+    except Exception as exc:
+        log.warning("destroying the process group failed: %s", exc)
+        teardown()
+
+
 def teardown() -> None:
     abort_group()
     if dist.is_initialized():

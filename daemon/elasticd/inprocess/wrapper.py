@@ -96,7 +96,7 @@ from ..jobstore import address as jobstore_env
 from ._beat import keepalive
 from .coord import BarrierTimeout, IterationStore, latest_iteration
 from .monitor import Monitor, RestartRequested
-from .pgroup import import_before_any_group, td, teardown
+from .pgroup import close_group, import_before_any_group, td, teardown
 from .records import RecordSealer
 from .reporter import Reporter, say
 from ..workers.inprocess_settings import (  # noqa: F401
@@ -171,11 +171,15 @@ class _Run:
         if not addr:
             log.warning("rank %d: no ELASTICD_STORE_ADDR (not submitted with --inprocess): "
                         "running once, faults restart the processes", self.rank)
+            import_before_any_group()
             dist.init_process_group(self.w.backend, timeout=td(self.s.hard_timeout))
             try:
-                return self._call(args, kwargs, 0)
-            finally:
+                value = self._call(args, kwargs, 0)
+            except BaseException:
                 teardown()
+                raise
+            close_group()
+            return value
         import_before_any_group()
         base = dist.TCPStore(addr, int(os.environ[jobstore_env.PORT]), is_master=False,
                              timeout=td(self.s.barrier_timeout), wait_for_workers=False)
@@ -276,10 +280,12 @@ class _Run:
         except BaseException as exc:  # sorted out below, once nothing can interrupt us
             value, error = None, exc
         monitor.quiesce()
+        clean = False
         try:
             if error is None:
                 fault = coord.finish(self.s.barrier_timeout)
                 if fault is None:
+                    clean = True
                     return _Outcome(True, value=value)
             elif isinstance(error, RestartRequested):
                 fault = coord.fault() or "restart requested"
@@ -299,7 +305,10 @@ class _Run:
                 # The traceback's frames hold the function's locals, which can keep the
                 # process group (and its connections) alive; it was logged above.
                 error.__traceback__ = None
-            teardown()  # closes our connections: peers still blocked in a collective fail now
+            if clean:
+                close_group()   # every rank returned: nobody waits on us, end it gracefully
+            else:
+                teardown()  # closes our connections: peers still blocked in a collective fail now
         return _Outcome(False, fault=fault, error=error)
 
     def _call(self, args, kwargs, iteration: int):
