@@ -22,13 +22,14 @@ through the gateway instead):
                joins: whole where the node decides the round or is its first
                member, else of their deletes) and rendezvous/round.py's
                ClusterRendezvous.next_round for the job
-  phases       rendezvous/phase_watch.py: a PhaseWatch per node, which follows the
-               job the node runs (one scoped watch of that job's phase records, as
-               agent/attempt.py opens it), and hangs/phase_board.py: a
-               PhasePublisher per node of the running job, made as the agent makes
-               it (PhasePublisher.for_agent), offered a record of 4 training ranks
-               every 0.2 s; each node reads its peers' records (JobPeers.of) once a
-               second
+  phases       rendezvous/phase_watch.py: a PhaseWatch per node, and
+               hangs/phase_board.py: a PhasePublisher per node of the running job,
+               made as the agent makes it (PhasePublisher.for_agent), offered a
+               record of 4 training ranks every 0.2 s; each node reads its peers
+               once a second through agent/phase_peers.py's PeerReader, as the
+               agent's attempt does: the round's first member watches the job's
+               records and folds them into the digest it publishes
+               (hangs/phase_digest.py), every other node watches that digest
 
 The nodes live in --procs worker processes (threads inside: about nine per
 node idle, twelve running, over grpc: one per watch, its follower, and a few
@@ -108,8 +109,12 @@ class CountingStore:
         self.inner, self.name, self.timeout = inner, inner.name, inner.timeout
         self.ops: Counter = Counter()
         self.delivered: Counter = Counter()
-        # job -> puts, CASes and deletes of its scoped keys (phase records, rounds)
+        # job -> puts, CASes and deletes of its rounds' keys (every node of the job
+        # watches them), of its phase digests (every node of the job but the writer);
+        # and the phase records' (each reaches the round's first member alone)
         self.phase_writes: Counter = Counter()
+        self.digest_writes: Counter = Counter()
+        self.record_writes: Counter = Counter()
         self.node_puts = 0       # writes of its node key: no watch receives them
         self.row_puts = 0        # writes of its worker rows (/v1/workers/: no watch there)
         self.errors = 0          # requests that failed (etcd slow to answer: overload),
@@ -139,9 +144,15 @@ class CountingStore:
         return counted
 
     def _phase_write(self, key: str, put: bool = True) -> None:
-        if key.startswith(("/v1/phases/", "/v1/rounds/")):
+        if key.startswith("/v1/rounds/"):
             with self._lock:
                 self.phase_writes[key.split("/")[3]] += 1
+        elif key.startswith("/v1/phasedigests/"):
+            with self._lock:
+                self.digest_writes[key.split("/")[3]] += 1
+        elif key.startswith("/v1/phases/"):
+            with self._lock:
+                self.record_writes[key.split("/")[3]] += 1
         elif key.startswith("/v1/workers/"):
             with self._lock:
                 self.row_puts += 1
@@ -170,6 +181,7 @@ class CountingStore:
         for ev in self.inner.watch(prefix, start_revision, stop_event, timeout, deletes_only):
             kind = "nodes" if ev.key.startswith("/v1/nodes/") else \
                 "phases" if "/phases/" in ev.key else \
+                "digests" if "/phasedigests/" in ev.key else \
                 "workers" if "/workers/" in ev.key else \
                 "done" if "/done/" in ev.key else \
                 "rounds" if ev.key.startswith("/v1/rounds/") else "jobs"
@@ -203,7 +215,7 @@ class SimNode:
         self.view = JobsView(self.store, records=records, retry=m.watch_retry)
         self.phases = PhaseWatch(self.store, records=records, retry=m.watch_retry)
         self.started_at = time.time()
-        self.rdzv = self.result = self.publisher = self.job_phases = None
+        self.rdzv = self.result = self.publisher = self.job_phases = self.reader = None
 
     def info(self) -> dict:
         # This host and this process, as a daemon's record says (cluster/node.py): after a
@@ -273,10 +285,14 @@ class SimNode:
     def publish(self) -> None:
         """Start publishing at a random point of one refresh interval: real nodes' jobs
         do not all start on the same tick, and bursts would fool a short window."""
+        from elasticd.agent.phase_peers import PeerReader
         from elasticd.hangs.phase_board import PhasePublisher
         self.job_phases = self.phases.for_job(self.rdzv.job_id, self.node_id,
                                               lambda: self.keeper.lease)
-        self.job_phases.follow()        # as agent/attempt.py: the job this node runs
+        # As agent/attempt.py: the records (the first member) or their digest (the others).
+        self.reader = PeerReader(self.rdzv.job_id, self.node_id, self.job_phases,
+                                 self.cfg.agent)
+        self.read_peers()
         self.publisher = PhasePublisher.for_agent(self.rdzv.job_id, self.node_id,
                                                   self.cfg.agent, self.job_phases.publish,
                                                   self.job_phases.delete)
@@ -294,9 +310,9 @@ class SimNode:
                                         (PhaseRecord("train", steps * RANKS, 0.12),)))
 
     def read_peers(self) -> None:
-        from elasticd.hangs.phase_board import JobPeers
-        JobPeers.of(self.job_phases.peers(), list(self.result.members), self.node_id,
-                    self.result.place.round, self.cfg.agent.phase_stale_after, time.monotonic())
+        """What the agent's tracker reads of the other nodes (the first member folds and
+        offers the digest here)."""
+        self.reader.peers(list(self.result.members), self.result.place.round)
 
     def counters(self) -> dict:
         with self.store._lock:
@@ -304,6 +320,11 @@ class SimNode:
                     "errors": self.store.errors, "revision": self.view.revision,
                     "lapsed": self.keeper.reregistrations,
                     "phase_writes": dict(self.store.phase_writes),
+                    "digest_writes": dict(self.store.digest_writes),
+                    "record_writes": dict(self.store.record_writes),
+                    # what it reads of its job's phases: "records" or "digests"
+                    "reads": ({self.reader.job_id: self.reader.reading}
+                              if self.reader is not None and self.reader.reading else {}),
                     "node_puts": self.store.node_puts, "row_puts": self.store.row_puts,
                     "follows": sorted(set(self.phases.following())
                                       | set(self.view.following()))}
@@ -408,6 +429,8 @@ def worker(conn, node_ids: list, url: str, prefix: str, key: bytes, overrides: d
             for node in nodes:
                 if node.publisher is not None:
                     node.publisher.stop(1.0)
+                if node.reader is not None:
+                    node.reader.stop()
                 node.phases.stop()
                 node.view.request_stop()
                 node.watcher.request_stop()
@@ -462,8 +485,10 @@ class Sim:
         self.etcd, self.n = etcd, n
         self.prefix = f"/sim{uuid.uuid4().hex[:8]}"
         self.ids = [f"n{i:04d}" for i in range(n)]
-        self.victims = self.ids[:max(1, n // 10)]
-        rest = self.ids[len(self.victims):]
+        # The last ids: each job's first member (the lowest id of its nodes, which reads
+        # its phase records) survives, so the window after the loss still measures them.
+        self.victims = self.ids[-max(1, n // 10):]
+        rest = self.ids[:-len(self.victims)]
         groups = [self.victims] + [rest[i::procs] for i in range(procs)]
         ctx = multiprocessing.get_context("fork")
         self.key = os.urandom(32)
@@ -491,12 +516,16 @@ class Sim:
     def counters(self, which=None) -> dict:
         total = {"ops": Counter(), "delivered": Counter(), "revisions": [], "errors": 0,
                  "phase_writes": Counter(), "followers": Counter(), "lapsed": 0,
+                 "digest_writes": Counter(), "record_writes": Counter(), "readers": Counter(),
                  "node_puts": 0, "row_puts": 0}
         for got in self.ask("counters", which=which):
             for node in got["nodes"]:
                 total["ops"].update(node["ops"])
                 total["delivered"].update(node["delivered"])
                 total["phase_writes"].update(node["phase_writes"])
+                total["digest_writes"].update(node.get("digest_writes", {}))
+                total["record_writes"].update(node.get("record_writes", {}))
+                total["readers"].update(node.get("reads", {}).items())
                 total["followers"].update(node["follows"])
                 total["revisions"].append(node["revision"])
                 total["errors"] += node["errors"]
@@ -538,14 +567,26 @@ class Sim:
                          if k in ("put", "create", "compare_and_swap", "delete"))
         phase_writes = {j: (c1["phase_writes"][j] - c0["phase_writes"].get(j, 0)) / span
                         for j in c1["phase_writes"]}
+        digest_writes = {j: (c1["digest_writes"][j] - c0["digest_writes"].get(j, 0)) / span
+                         for j in c1["digest_writes"]}
+        record_writes = {j: (c1["record_writes"][j] - c0["record_writes"].get(j, 0)) / span
+                         for j in c1["record_writes"]}
         node_puts = (c1["node_puts"] - c0["node_puts"] + c1["row_puts"] - c0["row_puts"]) \
             / span      # neither is watched
         delivered = sum(got.values())
         # Every watcher gets every write of the job list and every delete of a node key
-        # (no node's puts: the node watch is of deletes only); a phase record or a write
-        # of a job's rounds reaches the nodes that follow its job (of those counted: alive).
-        expected = (key_writes - sum(phase_writes.values()) - node_puts) * nodes \
-            + sum(w * c1["followers"][j] for j, w in phase_writes.items())
+        # (no node's puts: the node watch is of deletes only); a write of a job's rounds
+        # reaches the nodes that follow its job, a phase record the node that reads the
+        # job's records (the round's first member), a digest those that read its digests
+        # (of those counted: alive; after the loss, a job whose first member was lost has
+        # no reader of its records until a new round, which the simulator does not open).
+        scoped = sum(phase_writes.values()) + sum(digest_writes.values()) \
+            + sum(record_writes.values())
+        readers = c1["readers"]
+        expected = (key_writes - scoped - node_puts) * nodes \
+            + sum(w * c1["followers"][j] for j, w in phase_writes.items()) \
+            + sum(w * readers[(j, "records")] for j, w in record_writes.items()) \
+            + sum(w * readers[(j, "digests")] for j, w in digest_writes.items())
         sim = [(b - a) / span * 100 for a, b in zip(scpu0, scpu1)]
         return {"window": name, "n": self.n, "writes": (e1["writes"] - e0["writes"]) / span,
                 "req_node": (e1["requests"] - e0["requests"]) / span / nodes,
@@ -782,13 +823,14 @@ def main(argv=None) -> int:
         for w in (r["idle"], r["running"], r["after_loss"]):
             rows.append([r["n"], w["window"], f"{w['writes']:.0f}", f"{w['req_node']:.2f}",
                          f"{w['ops_node']:.2f}", f"{w['delivered']:.0f}", f"{w['per_node']:.1f}",
-                         f"{w['by_kind'].get('phases', 0) / max(1, r['n']):.1f}",
+                         f"{(w['by_kind'].get('phases', 0) + w['by_kind'].get('digests', 0)) / max(1, r['n']):.1f}",
                          f"{w['kept_up']:.0f} %", f"{w['etcd_cpu']:.0f} %",
                          f"{w['sim_cpu']:.0f} % (max {w['sim_max']:.0f})",
                          w["threads"], f"{w['load']:.1f}", w["errors"], verdict(w)])
     print()
     print(table(rows, ["N", "window", "etcd writes/s", "etcd req/node/s", "store calls/node/s",
-                       "deliveries/s", "deliveries/node/s", "of them phases/node/s", "kept up",
+                       "deliveries/s", "deliveries/node/s", "of them phases/node/s",
+                       "kept up",
                        "etcd CPU", "simulator CPU", "simulator threads", "load",
                        "failed calls", "limit"]))
     print()

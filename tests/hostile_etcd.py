@@ -253,6 +253,7 @@ def hostile_keys(rng: random.Random, job_id: str, rnd: int) -> list[str]:
                  f"/v1/jobs/{job}/join/{r}/{node}", f"/v1/jobs/{job}/done/{r}/{node}",
                  f"/v1/jobs/{job}/workers/{node}", f"/v1/jobs/{job}/phases/{node}",
                  f"/v1/phases/{job}/{node}", f"/v1/phases/{job}/{node}/x",
+                 f"/v1/phasedigests/{job}/{node}", f"/v1/phasedigests/{job}/{node}/x",
                  f"/v1/jobs/{job}/summaries/{node}", f"/v1/jobs/{job}/join/notanint/{node}",
                  f"/v1/events/{job}/{node}/{rng.randint(0, 10**12):012d}",
                  f"/v1/rounds/{job}/state", f"/v1/rounds/{job}/spec",

@@ -62,8 +62,8 @@ def _member(node: str, port: int) -> dict:
 
 
 KINDS = {"state": Kind.STATE, "joins": Kind.JOIN, "decider": Kind.DECIDER, "done": Kind.DONE,
-         "workers": Kind.WORKERS, "phases": Kind.PHASES, "nodes": Kind.NODE, "drain": Kind.DRAIN,
-         "events": Kind.EVENT}
+         "workers": Kind.WORKERS, "phases": Kind.PHASES, "phasedigests": Kind.PHASES,
+         "nodes": Kind.NODE, "drain": Kind.DRAIN, "events": Kind.EVENT}
 
 
 def _kind(key: str) -> Kind | None:
@@ -181,9 +181,14 @@ def test_forged_node_records_drain_marks_events_and_phases_are_ignored(pair):
         "job_id": job, "kind": "transition", "from_state": "RUNNING", "to_state": "FAILED",
         "reason": "forged-event", "node_id": "n2", "round": 1, "rank": -1, "restart": 0,
         "time": time.time()}))
+    # n1, the round's first member, reads the records; n2 reads n1's digest of them.
     a.put(f"/v1/phases/{job}/n2", json.dumps({
         "v": 1, "node": "n2", "round": before["n2"][1],
         "ranks": [[1, "checkpoint", 0.0, 1, None]], "learned": []}))
+    a.put(f"/v1/phasedigests/{job}/n1", json.dumps({
+        "v": 1, "node": "n1", "round": before["n1"][1], "members": 2, "stale": [],
+        "stale_count": 0, "waiting": [["checkpoint", 1, ["n1"]]], "learned": [],
+        "straggler": None}))
     time.sleep(2.0)   # each watch has seen them by now
     for node in ("n1", "n2"):
         nodes = {n["node_id"]: n["state"] for n in ctl_json(pair[node], "nodes")["nodes"]}

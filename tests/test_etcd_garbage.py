@@ -136,7 +136,7 @@ def _fuzz(pair: TrainingPair, count: int, seed: int) -> dict:
         f"/v1/rounds/{job}/state", f"/v1/joins/{job}/round/{rnd}/n1",
         f"/v1/joins/{job}/round/{rnd}/n2", f"/v1/workers/{job}/rows/n1")) if kv]
     genuine += [a.get(f"/v1/jobs/{job}/state")]
-    genuine += [a.get(f"/v1/phases/{job}/n2")]
+    genuine += [a.get(f"/v1/phases/{job}/n2"), a.get(f"/v1/phasedigests/{job}/n1")]
     genuine += [a.get("/v1/nodes/n1"), a.get("/v1/nodes/n2")]
     genuine = [g for g in genuine if g]
     work = []

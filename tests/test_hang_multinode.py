@@ -6,7 +6,9 @@ job's keys; the other node decides on them:
 
 * no false alarm: the rank on node n2 writes a 20 s torch.save checkpoint while
   the rank on n1 waits in its next all_reduce, silent far past the learned 10 s
-  of its training phase;
+  of its training phase; and the other way round (n1, the round's first member,
+  reads n2's record itself; n2 reads n1's checkpoint in the digest n1 writes,
+  hangs/phase_digest.py);
 * a rank asleep in its step loop on n2 is killed at the learned timeout (not the
   fixed 180 s) and the job recovers across both nodes;
 * a rank slowed 3x on n2 is named the job's straggler by n1's status.
@@ -54,7 +56,7 @@ PREAMBLE = textwrap.dedent("""
         opt.step()
 """)
 
-CHECKPOINT_ON_N2 = PREAMBLE + textwrap.dedent("""
+CHECKPOINT_ON_SAVER = PREAMBLE + textwrap.dedent("""
     class SlowToSave:
         \"\"\"Pickling it takes 20 s: a checkpoint to a slow disk.\"\"\"
         def __reduce__(self):
@@ -64,7 +66,7 @@ CHECKPOINT_ON_N2 = PREAMBLE + textwrap.dedent("""
     for i in range(1, 71):
         step()
         time.sleep(0.05)
-        if i == 40 and node == "n2":   # n1's rank waits for it in its next all_reduce
+        if i == 40 and node == os.environ["SAVER"]:   # the other rank waits for it
             t = time.time()
             torch.save({"model": model.state_dict(), "slow": SlowToSave()},
                        os.path.join(os.environ["CKPT_DIR"], f"ckpt-{rank}"))
@@ -175,26 +177,27 @@ def _train_limit(st: dict) -> dict:
 
 
 @pytest.mark.slow
-def test_a_rank_waiting_for_a_checkpoint_on_another_node_is_not_killed(pair):
+@pytest.mark.parametrize("saver,waiter", [("n2", "n1"), ("n1", "n2")])
+def test_a_rank_waiting_for_a_checkpoint_on_another_node_is_not_killed(pair, saver, waiter):
     os.makedirs(os.path.join(pair.shared, "ckpt"))
     job = submit(pair["n1"], "--nnodes", "2", "--nproc-per-node", "1", "--max-restarts", "0",
                  "--env", f"CKPT_DIR={os.path.join(pair.shared, 'ckpt')}",
-                 cmd=[PY, _script(pair, "ckpt.py", CHECKPOINT_ON_N2)])
+                 "--env", f"SAVER={saver}",
+                 cmd=[PY, _script(pair, "ckpt.py", CHECKPOINT_ON_SAVER)])
     st = wait_done(pair["n1"], job, timeout=240)
     hangs = _hangs(pair, job)
     assert st["state"] == "SUCCEEDED", (st.get("reason"), hangs)
     assert hangs == [], hangs
-    saver = _rank_on(st, "n2")
-    log = rank_log(pair["n2"], job, saver)
+    log = rank_log(pair[saver], job, _rank_on(st, saver))
     took = float(re.search(r"^CHECKPOINT ([\d.]+)$", log, re.M).group(1))
     assert took >= 19, log[-2000:]
-    # n1 ran under learned limits (a training gap of 10 s, not the fixed 180 s): its
-    # rank's 20 s silence was explained by n2's checkpoint, not by a longer bound.
-    train = _train_limit(status(pair["n1"], job))
+    # The waiter ran under learned limits (a training gap of 10 s, not the fixed 180 s):
+    # its rank's 20 s silence was explained by the saver's checkpoint, not a longer bound.
+    train = _train_limit(status(pair[waiter], job))
     assert train.get("learned") and train["hard_seconds"] == 10, train
     assert train["longest_gap_seconds"] < 5, train   # the wait was not learned as a gap
-    print(f"checkpoint on n2: {took:.1f}s; n1's train limit {train['hard_seconds']}s; "
-          f"no hang event")
+    print(f"checkpoint on {saver}: {took:.1f}s; {waiter}'s train limit "
+          f"{train['hard_seconds']}s; no hang event")
 
 
 @pytest.mark.slow

@@ -1,5 +1,7 @@
 """A job's rounds and phase records reach its own nodes and no other: four real
 daemons on one real etcd, job A on n1+n2 and job B on n3+n4 (plain sleeping workers).
+Within a job, the records reach its round's first member only, and the digest it folds
+them into (hangs/phase_digest.py, ``kind="phasedigests"``) the job's other node only.
 
 Each daemon counts what its store watches receive by the kind of key
 (``elasticd_store_watch_events_total{kind="phases"}``, counted where the watch
@@ -71,6 +73,7 @@ JOB_EVENTS = 'elasticd_store_watch_events_total{kind="events"}'
 NODE_EVENTS = 'elasticd_store_watch_events_total{kind="nodes"}'
 JOIN_EVENTS = 'elasticd_store_watch_events_total{kind="joins"}'
 ROW_EVENTS = 'elasticd_store_watch_events_total{kind="workers"}'
+DIGEST_EVENTS = 'elasticd_store_watch_events_total{kind="phasedigests"}'
 
 
 def changes_since(store, folder: str, since: int, jobs: dict) -> dict:
@@ -92,10 +95,12 @@ def test_a_nodes_watches_get_the_phase_records_of_its_own_job_only(quad):
         for name, nodes in JOBS.items():
             for node in nodes:
                 c[node].wait_state(jobs[name], "RUNNING", 90)
-        # Each node watches its job's records and received some (its peer's refreshes).
+        # Each node watches its job's records (the first member) or their digest (the
+        # other) and received some (the refreshes).
         wait_for(lambda: all(metric(p, "elasticd_phase_watches") == 1
-                             and metric(p, PHASE_EVENTS) >= 2 for p in ports.values()),
-                 60, "every node watching its job's phase records and receiving them")
+                             and metric(p, PHASE_EVENTS) + metric(p, DIGEST_EVENTS) >= 2
+                             for p in ports.values()),
+                 60, "every node watching its job's phase records or digest and receiving them")
         # A job that runs elsewhere still shows from a node that does not run it.
         assert status(c["n4"], jobs["A"])["state"] == "RUNNING"
         for name, nodes in JOBS.items():
@@ -106,6 +111,8 @@ def test_a_nodes_watches_get_the_phase_records_of_its_own_job_only(quad):
         wait_for(lambda: all(metric(p, "elasticd_phase_watches") == 0 for p in ports.values()),
                  30, "every node's phase watch closed once its job ended there")
         got = {node: metric(p, PHASE_EVENTS) for node, p in ports.items()}
+        digests = {node: metric(p, DIGEST_EVENTS) for node, p in ports.items()}
+        digest_changes = changes_since(store, "phasedigests", since, jobs)
         rounds = {node: metric(p, ROUND_EVENTS) for node, p in ports.items()}
         events = {node: metric(p, JOB_EVENTS) for node, p in ports.items()}
         joins = {node: metric(p, JOIN_EVENTS) for node, p in ports.items()}
@@ -129,12 +136,20 @@ def test_a_nodes_watches_get_the_phase_records_of_its_own_job_only(quad):
     # stopped); no node received one.
     assert all(n >= 2 for n in row_changes.values()), row_changes
     assert rows == {node: 0 for node in ports}, (rows, row_changes)
+    assert all(n >= 2 for n in digest_changes.values()), digest_changes
     for name, nodes in JOBS.items():
+        # One node of the job (its round's first member) received the records and no
+        # digest; the other received the digests and no record.
+        first = [node for node in nodes if got[node]]
+        assert len(first) == 1, (got, digests)
+        other = next(node for node in nodes if node != first[0])
+        assert digests[first[0]] == 0 and got[other] == 0, (got, digests)
+        assert 2 <= got[first[0]] <= changes[name], (
+            f"{first[0]} runs job {name} only: it may receive that job's {changes[name]} "
+            f"phase record changes and no other job's; it received {got[first[0]]:.0f} "
+            f"(all: {got}, changes per job: {changes})")
+        assert 2 <= digests[other] <= digest_changes[name], (digests, digest_changes)
         for node in nodes:
-            assert 2 <= got[node] <= changes[name], (
-                f"{node} runs job {name} only: it may receive that job's {changes[name]} "
-                f"phase record changes and no other job's; it received {got[node]:.0f} "
-                f"(all: {got}, changes per job: {changes})")
             assert 2 <= rounds[node] <= round_changes[name], (
                 f"{node} runs job {name} only: it may receive that job's "
                 f"{round_changes[name]} changes of its rounds and no other job's; it "

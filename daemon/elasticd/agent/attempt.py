@@ -4,9 +4,11 @@
 when its workers started (for the wait before the next restart:
 restartpolicy.plan_restart), the hang detector (hangs/detector.py) and, for a
 job across nodes, the publisher of this node's phases and step times
-(hangs/phase_board.py) and the watch of the job's phase records
-(rendezvous/phase_watch.py: only the job's own nodes watch them), both from
-the first look at a running round until the job ends here.
+(hangs/phase_board.py) from the first look at a running round until the job
+ends here, and what this node reads of the other nodes' (rendezvous/phase_watch.py):
+as the round's first member, every member's record, folded into the digest it
+publishes (hangs/phase_digest.py); as any other member, that digest alone
+(agent/phase_peers.py).
 """
 from __future__ import annotations
 
@@ -14,13 +16,14 @@ import time
 
 from ..config import Config
 from ..hangs.detector import ProgressTracker
-from ..hangs.phase_board import JobPeers, PhasePublisher
+from ..hangs.phase_board import PhasePublisher
 from ..jobs.records import Failure
 from ..jobs.registry import JobRegistry
 from ..jobs.restartpolicy import AttemptProgress
 from ..rendezvous.phase_watch import JobPhases
 from ..rendezvous.protocol import Result
 from ..workers.group import WorkerGroup
+from .phase_peers import PeerReader
 
 
 class AttemptWatch:
@@ -37,6 +40,7 @@ class AttemptWatch:
             job_id, cfg.agent, registry, cfg.daemon.node_id, on_beat=self._on_beat,
             seed=registry.get(job_id).hang_timeouts)  # the hang timeouts learned before
         self._phase_pub: PhasePublisher | None = None  # this node's phases, jobs across nodes
+        self._peers: PeerReader | None = None    # what it reads of the other nodes' phases
 
     def _on_beat(self) -> None:
         if not self._beats:
@@ -59,17 +63,13 @@ class AttemptWatch:
         if result.place.group_world_size <= 1 or not self._cfg.agent.hang_detection:
             self._progress.check(group)
             return
-        a = self._cfg.agent
         if self._phase_pub is None:
-            self._phases.follow()
+            me = self._cfg.daemon.node_id
             self._phase_pub = PhasePublisher.for_agent(
-                self.job_id, self._cfg.daemon.node_id, a, self._phases.publish,
-                self._phases.delete)
+                self.job_id, me, self._cfg.agent, self._phases.publish, self._phases.delete)
             self._phase_pub.start()
-        peers = JobPeers.of(self._phases.peers(), list(result.members),
-                            self._cfg.daemon.node_id, result.place.round, a.phase_stale_after,
-                            time.monotonic())
-        self._progress.check(group, peers)
+            self._peers = PeerReader(self.job_id, me, self._phases, self._cfg.agent)
+        self._progress.check(group, self._peers.peers(list(result.members), result.place.round))
         self._phase_pub.offer(self._progress.snapshot(result.place.round))
 
     def forget(self, rank: int) -> None:
@@ -83,4 +83,6 @@ class AttemptWatch:
     def stop(self) -> None:
         if self._phase_pub is not None:
             self._phase_pub.stop()
-            self._phases.unfollow()
+            self._phase_pub = None
+        if self._peers is not None:
+            self._peers.stop()

@@ -17,7 +17,8 @@ the job's own gaps between beats (kept across attempts and daemon restarts in th
 job record), the fixed settings as the upper bound. The tracker feeds the ranks'
 busy time per step to hangs/stragglers.py, which names the slowest rank. For a job
 across nodes the agent hands it the other nodes' records (hangs/phase_board.py:
-their ranks' phases, step times and what they learned) and publishes its
+their ranks' phases, step times and what they learned; or the round's first
+member's digest of them, hangs/phase_digest.py) and publishes its
 ``snapshot()``: a rank here waiting for a checkpoint there gets the checkpoint's
 limits, the learned gaps merge, and the straggler is named job-wide. Per rank,
 ``judge()`` decides:
@@ -163,8 +164,8 @@ class ProgressTracker:
         if group is not self._group:
             self._group, self._ranks, self._killed, self._table = group, {}, {}, ()
         self._peers = peers if peers is not None else JobPeers(complete=False)
-        for peer in self._peers.records:  # what the other nodes learned: the max per phase
-            if phase_board.merge_learned(self._phases, peer.record.learned):
+        for learned in self._peers.learned():  # what the other nodes learned: the max per phase
+            if phase_board.merge_learned(self._phases, learned):
                 self._dirty = True
         now = self.ops.clock()
         learn = self._learn_settings(group)
@@ -231,13 +232,11 @@ class ProgressTracker:
                 self._bracket_seen = now
                 if widest is None or limit.hard > widest.hard:
                     widest = limit
-        for peer in self._peers.records:
-            for rp in peer.record.ranks:
-                if others_wait_for(rp.phase):
-                    self._bracket_seen = now
-                    limit = phase_limit(rp.phase, self._phases.get(rp.phase), learn)
-                    if widest is None or limit.hard > widest.hard:
-                        widest = limit
+        for phase in self._peers.waiting_phases(self.node_id):
+            self._bracket_seen = now
+            limit = phase_limit(phase, self._phases.get(phase), learn)
+            if widest is None or limit.hard > widest.hard:
+                widest = limit
         for w, r, _ in live:
             if w.rank not in out:
                 continue
@@ -359,7 +358,11 @@ class ProgressTracker:
             for rp in peer.record.ranks:
                 if rp.rank not in times:
                     times[rp.rank], nodes[rp.rank] = rp.step_seconds, peer.record.node_id
-        found = stragglers.find_straggler(times, nodes)
+        if self._peers.digest is not None:
+            # The round's first member compared every rank's (this node's as published).
+            found = self._peers.digest.straggler
+        else:
+            found = stragglers.find_straggler(times, nodes)
         if found != self._straggler:
             self._straggler, self._dirty = found, True
         move = stragglers.crossed(self._announced, found, a.straggler_threshold)

@@ -3,8 +3,9 @@
 A job across nodes has ranks that wait, in a collective, for a rank on another
 node: when that rank is in a checkpoint or a section, their silence is
 explained by a phase no daemon on their node sees. So each node of a round
-publishes one small record per job (``NodePhases``), which only the job's
-own nodes watch (rendezvous/phase_watch.py)::
+publishes one small record per job (``NodePhases``), which only the round's
+first member watches (rendezvous/phase_watch.py; it folds them into the
+digest the job's other nodes watch, hangs/phase_digest.py)::
 
     /v1/phases/<job>/<node>     this node's ranks: phase, for how long, step
                                 statistics; and the gaps learned per phase
@@ -25,14 +26,14 @@ or the round changes (a peer sees a checkpoint begin within a tick), within
 or more, or what was learned grew (``NodePhases.moved_from``); otherwise only every
 ``agent.phase_refresh_interval``, which keeps the record fresh for
 ``agent.phase_stale_after`` (a write that fails is tried again each publish
-interval). Every node of a job watches every other's record, so a steady
-record costs etcd one write and one delivery per node of the job per refresh,
-not per second, and nothing to the cluster's other nodes.
+interval). A steady record costs etcd one write per refresh, delivered to one
+node (the round's first member), and nothing to the cluster's other nodes.
 One key per node per job: the write load grows with the nodes, not the ranks
 or the steps.
 
 ``JobPeers`` is what the tracker (hangs/detector.py) decides on: the other nodes'
-records of the round, and whether every other member's is fresh. Only then
+records of the round (or the first member's digest of them), and whether every
+other member's is fresh. Only then
 does a job across nodes get learned timeouts; otherwise the fixed bounds.
 """
 from __future__ import annotations
@@ -44,7 +45,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from .timeouts import MAX_PHASES, PhaseRecord
+from .timeouts import MAX_PHASES, PhaseRecord, others_wait_for
 from ..logsetup import ctx
 from ..fields import is_real, is_whole
 from ..values import decode
@@ -90,6 +91,10 @@ class NodePhases:
             else:
                 ranks.pop()
 
+    def shape(self) -> tuple:
+        """What wakes the writer at once when it changes: each rank's phase, the round."""
+        return tuple((r.rank, r.phase) for r in self.ranks) + (self.round,)
+
     def moved_from(self, before: "NodePhases | None") -> bool:
         """Whether this record says something the other nodes decide on that ``before``
         (the record last written) does not: the round or a rank's phase; a rank's time
@@ -97,18 +102,13 @@ class NodePhases:
         its count of gaps past a power of two (the learned limits). Not the step counts
         nor how long a phase has lasted. Measured from what was written, so a value
         that wavers about one point is not written again and again."""
-        if before is None or self.round != before.round or len(self.ranks) != len(before.ranks) \
-                or len(self.learned) != len(before.learned):
+        if before is None or self.round != before.round or len(self.ranks) != len(before.ranks):
             return True
         for now, then in zip(self.ranks, before.ranks):
             if (now.rank, now.phase) != (then.rank, then.phase) \
-                    or _apart(now.step_seconds, then.step_seconds, 1.2):
+                    or apart(now.step_seconds, then.step_seconds, 1.2):
                 return True
-        for now, then in zip(self.learned, before.learned):
-            if now.phase != then.phase or _apart(now.longest, then.longest, 1.1) \
-                    or now.gaps.bit_length() != then.gaps.bit_length():
-                return True
-        return False
+        return learned_moved(self.learned, before.learned)
 
     @classmethod
     def from_doc(cls, doc: dict, node_id: str) -> "NodePhases":
@@ -124,7 +124,7 @@ class NodePhases:
                 or len(learned) > MAX_PHASES:
             raise ValueError("phase record fields out of range")
         return cls(node_id, rnd, tuple(_rank(r) for r in ranks),
-                   tuple(_learned(p) for p in learned))
+                   tuple(learned_entry(p) for p in learned))
 
     @classmethod
     def from_json(cls, text: str | None, node_id: str) -> "NodePhases":
@@ -132,7 +132,7 @@ class NodePhases:
         return cls.from_doc(decode(text, max_bytes=RECORD_MAX), node_id)
 
 
-def _apart(a: float | None, b: float | None, ratio: float) -> bool:
+def apart(a: float | None, b: float | None, ratio: float) -> bool:
     """Whether ``a`` and ``b`` differ by ``ratio`` or more (or one of them is None or 0)."""
     if a is None or b is None or a <= 0 or b <= 0:
         return (a is None) != (b is None) or (a is not None and b is not None and a != b)
@@ -151,7 +151,17 @@ def _rank(item) -> RankPhase:
                      None if step_s is None else float(step_s))
 
 
-def _learned(item) -> PhaseRecord:
+def learned_moved(now: tuple, then: tuple) -> bool:
+    """Whether the learned phases ``now`` differ from ``then`` enough to tell the other
+    nodes: a phase more or less, its longest gap by a tenth, its count of gaps past a
+    power of two."""
+    if len(now) != len(then):
+        return True
+    return any(a.phase != b.phase or apart(a.longest, b.longest, 1.1)
+               or a.gaps.bit_length() != b.gaps.bit_length() for a, b in zip(now, then))
+
+
+def learned_entry(item) -> PhaseRecord:
     if not isinstance(item, list) or len(item) != 3:
         raise ValueError("learned entry is not [phase, gaps, longest]")
     phase, gaps, longest = item
@@ -170,9 +180,25 @@ class PeerPhases:
 
 @dataclass(frozen=True)
 class JobPeers:
-    """The round's other nodes as the tracker sees them."""
+    """The round's other nodes as the tracker sees them: their records, where this node is
+    the round's first member and watches them; else the digest that member folds them
+    into (hangs/phase_digest.py)."""
     records: tuple = ()       # PeerPhases of the round's other members
     complete: bool = True     # every other member of the round has a fresh record
+    digest: object = None     # phase_digest.PhaseDigest, read in place of ``records``
+
+    def learned(self):
+        """What the other nodes learned, one tuple of PhaseRecord per source."""
+        if self.digest is not None:
+            return [self.digest.learned]
+        return [peer.record.learned for peer in self.records]
+
+    def waiting_phases(self, node_id: str) -> list[str]:
+        """The phases ranks on other nodes are in that make this node's ranks wait."""
+        if self.digest is not None:
+            return self.digest.waiting_phases(node_id)
+        return [rp.phase for peer in self.records for rp in peer.record.ranks
+                if others_wait_for(rp.phase)]
 
     @classmethod
     def of(cls, received: dict, members: list[str], node_id: str, rnd: int,
@@ -208,14 +234,15 @@ def merge_learned(mine: dict, theirs, limit: int = MAX_PHASES) -> bool:
 
 
 class PhasePublisher:
-    """Writes one job's ``NodePhases`` for this node: one owner thread, a stop event.
+    """Writes one job's ``NodePhases`` (or ``PhaseDigest``: anything with ``shape``,
+    ``moved_from`` and ``to_json``) for this node: one owner thread, a stop event.
     ``interval``: the soonest a changed record is written again (a change of phase
     wakes it at once); ``refresh``: how often an unchanged one is (at least
     ``interval``; None: every ``interval``)."""
 
     def __init__(self, job_id: str, node_id: str, interval: float,
                  put: Callable[[str], None], delete: Callable[[], None],
-                 refresh: float | None = None, clock=time.monotonic):
+                 refresh: float | None = None, clock=time.monotonic, name: str = "phases"):
         self.job_id, self.node_id, self.interval = job_id, node_id, interval
         self.refresh = interval if refresh is None else max(refresh, interval)
         self._put, self._delete, self._clock = put, delete, clock
@@ -224,21 +251,22 @@ class PhasePublisher:
         self._shape: tuple = ()       # (rank, phase) pairs last offered: a change wakes the loop
         self._stop = threading.Event()
         self._wake = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"phases-{job_id}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"{name}-{job_id}", daemon=True)
         self.writes = 0
 
     @classmethod
     def for_agent(cls, job_id: str, node_id: str, settings, put: Callable[[str], None],
-                  delete: Callable[[], None]) -> "PhasePublisher":
-        """The publisher of one job's record on this node, at the agent's settings."""
+                  delete: Callable[[], None], name: str = "phases") -> "PhasePublisher":
+        """The publisher of one job's record (or digest) on this node, at the agent's
+        settings."""
         return cls(job_id, node_id, settings.phase_publish_interval, put, delete,
-                   refresh=settings.phase_refresh_interval)
+                   refresh=settings.phase_refresh_interval, name=name)
 
     def start(self) -> None:
         self._thread.start()
 
     def offer(self, record: NodePhases) -> None:
-        shape = tuple((r.rank, r.phase) for r in record.ranks) + (record.round,)
+        shape = record.shape()
         with self._lock:
             self._latest = record
             changed, self._shape = shape != self._shape, shape

@@ -94,8 +94,8 @@ class Metrics:
         self.watch_events = Counter(
             "elasticd_store_watch_events_total",
             "Changes this node's watches of the cluster store received, by the kind of key "
-            "(its folder: jobs, rounds, joins, workers, phases, nodes, drain, faults, events, "
-            "other)",
+            "(its folder: jobs, rounds, joins, workers, phases, phasedigests, nodes, drain, "
+            "faults, events, other)",
             ["kind"], registry=r)
         self._watch_events = {k: self.watch_events.labels(k) for k in WATCHED_KINDS}
         self.lease_refresh_seconds = Histogram(

@@ -26,8 +26,8 @@ _STORE_ERRORS = ((StoreUnavailable, "unavailable"), (StoreAuthError, "auth"),
 
 
 # The folders of the keys the daemons write: a watch event's label (else "other").
-WATCHED_KINDS = ("jobs", "rounds", "joins", "workers", "phases", "nodes", "drain", "faults",
-                 "events", "other")
+WATCHED_KINDS = ("jobs", "rounds", "joins", "workers", "phases", "phasedigests", "nodes",
+                 "drain", "faults", "events", "other")
 
 
 def watch_event_kind(key: str) -> str:
