@@ -86,7 +86,8 @@ def test_stream_opens_again_after_etcd_restarts_and_waits_are_bounded(etcd):
                 assert time.monotonic() - t0 < TIMEOUT + SLACK
             finally:
                 server.thaw()
-            store.refresh_lease(lease)
+            store.refresh_lease(lease)   # the late reply skipped, this one's taken
+            assert store._keepalive.opened == 2, "one slow answer is no reason to reconnect"
             server.stop()
             t0 = time.monotonic()
             with pytest.raises(StoreUnavailable):
@@ -94,6 +95,31 @@ def test_stream_opens_again_after_etcd_restarts_and_waits_are_bounded(etcd):
             assert time.monotonic() - t0 < TIMEOUT + SLACK
             server.start()
             store.refresh_lease(lease)
+        finally:
+            store.close()
+
+
+def test_a_stream_silent_for_two_timeouts_is_opened_again(etcd):
+    """etcd slow for one refresh keeps the stream (late replies skipped in order); silent
+    for two in a row, the stream and its channel are replaced (as a dead endpoint's)."""
+    with EtcdServer() as server:
+        store = grpc_store(server.endpoints)
+        try:
+            lease = store.grant_lease(30)
+            store.refresh_lease(lease)
+            server.freeze()
+            try:
+                for _ in range(2):
+                    with pytest.raises(StoreUnavailable, match="did not answer"):
+                        store.refresh_lease(lease)
+                assert store._keepalive._stream is None, "silent twice: dropped"
+            finally:
+                server.thaw()
+            store.refresh_lease(lease)
+            assert store._keepalive.opened == 2
+            for _ in range(3):               # the new stream answers each refresh in turn
+                store.refresh_lease(lease)
+            assert store._keepalive.opened == 2
         finally:
             store.close()
 

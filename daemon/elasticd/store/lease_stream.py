@@ -12,7 +12,17 @@ Every refresh waits at most the store's timeout for etcd's reply.  A reply
 with TTL 0 means the lease has ended: :class:`LeaseNotFound`.  Any other
 failure raises a :class:`StoreError` (StoreUnavailable when etcd did not
 answer, StoreAuthError for TLS trust or credentials) and closes the stream
-and its channel; the next refresh opens them again, on the next endpoint.  A
+and its channel; the next refresh opens them again, on the next endpoint.
+With one endpoint, a reply late on a connected stream that etcd answered
+within ``SILENT_FOR`` timeouts is the exception: there is no other member to
+go to, etcd is most likely slow rather than gone (under load, or a burst of
+work), and the stream is kept. A new channel then would cost etcd and this
+process a connection and its threads exactly when etcd is slowest, and every
+node of a busy cluster doing the same at once makes etcd slower still; the
+late reply is skipped when it comes (etcd answers a stream in order). With
+several endpoints a late reply may be a member cut off from the others,
+whose leases it cannot renew: the next refresh goes to the next member at
+once, as before (a lease outlives one refresh and one timeout, not two).  A
 new stream that breaks at once (connection refused, a member without a
 leader) or has no connection within its share of the timeout moves on to
 the next endpoint within the same refresh, as the gateway's calls do (a
@@ -35,6 +45,11 @@ from .etcd3_errors import etcd_error
 from .etcdpb import lease_pb2, lease_pb2_grpc
 
 
+# A connected stream that has not answered for this many timeouts is dropped at a
+# timeout (and the next endpoint tried); within it, a late reply keeps the stream.
+SILENT_FOR = 2.0
+
+
 class _Stream:
     """One channel and its keep-alive call; a thread of its own reads the replies
     into ``replies`` (a reply, an RpcError, or None when the stream ended)."""
@@ -50,6 +65,8 @@ class _Stream:
         # Whether the channel ever connected: until it does, a refresh may go on to
         # the next endpoint early (gRPC watches the state only until then).
         self.connected = threading.Event()
+        self.heard = time.monotonic()   # its last reply, or its opening
+        self.owed = 0                   # replies still to come for refreshes that timed out
         self.channel.subscribe(self._state)
         stub = lease_pb2_grpc.LeaseStub(self.channel)
         self._call = stub.LeaseKeepAlive(iter(self._requests.get, None), metadata=metadata)
@@ -130,12 +147,16 @@ class KeepAliveStream:
         wait = max(0.0, deadline - time.monotonic())
         if not (last or stream.connected.is_set()):  # leave time to try the others
             wait = min(wait, max(self.timeout / len(self.endpoints), 0.25))
-        reply = _next(stream.replies, wait)
+        reply = self._reply(stream, lease_id, wait)
         if reply is _NOTHING and stream.connected.is_set():   # connected: wait it out
-            reply = _next(stream.replies, max(0.0, deadline - time.monotonic()))
+            reply = self._reply(stream, lease_id, max(0.0, deadline - time.monotonic()))
         if reply is _NOTHING:
             connected = stream.connected.is_set()
-            self._drop()
+            silent = time.monotonic() - stream.heard
+            if connected and len(self.endpoints) == 1 and silent < SILENT_FOR * self.timeout:
+                stream.owed += 1      # slow, not gone: keep the stream, skip the late reply
+            else:
+                self._drop()
             error = StoreUnavailable(f"etcd at {stream.url} did not answer a lease keep-alive "
                                      f"within {self.timeout:g}s"
                                      + ("" if connected else " (no connection)"))
@@ -153,6 +174,22 @@ class KeepAliveStream:
                  else self._error(stream.url, reply, relogged))
         self._drop(advance=not isinstance(error, _Relogin))
         raise error
+
+    @staticmethod
+    def _reply(stream: _Stream, lease_id: int, timeout: float):
+        """The reply to this refresh's keep-alive within ``timeout``, else _NOTHING; the
+        replies still owed to refreshes that timed out come first and are skipped (one
+        saying the lease ended is that answer still). An error or the stream's end is
+        returned as it comes."""
+        end = time.monotonic() + timeout
+        while True:
+            reply = _next(stream.replies, max(0.0, end - time.monotonic()))
+            if not isinstance(reply, lease_pb2.LeaseKeepAliveResponse):
+                return reply
+            stream.heard = time.monotonic()
+            if stream.owed == 0 or (reply.ID == lease_id and reply.TTL <= 0):
+                return reply
+            stream.owed -= 1
 
     @staticmethod
     def _error(url: str, exc: grpc.RpcError, relogged: bool) -> Exception:
