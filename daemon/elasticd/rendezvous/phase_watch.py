@@ -14,7 +14,7 @@ job keys every daemon watches (rendezvous/view.py)::
 While a node runs a job it watches either the job's records (``follow``: it is
 the round's first member) or the job's digests (``follow_digests``: every other
 member), one watch (store/follow.py's ``Follower``) per job and kind, switched
-by the agent's attempt (agent/attempt.py) as the first member changes. So a
+by the job's PeerReader (agent/phase_peers.py) as the first member changes. So a
 record reaches one node and a digest the job's other nodes: what etcd sends a
 node for phases grows with the jobs it runs, never with the cluster nor with
 the nodes of its jobs. ``phases`` of a job this node does not follow lists the
