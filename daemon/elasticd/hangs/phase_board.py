@@ -209,11 +209,20 @@ class JobPeers:
             if node == node_id:
                 continue
             got = received.get(node)
-            if got is None or got[0].round != rnd or now - got[1] > stale_after:
+            if fresh_record(got, rnd, stale_after, now) is None:
                 complete = False
                 continue
             records.append(PeerPhases(got[0], max(0.0, now - got[1])))
         return cls(tuple(records), complete)
+
+
+def fresh_record(got: tuple | None, rnd: int, stale_after: float,
+                 now: float) -> NodePhases | None:
+    """The record of ``got`` ((NodePhases, time got), or None) if it is of round ``rnd``
+    and no older than ``stale_after`` at ``now``; else None."""
+    if got is None or got[0].round != rnd or now - got[1] > stale_after:
+        return None
+    return got[0]
 
 
 def merge_learned(mine: dict, theirs, limit: int = MAX_PHASES) -> bool:

@@ -37,7 +37,8 @@ from dataclasses import dataclass
 from ..fields import is_ident, is_real, is_whole
 from ..workers.contract import beats
 from . import stragglers
-from .phase_board import JobPeers, apart, learned_entry, learned_moved, merge_learned
+from .phase_board import (
+    JobPeers, apart, fresh_record, learned_entry, learned_moved, merge_learned)
 from .timeouts import MAX_PHASES, others_wait_for
 
 VERSION = 1
@@ -78,11 +79,11 @@ class PhaseDigest:
         node holds, its own among them) for round ``rnd`` of ``members``."""
         stale, fresh = [], []
         for node in members:
-            got = received.get(node)
-            if got is None or got[0].round != rnd or now - got[1] > stale_after:
+            rec = fresh_record(received.get(node), rnd, stale_after, now)
+            if rec is None:
                 stale.append(node)
             else:
-                fresh.append(got[0])
+                fresh.append(rec)
         holders: dict[str, list[str]] = {}
         learned: dict = {}
         times, where = {}, {}
@@ -107,12 +108,11 @@ class PhaseDigest:
               stale_after: float) -> JobPeers:
         """What node ``node_id`` of round ``rnd`` of ``members`` decides on, this digest
         being ``age`` seconds old here."""
-        complete = (age <= stale_after and self.round == rnd and bool(members)
-                    and self.node_id == members[0] and self.members == len(members)
-                    and self.stale_count == len(self.stale)
-                    and all(node == node_id for node in self.stale))
         if self.round != rnd or age > stale_after:
             return JobPeers(complete=False)
+        complete = (bool(members) and self.node_id == members[0]
+                    and self.members == len(members) and self.stale_count == len(self.stale)
+                    and all(node == node_id for node in self.stale))
         return JobPeers(complete=complete, digest=self)
 
     def waiting_phases(self, node_id: str) -> list[str]:
