@@ -93,6 +93,8 @@ import psutil  # noqa: E402
 from common import machine, median, revision, table  # noqa: E402
 from rows import emit_row  # noqa: E402
 from etcd_server import EtcdServer, etcd_binary  # noqa: E402
+import scale_replay  # noqa: E402
+from scale_replay import replay_worker  # noqa: E402
 
 OFFER_EVERY = 0.2      # seconds between records offered to each node's publisher
 PEERS_EVERY = 1.0      # seconds between each node's reads of its peers' records
@@ -481,21 +483,36 @@ def scrape(url: str) -> dict[str, float]:
 class Sim:
     """One N: the worker processes, etcd's counters and CPU."""
 
-    def __init__(self, etcd: EtcdServer, n: int, procs: int, overrides: dict):
+    def __init__(self, etcd: EtcdServer, n: int, procs: int, overrides: dict,
+                 full: int | None = None, replay_procs: int = 2):
+        """``full``: the first ``full`` ids run the daemon's code, the rest are replay
+        nodes (bench/scale_replay.py) in ``replay_procs`` processes; None: all run it."""
         self.etcd, self.n = etcd, n
         self.prefix = f"/sim{uuid.uuid4().hex[:8]}"
         self.ids = [f"n{i:04d}" for i in range(n)]
         # The last ids: each job's first member (the lowest id of its nodes, which reads
         # its phase records) survives, so the window after the loss still measures them.
         self.victims = self.ids[-max(1, n // 10):]
+        self.full = n if full is None else full
+        if self.full < n and self.full > n - len(self.victims):
+            raise ValueError(f"--full {self.full} of {n}: the killed 10 % are the last ids "
+                             "and must all be replay nodes or all run the daemon's code")
         rest = self.ids[:-len(self.victims)]
-        groups = [self.victims] + [rest[i::procs] for i in range(procs)]
+        code, replay = rest[:self.full], rest[self.full:]
+        groups = [self.victims] + [code[i::procs] for i in range(procs)]
+        targets = [worker if self.full == n else replay_worker] + [worker] * procs
+        if replay:
+            groups += [replay[i::replay_procs] for i in range(replay_procs)]
+            targets += [replay_worker] * replay_procs
+        groups, targets = zip(*[(g, t) for i, (g, t) in enumerate(zip(groups, targets))
+                                if g or i == 0])     # the victims first: procs[0]
+        self.code_procs = [i for i, t in enumerate(targets) if t is worker and i > 0]
         ctx = multiprocessing.get_context("fork")
         self.key = os.urandom(32)
         self.conns, self.procs = [], []
-        for group in groups:
+        for group, target in zip(groups, targets):
             a, b = ctx.Pipe()
-            p = ctx.Process(target=worker, args=(b, group, etcd.url, self.prefix, self.key,
+            p = ctx.Process(target=target, args=(b, group, etcd.url, self.prefix, self.key,
                                                  overrides), daemon=True)
             p.start()
             self.conns.append(a)
@@ -517,7 +534,7 @@ class Sim:
         total = {"ops": Counter(), "delivered": Counter(), "revisions": [], "errors": 0,
                  "phase_writes": Counter(), "followers": Counter(), "lapsed": 0,
                  "digest_writes": Counter(), "record_writes": Counter(), "readers": Counter(),
-                 "node_puts": 0, "row_puts": 0}
+                 "node_puts": 0, "row_puts": 0, "error_kinds": Counter()}
         for got in self.ask("counters", which=which):
             for node in got["nodes"]:
                 total["ops"].update(node["ops"])
@@ -529,6 +546,7 @@ class Sim:
                 total["followers"].update(node["follows"])
                 total["revisions"].append(node["revision"])
                 total["errors"] += node["errors"]
+                total["error_kinds"].update(node.get("error_kinds", {}))
                 total["lapsed"] += node["lapsed"]
                 total["node_puts"] += node["node_puts"]
                 total["row_puts"] += node.get("row_puts", 0)
@@ -554,10 +572,19 @@ class Sim:
     def window(self, name: str, seconds: float, alive=None) -> dict:
         """Counters over ``seconds`` of steady state."""
         which = alive
+        # with replay nodes: what reached the nodes that run the daemon's code, apart
+        code = [i for i in self.code_procs if alive is None or i in alive] \
+            if self.full < self.n else None
+        f0 = self.counters(code)["delivered"] if code else None
         c0, e0, (ecpu0, scpu0) = self.counters(which), scrape(self.etcd.url), self.cpu()
         t0 = time.monotonic()
         time.sleep(seconds)
         c1, e1, (ecpu1, scpu1) = self.counters(which), scrape(self.etcd.url), self.cpu()
+        code_node = None
+        if code:
+            f1 = self.counters(code)
+            code_node = sum(f1["delivered"].values()) - sum(f0.values())
+            code_node /= max(1, len(f1["revisions"])) * (time.monotonic() - t0)
         span = time.monotonic() - t0
         nodes = len(c1["revisions"])
         ops = {k: (c1["ops"][k] - c0["ops"].get(k, 0)) / span for k in c1["ops"]}
@@ -592,6 +619,7 @@ class Sim:
                 "req_node": (e1["requests"] - e0["requests"]) / span / nodes,
                 "ops_node": sum(ops.values()) / nodes, "ops": ops,
                 "delivered": delivered, "per_node": delivered / nodes, "by_kind": got,
+                "per_code_node": code_node,
                 "kept_up": delivered / expected * 100 if expected else 100.0,
                 "etcd_cpu": (ecpu1 - ecpu0) / span * 100, "sim_cpu": sum(sim),
                 "sim_max": max(sim), "threads": self.threads(), "load": os.getloadavg()[0],
@@ -655,8 +683,10 @@ def form(sim: Sim, jobs: dict, stagger: float = 0.0) -> dict:
 
 
 def run_n(etcd: EtcdServer, n: int, procs: int, seconds: float, overrides: dict,
-          job_nodes: int = 0, full: bool = True, stagger: float = 0.0) -> dict:
-    sim = Sim(etcd, n, procs, overrides)
+          job_nodes: int = 0, full: bool = True, stagger: float = 0.0,
+          code_nodes: int | None = None, replay_procs: int = 2) -> dict:
+    sim = Sim(etcd, n, procs, overrides, code_nodes, replay_procs)
+    full = full and sim.full == n     # replay nodes join no round: no N-node job
     out = {"n": n}
     try:
         t0 = time.monotonic()
@@ -722,16 +752,25 @@ def run_n(etcd: EtcdServer, n: int, procs: int, seconds: float, overrides: dict,
         victim.join(5)
         deadline = time.monotonic() + 30
         while True:
-            seen = [t for got in sim.ask("lost", (sim.victims, killed_at), which=survivors)
-                    for row in got for t in row]
+            by_proc = sim.ask("lost", (sim.victims, killed_at), which=survivors)
+            seen = [t for got in by_proc for row in got for t in row]
             if all(t is not None for t in seen) or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
         got = [t - killed_at for t in seen if t is not None]
         out["loss_median"] = median(got)
         out["loss_last"] = max(got) if len(got) == len(seen) else None
+        out["loss_seen"] = (len(got), len(seen))
+        if sim.full < n:   # the daemon's own NodeWatchers apart from the replay nodes
+            code = [t for i, got in zip(survivors, by_proc) if i in sim.code_procs
+                    for row in got for t in row]
+            took = [t - killed_at for t in code if t is not None]
+            out["code_loss_median"] = median(took)
+            out["code_loss_last"] = max(took) if len(took) == len(code) else None
         out["after_loss"] = sim.window("after loss", min(seconds, 5.0), alive=survivors)
-        out["lapsed"] = sim.counters(which=survivors)["lapsed"]
+        last = sim.counters(which=survivors)
+        out["lapsed"] = last["lapsed"]
+        out["replay_errors"] = dict(last["error_kinds"])   # what the replay nodes saw fail
     finally:
         sim.stop()
     return out
@@ -762,6 +801,19 @@ def main(argv=None) -> int:
     ap.add_argument("--no-full-job", dest="full", action="store_false",
                     help="with --job-nodes: skip the N-node job's rendezvous (its N "
                          "next_round calls at once)")
+    ap.add_argument("--daemon-nodes", type=int, default=None, metavar="F",
+                    help="with --job-nodes: only the first F of the N nodes (a multiple of "
+                         "S) run the daemon's code; the others, the killed 10 %% among "
+                         "them, are replay nodes (bench/scale_replay.py: a daemon's "
+                         "steady-state etcd traffic from one asyncio loop a process), so "
+                         "etcd can be loaded with more nodes than 2 cores run the daemon's "
+                         "code for; no N-node rendezvous then (default: all N run it)")
+    ap.add_argument("--replay-procs", type=int, default=2,
+                    help="processes for the surviving replay nodes (default 2)")
+    ap.add_argument("--replay-without-prev-kv", action="store_true",
+                    help="the replay nodes' node watch without each delete's record "
+                         "(etcd's prev_kv), unlike the daemon's: what that would save "
+                         "etcd when many nodes go at once")
     ap.add_argument("--quick", action="store_true", help="N = 10, 2 s windows: well under a "
                                                          "minute")
     ap.add_argument("--json", help="write the measurements here too")
@@ -771,11 +823,16 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     global LOG_TO
     LOG_TO = args.log
+    scale_replay.PREV_KV = not args.replay_without_prev_kv   # read in the forked processes
     args.nodes = args.nodes or ("10" if args.quick else "20,50,100")
     args.seconds = args.seconds or (2.0 if args.quick else 10.0)
     if etcd_binary() is None:
         print("no etcd binary (install etcd or set ELASTICD_TEST_ETCD)", file=sys.stderr)
         return 2
+    if args.daemon_nodes is not None and (
+            not args.job_nodes or args.daemon_nodes % args.job_nodes or args.daemon_nodes < 0):
+        ap.error("--daemon-nodes needs --job-nodes S and a multiple of S (a job's nodes "
+                 "all run the daemon's code or all replay)")
     overrides = dict(s.split("=", 1) for s in args.set)
     if args.lease_transport:
         overrides["membership.lease_transport"] = args.lease_transport
@@ -797,8 +854,16 @@ def main(argv=None) -> int:
     with EtcdServer() as etcd:
         for n in ns:
             print(f"\n-- N = {n}", flush=True)
+            code = None if args.daemon_nodes is None or args.daemon_nodes >= n \
+                else args.daemon_nodes
+            if code is not None and code > n - max(1, n // 10):
+                ap.error(f"--daemon-nodes {code} of N = {n}: the killed 10 % (the last "
+                         "ids) must be replay nodes")
+            if code is not None:
+                print(f"   {code} nodes run the daemon's code, {n - code} replay its "
+                      "etcd traffic (bench/scale_replay.py)", flush=True)
             r = run_n(etcd, n, args.procs, args.seconds, overrides, args.job_nodes, args.full,
-                      args.stagger)
+                      args.stagger, code, args.replay_procs)
             runs.append(r)
             if args.json:       # each N as it ends: a later N that fails keeps these
                 with open(args.json, "w") as fh:
@@ -816,20 +881,27 @@ def main(argv=None) -> int:
                     f"deliveries per node; done marks by every node: "
                     f"{r['done_deliveries']:.1f} deliveries per node; "
                   + f"loss of {max(1, n // 10)} seen: median {fmt(r['loss_median'])}, "
-                  f"last {fmt(r['loss_last'])}; survivors' leases lapsed and taken again: "
-                  f"{r['lapsed']}", flush=True)
+                  f"last {fmt(r['loss_last'])} ({r['loss_seen'][0]} of {r['loss_seen'][1]} "
+                  "survivor-victim pairs within 30 s"
+                  + (f"; by the nodes that run the daemon's code: median "
+                     f"{fmt(r['code_loss_median'])}, last {fmt(r['code_loss_last'])}"
+                     if "code_loss_median" in r else "")
+                  + f"); survivors' leases lapsed and taken again: {r['lapsed']}", flush=True)
     rows = []
     for r in runs:
         for w in (r["idle"], r["running"], r["after_loss"]):
             rows.append([r["n"], w["window"], f"{w['writes']:.0f}", f"{w['req_node']:.2f}",
                          f"{w['ops_node']:.2f}", f"{w['delivered']:.0f}", f"{w['per_node']:.1f}",
                          f"{(w['by_kind'].get('phases', 0) + w['by_kind'].get('digests', 0)) / max(1, r['n']):.1f}",
+                         "-" if w.get("per_code_node") is None
+                         else f"{w['per_code_node']:.1f}",
                          f"{w['kept_up']:.0f} %", f"{w['etcd_cpu']:.0f} %",
                          f"{w['sim_cpu']:.0f} % (max {w['sim_max']:.0f})",
                          w["threads"], f"{w['load']:.1f}", w["errors"], verdict(w)])
     print()
     print(table(rows, ["N", "window", "etcd writes/s", "etcd req/node/s", "store calls/node/s",
                        "deliveries/s", "deliveries/node/s", "of them phases/node/s",
+                       "deliveries/node/s, daemon-code nodes",
                        "kept up",
                        "etcd CPU", "simulator CPU", "simulator threads", "load",
                        "failed calls", "limit"]))
@@ -839,10 +911,19 @@ def main(argv=None) -> int:
                                   "loss seen, last"]))
     big = runs[-1]
     w = big["running"]
-    emit_row("scale-sim", elasticd=(
-        f"N={big['n']}: {w['writes']:.0f} etcd writes/s, {w['delivered']:.0f} deliveries/s "
-        f"({w['per_node']:.0f}/node), etcd {w['etcd_cpu']:.0f} % of a core, rendezvous "
-        f"{fmt(big['rdzv'])}, loss seen {fmt(big['loss_last'])}"))
+    if "code_loss_median" in big:    # replay nodes: their own row
+        code = args.daemon_nodes
+        emit_row("scale-sim-replay", elasticd=(
+            f"N={big['n']} ({code} run the daemon's code, {big['n'] - code} replay its "
+            f"traffic), {-(-big['n'] // args.job_nodes)} jobs of {args.job_nodes}: etcd "
+            f"{big['idle']['etcd_cpu']:.0f} % of a core idle, {w['etcd_cpu']:.0f} % running; "
+            f"{w['per_node']:.1f} deliveries/node/s; loss of {max(1, big['n'] // 10)} seen "
+            f"after {fmt(big['loss_median'])} (median), {fmt(big['loss_last'])} (last)"))
+    else:
+        emit_row("scale-sim", elasticd=(
+            f"N={big['n']}: {w['writes']:.0f} etcd writes/s, {w['delivered']:.0f} "
+            f"deliveries/s ({w['per_node']:.0f}/node), etcd {w['etcd_cpu']:.0f} % of a core, "
+            f"rendezvous {fmt(big['rdzv'])}, loss seen {fmt(big['loss_last'])}"))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(runs, fh, indent=1)

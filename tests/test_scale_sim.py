@@ -35,3 +35,33 @@ def test_the_simulator_runs_its_nodes_and_prints_every_column():
     for window in ("idle", "running", "after loss"):
         assert any(line.startswith("5 ") and window in line for line in text.splitlines()), \
             (window, text)
+
+
+def test_replay_nodes_load_etcd_beside_the_daemons_code_and_see_the_loss():
+    # 10 of 20 nodes run the daemon's code (two jobs of 5 formed by its rendezvous), 10
+    # replay its traffic (two jobs of 5; the 2 killed among them): every survivor, of
+    # either kind, sees both victims' keys go ("last" is printed only then).
+    out = subprocess.run([sys.executable, os.path.join(REPO, "bench", "scale_sim.py"),
+                          "--nodes", "20", "--job-nodes", "5", "--daemon-nodes", "10",
+                          "--no-full-job", "--seconds", "1", "--procs", "1",
+                          "--replay-procs", "1", *SHORT],
+                         capture_output=True, text=True, timeout=180, cwd=REPO)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    text = out.stdout
+    assert "10 nodes run the daemon's code, 10 replay its etcd traffic" in text, text
+    assert "4 jobs of 5 formed at once" in text and "(ok, " in text, text
+    assert "deliveries/node/s, daemon-code nodes" in text, text
+    summary = [line for line in text.splitlines() if line.startswith("20 ")][-1].split()
+    assert summary[-1] != "-", text       # the loss's last: seen by all 18 survivors
+    assert '"row": "scale-sim-replay"' in text, text
+
+
+def test_replay_nodes_need_whole_jobs_and_the_victims():
+    base = [sys.executable, os.path.join(REPO, "bench", "scale_sim.py"), "--nodes", "20"]
+    for extra, says in ((["--daemon-nodes", "10"], "needs --job-nodes"),
+                        (["--job-nodes", "5", "--daemon-nodes", "12"], "a multiple of S"),
+                        (["--job-nodes", "5", "--daemon-nodes", "20", "--nodes", "21"],
+                         "must be replay nodes")):
+        out = subprocess.run(base + extra, capture_output=True, text=True, timeout=60,
+                             cwd=REPO)
+        assert out.returncode == 2 and says in out.stderr, (extra, out.stderr[-2000:])
