@@ -1,6 +1,7 @@
 """N simulated nodes on one real etcd: what the daemon's own cluster code costs etcd, per N.
 
     python bench/scale_sim.py [--nodes 20,50,100] [--seconds 10] [--procs 2] [--quick]
+    python bench/scale_sim.py --nodes 1000 --job-nodes 20 --daemon-nodes 100 --no-full-job
 
 Each simulated node runs the daemon's own code, nothing else (no torch, no
 workers, no gRPC server), over its OWN etcd client (one Etcd3Store each, so
@@ -37,6 +38,17 @@ per node for its streams; on 2 cores the simulator, not etcd, stops between
 200 and 300 nodes, and a job of all N nodes between 160 and 200:
 bench/README.md), plus one more process holding the 10 % that is killed with
 SIGKILL.
+With --daemon-nodes F (and --job-nodes S, F a multiple of S) only the first F
+nodes run the daemon's code; the other N - F are replay nodes
+(bench/scale_replay.py): each sends etcd what a daemon sends in steady state
+(its lease's keep-alives, its node key, one Watch stream with the daemon's
+watches, its phase record and its job's digest every refresh) over streams
+of its own, all of a process's replay nodes from one asyncio loop, so that
+etcd carries 1,000 nodes' traffic while 2 cores still run the daemon's code
+for 100. Replay jobs form no round (no N-node rendezvous then); the killed
+10 % are replay nodes, and the loss is timed by every survivor and, apart,
+by the nodes that run the daemon's code (their NodeWatcher).
+
 Records are sealed with a cluster key as the daemons' are (trust/sealed.py);
 the job's spec is plain JSON (the spec codec is not simulated).
 
