@@ -99,10 +99,11 @@ class ReplayNode:
         self.lapsed = 0
         self.node_puts = 0
         self.deleted_at: dict[str, float] = {}    # node id -> when its key's delete came
+        self._deleted_rev: dict[str, int] = {}    # node id -> that delete's revision
         self.job = None            # (job id, its members sorted) once it runs one
         self.synced = asyncio.Event()
         self._watches: list = []       # (path, deletes_only), by watch id - 1
-        self._revision = 0             # the last revision its events came at
+        self._revisions: dict[int, int] = {}   # watch id -> the revision it has seen to
         self._requests: asyncio.Queue | None = None
         self.started_at = time.time()
 
@@ -225,14 +226,14 @@ class ReplayNode:
         create = watch_pb2.WatchCreateRequest
         return watch_pb2.WatchRequest(create_request=create(
             key=key, range_end=_prefix_end(key), watch_id=watch_id,
-            start_revision=self._revision + 1 if self._revision else 0,
+            start_revision=self._revisions.get(watch_id, -1) + 1,
             filters=[create.NOPUT] if deletes_only else [],
             prev_kv=deletes_only and PREV_KV))
 
     async def watch(self, channel, stop: asyncio.Event) -> None:
         """One stream for all the node's watches; when it breaks, as a daemon's store
-        does, they are made again after membership.watch_retry, each from the last
-        revision seen."""
+        does, they are made again after membership.watch_retry, each from the revision
+        it had seen to (etcd keeps each watch of a stream at its own pace)."""
         from elasticd.store.etcdpb import watch_pb2_grpc
         self.add_watch("/v1/nodes/", deletes_only=True)
         self.add_watch("/v1/jobs/")
@@ -259,8 +260,14 @@ class ReplayNode:
                         key = ev.kv.key.decode("utf-8", "replace")
                         self.delivered[_kind(key)] += 1
                         if ev.type == DELETE and "/v1/nodes/" in key:
-                            self.deleted_at[key.rsplit("/", 1)[-1]] = now
-                        self._revision = max(self._revision, ev.kv.mod_revision)
+                            node = key.rsplit("/", 1)[-1]   # timed at its first delivery
+                            if self._deleted_rev.get(node) != ev.kv.mod_revision:
+                                self._deleted_rev[node] = ev.kv.mod_revision
+                                self.deleted_at[node] = now
+                    if msg.events:
+                        self._revisions[msg.watch_id] = msg.events[-1].kv.mod_revision
+                    elif msg.created and msg.watch_id not in self._revisions:
+                        self._revisions[msg.watch_id] = msg.header.revision
                     if stop.is_set():
                         break
             except Exception as exc:
