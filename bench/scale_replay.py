@@ -80,6 +80,26 @@ def _kind(key: str) -> str:
             or "/v1/joins/" in key else "jobs")
 
 
+class SeenEvents:
+    """The events a node's watches received lately, to tell one delivered again (a
+    watch made again from too early a revision); scale_sim's nodes count them too."""
+
+    KEEP = 50_000
+
+    def __init__(self):
+        self._seen: set = set()
+
+    def once(self, watch: str, key: str, revision: int) -> bool:
+        """Whether ``watch`` already received this event (else it is noted)."""
+        mark = (watch, key, revision)
+        if mark in self._seen:
+            return True
+        if len(self._seen) >= self.KEEP:
+            self._seen.clear()
+        self._seen.add(mark)
+        return False
+
+
 class ReplayNode:
     """One node's leases, watches and phase writes; its coroutines run on the process's loop."""
 
@@ -91,7 +111,8 @@ class ReplayNode:
                                 lease_transport="gateway", watch_transport="gateway")
         self.lease = None
         self.ops: Counter = Counter()
-        self.delivered: Counter = Counter()
+        self.delivered: Counter = Counter()   # by kind; "again": an event received twice
+        self.seen = SeenEvents()
         self.record_writes: Counter = Counter()
         self.digest_writes: Counter = Counter()
         self.errors = 0
@@ -259,6 +280,8 @@ class ReplayNode:
                     for ev in msg.events:
                         key = ev.kv.key.decode("utf-8", "replace")
                         self.delivered[_kind(key)] += 1
+                        if self.seen.once(str(msg.watch_id), key, ev.kv.mod_revision):
+                            self.delivered["again"] += 1
                         if ev.type == DELETE and "/v1/nodes/" in key:
                             node = key.rsplit("/", 1)[-1]   # timed at its first delivery
                             if self._deleted_rev.get(node) != ev.kv.mod_revision:

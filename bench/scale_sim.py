@@ -106,7 +106,7 @@ from common import machine, median, revision, table  # noqa: E402
 from rows import emit_row  # noqa: E402
 from etcd_server import EtcdServer, etcd_binary  # noqa: E402
 import scale_replay  # noqa: E402
-from scale_replay import replay_worker  # noqa: E402
+from scale_replay import SeenEvents, replay_worker  # noqa: E402
 
 OFFER_EVERY = 0.2      # seconds between records offered to each node's publisher
 PEERS_EVERY = 1.0      # seconds between each node's reads of its peers' records
@@ -129,6 +129,9 @@ class CountingStore:
         self.phase_writes: Counter = Counter()
         self.digest_writes: Counter = Counter()
         self.record_writes: Counter = Counter()
+        # (prefix, key, revision) of the events its watches received: one delivered
+        # again (a watch made again from too early a revision) is counted as "again"
+        self.seen = SeenEvents()
         self.node_puts = 0       # writes of its node key: no watch receives them
         self.row_puts = 0        # writes of its worker rows (/v1/workers/: no watch there)
         self.errors = 0          # requests that failed (etcd slow to answer: overload),
@@ -201,6 +204,8 @@ class CountingStore:
                 "rounds" if ev.key.startswith("/v1/rounds/") else "jobs"
             with self._lock:
                 self.delivered[kind] += 1
+                if self.seen.once(prefix, ev.key, ev.revision):
+                    self.delivered["again"] += 1
             yield ev
 
 
@@ -612,7 +617,7 @@ class Sim:
                          for j in c1["record_writes"]}
         node_puts = (c1["node_puts"] - c0["node_puts"] + c1["row_puts"] - c0["row_puts"]) \
             / span      # neither is watched
-        delivered = sum(got.values())
+        delivered = sum(v for k, v in got.items() if k != "again")   # "again": of them
         # Every watcher gets every write of the job list and every delete of a node key
         # (no node's puts: the node watch is of deletes only); a write of a job's rounds
         # reaches the nodes that follow its job, a phase record the node that reads the
@@ -907,13 +912,14 @@ def main(argv=None) -> int:
                          f"{(w['by_kind'].get('phases', 0) + w['by_kind'].get('digests', 0)) / max(1, r['n']):.1f}",
                          "-" if w.get("per_code_node") is None
                          else f"{w['per_code_node']:.1f}",
+                         f"{w['by_kind'].get('again', 0):.0f}",
                          f"{w['kept_up']:.0f} %", f"{w['etcd_cpu']:.0f} %",
                          f"{w['sim_cpu']:.0f} % (max {w['sim_max']:.0f})",
                          w["threads"], f"{w['load']:.1f}", w["errors"], verdict(w)])
     print()
     print(table(rows, ["N", "window", "etcd writes/s", "etcd req/node/s", "store calls/node/s",
                        "deliveries/s", "deliveries/node/s", "of them phases/node/s",
-                       "deliveries/node/s, daemon-code nodes",
+                       "deliveries/node/s, daemon-code nodes", "of all, received again/s",
                        "kept up",
                        "etcd CPU", "simulator CPU", "simulator threads", "load",
                        "failed calls", "limit"]))
