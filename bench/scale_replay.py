@@ -20,8 +20,8 @@ rendezvous/phase_watch.py):
     channel's LeaseKeepAlive stream; a lease found ended is granted again and
     the node key created again (counted as lapsed, as LeaseKeeper's
     re-registrations);
-  - keeps one Watch stream on the same channel, carrying the watches a daemon
-    keeps: the node keys' deletes (NOPUT, with the deleted record) and the job
+  - keeps one Watch stream on a channel of its own, carrying the watches a daemon
+    keeps: the node keys' deletes (NOPUT, the keys alone) and the job
     list whole; while its job runs, the job's rounds whole, its joins (whole
     on the job's first member, else their deletes) and the job's phase records
     (the first member) or its phase digests (the others);
@@ -49,11 +49,11 @@ from collections import Counter
 
 # etcd's watch event type for a delete (mvccpb.Event.EventType.DELETE)
 DELETE = 1
-# Whether the node watch asks each delete's record (prev_kv), as the daemon's does
-# (cluster/membership.py NodeWatcher: a lost node listed with its last record).
-# scale_sim.py --replay-without-prev-kv sets it False before the processes fork: what
-# etcd would save (it reads the record once per watcher and delete).
-PREV_KV = True
+# Whether the node watch asks each delete's record (etcd's prev_kv), which etcd reads
+# once per watcher and delete. The daemon's NodeWatcher does not (its deletes carry the
+# keys alone); scale_sim.py --replay-prev-kv sets it before the processes fork, as the
+# daemon's node watch asked up to c930c50.
+PREV_KV = False
 
 
 def _watch_options() -> tuple:

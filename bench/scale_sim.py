@@ -827,9 +827,9 @@ def main(argv=None) -> int:
                          "code for; no N-node rendezvous then (default: all N run it)")
     ap.add_argument("--replay-procs", type=int, default=2,
                     help="processes for the surviving replay nodes (default 2)")
-    ap.add_argument("--replay-without-prev-kv", action="store_true",
-                    help="the replay nodes' node watch without each delete's record "
-                         "(etcd's prev_kv), unlike the daemon's: what that would save "
+    ap.add_argument("--replay-prev-kv", action="store_true",
+                    help="the replay nodes' node watch asks each delete's record (etcd's "
+                         "prev_kv), as the daemon's did up to c930c50: what that costs "
                          "etcd when many nodes go at once")
     ap.add_argument("--quick", action="store_true", help="N = 10, 2 s windows: well under a "
                                                          "minute")
@@ -840,7 +840,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     global LOG_TO
     LOG_TO = args.log
-    scale_replay.PREV_KV = not args.replay_without_prev_kv   # read in the forked processes
+    scale_replay.PREV_KV = args.replay_prev_kv   # read in the forked processes
     args.nodes = args.nodes or ("10" if args.quick else "20,50,100")
     args.seconds = args.seconds or (2.0 if args.quick else 10.0)
     if etcd_binary() is None:

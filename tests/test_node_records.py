@@ -1,7 +1,9 @@
 """Node records read when asked, not watched (cluster/membership.py, issue 33): on a real
 etcd, a NodeWatcher hears no rewrite of a record, keeps a peer's record until its key
 is deleted, drops it when a daemon restarted after a crash takes its key back (with
-another replication port), and lists a node lost with the record its delete carried.
+another replication port), and lists a node lost with the record it last read (a delete
+carries its key alone), a node it never read with its id alone, and a key whose record it
+refused as no node at all.
 """
 from __future__ import annotations
 
@@ -146,7 +148,7 @@ def test_a_node_without_a_record_is_read_again_only_after_the_recheck(etcd):
         assert watcher.record("n-c") is None and mine.gets == 2   # within the period
         time.sleep(0.55)
         assert watcher.record("n-c")["replication_port"] == 7004 and mine.gets == 3
-        # Its key deleted (a clean stop): what the delete carried lists it lost, and
+        # Its key deleted (a clean stop): the record last read lists it lost, and
         # asking for it reads etcd no more than once a period.
         peer.stop()
         wait_for(lambda: "n-c" in watcher.snapshot().lost, 10, what="n-c listed lost")
@@ -156,6 +158,41 @@ def test_a_node_without_a_record_is_read_again_only_after_the_recheck(etcd):
         assert mine.gets == gets
         time.sleep(0.55)
         assert watcher.record("n-c") is None and mine.gets == gets + 1
+    finally:
+        watcher.stop()
+        store.close()
+        mine.close()
+
+
+def test_a_node_never_read_is_lost_by_its_id_and_a_refused_key_is_no_node(etcd):
+    """A delete carries its key alone: a node whose record this daemon never read is
+    listed lost by its id (and its listeners told), one it read with that record; a key
+    whose record it refused at its last list lists nothing when it goes."""
+    records, store, mine, watcher = _world(etcd, recheck=0.5)
+    told = []
+    watcher.listeners.append(lambda node, record: told.append((node, record)))
+    unread = _keeper(store, records, "n-d", {"slots_free": 4, "port": 7005})
+    listed = _keeper(store, records, "n-e", {"slots_free": 2, "port": 7006})
+    try:
+        watcher.start()
+        assert watcher.synced.wait(10)
+        listed.register()
+        store.put("/v1/nodes/n-f", "not a sealed record")
+        view = watcher.snapshot()
+        assert set(view.live) == {"n-e"}, view.live          # n-f refused
+        unread.register()
+        for keeper in (unread, listed):
+            keeper.stop()
+        store.delete("/v1/nodes/n-f")
+        wait_for(lambda: {"n-d", "n-e"} <= set(watcher.snapshot().lost), 10,
+                 what="n-d and n-e listed lost")
+        time.sleep(0.3)          # the garbage's delete, after both, has come by now
+        lost = watcher.snapshot().lost
+        assert set(lost) == {"n-d", "n-e"}, lost
+        assert lost["n-d"][1] == {"node_id": "n-d"}
+        assert lost["n-e"][1]["slots_free"] == 2 and lost["n-e"][1]["replication_port"] == 7006
+        assert sorted(node for node, record in told) == ["n-d", "n-e"]
+        assert all(ev.value is None for ev in mine.delivered), mine.delivered
     finally:
         watcher.stop()
         store.close()

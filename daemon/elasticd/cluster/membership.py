@@ -303,9 +303,14 @@ class NodeWatcher:
 
     A node record is rewritten whenever its free slots or jobs change; a watch of
     the records delivered each rewrite to every daemon (N x N at a cluster-wide
-    cold start). This watch is of deletes only (etcd filters out the puts, and
-    sends each deleted record with its delete): a node is lost when its key goes,
-    and listed lost with its last record. Live records are read when asked:
+    cold start). This watch is of deletes only (etcd filters out the puts), each
+    delete its key alone: a node is lost when its key goes, and listed lost with
+    the record this daemon last read of it (its id alone where it read none). etcd
+    reads a deleted key's value again for each watcher that asks for it, so the
+    records with the deletes made a loss of many nodes at once cost etcd a read per
+    daemon and lost node (100 of 1,000: 90,000 reads, bench/README.md, scale_sim).
+    A key whose record this daemon refused at its last read lists no node lost when
+    it goes. Live records are read when asked:
     ``snapshot()`` lists them all (`elasticctl nodes`), ``record(node)`` reads
     one and keeps it (a peer's replication port: replication/peers.py, the
     rendezvous' gone probe) until its key is deleted, or for
@@ -331,6 +336,7 @@ class NodeWatcher:
         self._view = NodeView()            # the last full list, and the lost
         self._held: dict[str, _Held] = {}  # node -> its record as last read
         self._absent: dict[str, float] = {}  # node -> when it was found without a record
+        self._refused: set[str] = set()    # keys whose record the last read refused
         # node -> writer's count of the newest record accepted (kept after the node
         # leaves: a record of it put back later is older)
         self._seqs: dict[str, int] = {}
@@ -392,10 +398,13 @@ class NodeWatcher:
                 self._gone(node)
             return None
         record = self._verified(kv.key, kv.value, held.record if held else None)
-        if record is not None:
-            with self._lock:
+        with self._lock:
+            if record is not None:
                 self._held[node] = _Held(record, time.monotonic())
                 self._absent.pop(node, None)
+                self._refused.discard(node)
+            elif len(self._refused) < ABSENT_KEPT:
+                self._refused.add(node)
         return record
 
     def _gone(self, node: str) -> None:
@@ -425,15 +434,18 @@ class NodeWatcher:
         kvs, _ = self._store.list(NODES)
         with self._lock:
             held = dict(self._view.live)
-        live = {}
+        live, refused = {}, set()
         for kv in kvs:
             node = kv.key.rsplit("/", 1)[-1]
             record = self._verified(kv.key, kv.value, held.get(node))
             if record is not None:
                 live[node] = record
+            else:
+                refused.add(node)
         now = time.monotonic()
         with self._lock:
             self._view.live = live
+            self._refused = refused if len(refused) <= ABSENT_KEPT else set()
             for node, record in live.items():
                 self._held[node] = _Held(record, now)
                 self._absent.pop(node, None)
@@ -475,17 +487,14 @@ class NodeWatcher:
         with self._lock:
             held = self._held.pop(node, None)
             listed = self._view.live.pop(node, None)
+            refused = node in self._refused
+            self._refused.discard(node)
             self._gone(node)
         last = held.record if held is not None else listed
-        if ev.prev_value is not None:
-            try:   # the record it held, sealed as any: never counted as newer or older
-                last = open_node(self._records, ev.key, ev.prev_value)[0]
-            except Refused as exc:
-                self._refusals.refused(Kind.NODE, ev.key, exc.reason, exc.detail)
-        if last is None:
+        if last is None and refused:
             return      # a key no daemon of this cluster wrote went: no node was lost
         with self._lock:
-            self._view.lost[node] = (self._clock(), last)
+            self._view.lost[node] = (self._clock(), last or {"node_id": node})
         if node == self._node_id:  # our clean stop, or a lapse the lease keeper reports
             log.info("%s: this node's key is gone from the cluster", ctx(node=self._node_id))
         else:

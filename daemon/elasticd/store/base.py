@@ -109,15 +109,12 @@ class Lease(NamedTuple):
 
 class WatchEvent(NamedTuple):
     """One change: ``type`` is put, delete or expire; ``value`` is None
-    unless ``type`` is put.  etcd3 reports a lease expiry as delete.
-    ``prev_value``: in a watch of deletes only, the value a deleted key held
-    (None where the backend did not say)."""
+    unless ``type`` is put.  etcd3 reports a lease expiry as delete."""
 
     type: str
     key: str
     value: str | None
     revision: int
-    prev_value: str | None = None
 
 
 def check_key(key: str) -> str:
@@ -239,9 +236,10 @@ class Store(abc.ABC):
         """Every change under ``prefix`` with revision > ``start_revision``,
         in revision order, none lost, none repeated.
 
-        With ``deletes_only``, only its deletes and expiries, each with the value
-        the key held (``prev_value``): etcd3 leaves the puts out itself (a watch
-        filter), so a key rewritten often costs such a watcher nothing.
+        With ``deletes_only``, only its deletes and expiries, the keys alone:
+        etcd3 leaves the puts out itself (a watch filter), so a key rewritten
+        often costs such a watcher nothing. (Never the value a deleted key held:
+        etcd reads it again for every watcher that asks, per delete.)
 
         The iterator returns (normally) within about half a second once
         ``stop_event`` is set, or once ``timeout`` seconds have passed

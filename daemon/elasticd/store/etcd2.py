@@ -346,11 +346,10 @@ class Etcd2Store(Store):
             index, heard, broken = r.modifiedIndex + 1, time.monotonic(), False
             if r.dir or not r.key or not r.key.startswith(prefix):
                 continue
-            prev = getattr(getattr(r, "_prev_node", None), "value", None)   # v2's prevNode
             if r.action == "expire":
-                yield WatchEvent(EVENT_EXPIRE, r.key, None, r.modifiedIndex, prev)
+                yield WatchEvent(EVENT_EXPIRE, r.key, None, r.modifiedIndex)
             elif r.action in _DELETES:
-                yield WatchEvent(EVENT_DELETE, r.key, None, r.modifiedIndex, prev)
+                yield WatchEvent(EVENT_DELETE, r.key, None, r.modifiedIndex)
             elif not deletes_only:   # v2 has no filter: the puts are dropped here
                 yield WatchEvent(EVENT_PUT, r.key, r.value or "", r.modifiedIndex)
 

@@ -391,8 +391,8 @@ class Etcd3Store(Store):
             return self._alive_at
 
     def _open_watch(self, prefix: str, after: int, deletes_only: bool = False):
-        """A stream of the prefix's events from ``after + 1`` (its deletes only, with
-        their keys' values before, if asked): over etcd's gRPC Watch when
+        """A stream of the prefix's events from ``after + 1`` (its deletes only, if
+        asked): over etcd's gRPC Watch when
         watch_transport is grpc, else over the gateway."""
         if self._watch_channels is None:
             return _WatchStream(self, prefix, after, deletes_only)
@@ -421,8 +421,7 @@ class _WatchStream:
         self._closed = False
         req = {"create_request": {"key": _b64(prefix), "range_end": _range_end(prefix),
                                   "start_revision": str(after + 1),
-                                  **({"filters": ["NOPUT"], "prev_kv": True}
-                                     if deletes_only else {})}}
+                                  **({"filters": ["NOPUT"]} if deletes_only else {})}}
         self._url, self._resp = store._request("/watch", req, stream=True)
         # Headers came within the call timeout; the body may idle longer.
         sock = getattr(self._resp.connection, "sock", None)
@@ -478,9 +477,7 @@ class _WatchStream:
             kv = ev.get("kv", {})
             key, rev = _unb64(kv.get("key")), int(kv.get("mod_revision", 0))
             if ev.get("type", "PUT") == "DELETE":
-                prev = ev.get("prev_kv")
-                events.append(WatchEvent(EVENT_DELETE, key, None, rev,
-                                         _unb64(prev.get("value")) if prev else None))
+                events.append(WatchEvent(EVENT_DELETE, key, None, rev))
             else:
                 events.append(WatchEvent(EVENT_PUT, key, _unb64(kv.get("value")), rev))
         self.queue.put(("events", events))

@@ -110,7 +110,7 @@ class MemoryStore(Store):
             entry = self._data.pop(key)
             if entry.lease_id in self._leases:
                 self._leases[entry.lease_id].keys.discard(key)
-            events.append(WatchEvent(kind, key, None, rev, entry.value))
+            events.append(WatchEvent(kind, key, None, rev))
         self._record(events)
 
     def _expire_locked(self) -> None:

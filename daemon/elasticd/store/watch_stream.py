@@ -92,7 +92,7 @@ class WatchChannels:
               after: int, deletes_only: bool = False) -> "GrpcWatchStream":
         """A watch of ``prefix`` from revision ``after + 1`` on ``url``'s stream for
         ``token`` (opened if there is none, or the one there has ended); with
-        ``deletes_only``, etcd sends its deletes only, each with the key's value before."""
+        ``deletes_only``, etcd sends its deletes only (the keys alone)."""
         with self._lock:
             for _ in range(2):
                 mux = self._muxes.get((url, token))
@@ -183,8 +183,7 @@ class WatchMux:
         create = watch_pb2.WatchCreateRequest
         self._requests.put(watch_pb2.WatchRequest(create_request=create(
             key=prefix.encode(), range_end=range_end, start_revision=after + 1,
-            watch_id=watch_id, filters=[create.NOPUT] if deletes_only else [],
-            prev_kv=deletes_only)))
+            watch_id=watch_id, filters=[create.NOPUT] if deletes_only else [])))
         return watch
 
     def remove(self, watch: "GrpcWatchStream") -> None:
@@ -290,9 +289,7 @@ class GrpcWatchStream:
         for ev in resp.events:
             kv = ev.kv
             if ev.type == watch_pb2.Event.DELETE:
-                prev = _text(ev.prev_kv.value) if ev.HasField("prev_kv") else None
-                events.append(WatchEvent(EVENT_DELETE, _text(kv.key), None, kv.mod_revision,
-                                         prev))
+                events.append(WatchEvent(EVENT_DELETE, _text(kv.key), None, kv.mod_revision))
             else:
                 events.append(WatchEvent(EVENT_PUT, _text(kv.key), _text(kv.value),
                                          kv.mod_revision))
