@@ -130,9 +130,12 @@ class ReplayNode:
 
     # -- the gateway (the daemon's store, in the pool's threads) ---------------------------
     async def _call(self, name: str, fn, *args):
+        from elasticd.store import KeyExists
         self.ops[name] += 1
         try:
             return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+        except KeyExists:
+            raise         # an answer (the key is there), not a failure
         except Exception as exc:
             self.errors += 1
             self.error_kinds[f"{name}: {type(exc).__name__}"] += 1
@@ -149,11 +152,21 @@ class ReplayNode:
         return self.records.seal(Kind.NODE, node_key(self.node_id), json.dumps(info))
 
     async def register(self) -> None:
+        """A lease and the node key under it; a key still there under a lapsed lease of
+        its own is deleted first and created again (as LeaseKeeper.register does, so
+        its peers hear it go)."""
         from elasticd.cluster.membership import node_key
+        from elasticd.store import KeyExists
         m = self.cfg.membership
+        key = node_key(self.node_id)
         self.lease = await self._call("grant_lease", self.store.grant_lease, m.lease_ttl)
-        await self._call("create", lambda: self.store.create(node_key(self.node_id),
-                                                             self._info(), lease=self.lease))
+        for _ in range(2):
+            try:
+                await self._call("create", lambda: self.store.create(key, self._info(),
+                                                                     lease=self.lease))
+                return
+            except KeyExists:
+                await self._call("delete", self.store.delete, key)
 
     # -- the lease ----------------------------------------------------------------------
     async def keep(self, stop: asyncio.Event) -> None:
