@@ -56,17 +56,6 @@ DELETE = 1
 PREV_KV = False
 
 
-def _watch_options() -> tuple:
-    """The gRPC options of a daemon's watch channel (store/watch_stream.py)."""
-    from elasticd.store import watch_stream as w
-    return (("grpc.max_receive_message_length", w.MAX_MESSAGE),
-            ("grpc.keepalive_time_ms", w.KEEPALIVE_MS),
-            ("grpc.keepalive_timeout_ms", w.KEEPALIVE_TIMEOUT_MS),
-            ("grpc.initial_reconnect_backoff_ms", w.RECONNECT_BACKOFF_MS[0]),
-            ("grpc.min_reconnect_backoff_ms", w.RECONNECT_BACKOFF_MS[0]),
-            ("grpc.max_reconnect_backoff_ms", w.RECONNECT_BACKOFF_MS[1]))
-
-
 def _prefix_end(prefix: bytes) -> bytes:
     """The end of etcd's range holding every key under ``prefix``."""
     return prefix[:-1] + bytes([prefix[-1] + 1])
@@ -408,6 +397,7 @@ class ReplayProcess:
 
     async def _start(self, limit: float) -> None:
         import grpc
+        from elasticd.store import watch_stream
         self.stop = asyncio.Event()
         target = self.url.split("://", 1)[-1]
         sem = asyncio.Semaphore(16)
@@ -417,7 +407,7 @@ class ReplayProcess:
                 await node.register()
             # as a daemon's store: a channel for the lease stream, one for the watches
             channel = grpc.aio.insecure_channel(target, options=[
-                ("grpc.enable_http_proxy", 0), *_watch_options()])
+                ("grpc.enable_http_proxy", 0), *watch_stream.CHANNEL_OPTIONS])
             self.channels.append(channel)
             self.tasks.append(asyncio.create_task(node.keep(self.stop)))
             self.tasks.append(asyncio.create_task(node.watch(channel, self.stop)))

@@ -50,6 +50,13 @@ KEEPALIVE_TIMEOUT_MS = 10_000
 # A channel whose connection failed waits before it tries again, up to two minutes by
 # gRPC's default: a watch must be back within a second or two of etcd.
 RECONNECT_BACKOFF_MS = (100, 2_000)
+# A watch channel's gRPC options, from the above (bench/scale_replay.py's nodes use them).
+CHANNEL_OPTIONS = (("grpc.max_receive_message_length", MAX_MESSAGE),
+                   ("grpc.keepalive_time_ms", KEEPALIVE_MS),
+                   ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+                   ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
+                   ("grpc.min_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
+                   ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1]))
 
 
 def _text(raw: bytes) -> str:
@@ -79,12 +86,7 @@ class WatchChannels:
         if channel is None:
             channel = etcd_grpc.channel(
                 url, self._credentials() if url.startswith("https://") else None,
-                (("grpc.max_receive_message_length", MAX_MESSAGE),
-                 ("grpc.keepalive_time_ms", KEEPALIVE_MS),
-                 ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
-                 ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
-                 ("grpc.min_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
-                 ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1])))
+                CHANNEL_OPTIONS)
             self._channels[url] = channel
         return channel
 
