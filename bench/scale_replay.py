@@ -61,12 +61,37 @@ def _prefix_end(prefix: bytes) -> bytes:
     return prefix[:-1] + bytes([prefix[-1] + 1])
 
 
-def _kind(key: str) -> str:
-    """What a delivered key is, as scale_sim.CountingStore counts it."""
+RANKS = 4              # training ranks per simulated node (replay or daemon code)
+
+
+def kind_of(key: str) -> str:
+    """What a delivered key (with or without the sim's prefix) is, as the simulator counts
+    its deliveries: nodes, phases, digests, workers, done, rounds, else jobs (the job
+    list, and a job's joins)."""
     return ("nodes" if "/v1/nodes/" in key else "phases" if "/phases/" in key
             else "digests" if "/phasedigests/" in key else "workers" if "/workers/" in key
             else "done" if "/done/" in key else "rounds" if "/v1/rounds/" in key
-            or "/v1/joins/" in key else "jobs")
+            else "jobs")
+
+
+def node_info(node_id: str, version: str, started_at: float, lease_ttl: int) -> dict:
+    """A simulated node's record, as a daemon's says (cluster/node.py): this host and
+    this process (after a lapsed lease, LeaseKeeper.register takes back a key that is
+    its own)."""
+    return {"node_id": node_id, "host": socket.gethostname(), "address": "127.0.0.1",
+            "slots": 8, "slots_free": 8, "version": version, "started_at": started_at,
+            "pid": os.getpid(), "lease_ttl": lease_ttl, "jobs": []}
+
+
+def training_phases(node_id: str, rnd: int, first_rank: int, elapsed: float):
+    """What the agent's tracker would offer ``elapsed`` seconds into training: RANKS
+    ranks from ``first_rank`` at ~10 steps a second."""
+    from elasticd.hangs.phase_board import NodePhases, RankPhase
+    from elasticd.hangs.timeouts import PhaseRecord
+    steps = int(elapsed * 10)
+    ranks = tuple(RankPhase(first_rank + i, "train", elapsed, steps,
+                            0.08 + 0.002 * ((steps + i) % 5)) for i in range(RANKS))
+    return NodePhases(node_id, rnd, ranks, (PhaseRecord("train", steps * RANKS, 0.12),))
 
 
 class SeenEvents:
@@ -133,11 +158,8 @@ class ReplayNode:
     def _info(self) -> str:
         from elasticd.cluster.membership import node_key
         from elasticd.trust.sealed import Kind
-        m = self.cfg.membership
-        info = {"node_id": self.node_id, "host": socket.gethostname(), "address": "127.0.0.1",
-                "slots": 8, "slots_free": 8, "version": "sim-replay",
-                "started_at": self.started_at, "pid": os.getpid(), "lease_ttl": m.lease_ttl,
-                "jobs": []}
+        info = node_info(self.node_id, "sim-replay", self.started_at,
+                         self.cfg.membership.lease_ttl)
         return self.records.seal(Kind.NODE, node_key(self.node_id), json.dumps(info))
 
     async def register(self) -> None:
@@ -281,7 +303,7 @@ class ReplayNode:
                     now = time.time()
                     for ev in msg.events:
                         key = ev.kv.key.decode("utf-8", "replace")
-                        self.delivered[_kind(key)] += 1
+                        self.delivered[kind_of(key)] += 1
                         if self.seen.once(str(msg.watch_id), key, ev.kv.mod_revision):
                             self.delivered["again"] += 1
                         if ev.type == DELETE and "/v1/nodes/" in key:
@@ -315,21 +337,15 @@ class ReplayNode:
 
     async def publish(self, stop: asyncio.Event) -> None:
         """Its phase record (and, on the first member, the digest) every refresh."""
-        from elasticd.hangs.phase_board import NodePhases, RankPhase
         from elasticd.hangs.phase_digest import PhaseDigest
-        from elasticd.hangs.timeouts import PhaseRecord
         from elasticd.trust.sealed import Kind
         job_id, members = self.job
         refresh = self.cfg.agent.phase_refresh_interval
-        rank0 = members.index(self.node_id) * 4
+        rank0 = members.index(self.node_id) * RANKS
         t0 = time.monotonic()
         await _sleep(stop, random.uniform(0, refresh))
         while not stop.is_set():
-            t = time.monotonic() - t0
-            steps = int(t * 10)
-            rec = NodePhases(self.node_id, 1, tuple(
-                RankPhase(rank0 + i, "train", t, steps, 0.08 + 0.002 * ((steps + i) % 5))
-                for i in range(4)), (PhaseRecord("train", steps * 4, 0.12),))
+            rec = training_phases(self.node_id, 1, rank0, time.monotonic() - t0)
             key = f"/v1/phases/{job_id}/{self.node_id}"
             # counted as the call is made, as the store's calls are (scale_sim.CountingStore):
             # a window's writes and their deliveries are compared

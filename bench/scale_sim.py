@@ -88,7 +88,6 @@ import multiprocessing
 import os
 import random
 import signal
-import socket
 import sys
 import threading
 import time
@@ -106,11 +105,12 @@ from common import machine, median, revision, table  # noqa: E402
 from rows import emit_row  # noqa: E402
 from etcd_server import EtcdServer, etcd_binary  # noqa: E402
 import scale_replay  # noqa: E402
-from scale_replay import SeenEvents, replay_worker  # noqa: E402
+from scale_replay import (  # noqa: E402
+    RANKS, SeenEvents, kind_of, node_info, replay_worker, training_phases,
+)
 
 OFFER_EVERY = 0.2      # seconds between records offered to each node's publisher
 PEERS_EVERY = 1.0      # seconds between each node's reads of its peers' records
-RANKS = 4              # training ranks per simulated node
 
 
 # ---------------------------------------------------------------- one node
@@ -196,12 +196,7 @@ class CountingStore:
     def watch(self, prefix, start_revision, stop_event=None, timeout=None, deletes_only=False):
         self._op("watch")
         for ev in self.inner.watch(prefix, start_revision, stop_event, timeout, deletes_only):
-            kind = "nodes" if ev.key.startswith("/v1/nodes/") else \
-                "phases" if "/phases/" in ev.key else \
-                "digests" if "/phasedigests/" in ev.key else \
-                "workers" if "/workers/" in ev.key else \
-                "done" if "/done/" in ev.key else \
-                "rounds" if ev.key.startswith("/v1/rounds/") else "jobs"
+            kind = kind_of(ev.key)
             with self._lock:
                 self.delivered[kind] += 1
                 if self.seen.once(prefix, ev.key, ev.revision):
@@ -237,12 +232,7 @@ class SimNode:
         self.rdzv = self.result = self.publisher = self.job_phases = self.reader = None
 
     def info(self) -> dict:
-        # This host and this process, as a daemon's record says (cluster/node.py): after a
-        # lapsed lease, LeaseKeeper.register takes back a key that is its own.
-        return {"node_id": self.node_id, "host": socket.gethostname(), "address": "127.0.0.1",
-                "slots": 8,
-                "slots_free": 8, "version": "sim", "started_at": self.started_at,
-                "pid": os.getpid(), "lease_ttl": self.cfg.membership.lease_ttl, "jobs": []}
+        return node_info(self.node_id, "sim", self.started_at, self.cfg.membership.lease_ttl)
 
     def _seen(self, node: str, record) -> None:
         # Told of losses only (record None): the node watch sees deletes alone.
@@ -319,14 +309,9 @@ class SimNode:
 
     def offer(self, t: float) -> None:
         """What the agent's tracker would offer now: RANKS ranks training at ~10 steps/s."""
-        from elasticd.hangs.phase_board import NodePhases, RankPhase
-        from elasticd.hangs.timeouts import PhaseRecord
-        base = self.result.place.group_rank * RANKS
-        steps = int((t - self.done_at) * 10)
-        ranks = tuple(RankPhase(base + i, "train", t - self.done_at, steps,
-                                0.08 + 0.002 * ((steps + i) % 5)) for i in range(RANKS))
-        self.publisher.offer(NodePhases(self.node_id, self.result.place.round, ranks,
-                                        (PhaseRecord("train", steps * RANKS, 0.12),)))
+        self.publisher.offer(training_phases(self.node_id, self.result.place.round,
+                                             self.result.place.group_rank * RANKS,
+                                             t - self.done_at))
 
     def read_peers(self) -> None:
         """What the agent's tracker reads of the other nodes (the first member folds and
@@ -548,11 +533,21 @@ class Sim:
         return [value for _, value in replies]
 
     def counters(self, which=None) -> dict:
+        """The counters of the processes ``which`` (None: all), summed."""
+        return self._sum(self.ask("counters", which=which))
+
+    def _by_proc(self, which=None) -> dict:
+        """Each asked process's counters, by its index in ``conns``."""
+        return dict(zip(range(len(self.conns)) if which is None else which,
+                        self.ask("counters", which=which)))
+
+    @staticmethod
+    def _sum(replies) -> dict:
         total = {"ops": Counter(), "delivered": Counter(), "revisions": [], "errors": 0,
                  "phase_writes": Counter(), "followers": Counter(), "lapsed": 0,
                  "digest_writes": Counter(), "record_writes": Counter(), "readers": Counter(),
                  "node_puts": 0, "row_puts": 0, "error_kinds": Counter()}
-        for got in self.ask("counters", which=which):
+        for got in replies:
             for node in got["nodes"]:
                 total["ops"].update(node["ops"])
                 total["delivered"].update(node["delivered"])
@@ -588,21 +583,18 @@ class Sim:
 
     def window(self, name: str, seconds: float, alive=None) -> dict:
         """Counters over ``seconds`` of steady state."""
-        which = alive
-        # with replay nodes: what reached the nodes that run the daemon's code, apart
-        code = [i for i in self.code_procs if alive is None or i in alive] \
-            if self.full < self.n else None
-        f0 = self.counters(code)["delivered"] if code else None
-        c0, e0, (ecpu0, scpu0) = self.counters(which), scrape(self.etcd.url), self.cpu()
+        r0, e0, (ecpu0, scpu0) = self._by_proc(alive), scrape(self.etcd.url), self.cpu()
         t0 = time.monotonic()
         time.sleep(seconds)
-        c1, e1, (ecpu1, scpu1) = self.counters(which), scrape(self.etcd.url), self.cpu()
-        code_node = None
-        if code:
-            f1 = self.counters(code)
-            code_node = sum(f1["delivered"].values()) - sum(f0.values())
-            code_node /= max(1, len(f1["revisions"])) * (time.monotonic() - t0)
+        r1, e1, (ecpu1, scpu1) = self._by_proc(alive), scrape(self.etcd.url), self.cpu()
         span = time.monotonic() - t0
+        c0, c1 = self._sum(r0.values()), self._sum(r1.values())
+        code_node = None   # with replay nodes: what reached the daemon-code nodes, apart
+        code = [i for i in self.code_procs if i in r1] if self.full < self.n else []
+        if code:
+            f0, f1 = (self._sum(r[i] for i in code) for r in (r0, r1))
+            code_node = (_delivered(f1["delivered"]) - _delivered(f0["delivered"])) \
+                / max(1, len(f1["revisions"])) / span
         nodes = len(c1["revisions"])
         ops = {k: (c1["ops"][k] - c0["ops"].get(k, 0)) / span for k in c1["ops"]}
         got = {k: (c1["delivered"][k] - c0["delivered"].get(k, 0)) / span
@@ -617,7 +609,7 @@ class Sim:
                          for j in c1["record_writes"]}
         node_puts = (c1["node_puts"] - c0["node_puts"] + c1["row_puts"] - c0["row_puts"]) \
             / span      # neither is watched
-        delivered = sum(v for k, v in got.items() if k != "again")   # "again": of them
+        delivered = _delivered(got)
         # Every watcher gets every write of the job list and every delete of a node key
         # (no node's puts: the node watch is of deletes only); a write of a job's rounds
         # reaches the nodes that follow its job, a phase record the node that reads the
@@ -654,6 +646,11 @@ class Sim:
             p.join(5)
             if p.is_alive():
                 p.kill()
+
+
+def _delivered(by_kind: dict) -> float:
+    """The deliveries of every kind ("again" counts some of them a second time)."""
+    return sum(v for k, v in by_kind.items() if k != "again")
 
 
 def verdict(w: dict) -> str:
