@@ -356,7 +356,7 @@ class Coordinator:
                                  job.nproc_per_node, lambda: keeper.lease, limits,
                                  scale_up=r.scale_up, poll=r.poll, probe=probe,
                                  sync_timeout=2 * self._cfg.etcd.request_timeout,
-                                 done_recheck=r.done_recheck)
+                                 done_recheck=r.done_recheck, ran_before=job.round)
 
     def adopt(self, spec: JobSpec) -> JobRecord | None:
         """Take on a job submitted on another node (its spec checked where it was read:

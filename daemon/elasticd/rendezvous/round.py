@@ -63,7 +63,11 @@ class ClusterRendezvous:
                  nproc: int, lease: Callable[[], Lease | None], limits: JobLimits,
                  scale_up: str = "immediate", poll: float = 0.5, clock=time.time,
                  port: Callable[[], int] = free_port, probe=None, sync_timeout: float = 10.0,
-                 joins_everywhere: bool = False, done_recheck: float = 5.0):
+                 joins_everywhere: bool = False, done_recheck: float = 5.0,
+                 ran_before: int = 0):
+        """``ran_before``: the last round this node ran the job's ranks in under an
+        earlier rendezvous (a daemon before a restart: the job record's round; 0:
+        none), never returned again."""
         self._store = store
         self._view = view
         self._records = view.records    # seals what we write as the view opens it
@@ -102,6 +106,7 @@ class ClusterRendezvous:
         # The last round next_round returned, and a new round we asked for that
         # may not have reached etcd: a round is never run twice (see next_round).
         self._ran: Result | None = None
+        self._ran_before = ran_before
         # reopen's (reason, count_restart, cause)
         self._wanted: tuple[str, bool, RoundCause] | None = None
         # This node's job store for in-process restart (the agent starts it before
@@ -306,13 +311,14 @@ class ClusterRendezvous:
                     self._view.wait(self._poll, seen)
                     continue
                 result = result_for(state, self.node_id, joins)
-                if result is not None and self._ran is not None \
-                        and state.round <= self._ran.place.round:
+                if result is not None and state.round <= self._last_ran():
                     # The view still shows a round we already ran: our ask for the next
-                    # one has not got through (etcd unreachable) or the view lags it.
-                    # Running it again would start a stale rank beside the round the
-                    # others may have formed meanwhile: ask again, then wait.
-                    if self._wanted is not None:
+                    # one has not got through (etcd unreachable) or the view lags it; or
+                    # this daemon restarted within its old lease, whose join still
+                    # vouches for the round its ranks died in until the members see it
+                    # lost. Running it again would start a stale rank beside the round
+                    # the others may have formed meanwhile: ask again, then wait.
+                    if self._wanted is not None and self._ran is not None:
                         self.reopen(self._ran, *self._wanted)
                     self._view.wait(self._poll, seen)
                     continue
@@ -330,6 +336,10 @@ class ClusterRendezvous:
                         and self.ready_to_join(state):
                     self._join(state.round + 1)
             self._view.wait(self._poll, seen)
+
+    def _last_ran(self) -> int:
+        """The last round this node ran (here, or before the daemon restarted); 0: none."""
+        return max(self._ran.place.round if self._ran is not None else 0, self._ran_before)
 
     def _gone(self, state: RoundState, keys, joined: set, last: set) -> set:
         """The nodes the open round waits for whose daemon is gone, though their lease
