@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 
 import pytest
@@ -35,6 +36,10 @@ class Counting:
         self.inner = inner
         self.delivered = []
         self.gets = 0
+        self.flowing = threading.Event()   # cleared: the watch's events wait (a late watch)
+        self.flowing.set()
+        self.lists_held = None             # a Semaphore: a list read waits for a release
+        self.lists_read = 0
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -43,8 +48,16 @@ class Counting:
         self.gets += 1
         return self.inner.get(key)
 
+    def list(self, prefix):
+        got = self.inner.list(prefix)
+        self.lists_read += 1
+        if self.lists_held is not None:
+            assert self.lists_held.acquire(timeout=30)
+        return got
+
     def watch(self, *args, **kwargs):
         for ev in self.inner.watch(*args, **kwargs):
+            self.flowing.wait()
             self.delivered.append(ev)
             yield ev
 
@@ -89,8 +102,9 @@ def test_a_peers_record_is_read_once_kept_until_its_key_goes_and_lost_with_its_l
         time.sleep(0.5)
         assert mine.delivered == [], mine.delivered
         assert watcher.record("n-b")["slots_free"] == 4 and mine.gets == 1
-        # `nodes` lists them now.
-        assert watcher.snapshot().live["n-b"]["slots_free"] == 1
+        # `nodes` lists them now (a list is waited for 0.3 s; past it, the last one).
+        wait_for(lambda: watcher.snapshot().live.get("n-b", {}).get("slots_free") == 1, 10,
+                 what="n-b listed with 1 slot free")
         # The daemon crashes and another starts with the same id (its key still under
         # the dead one's lease) and another port: it takes the key back by deleting it,
         # and the peer reads the new record.
@@ -178,8 +192,8 @@ def test_a_node_never_read_is_lost_by_its_id_and_a_refused_key_is_no_node(etcd):
         assert watcher.synced.wait(10)
         listed.register()
         store.put("/v1/nodes/n-f", "not a sealed record")
-        view = watcher.snapshot()
-        assert set(view.live) == {"n-e"}, view.live          # n-f refused
+        wait_for(lambda: set(watcher.snapshot().live) == {"n-e"}, 10,
+                 what="n-e listed, n-f refused")
         unread.register()
         for keeper in (unread, listed):
             keeper.stop()
@@ -193,6 +207,47 @@ def test_a_node_never_read_is_lost_by_its_id_and_a_refused_key_is_no_node(etcd):
         assert lost["n-e"][1]["slots_free"] == 2 and lost["n-e"][1]["replication_port"] == 7006
         assert sorted(node for node, record in told) == ["n-d", "n-e"]
         assert all(ev.value is None for ev in mine.delivered), mine.delivered
+    finally:
+        watcher.stop()
+        store.close()
+        mine.close()
+
+
+def test_a_list_and_the_watch_in_either_order_agree_on_what_went(etcd):
+    """A list read after a delete whose event the watch has not told yet, or read before
+    a delete it has told, never undoes what the watch says: a refused key gone from the
+    list is still no node when its delete comes, and a deleted node is not live again."""
+    records, store, mine, watcher = _world(etcd, recheck=0.5)
+    peer = _keeper(store, records, "n-e", {"slots_free": 2, "port": 7006})
+    try:
+        watcher.start()
+        assert watcher.synced.wait(10)
+        peer.register()
+        store.put("/v1/nodes/n-f", "not a sealed record")
+        wait_for(lambda: set(watcher.snapshot().live) == {"n-e"}, 10, what="n-e listed")
+        # The watch late: the garbage's delete is listed before it is told.
+        mine.flowing.clear()
+        store.delete("/v1/nodes/n-f")
+        read = mine.lists_read      # one list in flight at a time: when the second after
+        wait_for(lambda: watcher.snapshot() and mine.lists_read >= read + 2, 10,
+                 what="a list read after the delete")       # it starts, the first ended
+        mine.flowing.set()
+        wait_for(lambda: any(ev.key.endswith("/n-f") for ev in mine.delivered), 10,
+                 what="n-f's delete told")
+        # A list read while n-e was live, answered after its delete was told.
+        mine.lists_held = threading.Semaphore(0)
+        read = mine.lists_read
+        reading = threading.Thread(target=watcher.snapshot)
+        reading.start()
+        wait_for(lambda: mine.lists_read > read, 10, what="the list read")
+        peer.stop()
+        wait_for(lambda: any(ev.key.endswith("/n-e") for ev in mine.delivered), 10,
+                 what="n-e's delete told")
+        mine.lists_held.release()           # the list read before the delete ends now
+        reading.join(10)
+        view = watcher.snapshot()           # its list waits: the view is the old list's
+        assert set(view.live) == set() and set(view.lost) == {"n-e"}, view
+        mine.lists_held.release()
     finally:
         watcher.stop()
         store.close()

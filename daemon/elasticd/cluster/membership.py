@@ -337,6 +337,9 @@ class NodeWatcher:
         self._held: dict[str, _Held] = {}  # node -> its record as last read
         self._absent: dict[str, float] = {}  # node -> when it was found without a record
         self._refused: set[str] = set()    # keys whose record the last read refused
+        # node -> the revision its key was deleted at, until a list newer than that
+        # (a list read before a delete and ended after it must not bring the node back)
+        self._deleted_at: dict[str, int] = {}
         # node -> writer's count of the newest record accepted (kept after the node
         # leaves: a record of it put back later is older)
         self._seqs: dict[str, int] = {}
@@ -403,6 +406,7 @@ class NodeWatcher:
                 self._held[node] = _Held(record, time.monotonic())
                 self._absent.pop(node, None)
                 self._refused.discard(node)
+                self._view.lost.pop(node, None)
             elif len(self._refused) < ABSENT_KEPT:
                 self._refused.add(node)
         return record
@@ -431,7 +435,7 @@ class NodeWatcher:
             done.set()
 
     def _list(self) -> None:
-        kvs, _ = self._store.list(NODES)
+        kvs, revision = self._store.list(NODES)
         with self._lock:
             held = dict(self._view.live)
         live, refused = {}, set()
@@ -444,11 +448,22 @@ class NodeWatcher:
                 refused.add(node)
         now = time.monotonic()
         with self._lock:
+            # The watch may have told a delete after this list was read: that node is
+            # gone, not live again. A refused key the list no longer has stays refused
+            # until its delete comes (else its delete would list a lost node).
+            for node in [n for n, rev in self._deleted_at.items() if rev > revision]:
+                live.pop(node, None)
+                refused.discard(node)
+            self._deleted_at = {n: rev for n, rev in self._deleted_at.items()
+                                if rev > revision}
             self._view.live = live
-            self._refused = refused if len(refused) <= ABSENT_KEPT else set()
+            merged = (self._refused - set(live)) | refused
+            self._refused = next((s for s in (merged, refused) if len(s) <= ABSENT_KEPT),
+                                 set())
             for node, record in live.items():
                 self._held[node] = _Held(record, now)
                 self._absent.pop(node, None)
+                self._view.lost.pop(node, None)   # back: lost again only by a delete
 
     def _verified(self, key: str, value: str, held: dict | None) -> dict | None:
         """The record to hold for ``key`` now: the new one if it verifies and is not older
@@ -490,6 +505,8 @@ class NodeWatcher:
             refused = node in self._refused
             self._refused.discard(node)
             self._gone(node)
+            if len(self._deleted_at) < ABSENT_KEPT:
+                self._deleted_at[node] = ev.revision
         last = held.record if held is not None else listed
         if last is None and refused:
             return      # a key no daemon of this cluster wrote went: no node was lost
