@@ -21,7 +21,8 @@ rendezvous/phase_watch.py):
     the node key created again (counted as lapsed, as LeaseKeeper's
     re-registrations);
   - keeps one Watch stream on a channel of its own, carrying the watches a daemon
-    keeps: the node keys' deletes (NOPUT, the keys alone) and the job
+    keeps: the loss witness slots' deletes (NOPUT, the keys alone: a daemon
+    without a slot; a witness is a daemon-code node) and the job
     list whole; while its job runs, the job's rounds whole, its joins (whole
     on the job's first member, else their deletes) and the job's phase records
     (the first member) or its phase digests (the others);
@@ -31,8 +32,7 @@ rendezvous/phase_watch.py):
     often, through the gateway.
 It never joins a round (the parent gives a replay job its nodes), writes no
 worker rows and no done marks, and opens no record it receives: its events
-are counted by kind, and the deletes of node keys timed, for the loss
-measured after the kill. The gateway calls run in a small thread pool.
+are counted by kind. The gateway calls run in a small thread pool.
 """
 from __future__ import annotations
 
@@ -47,13 +47,11 @@ import threading
 import time
 from collections import Counter
 
-# etcd's watch event type for a delete (mvccpb.Event.EventType.DELETE)
-DELETE = 1
-# Whether the node watch asks each delete's record (etcd's prev_kv), which etcd reads
-# once per watcher and delete. The daemon's NodeWatcher does not (its deletes carry the
-# keys alone); scale_sim.py --replay-prev-kv sets it before the processes fork, as the
-# daemon's node watch asked up to c930c50.
-PREV_KV = False
+# Whether a replay node watches every node key's deletes, as every daemon did before
+# the loss witnesses (cluster/witness.py); else the witness slots' deletes alone, as a
+# daemon without a slot. scale_sim.py --replay-node-watch sets it before the processes
+# fork.
+NODE_WATCH = False
 
 
 def _prefix_end(prefix: bytes) -> bytes:
@@ -133,8 +131,6 @@ class ReplayNode:
         self.error_kinds: Counter = Counter()   # what failed, by what and why
         self.lapsed = 0
         self.node_puts = 0
-        self.deleted_at: dict[str, float] = {}    # node id -> when its key's delete came
-        self._deleted_rev: dict[str, int] = {}    # node id -> that delete's revision
         self.job = None            # (job id, its members sorted) once it runs one
         self.synced = asyncio.Event()
         self._watches: list = []       # (path, deletes_only), by watch id - 1
@@ -273,14 +269,14 @@ class ReplayNode:
             key=key, range_end=_prefix_end(key), watch_id=watch_id,
             start_revision=self._revisions.get(watch_id, -1) + 1,
             filters=[create.NOPUT] if deletes_only else [],
-            prev_kv=deletes_only and PREV_KV))
+            prev_kv=False))
 
     async def watch(self, channel, stop: asyncio.Event) -> None:
         """One stream for all the node's watches; when it breaks, as a daemon's store
         does, they are made again after membership.watch_retry, each from the revision
         it had seen to (etcd keeps each watch of a stream at its own pace)."""
         from elasticd.store.etcdpb import watch_pb2_grpc
-        self.add_watch("/v1/nodes/", deletes_only=True)
+        self.add_watch("/v1/nodes/" if NODE_WATCH else "/v1/witnesses/", deletes_only=True)
         self.add_watch("/v1/jobs/")
         while not stop.is_set():
             self._requests = requests = asyncio.Queue()
@@ -300,17 +296,11 @@ class ReplayNode:
                         created += 1
                         if created >= 2:
                             self.synced.set()
-                    now = time.time()
                     for ev in msg.events:
                         key = ev.kv.key.decode("utf-8", "replace")
                         self.delivered[kind_of(key)] += 1
                         if self.seen.once(str(msg.watch_id), key, ev.kv.mod_revision):
                             self.delivered["again"] += 1
-                        if ev.type == DELETE and "/v1/nodes/" in key:
-                            node = key.rsplit("/", 1)[-1]   # timed at its first delivery
-                            if self._deleted_rev.get(node) != ev.kv.mod_revision:
-                                self._deleted_rev[node] = ev.kv.mod_revision
-                                self.deleted_at[node] = now
                     if msg.events:
                         self._revisions[msg.watch_id] = msg.events[-1].kv.mod_revision
                     elif msg.created and msg.watch_id not in self._revisions:
@@ -477,11 +467,8 @@ class ReplayProcess:
         if cmd == "counters":     # read on the loop: no count moves while they are read
             return self.run(self._read(lambda: {"nodes": [n.counters() for n in self.nodes],
                                                 "pid": os.getpid()}), 60)
-        if cmd == "lost":
-            victims, since = arg
-            return self.run(self._read(lambda: [
-                [t if (t := n.deleted_at.get(v)) is not None and t >= since else None
-                 for v in victims] for n in self.nodes]), 60)
+        if cmd == "witnesses":   # a replay node takes no witness slot
+            return []
         if cmd == "stop":
             self.run(self._stop(), 30)
             for node in self.nodes:     # revoke: at once, not one after another

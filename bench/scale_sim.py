@@ -63,8 +63,9 @@ psutil:
   done         every node marks its workers done (the exit barrier): the
                marks' deliveries a node
   node loss    SIGKILL of the process holding 10 % of the nodes: seconds until
-               every survivor's NodeWatcher says each of them is lost (median and
-               the last), at the lease settings of this tree
+               a loss witness (cluster/witness.py) recorded each of them lost, the
+               lost row's own time (median and the last), at the lease settings of
+               this tree; the node keys' deletes reach the witnesses alone
 and prints, per window: etcd writes/s (raft proposals committed), etcd gRPC
 requests/s (the messages etcd's gRPC server received: every v3 gateway call,
 each watch created, each lease keep-alive on a stream) per node, deliveries/s (the events every node's watches received,
@@ -132,7 +133,8 @@ class CountingStore:
         # (prefix, key, revision) of the events its watches received: one delivered
         # again (a watch made again from too early a revision) is counted as "again"
         self.seen = SeenEvents()
-        self.node_puts = 0       # writes of its node key: no watch receives them
+        self.node_puts = 0       # writes of its node key, lost rows, witness slots: no
+                                 # watch receives them
         self.row_puts = 0        # writes of its worker rows (/v1/workers/: no watch there)
         self.errors = 0          # requests that failed (etcd slow to answer: overload),
                                  # not those etcd answered no (a key taken, a compare)
@@ -173,8 +175,9 @@ class CountingStore:
         elif key.startswith("/v1/workers/"):
             with self._lock:
                 self.row_puts += 1
-        elif put and key.startswith("/v1/nodes/"):
-            with self._lock:
+        elif (put and key.startswith("/v1/nodes/")) \
+                or key.startswith(("/v1/lost/", "/v1/witnesses/")):
+            with self._lock:       # no watch receives these (slots: their deletes alone)
                 self.node_puts += 1
 
     def put(self, key, value, lease=None):
@@ -210,6 +213,7 @@ class SimNode:
 
     def __init__(self, node_id: str, url: str, prefix: str, records, cfg):
         from elasticd.cluster.membership import LeaseKeeper, NodeWatcher
+        from elasticd.cluster.witness import LossWitness
         from elasticd.rendezvous.phase_watch import PhaseWatch
         from elasticd.rendezvous.view import JobsView
         from elasticd.store import open_store
@@ -222,10 +226,14 @@ class SimNode:
                                               watch_transport=m.watch_transport))
         self.keeper = LeaseKeeper(self.store, node_id, m.lease_ttl, m.refresh_interval,
                                   self.info, records=records)
-        self.watcher = NodeWatcher(self.store, node_id, m.lost_node_retention, m.watch_retry,
-                                   records=records)
-        self.lost_at: dict[str, float] = {}
-        self.watcher.listeners.append(self._seen)
+        self.watcher = NodeWatcher(self.store, node_id, m.lost_node_retention,
+                                   records=records, recheck=m.record_recheck,
+                                   port_recheck=m.port_record_recheck)
+        self.witness = LossWitness(self.store, node_id, self.watcher,
+                                   lambda: self.keeper.lease, records=records,
+                                   slots=m.loss_witnesses, retry=m.watch_retry,
+                                   list_interval=m.witness_list_interval,
+                                   retention=m.lost_node_retention)
         self.view = JobsView(self.store, records=records, retry=m.watch_retry)
         self.phases = PhaseWatch(self.store, records=records, retry=m.watch_retry)
         self.started_at = time.time()
@@ -234,11 +242,6 @@ class SimNode:
     def info(self) -> dict:
         return node_info(self.node_id, "sim", self.started_at, self.cfg.membership.lease_ttl)
 
-    def _seen(self, node: str, record) -> None:
-        # Told of losses only (record None): the node watch sees deletes alone.
-        if record is None:
-            self.lost_at[node] = time.time()
-
     def start(self) -> None:
         from elasticd.store import StoreUnavailable
         try:   # as cluster/node.py: etcd slow to answer; the keeper registers later
@@ -246,7 +249,7 @@ class SimNode:
         except StoreUnavailable:
             self.keeper.health = "unavailable"
         self.keeper.start()
-        self.watcher.start()
+        self.witness.start()
         self.view.start()
 
     def join(self, job_id: str, n: int, release: float, stop: threading.Event) -> None:
@@ -378,9 +381,7 @@ def worker(conn, node_ids: list, url: str, prefix: str, key: bytes, overrides: d
                 node.start()
             for node in nodes:
                 node.view.synced.wait(max(0.0, deadline - time.monotonic()))
-                node.watcher.synced.wait(max(0.0, deadline - time.monotonic()))
-            behind = sum(not (n.view.synced.is_set() and n.watcher.synced.is_set())
-                         for n in nodes)
+            behind = sum(not n.view.synced.is_set() for n in nodes)
             if behind:
                 lapsed = sum(n.keeper.reregistrations for n in nodes)
                 raise RuntimeError(f"{behind} of {len(nodes)} nodes' watches not synced "
@@ -424,10 +425,8 @@ def worker(conn, node_ids: list, url: str, prefix: str, key: bytes, overrides: d
             return True
         if cmd == "counters":
             return {"nodes": [node.counters() for node in nodes], "pid": os.getpid()}
-        if cmd == "lost":   # (victims, since): when each node saw each lost (None: not yet)
-            victims, since = arg    # an earlier loss (a lease lapsed under load) is not this
-            return [[t if (t := node.lost_at.get(v)) is not None and t >= since else None
-                     for v in victims] for node in nodes]
+        if cmd == "witnesses":   # this process's loss witnesses: [(node, slot)]
+            return [(n.node_id, n.witness.slot) for n in nodes if n.witness.slot is not None]
         if cmd == "stop":
             stop.set()
             for node in nodes:
@@ -437,7 +436,7 @@ def worker(conn, node_ids: list, url: str, prefix: str, key: bytes, overrides: d
                     node.reader.stop()
                 node.phases.stop()
                 node.view.request_stop()
-                node.watcher.request_stop()
+                node.witness.request_stop()
             stops = [threading.Thread(target=node.keeper.stop) for node in nodes]
             for t in stops:       # each revokes its lease: at once, not one after another
                 t.start()
@@ -696,6 +695,37 @@ def form(sim: Sim, jobs: dict, stagger: float = 0.0) -> dict:
     return {"took": max(r[1] for r in results) - release, "ok": ok}
 
 
+def lost_rows(sim: Sim, since: float, limit: float) -> dict:
+    """{victim: when a loss witness saw its key go (its lost row's time; None: no row
+    within ``limit`` seconds)}: the lost rows listed every 0.1 s, as `elasticctl nodes`
+    lists them (cluster/lost.py), none older than ``since`` (a lease that lapsed under
+    load before the kill is not this loss)."""
+    from elasticd.cluster.lost import LOST, open_lost
+    from elasticd.store import StoreError, open_store
+    from elasticd.trust.sealed import Refused, SealedRecords
+    store = open_store("etcd3", [sim.etcd.url], prefix=sim.prefix, timeout=10.0)
+    records = SealedRecords(sim.key, sim.prefix)
+    seen: dict = {v: None for v in sim.victims}
+    deadline = time.monotonic() + limit
+    try:
+        while None in seen.values() and time.monotonic() < deadline:
+            try:
+                kvs, _ = store.list(LOST)
+            except StoreError:
+                kvs = []
+            for kv in kvs:
+                try:
+                    row = open_lost(records, kv.key, kv.value)
+                except Refused:
+                    continue
+                if row.node_id in seen and row.lost_at >= since:
+                    seen[row.node_id] = min(seen[row.node_id] or row.lost_at, row.lost_at)
+            time.sleep(0.1)
+    finally:
+        store.close()
+    return seen
+
+
 def run_n(etcd: EtcdServer, n: int, procs: int, seconds: float, overrides: dict,
           job_nodes: int = 0, full: bool = True, stagger: float = 0.0,
           code_nodes: int | None = None, replay_procs: int = 2) -> dict:
@@ -764,23 +794,13 @@ def run_n(etcd: EtcdServer, n: int, procs: int, seconds: float, overrides: dict,
         killed_at = time.time()
         os.kill(victim.pid, signal.SIGKILL)
         victim.join(5)
-        deadline = time.monotonic() + 30
-        while True:
-            by_proc = sim.ask("lost", (sim.victims, killed_at), which=survivors)
-            seen = [t for got in by_proc for row in got for t in row]
-            if all(t is not None for t in seen) or time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
-        got = [t - killed_at for t in seen if t is not None]
+        rows = lost_rows(sim, killed_at, 30.0)
+        got = [t - killed_at for t in rows.values() if t is not None]
         out["loss_median"] = median(got)
-        out["loss_last"] = max(got) if len(got) == len(seen) else None
-        out["loss_seen"] = (len(got), len(seen))
-        if sim.full < n:   # the daemon's own NodeWatchers apart from the replay nodes
-            code = [t for i, got in zip(survivors, by_proc) if i in sim.code_procs
-                    for row in got for t in row]
-            took = [t - killed_at for t in code if t is not None]
-            out["code_loss_median"] = median(took)
-            out["code_loss_last"] = max(took) if len(took) == len(code) else None
+        out["loss_last"] = max(got) if len(got) == len(rows) else None
+        out["loss_seen"] = (len(got), len(rows))
+        out["witnesses"] = sorted(w for got in sim.ask("witnesses", which=survivors)
+                                  for w in got)
         out["after_loss"] = sim.window("after loss", min(seconds, 5.0), alive=survivors)
         last = sim.counters(which=survivors)
         out["lapsed"] = last["lapsed"]
@@ -824,9 +844,10 @@ def main(argv=None) -> int:
                          "code for; no N-node rendezvous then (default: all N run it)")
     ap.add_argument("--replay-procs", type=int, default=2,
                     help="processes for the surviving replay nodes (default 2)")
-    ap.add_argument("--replay-prev-kv", action="store_true",
-                    help="the replay nodes' node watch asks each delete's record (etcd's "
-                         "prev_kv), as the daemon's did up to c930c50: what that costs "
+    ap.add_argument("--replay-node-watch", action="store_true",
+                    help="every replay node watches every node key's deletes, as every "
+                         "daemon did before the loss witnesses (cluster/witness.py), "
+                         "instead of the witness slots' deletes alone: what that costs "
                          "etcd when many nodes go at once")
     ap.add_argument("--quick", action="store_true", help="N = 10, 2 s windows: well under a "
                                                          "minute")
@@ -837,7 +858,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     global LOG_TO
     LOG_TO = args.log
-    scale_replay.PREV_KV = args.replay_prev_kv   # read in the forked processes
+    scale_replay.NODE_WATCH = args.replay_node_watch   # read in the forked processes
     args.nodes = args.nodes or ("10" if args.quick else "20,50,100")
     args.seconds = args.seconds or (2.0 if args.quick else 10.0)
     if etcd_binary() is None:
@@ -894,13 +915,11 @@ def main(argv=None) -> int:
                   + f"worker rows published by every node: {r['row_deliveries']:.1f} row "
                     f"deliveries per node; done marks by every node: "
                     f"{r['done_deliveries']:.1f} deliveries per node; "
-                  + f"loss of {max(1, n // 10)} seen: median {fmt(r['loss_median'])}, "
-                  f"last {fmt(r['loss_last'])} ({r['loss_seen'][0]} of {r['loss_seen'][1]} "
-                  "survivor-victim pairs within 30 s"
-                  + (f"; by the nodes that run the daemon's code: median "
-                     f"{fmt(r['code_loss_median'])}, last {fmt(r['code_loss_last'])}"
-                     if "code_loss_median" in r else "")
-                  + f"); survivors' leases lapsed and taken again: {r['lapsed']}", flush=True)
+                  + f"loss of {max(1, n // 10)} recorded by the loss witnesses "
+                  f"({', '.join(f'{w} (slot {s})' for w, s in r['witnesses']) or 'none'}): "
+                  f"median {fmt(r['loss_median'])}, last {fmt(r['loss_last'])} "
+                  f"({r['loss_seen'][0]} of {r['loss_seen'][1]} lost rows within 30 s); "
+                  f"survivors' leases lapsed and taken again: {r['lapsed']}", flush=True)
     rows = []
     for r in runs:
         for w in (r["idle"], r["running"], r["after_loss"]):
@@ -922,23 +941,23 @@ def main(argv=None) -> int:
                        "failed calls", "limit"]))
     print()
     print(table([[r["n"], fmt(r["rdzv"], 3), fmt(r["loss_median"]), fmt(r["loss_last"])]
-                 for r in runs], ["N", "rendezvous (all N)", "loss seen, median",
-                                  "loss seen, last"]))
+                 for r in runs], ["N", "rendezvous (all N)", "loss recorded, median",
+                                  "loss recorded, last"]))
     big = runs[-1]
     w = big["running"]
-    if "code_loss_median" in big:    # replay nodes: their own row
+    if args.daemon_nodes is not None and big["n"] > args.daemon_nodes:   # replay nodes
         code = args.daemon_nodes
         emit_row("scale-sim-replay", elasticd=(
             f"N={big['n']} ({code} run the daemon's code, {big['n'] - code} replay its "
             f"traffic), {-(-big['n'] // args.job_nodes)} jobs of {args.job_nodes}: etcd "
             f"{big['idle']['etcd_cpu']:.0f} % of a core idle, {w['etcd_cpu']:.0f} % running; "
-            f"{w['per_node']:.1f} deliveries/node/s; loss of {max(1, big['n'] // 10)} seen "
+            f"{w['per_node']:.1f} deliveries/node/s; loss of {max(1, big['n'] // 10)} recorded "
             f"after {fmt(big['loss_median'])} (median), {fmt(big['loss_last'])} (last)"))
     else:
         emit_row("scale-sim", elasticd=(
             f"N={big['n']}: {w['writes']:.0f} etcd writes/s, {w['delivered']:.0f} "
             f"deliveries/s ({w['per_node']:.0f}/node), etcd {w['etcd_cpu']:.0f} % of a core, "
-            f"rendezvous {fmt(big['rdzv'])}, loss seen {fmt(big['loss_last'])}"))
+            f"rendezvous {fmt(big['rdzv'])}, loss recorded {fmt(big['loss_last'])}"))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(runs, fh, indent=1)

@@ -270,7 +270,9 @@ def hostile_keys(rng: random.Random, job_id: str, rnd: int) -> list[str]:
              "/v1/rounds/", f"/v1/rounds/{job_id}", "/v1/joins/", f"/v1/joins/{job_id}",
              "/v1/workers/", f"/v1/workers/{job_id}",
              f"/v1/jobs/{other}/" + "k" * rng.choice((10, 3000)), "/v1/nodes/",
-             f"/v1/events/{other}", f"/v1/drain/{node}/deeper"]
+             f"/v1/events/{other}", f"/v1/drain/{node}/deeper",
+             f"/v1/witnesses/{rng.randrange(4)}", "/v1/witnesses/x", f"/v1/lost/{node}",
+             f"/v1/lost/{other}", "/v1/lost/"]
     return keys
 
 

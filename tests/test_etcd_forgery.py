@@ -63,7 +63,8 @@ def _member(node: str, port: int) -> dict:
 
 KINDS = {"state": Kind.STATE, "joins": Kind.JOIN, "decider": Kind.DECIDER, "done": Kind.DONE,
          "workers": Kind.WORKERS, "phases": Kind.PHASES, "phasedigests": Kind.PHASES,
-         "nodes": Kind.NODE, "drain": Kind.DRAIN, "events": Kind.EVENT}
+         "nodes": Kind.NODE, "drain": Kind.DRAIN, "events": Kind.EVENT,
+         "witnesses": Kind.WITNESS, "lost": Kind.LOST}
 
 
 def _kind(key: str) -> Kind | None:
@@ -101,7 +102,7 @@ def test_every_value_the_daemons_write_is_sealed_with_the_cluster_key(pair):
             assert records.open(kind, key, value).seq > 0, key
             seen[kind.value] += 1
     assert {"spec", "state", "join", "done", "workers", "phases", "node", "drain",
-            "event"} <= set(seen), seen
+            "event", "witness"} <= set(seen), seen
 
 
 def test_a_forged_round_with_the_attackers_store_is_never_joined(pair):

@@ -1,12 +1,15 @@
-"""Node records read when asked, not watched (cluster/membership.py, issue 33): on a real
-etcd, a NodeWatcher hears no rewrite of a record, keeps a peer's record until its key
-is deleted, drops it when a daemon restarted after a crash takes its key back (with
-another replication port), and lists a node lost with the record it last read (a delete
-carries its key alone), a node it never read with its id alone, and a key whose record it
-refused as no node at all.
+"""Node records read when asked, not watched, and losses recorded by a few witnesses
+(cluster/membership.py, cluster/witness.py, issue 33): on a real etcd, a NodeWatcher
+hears no rewrite of a record, keeps a peer's record until a witness sees its key
+deleted (or a recheck period passes), drops it when a daemon restarted after a crash
+takes its key back (with another replication port), and lists a node lost with the
+record its witness last read (a delete carries its key alone), a node it never read
+with its id alone, and a key whose record it refused as no node at all. A loss reaches
+the witnesses' watches alone, and every daemon lists it.
 """
 from __future__ import annotations
 
+import json
 import os
 import socket
 import threading
@@ -17,8 +20,9 @@ import pytest
 from etcd_server import EtcdServer, etcd_binary
 from etcd_cluster import fresh_prefix, wait_for
 from elasticd.cluster.membership import LeaseKeeper, NodeWatcher
+from elasticd.cluster.witness import LossWitness, WitnessState
 from elasticd.store import open_store
-from elasticd.trust.sealed import SealedRecords
+from elasticd.trust.sealed import Kind, SealedRecords
 
 pytestmark = pytest.mark.skipif(etcd_binary() is None, reason="needs an etcd binary")
 
@@ -38,7 +42,7 @@ class Counting:
         self.gets = 0
         self.flowing = threading.Event()   # cleared: the watch's events wait (a late watch)
         self.flowing.set()
-        self.lists_held = None             # a Semaphore: a list read waits for a release
+        self.lists_held = None             # a Semaphore: a node list read waits for one
         self.lists_read = 0
 
     def __getattr__(self, name):
@@ -50,9 +54,10 @@ class Counting:
 
     def list(self, prefix):
         got = self.inner.list(prefix)
-        self.lists_read += 1
-        if self.lists_held is not None:
-            assert self.lists_held.acquire(timeout=30)
+        if prefix == "/v1/nodes":           # the node records' lists alone
+            self.lists_read += 1
+            if self.lists_held is not None:
+                assert self.lists_held.acquire(timeout=30)
         return got
 
     def watch(self, *args, **kwargs):
@@ -73,23 +78,56 @@ def _keeper(store, records, node: str, says: dict) -> LeaseKeeper:
     return LeaseKeeper(store, node, 3, 0.5, info, records=records)
 
 
+class Daemon:
+    """What a daemon runs of membership: its lease keeper, its NodeWatcher and its loss
+    witness, on a counted store of its own."""
+
+    def __init__(self, etcd, prefix: str, records, node: str, slots: int = 3,
+                 recheck: float = 1.0, port_recheck: float = 10.0, tend: float = 30.0):
+        self.store = Counting(open_store("etcd3", etcd.endpoints, prefix=prefix))
+        self.keeper = _keeper(self.store, records, node, {"slots_free": 4, "port": 0})
+        self.watcher = NodeWatcher(self.store, node, 3600, records=records, recheck=recheck,
+                                   port_recheck=port_recheck)
+        self.witness = LossWitness(self.store, node, self.watcher, lambda: self.keeper.lease,
+                                   records=records, slots=slots, retry=0.2,
+                                   list_interval=tend, retention=3600)
+
+    def start(self) -> "Daemon":
+        self.keeper.register()
+        self.witness.start()
+        return self
+
+    def close(self) -> None:
+        self.witness.stop()
+        self.keeper.stop()
+        self.store.close()
+
+    def node_deletes(self) -> list[str]:
+        return [ev.key.rsplit("/", 1)[-1] for ev in self.store.delivered
+                if ev.key.startswith("/v1/nodes/")]
+
+
 def _world(etcd, recheck: float):
-    """(records, a store for the peer, n-a's counted store, n-a's NodeWatcher) under a
-    prefix of their own."""
+    """(records, a store for the peer, n-a's counted store, n-a's NodeWatcher, n-a) under
+    a prefix of their own: n-a is its cluster's only daemon, so its loss witness."""
     prefix = fresh_prefix()
     records = SealedRecords(b"k" * 32, prefix)
-    mine = Counting(open_store("etcd3", etcd.endpoints, prefix=prefix))
-    return (records, open_store("etcd3", etcd.endpoints, prefix=prefix), mine,
-            NodeWatcher(mine, "n-a", 3600, 0.2, records=records, recheck=recheck))
+    me = Daemon(etcd, prefix, records, "n-a", recheck=recheck)
+    return (records, open_store("etcd3", etcd.endpoints, prefix=prefix), me.store,
+            me.watcher, me)
+
+
+def _witnessing(me: Daemon) -> None:
+    me.start()
+    wait_for(lambda: me.witness.state is WitnessState.WITNESS, 10, what="n-a a witness")
 
 
 def test_a_peers_record_is_read_once_kept_until_its_key_goes_and_lost_with_its_last(etcd):
-    records, store, mine, watcher = _world(etcd, recheck=0.5)
+    records, store, mine, watcher, me = _world(etcd, recheck=0.5)
     says = {"slots_free": 4, "port": 7001}
     peer = _keeper(store, records, "n-b", says)
     try:
-        watcher.start()
-        assert watcher.synced.wait(10)
+        _witnessing(me)
         peer.register()
         assert watcher.record("n-b")["replication_port"] == 7001
         assert mine.gets == 1
@@ -120,13 +158,12 @@ def test_a_peers_record_is_read_once_kept_until_its_key_goes_and_lost_with_its_l
         assert view.lost["n-b"][1]["replication_port"] == 7002
         assert all(ev.value is None for ev in mine.delivered), mine.delivered
     finally:
-        watcher.stop()
+        me.close()
         store.close()
-        mine.close()
 
 
 def test_a_record_without_a_replication_port_is_read_again_after_the_recheck(etcd):
-    records, store, mine, watcher = _world(etcd, recheck=0.3)
+    records, store, mine, watcher, me = _world(etcd, recheck=0.3)
     says = {"slots_free": 4, "port": 0}
     peer = _keeper(store, records, "n-b", says)
     try:
@@ -140,20 +177,19 @@ def test_a_record_without_a_replication_port_is_read_again_after_the_recheck(etc
         assert watcher.record("n-b")["replication_port"] == 7003 and mine.gets == 2
     finally:
         peer.stop()
+        me.close()
         store.close()
-        mine.close()
 
 
 def test_a_node_without_a_record_is_read_again_only_after_the_recheck(etcd):
     """A lost buddy is asked for each replication interval until the round moves on: one
     read of etcd a recheck period, not one a call. A drain (fresh) looks again at once,
     and a node that registers is read after the period."""
-    records, store, mine, watcher = _world(etcd, recheck=0.5)
+    records, store, mine, watcher, me = _world(etcd, recheck=0.5)
     says = {"slots_free": 4, "port": 7004}
     peer = _keeper(store, records, "n-c", says)
     try:
-        watcher.start()
-        assert watcher.synced.wait(10)
+        _witnessing(me)
         for _ in range(20):
             assert watcher.record("n-c") is None
         assert mine.gets == 1
@@ -173,26 +209,22 @@ def test_a_node_without_a_record_is_read_again_only_after_the_recheck(etcd):
         time.sleep(0.55)
         assert watcher.record("n-c") is None and mine.gets == gets + 1
     finally:
-        watcher.stop()
+        me.close()
         store.close()
-        mine.close()
 
 
 def test_a_node_never_read_is_lost_by_its_id_and_a_refused_key_is_no_node(etcd):
     """A delete carries its key alone: a node whose record this daemon never read is
-    listed lost by its id (and its listeners told), one it read with that record; a key
+    listed lost by its id (its witness writes its lost row), one it read with that record; a key
     whose record it refused at its last list lists nothing when it goes."""
-    records, store, mine, watcher = _world(etcd, recheck=0.5)
-    told = []
-    watcher.listeners.append(lambda node, record: told.append((node, record)))
+    records, store, mine, watcher, me = _world(etcd, recheck=0.5)
     unread = _keeper(store, records, "n-d", {"slots_free": 4, "port": 7005})
     listed = _keeper(store, records, "n-e", {"slots_free": 2, "port": 7006})
     try:
-        watcher.start()
-        assert watcher.synced.wait(10)
+        _witnessing(me)
         listed.register()
         store.put("/v1/nodes/n-f", "not a sealed record")
-        wait_for(lambda: set(watcher.snapshot().live) == {"n-e"}, 10,
+        wait_for(lambda: set(watcher.snapshot().live) == {"n-a", "n-e"}, 10,
                  what="n-e listed, n-f refused")
         unread.register()
         for keeper in (unread, listed):
@@ -205,26 +237,26 @@ def test_a_node_never_read_is_lost_by_its_id_and_a_refused_key_is_no_node(etcd):
         assert set(lost) == {"n-d", "n-e"}, lost
         assert lost["n-d"][1] == {"node_id": "n-d"}
         assert lost["n-e"][1]["slots_free"] == 2 and lost["n-e"][1]["replication_port"] == 7006
-        assert sorted(node for node, record in told) == ["n-d", "n-e"]
+        assert me.witness.written == 2                      # no row for n-f
         assert all(ev.value is None for ev in mine.delivered), mine.delivered
     finally:
-        watcher.stop()
+        me.close()
         store.close()
-        mine.close()
 
 
 def test_a_list_and_the_watch_in_either_order_agree_on_what_went(etcd):
-    """A list read after a delete whose event the watch has not told yet, or read before
-    a delete it has told, never undoes what the watch says: a refused key gone from the
-    list is still no node when its delete comes, and a deleted node is not live again."""
-    records, store, mine, watcher = _world(etcd, recheck=0.5)
+    """A list read after a delete whose event the witness's watch has not told yet, or
+    read before a delete it has told, never undoes what the watch says: a refused key
+    gone from the list is still no node when its delete comes, and a deleted node is not
+    live again."""
+    records, store, mine, watcher, me = _world(etcd, recheck=0.5)
     peer = _keeper(store, records, "n-e", {"slots_free": 2, "port": 7006})
     try:
-        watcher.start()
-        assert watcher.synced.wait(10)
+        _witnessing(me)
         peer.register()
         store.put("/v1/nodes/n-f", "not a sealed record")
-        wait_for(lambda: set(watcher.snapshot().live) == {"n-e"}, 10, what="n-e listed")
+        wait_for(lambda: set(watcher.snapshot().live) == {"n-a", "n-e"}, 10,
+                 what="n-e listed")
         # The watch late: the garbage's delete is listed before it is told.
         mine.flowing.clear()
         store.delete("/v1/nodes/n-f")
@@ -246,9 +278,87 @@ def test_a_list_and_the_watch_in_either_order_agree_on_what_went(etcd):
         mine.lists_held.release()           # the list read before the delete ends now
         reading.join(10)
         view = watcher.snapshot()           # its list waits: the view is the old list's
-        assert set(view.live) == set() and set(view.lost) == {"n-e"}, view
+        assert set(view.live) == {"n-a"}, view
         mine.lists_held.release()
+        mine.lists_held = None
+        wait_for(lambda: set(watcher.snapshot().lost) == {"n-e"}, 10, what="n-e lost")
     finally:
-        watcher.stop()
+        me.close()
         store.close()
-        mine.close()
+
+
+def test_a_loss_reaches_the_witnesses_alone_and_every_daemon_lists_it(etcd):
+    """Five daemons, two witness slots: a node's loss is delivered to the two witnesses'
+    watches alone, every daemon lists it lost with its record, and its row goes when it
+    registers again. Both witnesses gone at once (their leases revoked): two others
+    take the slots and still record both losses (their watches start from the
+    revision the first slot went at)."""
+    prefix = fresh_prefix()
+    records = SealedRecords(b"k" * 32, prefix)
+    daemons = [Daemon(etcd, prefix, records, f"n-{i}", slots=2) for i in range(5)]
+    try:
+        for d in daemons:
+            d.start()
+        wait_for(lambda: sum(d.witness.state is WitnessState.WITNESS for d in daemons) == 2,
+                 10, what="two witnesses")
+        witnesses = [d for d in daemons if d.witness.state is WitnessState.WITNESS]
+        others = [d for d in daemons if d not in witnesses]
+        assert sorted(w.witness.slot for w in witnesses) == [0, 1]
+        victim, others = others[-1], others[:-1]
+        name = victim.keeper._node_id
+        for w in witnesses:      # as each witness's periodic list does
+            wait_for(lambda: name in w.watcher.snapshot().live, 10, what=f"{name} listed")
+        victim.close()
+        for d in witnesses + others:
+            wait_for(lambda: name in d.watcher.snapshot().lost, 10,
+                     what=f"{name} listed lost")
+            row = d.watcher.snapshot().lost[name][1]
+            assert row["slots_free"] == 4 and row["host"], row     # the record it had
+        assert [w.node_deletes() for w in witnesses] == [[name], [name]]
+        assert [d.node_deletes() for d in others] == [[], []]
+        # It comes back: its lost row goes.
+        back = Daemon(etcd, prefix, records, name, slots=2).start()
+        daemons.append(back)
+        wait_for(lambda: name not in others[0].watcher.snapshot().lost, 10,
+                 what=f"{name} no longer lost")
+        assert name in others[0].watcher.snapshot().live
+        # Both witnesses die at once: their watches stop, then their leases go.
+        gone = [w.keeper._node_id for w in witnesses]
+        for w in witnesses:
+            w.witness.stop()
+        for w in witnesses:
+            w.keeper.stop()
+        wait_for(lambda: sum(d.witness.state is WitnessState.WITNESS
+                             for d in others + [back]) == 2, 10, what="two new witnesses")
+        for d in others + [back]:
+            wait_for(lambda: set(gone) <= set(d.watcher.snapshot().lost), 10,
+                     what="both old witnesses listed lost")
+    finally:
+        for d in daemons:
+            d.close()
+
+
+def test_garbage_holds_no_witness_slot_and_lists_no_lost_node(etcd):
+    """Values no daemon of this cluster wrote, at both witness slots and as lost rows: the
+    first daemon deletes the slots' garbage and takes one; the forged rows list nothing,
+    and a witness's tend deletes them."""
+    prefix = fresh_prefix()
+    records = SealedRecords(b"k" * 32, prefix)
+    attacker = open_store("etcd3", etcd.endpoints, prefix=prefix)
+    other = SealedRecords(b"x" * 32, prefix)      # another cluster's key
+    attacker.put("/v1/witnesses/0", '{"node_id": "evil"}')
+    attacker.put("/v1/witnesses/1", other.seal(Kind.WITNESS, "/v1/witnesses/1",
+                                               json.dumps({"node_id": "evil"})))
+    attacker.put("/v1/lost/n-z", json.dumps({"node_id": "n-z", "lost_at": time.time()}))
+    attacker.put("/v1/lost/n-y", records.seal(Kind.LOST, "/v1/lost/n-x", json.dumps(
+        {"node_id": "n-x", "lost_at": time.time(), "record": {"node_id": "n-x"},
+         "witness": "n-a"})))                     # a genuine row moved to another key
+    me = Daemon(etcd, prefix, records, "n-a", slots=2, tend=1.0)
+    try:
+        _witnessing(me)
+        assert me.witness.slot in (0, 1)
+        assert me.watcher.snapshot().lost == {}
+        wait_for(lambda: attacker.list("/v1/lost")[0] == [], 10, what="the forged rows gone")
+    finally:
+        me.close()
+        attacker.close()

@@ -6,11 +6,11 @@ at start (refusing a node id a live daemon holds), refreshed every
 only when what it says changes, re-registered after an etcd outage, revoked
 on a clean stop.
 
-``NodeWatcher`` keeps the cluster view: it watches the prefix's deletes only
-(etcd leaves the records' rewrites out), so a node whose lease expires is seen
-as lost within the TTL, and reads live records when asked. Lost nodes are
-remembered for ``membership.lost_node_retention`` seconds so an operator sees
-what happened.
+``NodeWatcher`` keeps the cluster view: it reads live records when asked and
+lists the lost rows that the loss witnesses (cluster/witness.py, a few daemons
+watching the node keys' deletes) write when a node's lease expires; they stay
+listed for ``membership.lost_node_retention`` seconds so an operator sees what
+happened.
 
 A node record is sealed with the cluster key, bound to its key
 (trust/sealed.py), and read in one place (``open_node``): a record that does
@@ -33,10 +33,10 @@ import psutil
 
 from ..logsetup import ctx
 from ..store import CompareFailed, KeyExists, Lease, LeaseNotFound, Store, StoreError
-from ..store.follow import Follower
 from ..fields import is_ident
 from ..trust.refusals import Refusals
 from ..trust.sealed import Kind, Opened, Reason, Refused
+from .lost import LOST, lost_key, open_lost
 
 log = logging.getLogger("elasticd.cluster.membership")
 
@@ -174,6 +174,11 @@ class LeaseKeeper:
                               f"registered ({REGISTER_TRIES} looks): is another daemon "
                               "starting with it?")
         self._lease, self._written = lease, info
+        try:        # a lost row of this node from before (cluster/lost.py): it is back
+            self._store.delete(lost_key(self._node_id))
+        except StoreError as exc:
+            log.debug("%s: deleting this node's lost row: %s (a witness prunes it)",
+                      ctx(node=self._node_id), exc)
         self.last_refresh = self._clock()
         self.health = "ok"
         log.info("%s: registered in the cluster (lease %d s)", ctx(node=self._node_id),
@@ -299,68 +304,55 @@ class _Held:
 
 
 class NodeWatcher:
-    """The cluster's nodes as this daemon needs them, without every record reaching it.
+    """The cluster's nodes as this daemon needs them, without every record or every
+    loss reaching it.
 
     A node record is rewritten whenever its free slots or jobs change; a watch of
     the records delivered each rewrite to every daemon (N x N at a cluster-wide
-    cold start). This watch is of deletes only (etcd filters out the puts), each
-    delete its key alone: a node is lost when its key goes, and listed lost with
-    the record this daemon last read of it (its id alone where it read none). etcd
-    reads a deleted key's value again for each watcher that asks for it, so the
-    records with the deletes made a loss of many nodes at once cost etcd a read per
-    daemon and lost node (100 of 1,000: 90,000 reads, bench/README.md, scale_sim).
-    A key whose record this daemon refused at its last read lists no node lost when
-    it goes. Live records are read when asked:
-    ``snapshot()`` lists them all (`elasticctl nodes`), ``record(node)`` reads
-    one and keeps it (a peer's replication port: replication/peers.py, the
-    rendezvous' gone probe) until its key is deleted, or for
-    ``recheck`` seconds if it publishes no replication port yet; a node found with no
-    record is not read again for ``recheck`` seconds (a lost buddy is asked for each
-    replication interval until the round moves on). A daemon taking
-    over its own key after a crash deletes it first (``LeaseKeeper.register``), so
-    what a peer keeps never outlives the daemon that wrote it."""
+    cold start), and a watch of their deletes each loss to every daemon (a loss of
+    100 of 1,000 nodes: 90,000 deliveries). No daemon watches the records; only
+    the loss witnesses (cluster/witness.py) watch their deletes and tell this
+    watcher (``went``), which answers the record it last read of the node (its id
+    alone where it read none; nothing for a key whose record its last read
+    refused: no daemon of this cluster wrote it). Live records are read when asked:
+    ``snapshot()`` lists them all and the lost rows the witnesses wrote
+    (`elasticctl nodes`); ``record(node)`` reads one and keeps it (a peer's
+    replication port: replication/peers.py, the rendezvous' gone probe) for
+    ``port_recheck`` seconds (a witness drops it when the key goes), or ``recheck``
+    seconds if it publishes no replication port yet; a node found with no record is
+    not read again for ``recheck`` seconds (a lost buddy is asked for each
+    replication interval until the round moves on). A daemon taking over its own
+    key after a crash deletes it first (``LeaseKeeper.register``)."""
 
-    def __init__(self, store: Store, node_id: str, retention: float, retry: float,
+    def __init__(self, store: Store, node_id: str, retention: float,
                  clock=time.time, *, records, refusals: Refusals | None = None,
-                 recheck: float = 1.0, list_wait: float = 0.3):
+                 recheck: float = 1.0, port_recheck: float = 10.0, list_wait: float = 0.3):
         self._store = store
         self._node_id = node_id
         self._retention = retention
         self._recheck = recheck
+        self._port_recheck = port_recheck
         self._list_wait = list_wait
         self._listing: threading.Event | None = None   # set when the list in flight ends
         self._clock = clock
         self._records = records
         self._refusals = refusals or Refusals(ctx(node=node_id))
         self._lock = threading.Lock()
-        self._view = NodeView()            # the last full list, and the lost
+        self._view = NodeView()            # the last full list, and the lost rows
         self._held: dict[str, _Held] = {}  # node -> its record as last read
         self._absent: dict[str, float] = {}  # node -> when it was found without a record
         self._refused: set[str] = set()    # keys whose record the last read refused
-        # node -> the revision its key was deleted at, until a list newer than that
-        # (a list read before a delete and ended after it must not bring the node back)
+        # node -> the revision a witness saw its key deleted at, until a list newer than
+        # that (a list read before a delete and ended after it must not bring it back)
         self._deleted_at: dict[str, int] = {}
         # node -> writer's count of the newest record accepted (kept after the node
         # leaves: a record of it put back later is older)
         self._seqs: dict[str, int] = {}
-        self._follower = Follower(store, NODES, "node-watch", retry, self._reset,
-                                  self._deleted, deletes_only=True)
-        self.listeners: list[Callable[[str, dict | None], None]] = []  # (node, None): lost
-        self.synced = self._follower.synced
-
-    def start(self) -> None:
-        self._follower.start()
-
-    def request_stop(self) -> None:
-        self._follower.request_stop()
-
-    def stop(self) -> None:
-        self._follower.stop()
 
     # -- reading ---------------------------------------------------------------
     def snapshot(self) -> NodeView:
-        """Every live node's record and the lost ones within the retention. The records
-        are listed now, waited for at most ``list_wait`` seconds (one list in flight at a
+        """Every live node's record and the lost rows within the retention. Both are
+        listed now, waited for at most ``list_wait`` seconds (one list in flight at a
         time, in a thread of its own, bounded by the store's timeout); past it, or if
         etcd fails, the last list (the caller never blocks on a hung etcd)."""
         with self._lock:
@@ -373,9 +365,9 @@ class NodeWatcher:
         with self._lock:
             now = self._clock()
             live = dict(self._view.live)
-            self._view.lost = {k: v for k, v in self._view.lost.items()
-                               if now - v[0] < self._retention}
-            return NodeView(live, {k: v for k, v in self._view.lost.items() if k not in live})
+            lost = {k: v for k, v in self._view.lost.items()
+                    if now - v[0] < self._retention and k not in live}
+            return NodeView(live, lost)
 
     def record(self, node: str, fresh: bool = False) -> dict | None:
         """``node``'s live record: the one held, else read now (None: no live record, or
@@ -385,8 +377,8 @@ class NodeWatcher:
             held = self._held.get(node)
             absent = self._absent.get(node)
         now = time.monotonic()
-        if held is not None and (held.record.get("replication_port")
-                                 or now - held.read_at < self._recheck):
+        if held is not None and now - held.read_at < (
+                self._port_recheck if held.record.get("replication_port") else self._recheck):
             return held.record
         if held is None and not fresh and absent is not None and now - absent < self._recheck:
             return None
@@ -406,10 +398,16 @@ class NodeWatcher:
                 self._held[node] = _Held(record, time.monotonic())
                 self._absent.pop(node, None)
                 self._refused.discard(node)
-                self._view.lost.pop(node, None)
             elif len(self._refused) < ABSENT_KEPT:
                 self._refused.add(node)
         return record
+
+    def relist(self) -> list[str]:
+        """List the node records now (a loss witness, so it knows each node when it
+        goes); the live nodes' ids. StoreError if etcd does not answer."""
+        self._list()
+        with self._lock:
+            return list(self._view.live)
 
     def _gone(self, node: str) -> None:
         """``node`` has no record now; the caller holds the lock. What is older than
@@ -424,6 +422,7 @@ class NodeWatcher:
     def _list_once(self, done: threading.Event) -> None:
         try:
             self._list()
+            self._list_lost()
         except StoreError as exc:
             log.debug("%s: listing the nodes: %s; the last list stands",
                       ctx(node=self._node_id), exc)
@@ -448,9 +447,9 @@ class NodeWatcher:
                 refused.add(node)
         now = time.monotonic()
         with self._lock:
-            # The watch may have told a delete after this list was read: that node is
+            # A witness may have told a delete after this list was read: that node is
             # gone, not live again. A refused key the list no longer has stays refused
-            # until its delete comes (else its delete would list a lost node).
+            # until its delete comes (else its delete would be taken for a lost node).
             for node in [n for n, rev in self._deleted_at.items() if rev > revision]:
                 live.pop(node, None)
                 refused.discard(node)
@@ -463,7 +462,24 @@ class NodeWatcher:
             for node, record in live.items():
                 self._held[node] = _Held(record, now)
                 self._absent.pop(node, None)
-                self._view.lost.pop(node, None)   # back: lost again only by a delete
+
+    def _list_lost(self) -> None:
+        """The lost rows the witnesses wrote (cluster/lost.py); a refused one lists
+        nothing."""
+        kvs, _ = self._store.list(LOST)
+        lost = {}
+        for kv in kvs:
+            try:
+                row = open_lost(self._records, kv.key, kv.value)
+            except Refused as exc:
+                self._refusals.refused(Kind.LOST, kv.key, exc.reason, exc.detail)
+                continue
+            except Exception as exc:  # a bug: this key only
+                self._refusals.refused(Kind.LOST, kv.key, Reason.ERROR, repr(exc), trace=True)
+                continue
+            lost[row.node_id] = (row.lost_at, row.record)
+        with self._lock:
+            self._view.lost = lost
 
     def _verified(self, key: str, value: str, held: dict | None) -> dict | None:
         """The record to hold for ``key`` now: the new one if it verifies and is not older
@@ -488,17 +504,11 @@ class NodeWatcher:
             self._refusals.refused(Kind.NODE, key, Reason.ERROR, repr(exc), trace=True)
         return held
 
-    # -- the watch of deletes ----------------------------------------------------
-    def _reset(self, kvs: list, revision: int) -> None:
-        """The watch (re)started at ``revision`` (no keys: it lists nothing): a delete
-        may have been missed, so every held record is read again when next asked."""
-        with self._lock:
-            self._held.clear()
-
-    def _deleted(self, ev) -> None:
-        node = ev.key[len(NODES) + 1:]
-        if not ev.key.startswith(NODES + "/") or not is_ident(node):
-            return      # no node's key (its value was refused wherever it was read)
+    # -- a witness's news ----------------------------------------------------------
+    def went(self, node: str, revision: int) -> dict | None:
+        """A loss witness saw ``node``'s key deleted at ``revision``: what this daemon
+        knew of it (the record it last read; its id alone where it read none), or None
+        when the key's record was refused at its last read (no node was lost)."""
         with self._lock:
             held = self._held.pop(node, None)
             listed = self._view.live.pop(node, None)
@@ -506,22 +516,10 @@ class NodeWatcher:
             self._refused.discard(node)
             self._gone(node)
             if len(self._deleted_at) < ABSENT_KEPT:
-                self._deleted_at[node] = ev.revision
+                self._deleted_at[node] = revision
         last = held.record if held is not None else listed
         if last is None and refused:
-            return      # a key no daemon of this cluster wrote went: no node was lost
-        with self._lock:
-            self._view.lost[node] = (self._clock(), last or {"node_id": node})
+            return None
         if node == self._node_id:  # our clean stop, or a lapse the lease keeper reports
             log.info("%s: this node's key is gone from the cluster", ctx(node=self._node_id))
-        else:
-            log.warning("%s: node %s lost (its lease expired or was revoked)",
-                        ctx(node=self._node_id), node)
-        self._tell(node, None)
-
-    def _tell(self, node: str, record: dict | None) -> None:
-        for listener in self.listeners:
-            try:
-                listener(node, record)
-            except Exception:
-                log.exception("node listener failed")
+        return last or {"node_id": node}

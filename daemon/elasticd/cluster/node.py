@@ -21,6 +21,7 @@ from ..config import Config
 from ..logsetup import ctx
 from .faults import MAX_LINE, MAX_REASONS, reason_lines
 from .membership import DRAIN, LeaseKeeper, NodeWatcher
+from .witness import LossWitness
 from ..store import EVENT_PUT, Store, StoreAuthError, StoreError, StoreUnavailable, open_store
 from ..store.follow import Follower
 from .. import fields
@@ -97,8 +98,14 @@ class Cluster:
         self.keeper = LeaseKeeper(store, cfg.daemon.node_id, m.lease_ttl, m.refresh_interval,
                                   self.record, records=records)
         self.watcher = NodeWatcher(store, cfg.daemon.node_id, m.lost_node_retention,
-                                   m.watch_retry, records=records, refusals=self._refusals,
-                                   recheck=m.record_recheck, list_wait=m.list_wait)
+                                   records=records, refusals=self._refusals,
+                                   recheck=m.record_recheck,
+                                   port_recheck=m.port_record_recheck, list_wait=m.list_wait)
+        self.witness = LossWitness(store, cfg.daemon.node_id, self.watcher,
+                                   lambda: self.keeper.lease, records=records,
+                                   slots=m.loss_witnesses, retry=m.watch_retry,
+                                   list_interval=m.witness_list_interval,
+                                   retention=m.lost_node_retention, refusals=self._refusals)
         self._drains: dict[str, dict] = {}
         self._drain_lock = threading.Lock()
         self._drains_loaded = False
@@ -141,13 +148,13 @@ class Cluster:
             log.warning("etcd unavailable at start (%s); registering when it returns", exc)
             self.keeper.health = f"unavailable: {exc}"
         self.keeper.start()
-        self.watcher.start()
+        self.witness.start()
         self._drain_follower.start()
 
     def request_stop(self) -> None:
-        """Both watches start winding down (each sees it within a watch poll)."""
+        """The watches start winding down (each sees it within a watch poll)."""
         self._drain_follower.request_stop()
-        self.watcher.request_stop()
+        self.witness.request_stop()
 
     def stop(self) -> None:
         """Stop the lease and the watches; the store stays open (its opener,
@@ -155,7 +162,7 @@ class Cluster:
         self.request_stop()
         self.keeper.stop()
         self._drain_follower.stop()
-        self.watcher.stop()
+        self.witness.stop()
 
     def health(self) -> str:
         return self.keeper.health

@@ -163,11 +163,24 @@ class MembershipSettings:
                                           "replication port (its daemon registers before "
                                           "its replication listener starts, and publishes "
                                           "the port at its next refresh) is used before it "
-                                          "is read again; a record with one is kept until "
-                                          "the node's key is deleted (no daemon watches the "
-                                          "records' rewrites); a node found with no record "
-                                          "is read again after as long",
+                                          "is read again; a node found with no record is "
+                                          "read again after as long",
                                      min=0.05, max=3600)
+    port_record_recheck: float = _setting(
+        10.0, "seconds a peer's node record with a replication port is used before it is "
+              "read again (no daemon watches the records' rewrites, and only the loss "
+              "witnesses watch their deletes: a peer's daemon restarted with another port "
+              "is found at most this late; a witness drops it at once)", min=0.05, max=3600)
+    loss_witnesses: int = _setting(
+        3, "daemons of the cluster that watch every node key's deletes and record each "
+           "loss for `elasticctl nodes` (/v1/lost/<node>); the others watch none, so a "
+           "node's loss reaches this many daemons, not every one (a job's own nodes see a "
+           "member go by its join). Each daemon takes a free witness slot when one is "
+           "(the first to start, or on a witness's loss)", min=1, max=64)
+    witness_list_interval: float = _setting(
+        10.0, "seconds between a loss witness's lists of the node records (what a lost row "
+              "shows of the node) and its pruning of lost rows older than "
+              "lost_node_retention", min=1, max=86400)
     watch_retry: float = _setting(1.0, "seconds before a broken etcd watch is tried again",
                                   min=0.05, max=600)
     startup_timeout: float = _setting(10.0, "seconds the daemon tries to reach etcd at start "
@@ -218,8 +231,9 @@ class RendezvousSettings:
              "stopped first). Each read lists the job's joins: at scale keep it well above "
              "the time the workers of all nodes take to exit", min=0.1, max=3600)
     round_stores: bool = _setting(
-        True, "on a job across nodes, keep a round store process per job and node (forked "
-              "from the job's worker template, else the job's Python; as its user) whose new "
+        True, "on a job across nodes (or on one node, with a worker template), keep a round "
+              "store process per job and node (forked from the job's worker template, else "
+              "the job's Python; as its user) whose new "
               "TCPStore, listening from the moment the "
               "node joins a round, is its MASTER_PORT offer: ranks of other nodes never wait "
               "for rank 0 to bind (torch retries a refused connect 0.25-0.75 s later); the "

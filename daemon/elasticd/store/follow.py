@@ -4,8 +4,9 @@ Every in-memory view of the store (drain marks, jobs, events) is kept the
 same way, by one ``Follower`` thread each: ``on_reset`` gets the whole prefix
 after each (re)list, ``on_event`` every change after it, in order. A follower
 of deletes only (the node records: cluster/membership.py) lists nothing: it
-starts from the store's revision (``on_reset`` gets no keys) and is told the
-prefix's deletes, each with the value the key held.
+starts from the store's revision, or from ``from_revision`` while etcd keeps that
+history (``on_reset`` gets no keys), and is told the prefix's deletes, each its key
+alone.
 A compacted history means a fresh list; an unreachable store a bounded wait
 and a new watch from the last revision seen; nothing is lost either way.
 
@@ -32,9 +33,11 @@ _LOGGED_KEYS = 1024   # keys whose handler failure is logged; later ones are onl
 class Follower:
     def __init__(self, store: Store, prefix: str, name: str, retry: float,
                  on_reset: Callable[[list[KV], int], None],
-                 on_event: Callable[[WatchEvent], None], deletes_only: bool = False):
+                 on_event: Callable[[WatchEvent], None], deletes_only: bool = False,
+                 from_revision: int = 0):
         self._store = store
         self._deletes_only = deletes_only
+        self._from = from_revision if deletes_only else 0
         self._prefix = prefix
         self._name = name
         self._retry = retry
@@ -76,8 +79,9 @@ class Follower:
         while not self._stop.is_set():
             try:
                 if revision is None:
-                    kvs, revision = (([], self._store.revision()) if self._deletes_only
-                                     else self._store.list(self._prefix))
+                    kvs, revision = (([], self._from or self._store.revision())
+                                     if self._deletes_only else self._store.list(self._prefix))
+                    self._from = 0   # from a compacted history on: the store's revision
                     self._handled(f"(the list of {self._prefix})", self._on_reset, kvs, revision)
                     self.synced.set()
                 for ev in self._store.watch(self._prefix, revision, self._stop,

@@ -58,6 +58,8 @@ class Kind(str, enum.Enum):
     DRAIN = "drain"          # /v1/drain/<node>
     FAULTS = "faults"        # /v1/faults/<node> (cluster/faults.py)
     EVENT = "event"          # /v1/events/<job>/<node>/<seq>
+    WITNESS = "witness"      # /v1/witnesses/<slot> (cluster/witness.py)
+    LOST = "lost"            # /v1/lost/<node> (cluster/witness.py)
     KEY = "key"              # a key no daemon writes
 
 
@@ -65,7 +67,8 @@ class Kind(str, enum.Enum):
 # refuses to write more, a reader to read more (before any hashing).
 MAX_BODY = {Kind.STATE: 1 << 20, Kind.JOIN: 4096, Kind.DECIDER: 512, Kind.DONE: 256,
             Kind.WORKERS: 512 * 1024, Kind.PHASES: 40 * 1024, Kind.NODE: 256 * 1024,
-            Kind.DRAIN: 20 * 1024, Kind.EVENT: 64 * 1024, Kind.FAULTS: 48 * 1024}
+            Kind.DRAIN: 20 * 1024, Kind.EVENT: 64 * 1024, Kind.FAULTS: 48 * 1024,
+            Kind.WITNESS: 512, Kind.LOST: 256 * 1024 + 1024}
 
 
 class Reason(str, enum.Enum):
