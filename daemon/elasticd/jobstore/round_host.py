@@ -108,7 +108,19 @@ class RoundStoreHost:
 
     def new_port(self, stop=None) -> int:
         """A new store's port, listening already; 0 when there is none (failed: then
-        never again, see ``reason``; or ``stop`` was set while it still imported)."""
+        never again, see ``reason``; or ``stop`` was set while it still imported). A
+        server forked from a template that is no longer the job's (it died: its children
+        die with it, some time after) is replaced by one forked from the job's template
+        now: a port from the dying one would leave the ranks without their store."""
+        forked_from = self._server.template_pid
+        if forked_from and self._template is not None:
+            now = self._template()
+            if now is None or now.pid != forked_from:
+                log.info("%s: round store server was forked from worker template pid %d, "
+                         "which the job no longer has: starting another",
+                         ctx(job=self._job_id, node=self._node_id), forked_from)
+                self._server.stop()
+                self.ready = False
         if not self._server.started and self._spec is not None and not self.reason:
             if not self._launch(self._template() if self._template is not None else None,
                                 stop):
