@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from ..fields import is_ident
 from ..trust.sealed import Kind, Reason, Refused
+from .node_record import node_fields, node_key
 
 LOST = "/v1/lost"
 
@@ -41,7 +42,6 @@ class LostNode:
 
 def open_lost(records, key: str, value) -> LostNode:
     """The lost row stored at ``key``; Refused if it is not one this cluster wrote."""
-    from .membership import node_fields, node_key   # the node record's one checker
     doc = records.open(Kind.LOST, key, value).doc
     node = key[len(LOST) + 1:]
     if not key.startswith(LOST + "/") or not is_ident(node):
