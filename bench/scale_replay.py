@@ -30,9 +30,13 @@ rendezvous/phase_watch.py):
     agent.phase_refresh_interval (the rate at which a steady training node's
     record is rewritten), and the job's first member its sealed digest as
     often, through the gateway.
-It never joins a round (the parent gives a replay job its nodes), writes no
-worker rows and no done marks, and opens no record it receives: its events
-are counted by kind. The gateway calls run in a small thread pool.
+In a job with daemon-code members (the simulator's N-node job) it writes its
+join of the round at the release, as ClusterRendezvous does, and takes the
+closed state its rounds watch receives as its result (the daemon-code nodes
+decide the round); a job of replay nodes alone forms no round (the parent
+gives it its nodes). It writes no worker rows and no done marks, and opens
+no record it receives but its round's closed state, once a process: its
+events are counted by kind. The gateway calls run in a small thread pool.
 """
 from __future__ import annotations
 
@@ -132,6 +136,11 @@ class ReplayNode:
         self.lapsed = 0
         self.node_puts = 0
         self.job = None            # (job id, its members sorted) once it runs one
+        self.closed_at = None      # when its watch got its joined round's closed state
+        self.closed_state = None   # that state's sealed value (bytes)
+        self._joined_round = None  # (job id, round) it joined, while it waits
+        self.join_key = None       # its join of a round (deleted when it leaves the job)
+        self.joined_at = None      # when that join was written
         self.synced = asyncio.Event()
         self._watches: list = []       # (path, deletes_only), by watch id - 1
         self._revisions: dict[int, int] = {}   # watch id -> the revision it has seen to
@@ -261,6 +270,17 @@ class ReplayNode:
         if self._requests is not None:
             self._requests.put_nowait(self._create(len(self._watches), path, deletes_only))
 
+    def drop_watches(self, under: str) -> None:
+        """Cancel its watches of paths under ``under`` (a job it left: as the daemon's
+        rendezvous unfollows it); on the loop's thread."""
+        from elasticd.store.etcdpb import watch_pb2
+        for i, got in enumerate(self._watches):
+            if got is not None and got[0].startswith(under):
+                self._watches[i] = None
+                if self._requests is not None:
+                    self._requests.put_nowait(watch_pb2.WatchRequest(
+                        cancel_request=watch_pb2.WatchCancelRequest(watch_id=i + 1)))
+
     def _create(self, watch_id: int, path: str, deletes_only: bool):
         from elasticd.store.etcdpb import watch_pb2
         key = (self.prefix + path).encode()
@@ -280,8 +300,9 @@ class ReplayNode:
         self.add_watch("/v1/jobs/")
         while not stop.is_set():
             self._requests = requests = asyncio.Queue()
-            for i, (path, deletes_only) in enumerate(self._watches):
-                requests.put_nowait(self._create(i + 1, path, deletes_only))
+            for i, got in enumerate(self._watches):
+                if got is not None:           # None: cancelled (drop_watches)
+                    requests.put_nowait(self._create(i + 1, *got))
 
             async def feed():
                 while True:
@@ -299,6 +320,12 @@ class ReplayNode:
                     for ev in msg.events:
                         key = ev.kv.key.decode("utf-8", "replace")
                         self.delivered[kind_of(key)] += 1
+                        if self._joined_round is not None and self.closed_at is None \
+                                and key.endswith(f"/v1/rounds/{self._joined_round[0]}/state") \
+                                and b'"status": "closed"' in ev.kv.value:
+                            # not opened (a 1,000-member state is ~100 KB): the round
+                            # closed; its ranks are read once a process (ReplayProcess)
+                            self.closed_at, self.closed_state = time.time(), ev.kv.value
                         if self.seen.once(str(msg.watch_id), key, ev.kv.mod_revision):
                             self.delivered["again"] += 1
                     if msg.events:
@@ -324,6 +351,32 @@ class ReplayNode:
         self.add_watch(f"/v1/rounds/{job_id}/")
         self.add_watch(f"/v1/joins/{job_id}/", deletes_only=not first)
         self.add_watch(f"/v1/phases/{job_id}/" if first else f"/v1/phasedigests/{job_id}/")
+
+    async def join(self, rnd: int, release: float) -> None:
+        """Its join of round ``rnd`` of its job at wall time ``release``, as
+        ClusterRendezvous._join writes it (a sealed Join under its lease, through the
+        gateway); it never decides the round (a daemon-code member does)."""
+        from elasticd.rendezvous.records import Join
+        from elasticd.trust.sealed import Kind
+        job_id, _members = self.job
+        self._joined_round = (job_id, rnd)
+        await asyncio.sleep(max(0.0, release - time.time()))
+        key = f"/v1/joins/{job_id}/round/{rnd}/{self.node_id}"
+        join = Join(node_id=self.node_id, address="127.0.0.1", nproc=RANKS, port=29500,
+                    time=time.time())
+        await self._call("put", lambda: self.store.put(
+            key, self.records.seal(Kind.JOIN, key, join.to_json()), lease=self.lease))
+        self.join_key, self.joined_at = key, time.time()
+
+    def leave(self) -> None:
+        """The job it ran left, as the daemon's rendezvous leaves one
+        (ClusterRendezvous.close): its watches of the job's keys cancelled (its join
+        stays until the job's end deletes it, or its lease ends)."""
+        if self.job is not None:
+            for path in (f"/v1/rounds/{self.job[0]}/", f"/v1/joins/{self.job[0]}/",
+                         f"/v1/phases/{self.job[0]}/", f"/v1/phasedigests/{self.job[0]}/"):
+                self.drop_watches(path)
+        self.join_key = None
 
     async def publish(self, stop: asyncio.Event) -> None:
         """Its phase record (and, on the first member, the digest) every refresh."""
@@ -395,6 +448,7 @@ class ReplayProcess:
                                         daemon=True)
         self._thread.start()
         self.stop = None
+        self._closed_at = None
         self.tasks: list = []
         self.channels: list = []
 
@@ -427,9 +481,51 @@ class ReplayProcess:
 
     async def _assign(self, jobs: dict) -> None:
         for node in self.nodes:
+            if node.node_id in jobs and node.job is not None:
+                node.leave()
+        for node in self.nodes:
             if node.node_id in jobs:
                 job_id, members = jobs[node.node_id]
                 node.run_job(job_id, members)
+
+    async def _join_all(self, joining: list, releases: dict) -> None:
+        for node in joining:
+            node.closed_at = node.closed_state = None
+        await asyncio.gather(*(n.join(1, releases[n.job[0]]) for n in joining))
+        deadline = time.monotonic() + 90
+        while any(n.closed_at is None for n in joining) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        for node in joining:
+            node._joined_round = None
+
+    def _join_times(self) -> list:
+        """(when its last node's join was written, the closed state's closed_at: the
+        deciding node's clock) of the last round its nodes joined."""
+        joined = [n for n in self.nodes if n.joined_at is not None]
+        if not joined:
+            return []
+        return [(max(n.joined_at for n in joined), self._closed_at)]
+
+    def _places(self, joining: list) -> list:
+        """(job, when its closed state came, group rank, group world size) of each node,
+        from the closed state each received (opened once per distinct value)."""
+        from elasticd.rendezvous.records import RoundState
+        from elasticd.trust.sealed import Kind
+        opened: dict = {}
+        out = []
+        for node in joining:
+            if node.closed_at is None:
+                raise RuntimeError(f"{node.node_id}: no closed round within 90 s")
+            value = node.closed_state
+            if value not in opened:
+                key = f"/v1/rounds/{node.job[0]}/state"
+                state = RoundState.from_doc(
+                    node.records.open(Kind.STATE, key, value.decode()).doc)
+                opened[value] = state.member_ids()
+                self._closed_at = state.closed_at
+            ids = opened[value]
+            out.append((node.job[0], node.closed_at, ids.index(node.node_id), len(ids)))
+        return out
 
     async def _read(self, fn):
         return fn()
@@ -451,14 +547,21 @@ class ReplayProcess:
             kvs, _ = self.nodes[0].store.list(NODES + "/") if self.nodes else ([], 0)
             return [len(kvs)] if self.nodes else []
         if cmd == "join":     # a replay job forms no round: its nodes are told it
-            jobs, _releases = arg
+            jobs, releases, forming = arg
             members: dict = {}
             for node, (job_id, _size) in jobs.items():
                 members.setdefault(job_id, []).append(node)
             mine = {n.node_id for n in self.nodes}
             self.run(self._assign({node: (job_id, sorted(members[job_id]))
                                    for node, (job_id, _s) in jobs.items() if node in mine}))
-            return []
+            joining = [n for n in self.nodes if n.node_id in jobs
+                       and jobs[n.node_id][0] in forming]
+            if not joining:
+                return []
+            # a job with daemon-code members: its round forms; these nodes join round 1
+            # and wait for its closed state (its ranks read from it once, here)
+            self.run(self._join_all(joining, releases), 120)
+            return self._places(joining)
         if cmd in ("holds", "rows", "done"):
             return True
         if cmd == "publish":
@@ -469,6 +572,8 @@ class ReplayProcess:
                                                 "pid": os.getpid()}), 60)
         if cmd == "witnesses":   # a replay node takes no witness slot
             return []
+        if cmd == "join_times":
+            return self._join_times()
         if cmd == "stop":
             self.run(self._stop(), 30)
             for node in self.nodes:     # revoke: at once, not one after another

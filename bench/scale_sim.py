@@ -45,9 +45,11 @@ nodes run the daemon's code; the other N - F are replay nodes
 watches, its phase record and its job's digest every refresh) over streams
 of its own, all of a process's replay nodes from one asyncio loop, so that
 etcd carries 1,000 nodes' traffic while 2 cores still run the daemon's code
-for 100. Replay jobs form no round (no N-node rendezvous then); the killed
-10 % are replay nodes, and the loss is timed by every survivor and, apart,
-by the nodes that run the daemon's code (their NodeWatcher).
+for 100. A job of replay nodes alone forms no round; the N-node job does:
+its daemon-code nodes run the rendezvous (one of them decides the round),
+its replay nodes write their joins at the release and take the closed
+state their watch receives as their result. The killed 10 % are replay
+nodes; the loss witnesses are daemon-code nodes.
 
 Records are sealed with a cluster key as the daemons' are (trust/sealed.py);
 the job's spec is plain JSON (the spec codec is not simulated).
@@ -391,8 +393,8 @@ def worker(conn, node_ids: list, url: str, prefix: str, key: bytes, overrides: d
         if cmd == "seen":   # how many live nodes this process's first node lists (a node
             # reads the records when asked: one list a process, not one a node)
             return [len(nodes[0].watcher.snapshot().live)] if nodes else []
-        if cmd == "join":   # ({node: (job id, its nodes)}, {job id: its release wall time})
-            jobs, releases = arg
+        if cmd == "join":   # ({node: (job id, its nodes)}, {job id: its release wall time},
+            jobs, releases, _forming = arg      # the jobs that form a round: all here)
             threads = [threading.Thread(target=node.join,
                                         args=(*jobs[node.node_id],
                                               releases[jobs[node.node_id][0]], stop),
@@ -425,6 +427,8 @@ def worker(conn, node_ids: list, url: str, prefix: str, key: bytes, overrides: d
             return True
         if cmd == "counters":
             return {"nodes": [node.counters() for node in nodes], "pid": os.getpid()}
+        if cmd == "join_times":   # replay processes only: [(last join, closed_at)]
+            return []
         if cmd == "witnesses":   # this process's loss witnesses: [(node, slot)]
             return [(n.node_id, n.witness.slot) for n in nodes if n.witness.slot is not None]
         if cmd == "stop":
@@ -686,13 +690,29 @@ def form(sim: Sim, jobs: dict, stagger: float = 0.0) -> dict:
         time.sleep(0.05)
     release = time.time() + 0.5
     releases = {job: release + i * stagger for i, job in enumerate(names)}
-    results = [r for got in sim.ask("join", (jobs, releases)) for r in got]
+    # a job with a daemon-code member forms its round (its replay members join it); a
+    # job of replay nodes alone forms none (no node of it decides a round)
+    code = set(sim.ids[:sim.full])
+    forming = {job for node, (job, _) in jobs.items() if node in code}
+    by_proc = sim.ask("join", (jobs, releases, forming))
+    results = [r for got in by_proc for r in got]
     ranks: dict = {}
     for job, _, rank, world in results:
         ranks.setdefault(job, []).append((rank, world))
     ok = all(sorted(r for r, _ in got) == list(range(len(got)))
              and {w for _, w in got} == {len(got)} for got in ranks.values())
-    return {"took": max(r[1] for r in results) - release, "ok": ok}
+    out = {"took": max(r[1] for r in results) - release, "ok": ok}
+    times = [t for got in sim.ask("join_times") for t in got]
+    if times and len(names) == 1:   # one job with replay members: where its time went
+        out["joins_written"] = max(t[0] for t in times) - release
+        code = [r[1] for i, got in enumerate(by_proc) if i in sim.code_procs for r in got]
+        replay = [r[1] for i, got in enumerate(by_proc) if i not in sim.code_procs
+                  for r in got]
+        out["code_took"] = max(code) - release if code else None
+        out["replay_took"] = max(replay) - release if replay else None
+        closed = [t[1] for t in times if t[1]]
+        out["closed"] = max(closed) - release if closed else None
+    return out
 
 
 def lost_rows(sim: Sim, since: float, limit: float) -> dict:
@@ -730,7 +750,7 @@ def run_n(etcd: EtcdServer, n: int, procs: int, seconds: float, overrides: dict,
           job_nodes: int = 0, full: bool = True, stagger: float = 0.0,
           code_nodes: int | None = None, replay_procs: int = 2) -> dict:
     sim = Sim(etcd, n, procs, overrides, code_nodes, replay_procs)
-    full = full and sim.full == n     # replay nodes join no round: no N-node job
+    # the N-node job: its daemon-code nodes decide its round, its replay nodes join it
     out = {"n": n}
     try:
         t0 = time.monotonic()
@@ -758,6 +778,9 @@ def run_n(etcd: EtcdServer, n: int, procs: int, seconds: float, overrides: dict,
             rdzv = form(sim, {None: ("j" + uuid.uuid4().hex[:7], n)})
             out["rdzv"], out["rdzv_ok"] = rdzv["took"], rdzv["ok"]
             out["rdzv_errors"] = sim.counters()["errors"] - out["idle_errors"]
+            out["rdzv_joins_written"] = rdzv.get("joins_written")
+            out["rdzv_closed"] = rdzv.get("closed")
+            out["rdzv_code"], out["rdzv_replay"] = rdzv.get("code_took"), rdzv.get("replay_took")
         if job_nodes and job_nodes < n:   # the running window: jobs of job_nodes nodes
             jobs = {}
             for k in range(0, n, job_nodes):
@@ -841,7 +864,8 @@ def main(argv=None) -> int:
                          "them, are replay nodes (bench/scale_replay.py: a daemon's "
                          "steady-state etcd traffic from one asyncio loop a process), so "
                          "etcd can be loaded with more nodes than 2 cores run the daemon's "
-                         "code for; no N-node rendezvous then (default: all N run it)")
+                         "code for; in the N-node job's round the replay nodes join and "
+                         "the daemon's code decides (default: all N run it)")
     ap.add_argument("--replay-procs", type=int, default=2,
                     help="processes for the surviving replay nodes (default 2)")
     ap.add_argument("--replay-node-watch", action="store_true",
@@ -905,8 +929,14 @@ def main(argv=None) -> int:
                     json.dump(runs, fh, indent=1)
             print(f"   all {n} nodes up and listed in {r['start']:.1f} s; "
                   + (f"rendezvous {r['rdzv']:.3f} s ({'ok' if r['rdzv_ok'] else 'WRONG RANKS'}, "
-                     f"{r['rdzv_errors']} failed calls retried); " if r["rdzv"] is not None
-                     else "N-node rendezvous skipped; ")
+                     f"{r['rdzv_errors']} failed calls retried"
+                     + (f"; the replay nodes' joins all written after "
+                        f"{fmt(r['rdzv_joins_written'], 3)}, the round closed by its "
+                        f"decider after {fmt(r['rdzv_closed'], 3)}; the last daemon-code "
+                        f"node had its result after {fmt(r['rdzv_code'], 3)}, the last replay "
+                        f"node its closed state after {fmt(r['rdzv_replay'], 3)}"
+                        if r.get("rdzv_joins_written") is not None else "")
+                     + "); " if r["rdzv"] is not None else "N-node rendezvous skipped; ")
                   + (f"{-(-n // args.job_nodes)} jobs of {args.job_nodes} formed "
                      + (f"{args.stagger:g} s apart" if args.stagger else "at once") + " in "
                      f"{r['jobs_rdzv']:.3f} s ({'ok' if r['jobs_ok'] else 'WRONG RANKS'}, "
@@ -952,7 +982,11 @@ def main(argv=None) -> int:
             f"traffic), {-(-big['n'] // args.job_nodes)} jobs of {args.job_nodes}: etcd "
             f"{big['idle']['etcd_cpu']:.0f} % of a core idle, {w['etcd_cpu']:.0f} % running; "
             f"{w['per_node']:.1f} deliveries/node/s; loss of {max(1, big['n'] // 10)} recorded "
-            f"after {fmt(big['loss_median'])} (median), {fmt(big['loss_last'])} (last)"))
+            f"after {fmt(big['loss_median'])} (median), {fmt(big['loss_last'])} (last)"
+            + (f"; the {big['n']}-node job's round: its last join written after "
+               f"{fmt(big['rdzv_joins_written'])}, closed after {fmt(big['rdzv_closed'])}, "
+               f"every node's result after {fmt(big['rdzv'])}"
+               if big.get("rdzv_joins_written") is not None else "")))
     else:
         emit_row("scale-sim", elasticd=(
             f"N={big['n']}: {w['writes']:.0f} etcd writes/s, {w['delivered']:.0f} "

@@ -40,17 +40,19 @@ def test_the_simulator_runs_its_nodes_and_prints_every_column():
 
 def test_replay_nodes_load_etcd_beside_the_daemons_code_and_see_the_loss():
     # 10 of 20 nodes run the daemon's code (two jobs of 5 formed by its rendezvous), 10
-    # replay its traffic (two jobs of 5; the 2 killed among them): the loss witnesses,
-    # daemon-code nodes all, record both victims lost ("last" is printed only then).
+    # replay its traffic (two jobs of 5; the 2 killed among them): the 20-node job's
+    # round forms, decided by a daemon-code node with the replay nodes' joins, each
+    # node with its rank; the loss witnesses, daemon-code nodes all, record both
+    # victims lost ("last" is printed only then).
     out = subprocess.run([sys.executable, os.path.join(REPO, "bench", "scale_sim.py"),
                           "--nodes", "20", "--job-nodes", "5", "--daemon-nodes", "10",
-                          "--no-full-job", "--seconds", "1", "--procs", "1",
-                          "--replay-procs", "1", *SHORT],
+                          "--seconds", "1", "--procs", "1", "--replay-procs", "1", *SHORT],
                          capture_output=True, text=True, timeout=180, cwd=REPO)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     text = out.stdout
     assert "10 nodes run the daemon's code, 10 replay its etcd traffic" in text, text
-    assert "4 jobs of 5 formed at once" in text and "(ok, " in text, text
+    assert "; rendezvous " in text and "N-node rendezvous skipped" not in text, text
+    assert "4 jobs of 5 formed at once" in text and "WRONG RANKS" not in text, text
     assert "deliveries/node/s, daemon-code nodes" in text, text
     summary = [line for line in text.splitlines() if line.startswith("20 ")][-1].split()
     assert summary[-1] != "-", text       # the loss's last: both victims' rows written
