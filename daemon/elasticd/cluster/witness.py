@@ -212,14 +212,17 @@ class LossWitness:
         self.state, self.slot = WitnessState.BYSTANDER, None
 
     def _tend(self) -> None:
-        """A witness's round: the node records listed again, old lost rows deleted."""
+        """A witness's round: the node records listed again, old lost rows deleted (and
+        those of a node listed live after its row was written: it came back)."""
+        listed_at = self._clock()
         live = set(self._nodes.relist())
         kvs, _ = self._store.list(LOST)
         now = self._clock()
         for kv in kvs:
             try:
                 row = open_lost(self._records, kv.key, kv.value)
-                if now - row.lost_at < self._retention and row.node_id not in live:
+                back = row.node_id in live and row.lost_at < listed_at
+                if now - row.lost_at < self._retention and not back:
                     continue
             except Refused as exc:
                 self._refusals.refused(Kind.LOST, kv.key, exc.reason, exc.detail)
@@ -249,8 +252,13 @@ class LossWitness:
         last = self._nodes.went(node, ev.revision)
         if last is None:
             return             # a key no daemon of this cluster wrote went
-        row = LostNode(node, self._clock(), last, self._me)
-        self._store.put(lost_key(node), row.seal(self._records))
-        self.written += 1
         log.warning("%s: node %s lost (its lease expired or was revoked)",
                     ctx(node=self._me), node)
+        row = LostNode(node, self._clock(), last, self._me)
+        try:
+            self._store.put(lost_key(node), row.seal(self._records))
+        except StoreError as exc:     # the other witnesses write theirs
+            log.warning("%s: could not record node %s's loss: %s", ctx(node=self._me),
+                        node, exc)
+            return
+        self.written += 1
