@@ -190,11 +190,9 @@ def state(job: pb.Job) -> str:
 
 def _neutral(env: dict, job_id: str) -> dict:
     """A rank's environment with what differs between two jobs taken out (the snapshot
-    budget: what the node's budget leaves after the other job's; where MASTER_PORT's
-    store lives: a round store forked from the template, rank 0 on a cold start)."""
+    budget: what the node's budget leaves after the other job's)."""
     return {k: v.replace(job_id, "<job>") for k, v in env.items()
-            if k not in ("MASTER_PORT", "ELASTICD_SNAPSHOT_BUDGET_BYTES",
-                         "TORCHELASTIC_USE_AGENT_STORE")}
+            if k not in ("MASTER_PORT", "ELASTICD_SNAPSHOT_BUDGET_BYTES")}
 
 
 # ---------------------------------------------------------------- the contract
@@ -215,9 +213,6 @@ def test_ranks_forked_from_the_template_are_what_a_cold_start_is(node, user, wor
         assert f["env"]["RANK"] == str(rank) and f["env"]["LOCAL_RANK"] == str(rank)
         assert "ELASTICD_WARM_PRELOAD" not in f["env"]
         assert _neutral(f["env"], forked) == _neutral(c["env"], cold)
-        # MASTER_PORT listens before the forked ranks start; a cold job's rank 0 binds it
-        assert (f["env"]["TORCHELASTIC_USE_AGENT_STORE"],
-                c["env"]["TORCHELASTIC_USE_AGENT_STORE"]) == ("True", "False")
         assert f["argv"] == [script, "same", out] and c["argv"] == [script, "cold", out]
         for key in ("name", "path0", "cwd", "uid", "gid", "groups", "umask", "stdin",
                     "sigs", "blocked"):

@@ -43,21 +43,14 @@ class JobStores:
     def start_round_stores(self, node_spec: Callable[[JobRecord], GroupSpec],
                            stop: threading.Event,
                            template: Callable[[], WorkerTemplate | None]) -> None:
-        """This node's round store server (jobstore/round_host.py), asked for a new store
-        at each join (not waiting for its imports), forked from the job's worker template
-        (``template()``: the agent's now) once it is ready. A job on one node has one
-        only with a template (it costs no interpreter then; on loopback): MASTER_PORT
-        then listens before its ranks start, and no other process on the node can take
-        a port picked free between the pick and rank 0's bind."""
+        """A job across nodes: this node's round store server (jobstore/round_host.py),
+        asked for a new store at each join (not waiting for its imports), forked from
+        the job's worker template (``template()``: the agent's now) once it is ready."""
         job = self._registry.get(self.job_id)
-        if not self._cfg.rendezvous.round_stores or job.inprocess \
+        if not self._cfg.rendezvous.round_stores or job.max_nodes <= 1 or job.inprocess \
                 or job.state in TERMINAL_STATES:
             return
-        one_node = job.max_nodes <= 1
-        if one_node and template() is None:
-            return
-        self._round_stores.start(node_spec(job), bind=LOOPBACK if one_node
-                                 else self._rdzv.address, template=template)
+        self._round_stores.start(node_spec(job), bind=self._rdzv.address, template=template)
         if self._round_stores.reason:
             self._registry.event(self.job_id, "info", f"no round stores on this node: "
                                  f"{self._round_stores.reason}; rank 0 hosts its round's store")

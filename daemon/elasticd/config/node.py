@@ -231,9 +231,8 @@ class RendezvousSettings:
              "stopped first). Each read lists the job's joins: at scale keep it well above "
              "the time the workers of all nodes take to exit", min=0.1, max=3600)
     round_stores: bool = _setting(
-        True, "on a job across nodes (or on one node, with a worker template), keep a round "
-              "store process per job and node (forked from the job's worker template, else "
-              "the job's Python; as its user) whose new "
+        True, "on a job across nodes, keep a round store process per job and node (forked "
+              "from the job's worker template, else the job's Python; as its user) whose new "
               "TCPStore, listening from the moment the "
               "node joins a round, is its MASTER_PORT offer: ranks of other nodes never wait "
               "for rank 0 to bind (torch retries a refused connect 0.25-0.75 s later); the "

@@ -110,7 +110,10 @@ class JobHelper:
             ready, _, _ = select.select([fd], [], [], max(0.0, timeout))
             if not ready:
                 return None
-            chunk = os.read(fd, 4096)
+            try:
+                chunk = os.read(fd, 4096)
+            except OSError:       # a forked helper's socket reset: it died with its template
+                return None
             if not chunk:
                 return None
             self._buf += chunk

@@ -115,9 +115,10 @@ class RoundStoreHost:
         forked_from = self._server.template_pid
         if forked_from and self._template is not None:
             now = self._template()
-            if now is None or now.pid != forked_from:
+            if now is None or now.pid != forked_from or now.state not in (
+                    TemplateState.STARTING, TemplateState.READY):
                 log.info("%s: round store server was forked from worker template pid %d, "
-                         "which the job no longer has: starting another",
+                         "which the job no longer has or which died: starting another",
                          ctx(job=self._job_id, node=self._node_id), forked_from)
                 self._server.stop()
                 self.ready = False
