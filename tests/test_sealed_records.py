@@ -473,5 +473,9 @@ def test_the_job_lists_copy_of_a_round_never_goes_back_and_replaces_a_forged_one
         store.put(key, json.dumps({"round": 99, "status": "closed"}))   # forged, unsigned
         rdzv._list_copy(RoundState(round=4, status=OPEN))
         assert (copy().round, copy().status) == (4, OPEN)
+        closed = RoundState(round=5, status=CLOSED, members=(Member("n1", "10.0.0.1", 1, 9),
+                                                             Member("n2", "10.0.0.2", 1, 9)))
+        rdzv._list_copy(closed)     # the members by id alone (their addresses: the rounds')
+        assert copy().members == () and copy().member_ids() == ["n1", "n2"]
     finally:
         rdzv.close()

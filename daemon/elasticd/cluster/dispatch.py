@@ -59,7 +59,7 @@ def eligible(spec: JobSpec, state, joined: int, node_id: str, free_slots: int, d
     plus = f" and its {spares} spare(s)" if spares else ""
     if state.status == OPEN and joined >= max_nodes + spares:
         return False, f"its round already has its max nodes{plus}"
-    if state.status == CLOSED and max(joined, len(state.members)) >= max_nodes + spares:
+    if state.status == CLOSED and max(joined, len(state.member_ids())) >= max_nodes + spares:
         return False, f"it already runs on its max nodes{plus}"
     if state.status not in (OPEN, CLOSED):
         return False, f"it is {state.status}"

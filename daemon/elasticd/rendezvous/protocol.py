@@ -4,7 +4,8 @@ Keys of one job (under the store prefix; ``R`` is a round number). The job
 list, which every daemon watches (rendezvous/view.py)::
 
     /v1/jobs/<job>/spec              what to run (written once, at submit)
-    /v1/jobs/<job>/state             a copy of the round state, written after each
+    /v1/jobs/<job>/state             a copy of the round state, its members by id
+                                     alone (RoundState.listed), written after each
                                      change of it (never older than what it holds):
                                      what other nodes adopt by and answer status from
 

@@ -179,7 +179,7 @@ class ClusterRendezvous:
         there is as new; best effort: a first member whose view shows an older copy
         writes it again (``status``)."""
         key = self._copy_key
-        sealed = self._records.seal(Kind.STATE, key, state.to_json())
+        sealed = self._records.seal(Kind.STATE, key, state.listed().to_json())
         try:
             for _ in range(3):
                 kv = self._store.get(key)
@@ -688,7 +688,7 @@ def create_job(store: Store, job_id: str, spec: dict, now: float, round: int = 1
     key = f"{rounds_prefix(job_id)}/state"
     store.put(key, records.seal(Kind.STATE, key, first.to_json()))
     key = f"{prefix}/state"
-    store.put(key, records.seal(Kind.STATE, key, first.to_json()))
+    store.put(key, records.seal(Kind.STATE, key, first.listed().to_json()))
 
 
 def forget_job(store: Store, job_id: str) -> None:

@@ -3,7 +3,8 @@
 Its key spaces (rendezvous/protocol.py lists the keys):
 
 * the job list, ``/v1/jobs/<job>/{spec,state}``: each job's spec (written once)
-  and a copy of its round state (written after each change of it). Every
+  and a copy of its round state, its members by id alone (written after each
+  change of it; the members' addresses and ports are the rounds' business). Every
   daemon watches it with one watch (``start``/``stop``): what a node may adopt,
   and what it answers about a job that runs elsewhere. Only spec-level changes
   reach every node: a submission, and a job's round opening, closing or ending.
