@@ -3,7 +3,7 @@
 Every in-memory view of the store (drain marks, jobs, events) is kept the
 same way, by one ``Follower`` thread each: ``on_reset`` gets the whole prefix
 after each (re)list, ``on_event`` every change after it, in order. A follower
-of deletes only (the node records: cluster/membership.py) lists nothing: it
+of deletes only (the loss witnesses: cluster/witness.py) lists nothing: it
 starts from the store's revision, or from ``from_revision`` while etcd keeps that
 history (``on_reset`` gets no keys), and is told the prefix's deletes, each its key
 alone.
