@@ -139,7 +139,6 @@ class ReplayNode:
         self.closed_at = None      # when its watch got its joined round's closed state
         self.closed_state = None   # that state's sealed value (bytes)
         self._joined_round = None  # (job id, round) it joined, while it waits
-        self.join_key = None       # its join of a round (deleted when it leaves the job)
         self.joined_at = None      # when that join was written
         self.synced = asyncio.Event()
         self._watches: list = []       # (path, deletes_only), by watch id - 1
@@ -366,7 +365,7 @@ class ReplayNode:
                     time=time.time())
         await self._call("put", lambda: self.store.put(
             key, self.records.seal(Kind.JOIN, key, join.to_json()), lease=self.lease))
-        self.join_key, self.joined_at = key, time.time()
+        self.joined_at = time.time()
 
     def leave(self) -> None:
         """The job it ran left, as the daemon's rendezvous leaves one
@@ -376,7 +375,6 @@ class ReplayNode:
             for path in (f"/v1/rounds/{self.job[0]}/", f"/v1/joins/{self.job[0]}/",
                          f"/v1/phases/{self.job[0]}/", f"/v1/phasedigests/{self.job[0]}/"):
                 self.drop_watches(path)
-        self.join_key = None
 
     async def publish(self, stop: asyncio.Event) -> None:
         """Its phase record (and, on the first member, the digest) every refresh."""

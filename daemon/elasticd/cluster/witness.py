@@ -246,12 +246,11 @@ class LossWitness:
         node = ev.key[len(NODES) + 1:]
         if not ev.key.startswith(NODES + "/") or not is_ident(node):
             return
-        if node == self._me:   # our lease lapsed: our slot went too; the others record it
-            self._nodes.went(node, ev.revision)
-            return
         last = self._nodes.went(node, ev.revision)
-        if last is None:
-            return             # a key no daemon of this cluster wrote went
+        if last is None or node == self._me:
+            # a key no daemon of this cluster wrote went; or our lease lapsed: our slot
+            # went too, and the other witnesses record it
+            return
         log.warning("%s: node %s lost (its lease expired or was revoked)",
                     ctx(node=self._me), node)
         row = LostNode(node, self._clock(), last, self._me)
